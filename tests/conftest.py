@@ -1,0 +1,39 @@
+"""Shared test setup: one persistent JAX compilation cache per test run, CPU only, fp32."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Must be set before JAX initialises a backend.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False, help="also run slow tests")
+
+
+def pytest_configure(config):
+    import jax
+
+    cache_dir = os.environ.get("NINFER_JAX_CACHE") or tempfile.mkdtemp(prefix="ninfer-jaxcache-")
+    os.environ["NINFER_JAX_CACHE"] = cache_dir  # inherited by servers the tests start
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    skip_slow = pytest.mark.skip(reason="slow tier: run with ./ninfer test --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
+    # GPU tests are never part of the CPU tiers; they run with `pytest -m gpu` on the GPU machine.
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device: run with -m gpu on the GPU machine")
+    if config.getoption("-m") != "gpu":
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
