@@ -1,0 +1,90 @@
+"""Loading a model for serving: artifact -> device params, tokenizer, chat template.
+
+Also materialises the embedded tiny model into the state directory on first use and refuses it
+unless its sha256 equals the pin in the lane profile.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine import model as M
+from engine.artifact import ArtifactError, open_artifact, write_artifact
+from engine.config import ModelConfig, preset
+from engine.quant import QTensor
+from engine.tokenizer import Tokenizer, build_qwen35_tokenizer_json
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Tokenizer
+    chat_template: str
+    sha256: str
+    path: Path
+    compute_dtype: object
+    kv_dtype: object
+
+    @property
+    def model_id(self) -> str:
+        return self.cfg.name
+
+
+def embedded_path(state_dir: Path, name: str) -> Path:
+    return state_dir / "models" / f"{name}.ninfer"
+
+
+def build_embedded(name: str, out: Path) -> str:
+    """Write the embedded model `name` to `out`; returns its sha256."""
+    from engine.tiny import tiny_tensors
+
+    cfg = preset(name)
+    template = (TEMPLATE_DIR / "qwen3_5_chat.jinja").read_text()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_artifact(out, cfg, tiny_tensors(cfg), tokenizer_json=build_qwen35_tokenizer_json(),
+                   chat_template=template,
+                   source={"kind": "embedded", "description": f"engine.tiny:{name}"})
+    return open_artifact(out, verify=True).sha256
+
+
+def ensure_embedded(state_dir: Path, name: str, pinned_sha256: str) -> Path:
+    """The embedded model's artifact path, generating it on first use; checks the pin."""
+    path = embedded_path(state_dir, name)
+    if not path.exists():
+        print(f"ninfer: generating the embedded model '{name}' into {path} (first use)",
+              file=sys.stderr, flush=True)
+        build_embedded(name, path)
+    sha = open_artifact(path, verify=True).sha256
+    if sha != pinned_sha256:
+        raise ArtifactError(f"embedded model {path} has sha256 {sha}, but the lane profile pins "
+                            f"{pinned_sha256}; delete the file to regenerate it")
+    return path
+
+
+def _to_device(value, dtype):
+    if isinstance(value, QTensor):
+        return jax.device_put(value)
+    arr = np.asarray(value)
+    return jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 else arr, dtype=dtype)
+
+
+def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "float32",
+               expected_sha256: str | None = None) -> LoadedModel:
+    art = open_artifact(path, expected_sha256=expected_sha256, verify=True)
+    if art.tokenizer_json is None or art.chat_template is None:
+        raise ArtifactError(f"{path}: the artifact carries no tokenizer or chat template")
+    dt = _DTYPES[compute_dtype]
+    flat = {name: _to_device(art.load(name), dt) for name in art.tensor_names}
+    params = M.stack_params(flat, art.config)
+    return LoadedModel(cfg=art.config, params=params, tokenizer=Tokenizer(art.tokenizer_json),
+                       chat_template=art.chat_template, sha256=art.sha256, path=Path(path),
+                       compute_dtype=dt, kv_dtype=_DTYPES.get(kv_dtype, jnp.float32))

@@ -1,0 +1,84 @@
+"""The embedded default model: deterministic weights from integers, identical on every machine.
+
+Every weight is k * 2**-e with k an integer in [-128, 127] drawn from a counter-based hash
+(splitmix64 of a per-tensor seed and the element index) and e a per-tensor exponent. Such values
+are exact in bf16 and fp32, so the artifact's bytes (and its sha256) depend on nothing but this
+file: no float RNG whose output could change between library versions.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from engine.config import TINY, ModelConfig
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_CHUNK = 1 << 22  # elements hashed at a time: bounds peak memory to ~100 MB
+
+
+def _splitmix64(counter: np.ndarray, seed: np.uint64) -> np.ndarray:
+    # uint64 arithmetic wraps modulo 2**64, which is what splitmix64 wants.
+    z = seed + (counter + np.uint64(1)) * _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def _tensor_seed(name: str) -> np.uint64:
+    return np.uint64(int.from_bytes(hashlib.sha256(b"ninfer-tiny/" + name.encode()).digest()[:8],
+                                    "little"))
+
+
+def hashed_ints(name: str, n: int) -> np.ndarray:
+    """n integers in [-128, 127] (int16) for tensor `name`, from the top 8 bits of splitmix64."""
+    seed = _tensor_seed(name)
+    out = np.empty(n, dtype=np.int16)
+    with np.errstate(over="ignore"):
+        for start in range(0, n, _CHUNK):
+            stop = min(n, start + _CHUNK)
+            z = _splitmix64(np.arange(start, stop, dtype=np.uint64), seed)
+            out[start:stop] = (z >> np.uint64(56)).astype(np.int16) - 128
+    return out
+
+
+def _exponent_for_std(std: float) -> int:
+    # A uniform integer on [-128, 127] has standard deviation ~73.9.
+    return int(round(math.log2(73.9 / std)))
+
+
+def _weight_std(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[float, float]:
+    """(offset, std) for a tensor: the rules that make the tiny model generate varied text."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("A_log",):
+        return 0.0, 0.5
+    if leaf == "dt_bias":
+        return 0.0, 0.5
+    if leaf == "conv1d":
+        return 0.0, 0.5
+    if name == "embed_tokens":
+        return 0.0, 1.0
+    if name == "lm_head":
+        # Peaked logits: greedy continuations are far from ties, so token-identity checks mean
+        # something.
+        return 0.0, 4.0 / math.sqrt(cfg.hidden_size)
+    if len(shape) == 1:  # zero-centred norm weights: (1 + w) with small w
+        return 0.0, 0.125
+    return 0.0, 1.0 / math.sqrt(shape[-1])
+
+
+def tiny_tensors(cfg: ModelConfig = TINY) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (canonical name, bf16 array) for every tensor of `cfg`, in sorted name order."""
+    specs = cfg.tensor_specs()
+    for name in sorted(specs):
+        shape = specs[name]
+        n = int(np.prod(shape))
+        _, std = _weight_std(name, shape, cfg)
+        scale = np.float32(2.0 ** -_exponent_for_std(std))
+        vals = hashed_ints(name, n).astype(np.float32) * scale  # exact: 8-bit integer x 2**-e
+        yield name, vals.reshape(shape).astype(ml_dtypes.bfloat16)

@@ -1,0 +1,212 @@
+"""The HTTP surface: a Sanic app speaking the OpenAI Responses API over loopback.
+
+Everything but `GET /health` requires a bearer key. The engine runs on its own thread; a request
+hands it a GenerationRequest and receives token events back on this event loop through a queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from sanic import Request, Sanic, response
+
+from engine.engine import DoneEvent, Engine, GenerationRequest, TokenEvent
+from engine.loader import LoadedModel
+from engine.sampling import SamplingParams
+from server.auth import KeyRing
+from server.errors import APIError, invalid, not_found, unauthorized
+from server.request_model import ResponseRequest, parse_response_request
+from server.response_objects import EventStream, ResponseState
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+PUBLIC_ROUTES = {"/health"}
+
+
+@dataclass
+class Runtime:
+    """What the routes need; `engine` and `model` stay None while the model loads."""
+    keys: KeyRing
+    max_output_tokens: int
+    context_tokens: int
+    engine: Engine | None = None
+    model: LoadedModel | None = None
+    load_error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
+    app = Sanic(name)
+    app.config.REQUEST_MAX_SIZE = MAX_BODY_BYTES
+    app.config.KEEP_ALIVE_TIMEOUT = 75
+    app.config.FALLBACK_ERROR_FORMAT = "json"
+    app.ctx.rt = rt
+
+    @app.on_request
+    async def authenticate(request: Request):
+        if request.path in PUBLIC_ROUTES:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        principal = rt.keys.principal_for(token.strip()) if scheme.lower() == "bearer" else None
+        if principal is None:
+            return unauthorized().to_response()
+        request.ctx.principal = principal
+        return None
+
+    @app.exception(APIError)
+    async def api_error(request, exc: APIError):
+        return exc.to_response()
+
+    @app.exception(Exception)
+    async def other_error(request, exc: Exception):
+        status = getattr(exc, "status_code", 500) or 500
+        message = str(exc) if status < 500 else "internal server error"
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return APIError(status, message, type=kind).to_response()
+
+    @app.get("/health")
+    async def health(request):
+        if rt.engine is None:
+            return response.json({"status": "loading"}, status=503)
+        return response.json({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request):
+        m = _require_model(rt)
+        return response.json({"object": "list", "data": [
+            {"id": m.model_id, "object": "model", "created": 0, "owned_by": "ninfer"}]})
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        try:
+            body = json.loads(request.body or b"null")
+        except (ValueError, UnicodeDecodeError):
+            raise invalid("the request body is not valid JSON")
+        req = parse_response_request(body)
+        m = _require_model(rt)
+        if req.model != m.model_id:
+            raise not_found(f"The model '{req.model}' does not exist; this server serves "
+                            f"'{m.model_id}'.", code="model_not_found")
+        if req.previous_response_id is not None:
+            raise invalid(f"Previous response with id '{req.previous_response_id}' not found.",
+                          param="previous_response_id", code="previous_response_not_found")
+        prompt_ids = _render_prompt(m, req)
+        budget = rt.context_tokens - len(prompt_ids)
+        if budget < 1:
+            raise invalid(f"This model's maximum context length is {rt.context_tokens} tokens; "
+                          f"the input is {len(prompt_ids)} tokens (context_length_exceeded).",
+                          param="input", code="context_length_exceeded")
+        max_tokens = min(req.max_output_tokens or rt.max_output_tokens, budget)
+        state = ResponseState(model=m.model_id, max_output_tokens=req.max_output_tokens,
+                              temperature=req.temperature, top_p=req.top_p,
+                              instructions=_instructions(req), metadata=req.metadata,
+                              store=req.store, prompt_cache_key=req.prompt_cache_key,
+                              input_tokens=len(prompt_ids))
+        gen, events = _submit(rt.engine, m, req, prompt_ids, max_tokens)
+        if req.stream:
+            return await _stream(request, state, gen, events, m)
+        try:
+            await _collect(state, events, m)
+        finally:
+            gen.cancelled.set()  # a no-op when finished; frees the engine if the client left
+        return response.json(state.to_dict())
+
+    return app
+
+
+def _require_model(rt: Runtime) -> LoadedModel:
+    if rt.engine is None or rt.model is None:
+        raise APIError(503, "the model is still loading; retry shortly", type="server_error",
+                       code="model_loading", headers={"Retry-After": "2"})
+    return rt.model
+
+
+def _instructions(req: ResponseRequest) -> str | None:
+    return next((m.content for m in req.messages[:1] if m.role == "system"), None)
+
+
+def _render_prompt(m: LoadedModel, req: ResponseRequest) -> list[int]:
+    from engine.chat import render_chat
+
+    text = render_chat(m.chat_template, [{"role": x.role, "content": x.content}
+                                         for x in req.messages], add_generation_prompt=True)
+    return m.tokenizer.encode(text)
+
+
+def _submit(engine: Engine, m: LoadedModel, req: ResponseRequest, prompt_ids, max_tokens):
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    sampling = SamplingParams(temperature=req.temperature, top_p=max(req.top_p, 1e-6),
+                              top_k=0, seed=secrets.randbits(31))
+    gen = GenerationRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
+                            stop_ids=frozenset(m.tokenizer.eos_ids),
+                            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    engine.submit(gen)
+    return gen, events
+
+
+async def _next_text(events: asyncio.Queue, decoder, state: ResponseState):
+    """The next piece of text, or a DoneEvent when generation ended."""
+    while True:
+        ev = await events.get()
+        if isinstance(ev, TokenEvent):
+            state.output_tokens += 1
+            piece = decoder.push(ev.token_id)
+            if piece:
+                return piece
+            continue
+        return ev
+
+
+def _finish(state: ResponseState, done: DoneEvent) -> None:
+    if done.finish_reason == "error":
+        raise APIError(500, "generation failed", type="server_error", code="server_error")
+    if done.finish_reason == "stop":
+        state.status = "completed"
+    else:
+        state.status = "incomplete"
+        state.incomplete_reason = "max_output_tokens"
+
+
+async def _collect(state: ResponseState, events, m: LoadedModel) -> None:
+    decoder = m.tokenizer.stream_decoder()
+    while True:
+        item = await _next_text(events, decoder, state)
+        if isinstance(item, DoneEvent):
+            state.text += decoder.flush()
+            _finish(state, item)
+            return
+        state.text += item
+
+
+async def _stream(request: Request, state: ResponseState, gen, events, m: LoadedModel):
+    resp = await request.respond(content_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    es = EventStream(state)
+    decoder = m.tokenizer.stream_decoder()
+    try:
+        for frame in es.opening():
+            await resp.send(frame)
+        while True:
+            item = await _next_text(events, decoder, state)
+            if isinstance(item, DoneEvent):
+                tail = decoder.flush()
+                if tail:
+                    state.text += tail
+                    await resp.send(es.delta(tail))
+                try:
+                    _finish(state, item)
+                except APIError as e:
+                    await resp.send(es.failed(e.message))
+                    break
+                for frame in es.closing():
+                    await resp.send(frame)
+                break
+            state.text += item
+            await resp.send(es.delta(item))
+    finally:
+        gen.cancelled.set()
+    await resp.eof()
+    return resp

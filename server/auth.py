@@ -1,0 +1,99 @@
+"""Bearer keys: a 0600 key file mapping keys to principals, constant-time lookup.
+
+Key file format, one entry per line (blank lines and `#` comments ignored):
+
+    <principal> <key>
+
+A line with a single token is a key for the principal `default`. On first run, when no key file
+exists, one is created with a fresh 256-bit key for `default`.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class KeyFileError(RuntimeError):
+    """A key file that is unsafe or malformed: the server refuses to start."""
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    entries: tuple[tuple[str, bytes], ...]  # (principal, key bytes)
+
+    def principal_for(self, presented: str | None) -> str | None:
+        """The principal owning `presented`, comparing every key in constant time."""
+        if not presented:
+            return None
+        given = presented.encode()
+        found = None
+        for principal, key in self.entries:
+            # No early exit: the time taken does not depend on which key (if any) matched.
+            if hmac.compare_digest(given, key):
+                found = principal
+        return found
+
+
+def create_key_file(path: Path) -> str:
+    """Create `path` with a fresh key for `default`, mode 0600, atomically; return the key."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = "nk-" + secrets.token_urlsafe(32)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, f"default {key}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.link(tmp, path)  # fails if another process created the file meanwhile: never overwrite
+    os.unlink(tmp)
+    return key
+
+
+def load_key_file(path: Path) -> KeyRing:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise KeyFileError(f"key file {path} does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise KeyFileError(f"key file {path} is not a regular file")
+    if st.st_mode & 0o077:
+        raise KeyFileError(f"key file {path} is readable or writable by group/others "
+                           f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")
+    entries = []
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) == 1:
+            principal, key = "default", parts[0]
+        elif len(parts) == 2:
+            principal, key = parts
+        else:
+            raise KeyFileError(f"key file {path}, line {n}: expected '<principal> <key>'")
+        if len(key) < 16:
+            raise KeyFileError(f"key file {path}, line {n}: key shorter than 16 characters")
+        entries.append((principal, key.encode()))
+    if not entries:
+        raise KeyFileError(f"key file {path} holds no keys")
+    keys = [k for _, k in entries]
+    if len(set(keys)) != len(keys):
+        raise KeyFileError(f"key file {path}: the same key is listed twice")
+    return KeyRing(tuple(entries))
+
+
+def ensure_key_file(path: Path) -> tuple[KeyRing, bool]:
+    """Load the key file, creating it first if absent. Returns (keys, created)."""
+    created = False
+    if not path.exists():
+        try:
+            create_key_file(path)
+            created = True
+        except FileExistsError:
+            pass
+    return load_key_file(path), created

@@ -1,0 +1,164 @@
+"""`./ninfer <command>`: serve, test, convert."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("NINFER_STATE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "ninfer"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_loopback(host: str, port: int) -> socket.socket:
+    if not _is_loopback(host):
+        raise SystemExit(f"ninfer: refusing to listen on {host!r}: only loopback addresses "
+                         "(127.0.0.0/8, ::1, localhost) are allowed")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1" if host == "localhost" else host, port))
+    except OSError as e:
+        raise SystemExit(f"ninfer: cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _load_in_background(rt, profile, args, t_start: float) -> None:
+    from engine.engine import Engine
+    from engine.loader import ensure_embedded, load_model
+
+    try:
+        model_arg = args.model or profile.model
+        if model_arg.startswith("embedded:"):
+            path = ensure_embedded(args.state_dir, model_arg.split(":", 1)[1],
+                                   profile.model_sha256)
+            expected = profile.model_sha256
+        else:
+            path, expected = Path(model_arg), None
+        model = load_model(path, compute_dtype=profile.compute_dtype,
+                           kv_dtype=profile.kv_dtype, expected_sha256=expected)
+        engine = Engine(model, context_tokens=profile.context_tokens,
+                        prefill_chunk=profile.prefill_chunk)
+        compile_s = engine.warmup()
+        engine.start()
+        rt.model, rt.engine = model, engine
+        print(f"ninfer: ready: model {model.model_id} sha256 {model.sha256[:16]}... "
+              f"(compile {compile_s:.1f}s, ready {time.monotonic() - t_start:.1f}s after start)",
+              file=sys.stderr, flush=True)
+    except Exception as e:  # keep serving /health (503) and say why, instead of dying silently
+        rt.load_error = f"{type(e).__name__}: {e}"
+        print(f"ninfer: model failed to load: {rt.load_error}", file=sys.stderr, flush=True)
+        os._exit(3)
+
+
+def cmd_serve(args) -> int:
+    t_start = time.monotonic()
+    from lanes.profile import load_profile
+    from server.auth import KeyFileError, ensure_key_file
+
+    profile = load_profile(args.lane)
+    host = args.host or profile.host
+    port = profile.port if args.port is None else args.port
+    args.state_dir = Path(args.state_dir or default_state_dir())
+    args.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key_file = Path(args.key_file or args.state_dir / "keys")
+    sock = bind_loopback(host, port)
+    try:
+        keys, created = ensure_key_file(key_file)
+    except KeyFileError as e:
+        raise SystemExit(f"ninfer: {e}") from None
+    print(f"ninfer: {'created' if created else 'using'} key file {key_file} (mode 0600)",
+          file=sys.stderr, flush=True)
+    _configure_jax_cache(args.state_dir)
+
+    from server.app import Runtime, create_app
+
+    rt = Runtime(keys=keys, max_output_tokens=profile.max_output_tokens,
+                 context_tokens=profile.context_tokens)
+    app = create_app(rt)
+    actual_port = sock.getsockname()[1]
+    print(f"ninfer: lane {profile.name} listening on http://{host}:{actual_port}",
+          file=sys.stderr, flush=True)
+    threading.Thread(target=_load_in_background, args=(rt, profile, args, t_start),
+                     daemon=True, name="ninfer-loader").start()
+    app.run(sock=sock, single_process=True, access_log=False, motd=False)
+    return 0
+
+
+def _configure_jax_cache(state_dir: Path) -> None:
+    import jax
+
+    cache = os.environ.get("NINFER_JAX_CACHE") or str(state_dir / "jax-cache")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def cmd_test(args, rest: list[str]) -> int:
+    import pytest
+
+    argv = ["-q", "-p", "no:cacheprovider"] + (["--slow"] if args.slow else []) + rest
+    return pytest.main(argv)
+
+
+def cmd_convert(rest: list[str]) -> int:
+    from engine.convert import main
+
+    return main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ninfer", description="Local Qwen3.8 inference appliance")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the Responses API server")
+    s.add_argument("--lane", default="cpu", help="lane profile name or TOML path (default cpu)")
+    s.add_argument("--model", help="a .ninfer artifact, or embedded:<name> (default: the lane's)")
+    s.add_argument("--host", help="loopback address to bind (default: the lane's, 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default: the lane's, 18089; 0 = any free)")
+    s.add_argument("--state-dir", help="state directory (default $NINFER_STATE_DIR or "
+                                       "~/.local/state/ninfer)")
+    s.add_argument("--key-file", help="bearer key file (default <state-dir>/keys)")
+    t = sub.add_parser("test", help="run the test suite")
+    t.add_argument("--slow", action="store_true", help="include the slow tier")
+    sub.add_parser("convert", help="convert a Hugging Face checkpoint to .ninfer",
+                   add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["convert"]:
+        return cmd_convert(argv[1:])
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "test":
+        return cmd_test(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return cmd_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Start the real server as a subprocess on a loopback socket, for tests."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str
+    state_dir: Path
+    key: str
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def read_key(key_file: Path, principal: str = "default") -> str:
+    for line in key_file.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == principal:
+            return parts[1]
+    raise LookupError(principal)
+
+
+def start_server(state_dir: Path, *extra: str, timeout: float = 600.0,
+                 wait_ready: bool = True) -> ServerProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0",
+           "--state-dir", str(state_dir), *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    port_box: list[int] = []
+
+    def pump():
+        for line in proc.stdout:
+            log.append(line)
+            m = re.search(r"listening on http://[^:]+:(\d+)", line)
+            if m:
+                port_box.append(int(m.group(1)))
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not port_box:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("server did not start:\n" + "".join(log))
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port_box[0]}"
+    key_file = state_dir / "keys"
+    for a in extra:
+        if a.startswith("--key-file="):
+            key_file = Path(a.split("=", 1)[1])
+    if "--key-file" in extra:
+        key_file = Path(extra[list(extra).index("--key-file") + 1])
+    server = ServerProcess(proc, base, state_dir, read_key(key_file), log)
+    if wait_ready:
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError("server did not become ready:\n" + "".join(log))
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    return server
