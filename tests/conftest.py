@@ -37,3 +37,9 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def shared_state_dir(tmp_path_factory):
+    """One state directory per test run: the embedded model is generated into it once."""
+    return tmp_path_factory.mktemp("state")

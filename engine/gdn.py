@@ -1,0 +1,151 @@
+"""Gated DeltaNet reference math in plain jnp: the gated delta rule (chunked and step-by-step) and
+the depthwise causal conv that feeds it.
+
+Everything here is fp32 and written for clarity; GPU kernels are checked against these functions.
+Recurrence (per value head, state S: [K, V]):
+
+    S <- exp(g_t) S;   delta = beta_t (v_t - S^T k_t);   S <- S + k_t delta^T;   o_t = S^T (scale q_t)
+
+A step with g = 0 and beta = 0 leaves S unchanged: that is how padding and ragged rows are masked.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# The reference must not silently drop to TF32/bf16 passes on GPU.
+_HI = lax.Precision.HIGHEST
+
+
+def _expand_heads(q, k, v, g, beta, initial_state):
+    """Repeat key heads onto value heads and move to fp32, heads-major layout.
+
+    Key head j serves value heads [j*r, (j+1)*r) with r = Hv // Hk (HF uses repeat_interleave,
+    not tile). Returns q, k: [B, Hv, T, K]; v: [B, Hv, T, V]; g, beta: [B, Hv, T]; state fp32.
+    """
+    hk, hv = q.shape[2], v.shape[2]
+    if hv % hk:
+        raise ValueError(f"value heads {hv} not a multiple of key heads {hk}")
+    if hv != hk:
+        q = jnp.repeat(q, hv // hk, axis=2)
+        k = jnp.repeat(k, hv // hk, axis=2)
+    f32 = jnp.float32
+    q, k, v = (x.astype(f32).transpose(0, 2, 1, 3) for x in (q, k, v))
+    g, beta = (x.astype(f32).transpose(0, 2, 1) for x in (g, beta))
+    b, t = v.shape[0], v.shape[2]
+    if initial_state is None:
+        initial_state = jnp.zeros((b, hv, k.shape[-1], v.shape[-1]), f32)
+    return q, k, v, g, beta, initial_state.astype(f32)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
+                               scale: float | None = None):
+    """Step-by-step gated delta rule (lax.scan over time): the decode path and the oracle.
+
+    q, k: [B, T, Hk, K]; v: [B, T, Hv, V]; g (log decay, <= 0), beta: [B, T, Hv];
+    initial_state: [B, Hv, K, V] or None (zeros). `chunk_size` is ignored (same signature as the
+    chunked form). q is multiplied by `scale` (default K ** -0.5); q/k L2 normalisation is the
+    caller's job. Returns (out [B, T, Hv, V] fp32, final_state [B, Hv, K, V] fp32).
+    """
+    del chunk_size
+    q, k, v, g, beta, state = _expand_heads(q, k, v, g, beta, initial_state)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+
+    def step(s, xs):  # s: [B, Hv, K, V]
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s * jnp.exp(g_t)[..., None, None]
+        pred = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=_HI)
+        delta = (v_t - pred) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=_HI)
+
+    time_major = [jnp.moveaxis(x, 2, 0) for x in (q, k, v, g, beta)]
+    state, out = lax.scan(step, state, time_major)  # out: [T, B, Hv, V]
+    return out.transpose(1, 0, 2, 3), state
+
+
+def _chunk_step(s, xs):
+    """One chunk of the WY/UT form. s: [B, H, K, V]; q, k: [B, H, C, K]; v: [B, H, C, V];
+    g, beta: [B, H, C]. Returns (new state, out [B, H, C, V])."""
+    q, k, v, g, beta = xs
+    c = q.shape[2]
+    gamma = jnp.cumsum(g, axis=-1)  # log decay from the chunk start to each step, inclusive
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    # exp(gamma_i - gamma_j) for j <= i; masked before exp because the upper half would overflow.
+    diff = jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf)
+    decay = jnp.exp(diff)  # [B, H, C, C]
+    kb = k * beta[..., None]
+    # Unit-lower-triangular system M = I + strict_lower(diag(beta) (K K^T o decay)); solving it
+    # folds the C sequential delta updates of this chunk into matmuls.
+    kk = jnp.einsum("bhik,bhjk->bhij", kb, k, precision=_HI) * decay
+    m = jnp.tril(kk, -1) + jnp.eye(c, dtype=kk.dtype)
+    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
+    sol = lax.linalg.triangular_solve(m, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u, w = sol[..., :v.shape[-1]], sol[..., v.shape[-1]:]
+    v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=_HI)  # corrections actually written
+    qk = jnp.einsum("bhik,bhjk->bhij", q, k, precision=_HI) * decay
+    out = (jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gamma)[..., None], s, precision=_HI)
+           + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=_HI))
+    g_end = gamma[..., -1:]
+    k_tail = k * jnp.exp(g_end - gamma)[..., None]
+    s = (s * jnp.exp(g_end)[..., None]
+         + jnp.einsum("bhck,bhcv->bhkv", k_tail, v_new, precision=_HI))
+    return s, out
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
+                           scale: float | None = None):
+    """Chunked (WY/UT) gated delta rule; same contract as `recurrent_gated_delta_rule`.
+
+    T is padded up to a multiple of the chunk with g = 0, beta = 0 (identity steps), so the final
+    state is exact. When T < chunk_size the chunk shrinks to T: the math holds for any chunk
+    length and a decode step then costs no padding. The intra-chunk work happens inside the scan
+    over chunks so memory stays O(C^2) per head however long the prompt is.
+    """
+    q, k, v, g, beta, state = _expand_heads(q, k, v, g, beta, initial_state)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    b, h, t = v.shape[:3]
+    c = max(1, min(chunk_size, t))
+    pad = (-t) % c
+    if pad:
+        pad4 = ((0, 0), (0, 0), (0, pad), (0, 0))
+        q, k, v = (jnp.pad(x, pad4) for x in (q, k, v))
+        g, beta = (jnp.pad(x, pad4[:3]) for x in (g, beta))
+    n = (t + pad) // c
+
+    def chunks(x):  # [B, H, N*C, ...] -> [N, B, H, C, ...]
+        return jnp.moveaxis(x.reshape(b, h, n, c, *x.shape[3:]), 2, 0)
+
+    state, out = lax.scan(_chunk_step, state, [chunks(x) for x in (q, k, v, g, beta)])
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, -1)[:, :, :t]
+    return out.transpose(0, 2, 1, 3), state
+
+
+def causal_conv1d(x, weight, state, lengths=None):
+    """Depthwise causal conv over time with a carried state (no bias, no activation).
+
+    x: [B, T, C]; weight: [C, W] (HF conv1d weight [C, 1, W] squeezed); state: [B, C, W-1], the
+    last W-1 inputs before x (zeros at sequence start). lengths: [B] int32 or None, the number of
+    valid steps of each row; the new state is the W-1 inputs ending at each row's last valid step,
+    so padded steps never enter it. Computed in fp32.
+    Returns (y [B, T, C] fp32, new_state [B, C, W-1] in state.dtype).
+    """
+    w = weight.shape[-1]
+    t = x.shape[1]
+    xp = jnp.concatenate([state.astype(jnp.float32).transpose(0, 2, 1),
+                          x.astype(jnp.float32)], axis=1)  # [B, T+W-1, C]
+    wf = weight.astype(jnp.float32)
+    y = sum(xp[:, i:i + t] * wf[:, i] for i in range(w))
+    if lengths is None:
+        tail = xp[:, t:]
+    else:
+        tail = jax.vmap(lambda row, n: lax.dynamic_slice_in_dim(row, n, w - 1, axis=0))(
+            xp, lengths)
+    return y, tail.transpose(0, 2, 1).astype(state.dtype)
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    """x * rsqrt(sum(x^2) + eps) over the last axis in fp32 (the FLA/HF form, eps inside)."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -1,0 +1,39 @@
+"""The embedded default model is the same bytes on every machine: its sha256 is pinned."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.artifact import open_artifact
+from engine.config import TINY
+from engine.loader import build_embedded
+from engine.tiny import hashed_ints, tiny_tensors
+from lanes.profile import load_profile
+
+
+def test_embedded_tiny_matches_the_pin(tmp_path):
+    sha = build_embedded("tiny", tmp_path / "tiny.ninfer")
+    assert sha == load_profile("cpu").model_sha256
+
+
+def test_weights_come_from_integers():
+    # Known values of the counter-based hash: a change here changes every pinned artifact.
+    assert hashed_ints("probe", 6).tolist() == [-50, 48, 70, -59, 61, -39]
+    for name, arr in tiny_tensors(TINY):
+        x = arr.astype(np.float32).ravel()[:4096]
+        # every value is an 8-bit integer times a power of two
+        nz = x[x != 0]
+        mant, _ = np.frexp(np.abs(nz))
+        assert np.all((mant * 256) == np.round(mant * 256)), name
+        if name == "layers.0.linear_attn.A_log":
+            break
+
+
+def test_artifact_is_complete_and_tokenizer_is_real(shared_state_dir):
+    from engine.loader import ensure_embedded
+
+    path = ensure_embedded(shared_state_dir, "tiny", load_profile("cpu").model_sha256)
+    art = open_artifact(path)
+    assert set(art.tensor_names) == set(TINY.tensor_specs())
+    assert art.config == TINY
+    assert '"<|im_start|>"' in art.tokenizer_json and "<tool_call>" in art.chat_template
+
