@@ -1,0 +1,94 @@
+"""Gated full attention: partial rotate-half RoPE, GQA, the KV write/attend step, output gate.
+
+The KV cache of all attention layers is one contiguous array per K and V,
+[layers, B, max_len, kv_heads, head_dim]; `kv_write_attend` is the only code that knows that layout,
+so a paged-KV implementation replaces that one function.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from engine.config import ModelConfig
+from engine.norms import rms_norm
+from engine.quant import linear
+
+_HI = lax.Precision.HIGHEST
+
+
+def rope_tables(cfg: ModelConfig, positions):
+    """cos, sin: [B, T, rotary_dim] fp32 for integer positions [B, T].
+
+    Qwen3.5 declares multimodal RoPE sections, but for text all three position streams are equal,
+    which makes it plain 1-D RoPE. inv_freq in fp32 the same way HF computes it.
+    """
+    d = cfg.rotary_dim
+    inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32)
+                                                      / np.float32(d)))
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE on the first rotary_dim dims of x [B, T, heads, head_dim]; the rest pass."""
+    d = cos.shape[-1]
+    xf = x.astype(jnp.float32)
+    rot, rest = xf[..., :d], xf[..., d:]
+    half = d // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    rot = rot * cos[:, :, None] + rotated * sin[:, :, None]
+    return jnp.concatenate([rot, rest], axis=-1).astype(x.dtype)
+
+
+def kv_write_attend(kv, layer, q, k, v, positions, valid):
+    """Write this step's K/V into the cache, then causal softmax attention over the cache.
+
+    kv: (k_cache, v_cache), each [L, B, S, kv_heads, head_dim]; layer: int32 scalar (which L);
+    q: [B, T, heads, head_dim]; k, v: [B, T, kv_heads, head_dim]; positions: [B, T] int32 absolute
+    positions; valid: [B, T] bool. Invalid steps are not written (their slot is out of range and
+    dropped, as is anything at or past S). Query i of row b sees cache slots <= positions[b, i];
+    slots past a row's position hold stale data from rolled-back steps and are never read.
+    Returns (out [B, T, heads, head_dim] in q.dtype, new kv).
+    """
+    k_cache, v_cache = kv
+    b, t, nh, hd = q.shape
+    s, kvh = k_cache.shape[2], k_cache.shape[3]
+    slot = jnp.where(valid, positions, s)
+    rows = jnp.arange(b)[:, None]
+    k_cache = k_cache.at[layer, rows, slot].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, rows, slot].set(v.astype(v_cache.dtype), mode="drop")
+    keys = k_cache[layer].astype(jnp.float32)  # [B, S, kvh, hd]
+    vals = v_cache[layer].astype(jnp.float32)
+    # GQA: query head h reads kv head h // (nh // kvh) (HF repeat_kv order).
+    qg = q.astype(jnp.float32).reshape(b, t, kvh, nh // kvh, hd)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, keys, precision=_HI) * hd ** -0.5
+    visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    # A finite floor, not -inf: a query whose own slot was dropped (past S) sees nothing and must
+    # yield garbage rather than NaN that would poison the rest of the batch row.
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs, vals, precision=_HI)
+    return out.reshape(b, t, nh, hd).astype(q.dtype), (k_cache, v_cache)
+
+
+def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid):
+    """Gated attention token mixer. p: the layer's `self_attn` params; x: [B, T, H] (normed).
+
+    q_proj rows are grouped per head as [q (head_dim) | gate (head_dim)]. Returns
+    (out [B, T, H], new kv).
+    """
+    b, t, _ = x.shape
+    nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qg = linear(x, p["q_proj"]).reshape(b, t, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nh * hd)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(linear(x, p["k_proj"]).reshape(b, t, kvh, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = linear(x, p["v_proj"]).reshape(b, t, kvh, hd)
+    cos, sin = rope_tables(cfg, positions)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out, kv = kv_write_attend(kv, layer, q, k, v, positions, valid)
+    out = out.reshape(b, t, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
+    return linear(out, p["o_proj"]), kv

@@ -1,0 +1,73 @@
+"""Decoder layers of the hybrid model: the Gated DeltaNet mixer, SwiGLU MLP, and the pre-norm
+residual wrapper shared by GDN and attention layers. Parameters are nested dicts mirroring the
+canonical names (`linear_attn.in_proj_qkv` -> p["linear_attn"]["in_proj_qkv"])."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from engine.attention import attention_mixer
+from engine.config import ModelConfig
+from engine.gdn import (causal_conv1d, chunk_gated_delta_rule, l2_normalize,
+                        recurrent_gated_delta_rule)
+from engine.norms import gated_rms_norm, rms_norm
+from engine.quant import linear
+
+GDN_RULES = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}
+
+
+def mlp(p, x):
+    """SwiGLU: down(silu(gate(x)) * up(x)). x: [B, T, H]."""
+    return linear(jax.nn.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]),
+                  p["down_proj"])
+
+
+def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str):
+    """Gated DeltaNet token mixer. p: the layer's `linear_attn` params; x: [B, T, H] (normed).
+
+    conv_state: [B, conv_dim, W-1]; rec_state: [B, Hv, Dk, Dv] fp32; lengths: [B] int32 valid
+    steps per row; valid: [B, T] bool. Invalid steps get g = 0, beta = 0 so the recurrent state
+    skips them. Returns (out [B, T, H], conv_state, rec_state).
+    """
+    b, t, _ = x.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv, conv_state = causal_conv1d(linear(x, p["in_proj_qkv"]), p["conv1d"], conv_state,
+                                    lengths)
+    qkv = jax.nn.silu(qkv)  # fp32 from here to the output norm
+    q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    q = l2_normalize(q.reshape(b, t, hk, dk))
+    k = l2_normalize(k.reshape(b, t, hk, dk))
+    v = v.reshape(b, t, hv, dv)
+    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]).astype(jnp.float32))
+    a = linear(x, p["in_proj_a"]).astype(jnp.float32)
+    # A_log is float even in bf16 checkpoints: exp of a bf16 A_log loses the decay's precision.
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a + p["dt_bias"].astype(jnp.float32))
+    g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+    out, rec_state = GDN_RULES[mode](q, k, v, g, beta, rec_state)
+    z = linear(x, p["in_proj_z"]).reshape(b, t, hv, dv)
+    out = gated_rms_norm(out, z, p["norm"], cfg.rms_norm_eps).astype(x.dtype)
+    return linear(out.reshape(b, t, hv * dv), p["out_proj"]), conv_state, rec_state
+
+
+def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str):
+    """One GDN decoder layer (pre-norm residual mixer + MLP). x: [B, T, H].
+    Returns (x, conv_state, rec_state)."""
+    h, conv_state, rec_state = gdn_mixer(
+        p["linear_attn"], cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
+        conv_state, rec_state, lengths, valid, mode)
+    x = x + h
+    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps))
+    return x, conv_state, rec_state
+
+
+def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid):
+    """One gated-attention decoder layer. x: [B, T, H]; kv/layer/positions/valid as in
+    `attention.kv_write_attend`. Returns (x, kv)."""
+    h, kv = attention_mixer(p["self_attn"], cfg,
+                            rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
+                            kv, layer, positions, valid)
+    x = x + h
+    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps))
+    return x, kv
