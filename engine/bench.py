@@ -1,6 +1,7 @@
 """Compile time and throughput of the reference forward on random weights.
 
     .venv/bin/python -m engine.bench --config tiny --prompt 256 --steps 32
+    python -m engine.bench --config qwen3.8-27b --layers 8 --dtype bfloat16 --device-init  # GPU
 
 Prints jit compile seconds for a prefill step (T = --prompt, last-token logits) and a decode
 step (T = 1), then prefill and decode tokens/s. Dev tooling only; not imported by the engine.
@@ -8,6 +9,7 @@ step (T = 1), then prefill and decode tokens/s. Dev tooling only; not imported b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -26,6 +28,18 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+def _device_random(cfg, dtype):
+    """Random weights drawn on the default device (never materialised on the host): for timing
+    real widths on a GPU. Scales as in random_flat_params, decay parameters simplified."""
+    key = jax.random.PRNGKey(0)
+    flat = {}
+    for i, (name, shape) in enumerate(cfg.tensor_specs().items()):
+        k = jax.random.fold_in(key, i)
+        std = 1.0 if name == "embed_tokens" else shape[-1] ** -0.5 if len(shape) == 2 else 0.1
+        flat[name] = (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
+    return stack_params(flat, cfg)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny")
@@ -33,13 +47,23 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--gdn-mode", default="chunk", choices=["chunk", "recurrent"])
+    ap.add_argument("--layers", type=int, help="override num_layers (keeps the widths)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device-init", action="store_true", help="draw weights on the device")
     args = ap.parse_args(argv)
     cfg = preset(args.config)
-    params, t_init = _timed(lambda: stack_params(random_flat_params(cfg), cfg))
+    if args.layers:
+        cfg = dataclasses.replace(cfg, name=f"{cfg.name}-{args.layers}l", num_layers=args.layers)
+    dtype = jnp.dtype(args.dtype)
+    if args.device_init:
+        params, t_init = _timed(lambda: _device_random(cfg, dtype))
+    else:
+        params, t_init = _timed(lambda: jax.tree.map(
+            lambda x: jnp.asarray(x, dtype), stack_params(random_flat_params(cfg), cfg)))
     print(f"{cfg.name}: {cfg.param_count() / 1e6:.1f}M params, random init {t_init:.1f}s, "
-          f"backend {jax.default_backend()}")
+          f"{args.dtype}, backend {jax.default_backend()}")
     max_len = args.prompt + args.steps
-    cache = init_cache(cfg, args.batch, max_len)
+    cache = init_cache(cfg, args.batch, max_len, dtype)
     fwd = jax.jit(forward, static_argnames=FORWARD_STATIC, donate_argnames=("cache",))
     prompt = jnp.asarray(np.random.default_rng(0).integers(
         0, cfg.vocab_size, (args.batch, args.prompt)), jnp.int32)
@@ -49,7 +73,7 @@ def main(argv=None) -> None:
                                              **kw).compile())
     decode, t_cd = _timed(lambda: fwd.lower(params, cfg, step_tok, cache, **kw).compile())
     print(f"compile: prefill T={args.prompt} {t_cp:.2f}s, decode T=1 {t_cd:.2f}s")
-    _timed(lambda: prefill(params, prompt, init_cache(cfg, args.batch, max_len)))  # warm-up
+    _timed(lambda: prefill(params, prompt, init_cache(cfg, args.batch, max_len, dtype)))  # warm-up
     (logits, _, cache), t_p = _timed(lambda: prefill(params, prompt, cache))
     tok = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None]
     t0 = time.perf_counter()

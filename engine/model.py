@@ -18,7 +18,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.layers import GDN_RULES, attention_layer, gdn_layer
 from engine.norms import rms_norm
 from engine.params import ParamError, stack_params  # noqa: F401  (re-exported)
-from engine.quant import linear
+from engine.quant import embedding_lookup, linear
 
 FORWARD_STATIC = ("cfg", "gdn_mode", "last_only")
 
@@ -30,6 +30,12 @@ def _steps(tokens, lengths):
         lengths = jnp.full((b,), t, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
     return lengths, jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]
+
+
+def _embed(params, tokens):
+    """[B, T] ids -> [B, T, H] in the activation dtype, which is the final norm weight's dtype
+    (the embedding table may be a quantized QTensor and then carries no compute dtype)."""
+    return embedding_lookup(params["embed_tokens"], tokens, dtype=params["norm"].dtype)
 
 
 def _run_blocks(blocks, cfg: ModelConfig, x, cache: Cache, positions, lengths, valid, mode):
@@ -79,7 +85,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache, *, gdn_mode: str = "
         raise ValueError(f"gdn_mode must be one of {sorted(GDN_RULES)}, got {gdn_mode!r}")
     lengths, valid = _steps(tokens, lengths)
     positions = cache.pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    x = jnp.take(params["embed_tokens"], tokens, axis=0)
+    x = _embed(params, tokens)
     x, cache = _run_blocks(params["blocks"], cfg, x, cache, positions, lengths, valid, gdn_mode)
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     logits = _head(params, cfg, hidden, lengths, last_only)
@@ -103,7 +109,7 @@ def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache, *, lengt
     m, eps = params["mtp"], cfg.rms_norm_eps
     lengths, valid = _steps(tokens, lengths)
     positions = cache.mtp_pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    e = rms_norm(jnp.take(params["embed_tokens"], tokens, axis=0), m["pre_fc_norm_embedding"], eps)
+    e = rms_norm(_embed(params, tokens), m["pre_fc_norm_embedding"], eps)
     h = rms_norm(hidden.astype(e.dtype), m["pre_fc_norm_hidden"], eps)
     x = linear(jnp.concatenate([e, h], axis=-1), m["fc"])
     x, (k, v) = attention_layer(m["layer"], cfg, x, (cache.mtp_k, cache.mtp_v), 0, positions,

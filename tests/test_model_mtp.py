@@ -11,6 +11,7 @@ import pytest
 from engine.config import TEST_SMALL, ConfigError
 from engine.model import init_cache, jit_forward, jit_mtp_forward, mtp_forward
 from engine.params import random_flat_params, stack_params
+from engine.quant import INT8_ROW, QTensor, dequantize_np, quantize
 
 CFG = dataclasses.replace(TEST_SMALL, name="test-small-mtp", mtp_layers=1)
 TOL = 1e-5
@@ -125,3 +126,17 @@ def test_forward_rejects_unknown_gdn_mode(setup):
     with pytest.raises(ValueError, match="gdn_mode"):
         jax.eval_shape(lambda p, c: FWD(p, CFG, jnp.zeros((1, 1), jnp.int32), c,
                                         gdn_mode="fast"), params, init_cache(CFG, 1, 8))
+
+
+def test_quantized_weights_run_like_their_dequantized_dense_copy(setup):
+    """QTensor leaves go through stack_params, the block scan and `linear` / the embedding
+    lookup; the result equals the dense model built from the dequantized weights."""
+    flat, _, _, _ = setup
+    # Every 2-D weight but the depthwise conv (not a matmul weight) is quantized.
+    q = {n: quantize(w, INT8_ROW) if w.ndim == 2 and not n.endswith("conv1d") else w
+         for n, w in flat.items()}
+    dense = {n: dequantize_np(w) if isinstance(w, QTensor) else w for n, w in q.items()}
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, CFG.vocab_size, (2, 16)), jnp.int32)
+    lq, _, _ = FWD(stack_params(q, CFG), CFG, tokens, init_cache(CFG, 2, MAX_LEN))
+    ld, _, _ = FWD(stack_params(dense, CFG), CFG, tokens, init_cache(CFG, 2, MAX_LEN))
+    assert rel_err(lq, ld) <= TOL

@@ -94,7 +94,8 @@ def test_example_from_the_template():
     text = ("I'll look.\n\n" + render("read_file", [("path", "src/main.py"), ("limit", "40")])
             + "\n")
     tools = [{"type": "function", "name": "read_file", "parameters": {
-        "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}}]
+        "type": "object",
+        "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}}]
     r = parse_tool_calls(text, tools)
     assert r.content == "I'll look."
     [c] = r.calls
@@ -183,7 +184,8 @@ def test_unknown_parameter_and_function_best_effort():
 
 
 def test_chat_completions_tool_shape_and_no_params():
-    assert one("i", "5", tools=[TOOLS[1] | {"function": {**TOOLS[1]["function"], "name": "f"}}]) == 5
+    chat_style = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
+    assert one("i", "5", tools=chat_style) == 5
     r = parse_tool_calls("<tool_call>\n<function=g>\n</function>\n</tool_call>", TOOLS)
     assert r.calls[0].arguments == {} and r.calls[0].arguments_json == "{}"
 
@@ -309,6 +311,7 @@ INT_LIKE = r"\s*[+-]?[0-9]+(\.0*)?\s*"
 NOT_INT = PLAIN.filter(lambda s: not re.fullmatch(INT_LIKE, s))
 NOT_KEYWORD = PLAIN.filter(lambda s: s.strip().lower() not in ("true", "false", "null", "none"))
 FLOATS = st.floats(allow_nan=False, allow_infinity=False)
+INDENT = st.sampled_from([None, 2])
 
 
 @st.composite
@@ -333,10 +336,10 @@ def typed_args(draw):
             v, text = None, draw(st.sampled_from(["null", "None"]))
         elif k == "o":
             v = draw(st.dictionaries(st.text(max_size=4), JSON_VALUES, max_size=3))
-            text = json.dumps(v, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])))
+            text = json.dumps(v, ensure_ascii=draw(st.booleans()), indent=draw(INDENT))
         elif k == "a":
             v = draw(st.lists(JSON_VALUES, max_size=3))
-            text = json.dumps(v, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])))
+            text = json.dumps(v, ensure_ascii=draw(st.booleans()), indent=draw(INDENT))
         elif k == "u":
             v = draw(st.integers(-10**30, 10**30) | NOT_INT)
             text = str(v)
