@@ -7,6 +7,7 @@ interface.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -64,6 +65,13 @@ def prefill_pieces(n: int, chunk: int) -> list[int]:
     return pieces
 
 
+def _masked_sample(logits, temperature, top_k, top_p, keys, *, n_vocab: int):
+    """Sample after masking the padded vocabulary rows (ids >= n_vocab have no token)."""
+    ids = jnp.arange(logits.shape[-1])
+    logits = jnp.where(ids[None, :] < n_vocab, logits, -jnp.inf)
+    return sample(logits, temperature, top_k, top_p, keys)
+
+
 class Engine:
     def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int):
         self.model = model
@@ -71,9 +79,11 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self._queue: queue.Queue[GenerationRequest | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
-        cfg = model.cfg
-        self._step = jax.jit(lambda p, t, c: M.forward(p, cfg, t, c), donate_argnums=(2,))
-        self._sample = jax.jit(sample)
+        cfg, n_vocab = model.cfg, model.tokenizer.vocab_size
+        fwd = M.jit_forward()
+        # Logits only at the last position: a prefill chunk never materialises [T, V] logits.
+        self._step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True)
+        self._sample = jax.jit(functools.partial(_masked_sample, n_vocab=n_vocab))
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:

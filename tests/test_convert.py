@@ -297,3 +297,13 @@ def test_cli(q35, tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         C.main(["--from", str(q35[0]), "--out", str(out), "--recipe", "int2"])
+
+
+def test_truncated_shard_refused(q35, tmp_path):
+    src = tmp_path / "cut"
+    src.mkdir()
+    for f in q35[0].iterdir():
+        data = f.read_bytes()
+        (src / f.name).write_bytes(data[:-100] if f.name == "model-main.safetensors" else data)
+    with pytest.raises(C.ConvertError, match=r"model-main.safetensors: tensor .* outside the file"):
+        C.convert(src, tmp_path / "cut.ninfer", "bf16")
