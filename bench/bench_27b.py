@@ -47,7 +47,8 @@ def peaks() -> dict:
     n = 1 << 30  # 2 GiB of bf16
     x = jax.random.normal(jax.random.key(1), (n,), jnp.bfloat16)
     copy = jax.jit(lambda a: a * jnp.bfloat16(1.0009765625))
-    t, _ = timed(copy, x, reps=10)
+    timed(copy, x, reps=20, warmup=5)  # let the clocks ramp up from idle first
+    t, _ = timed(copy, x, reps=20)
     bw = 2 * n * 2 / t
     del x
     a = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
@@ -73,15 +74,15 @@ def random_params(cfg, dtype):
     return jax.tree.unflatten(tree, out)
 
 
-def random_cache(cfg, ctx: int, dtype):
+def random_cache(cfg, ctx: int, dtype, batch: int = 1):
     """A cache whose first ctx positions hold random K/V and random GDN state (never zeros)."""
-    c = M.init_cache(cfg, 1, ctx + 16, dtype)
+    c = M.init_cache(cfg, batch, ctx + 16, dtype)
     k1, k2, k3, k4 = jax.random.split(jax.random.key(7), 4)
     return c._replace(
         k=jax.random.normal(k1, c.k.shape, dtype), v=jax.random.normal(k2, c.v.shape, dtype),
         conv=jax.random.normal(k3, c.conv.shape, dtype) * 0.1,
         rec=jax.random.normal(k4, c.rec.shape, jnp.float32) * 0.01,
-        pos=jnp.full((1,), ctx, jnp.int32))
+        pos=jnp.full((batch,), ctx, jnp.int32))
 
 
 def nbytes(tree) -> int:
@@ -93,10 +94,12 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,32768")
     ap.add_argument("--prefill", default="8192")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batches", default="1", help="decode batch sizes, e.g. 1,2")
     ap.add_argument("--out", default="bench_27b.json")
     ap.add_argument("--preset", default=QWEN38_27B.name, help="model preset (tiny ones for a "
                     "CPU smoke run)")
     ap.add_argument("--skip-peaks", action="store_true")
+    ap.add_argument("--unroll", action="store_true", help="unroll the scan over blocks")
     args = ap.parse_args()
     cfg, dt = preset(args.preset), jnp.bfloat16
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
@@ -114,32 +117,35 @@ def main() -> None:
     print(f"params built in {time.perf_counter() - t0:.1f}s, {wbytes / 1e9:.1f} GB used per "
           "token (MTP excluded)", flush=True)
     fwd = M.jit_forward()
-    step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True)  # noqa: E731
+    step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll)  # noqa: E731
+    res["unroll"] = args.unroll
     state_bytes = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
         cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     kv_per_tok = cfg.num_blocks * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     res["decode"] = []
-    for ctx in [int(c) for c in args.contexts.split(",") if c]:
-        cache = random_cache(cfg, ctx, dt)
-        tok = jnp.ones((1, 1), jnp.int32)
+    runs = [(int(b), int(c)) for b in args.batches.split(",") for c in args.contexts.split(",")]
+    for batch, ctx in runs:
+        cache = random_cache(cfg, ctx, dt, batch)
+        tok = jnp.ones((batch, 1), jnp.int32)
         t0 = time.perf_counter()
         _, _, cache = step(params, tok, cache)
         jax.block_until_ready(cache)
         compile_s = time.perf_counter() - t0
         times = []
         for _ in range(args.steps):
-            cache = cache._replace(pos=jnp.full((1,), ctx, jnp.int32))
+            cache = cache._replace(pos=jnp.full((batch,), ctx, jnp.int32))
             t0 = time.perf_counter()
             logits, _, cache = step(params, tok, cache)
             jax.block_until_ready(logits)
             times.append(time.perf_counter() - t0)
         t = float(np.median(times))
-        moved = wbytes + ctx * kv_per_tok + state_bytes
-        row = {"context": ctx, "batch": 1, "ms_per_token": t * 1e3, "tokens_per_s": 1 / t,
+        moved = wbytes + batch * (ctx * kv_per_tok + state_bytes)
+        row = {"context": ctx, "batch": batch, "ms_per_step": t * 1e3,
+               "tokens_per_s": batch / t,
                "bytes": moved, "fraction_of_copy_bw": moved / t / pk["copy_bytes_per_s"],
                "first_call_s": compile_s}
         res["decode"].append(row)
-        print(f"decode C1 ctx {ctx:>6}: {t * 1e3:7.2f} ms/token {1 / t:6.1f} tok/s "
+        print(f"decode C{batch} ctx {ctx:>6}: {t * 1e3:7.2f} ms/step {batch / t:6.1f} tok/s "
               f"{row['fraction_of_copy_bw'] * 100:5.1f}% of copy BW (first call "
               f"{compile_s:.1f}s)", flush=True)
         del cache

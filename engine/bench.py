@@ -49,6 +49,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gdn-mode", default="chunk", choices=["chunk", "recurrent"])
     ap.add_argument("--layers", type=int, help="override num_layers (keeps the widths)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--unroll", action="store_true", help="unroll the block scan")
     ap.add_argument("--device-init", action="store_true", help="draw weights on the device")
     args = ap.parse_args(argv)
     cfg = preset(args.config)
@@ -68,7 +69,7 @@ def main(argv=None) -> None:
     prompt = jnp.asarray(np.random.default_rng(0).integers(
         0, cfg.vocab_size, (args.batch, args.prompt)), jnp.int32)
     step_tok = jnp.zeros((args.batch, 1), jnp.int32)
-    kw = dict(gdn_mode=args.gdn_mode)
+    kw = dict(gdn_mode=args.gdn_mode, unroll=args.unroll)
     prefill, t_cp = _timed(lambda: fwd.lower(params, cfg, prompt, cache, last_only=True,
                                              **kw).compile())
     decode, t_cd = _timed(lambda: fwd.lower(params, cfg, step_tok, cache, **kw).compile())

@@ -4,7 +4,7 @@ the depthwise causal conv that feeds it.
 Everything here is fp32 and written for clarity; GPU kernels are checked against these functions.
 Recurrence (per value head, state S: [K, V]):
 
-    S <- exp(g_t) S;   delta = beta_t (v_t - S^T k_t);   S <- S + k_t delta^T;   o_t = S^T (scale q_t)
+    S <- exp(g_t) S;  delta = beta_t (v_t - S^T k_t);  S <- S + k_t delta^T;  o_t = S^T (scale q_t)
 
 A step with g = 0 and beta = 0 leaves S unchanged: that is how padding and ragged rows are masked.
 """
@@ -33,9 +33,8 @@ def _expand_heads(q, k, v, g, beta, initial_state):
     f32 = jnp.float32
     q, k, v = (x.astype(f32).transpose(0, 2, 1, 3) for x in (q, k, v))
     g, beta = (x.astype(f32).transpose(0, 2, 1) for x in (g, beta))
-    b, t = v.shape[0], v.shape[2]
     if initial_state is None:
-        initial_state = jnp.zeros((b, hv, k.shape[-1], v.shape[-1]), f32)
+        initial_state = jnp.zeros((v.shape[0], hv, k.shape[-1], v.shape[-1]), f32)
     return q, k, v, g, beta, initial_state.astype(f32)
 
 

@@ -20,7 +20,7 @@ from engine.norms import rms_norm
 from engine.params import ParamError, stack_params  # noqa: F401  (re-exported)
 from engine.quant import embedding_lookup, linear
 
-FORWARD_STATIC = ("cfg", "gdn_mode", "last_only")
+FORWARD_STATIC = ("cfg", "gdn_mode", "last_only", "unroll")
 
 
 def _steps(tokens, lengths):
@@ -38,8 +38,10 @@ def _embed(params, tokens):
     return embedding_lookup(params["embed_tokens"], tokens, dtype=params["norm"].dtype)
 
 
-def _run_blocks(blocks, cfg: ModelConfig, x, cache: Cache, positions, lengths, valid, mode):
-    """Scan the stacked blocks over x [B, T, H]; returns (x, cache with k/v/conv/rec updated)."""
+def _run_blocks(blocks, cfg: ModelConfig, x, cache: Cache, positions, lengths, valid, mode,
+                unroll: bool):
+    """Scan the stacked blocks over x [B, T, H]; returns (x, cache with k/v/conv/rec updated).
+    unroll=True unrolls both scans (same math, static weight slices, compile grows with depth)."""
 
     def block(carry, xs):
         x, k, v, conv, rec = carry
@@ -50,14 +52,14 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache: Cache, positions, lengths, v
             x, conv_l, rec_l = gdn_layer(lp, cfg, x, conv_l, rec_l, lengths, valid, mode)
             return x, (conv_l, rec_l)
 
-        x, (conv_i, rec_i) = lax.scan(gdn, x, (p["gdn"], conv[i], rec[i]))
+        x, (conv_i, rec_i) = lax.scan(gdn, x, (p["gdn"], conv[i], rec[i]), unroll=unroll)
         conv, rec = conv.at[i].set(conv_i), rec.at[i].set(rec_i)
         x, (k, v) = attention_layer(p["attn"], cfg, x, (k, v), i, positions, valid)
         return (x, k, v, conv, rec), None
 
     carry = (x, cache.k, cache.v, cache.conv, cache.rec)
     xs = (blocks, jnp.arange(cfg.num_blocks, dtype=jnp.int32))
-    (x, k, v, conv, rec), _ = lax.scan(block, carry, xs)
+    (x, k, v, conv, rec), _ = lax.scan(block, carry, xs, unroll=unroll)
     return x, cache._replace(k=k, v=v, conv=conv, rec=rec)
 
 
@@ -70,13 +72,14 @@ def _head(params, cfg: ModelConfig, h, lengths, last_only: bool):
 
 
 def forward(params, cfg: ModelConfig, tokens, cache: Cache, *, gdn_mode: str = "chunk",
-            lengths=None, last_only: bool = False):
+            lengths=None, last_only: bool = False, unroll: bool = False):
     """Process T new tokens per row at each row's cache position (prefill T > 1, decode T = 1).
 
     params: `stack_params` tree; tokens: [B, T] int32; cache: `init_cache(cfg, B, max_len)`.
     gdn_mode: "chunk" (WY/UT form) or "recurrent" (step-by-step); both give the same result.
     lengths: optional [B] int32, valid tokens per row (right padding; a row with 0 is untouched).
     last_only: return logits only at each row's last valid token ([B, 1, V]), for long prefills.
+    unroll: unroll the block scan (compile time then grows with depth; see engine/bench.py).
     Returns (logits fp32 [B, T, V], hidden [B, T, H] after the final norm (the MTP input),
     new cache with pos += lengths). Tokens past max_len are silently dropped from the KV cache:
     the caller must keep pos + T <= max_len.
@@ -86,7 +89,8 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache, *, gdn_mode: str = "
     lengths, valid = _steps(tokens, lengths)
     positions = cache.pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     x = _embed(params, tokens)
-    x, cache = _run_blocks(params["blocks"], cfg, x, cache, positions, lengths, valid, gdn_mode)
+    x, cache = _run_blocks(params["blocks"], cfg, x, cache, positions, lengths, valid, gdn_mode,
+                           unroll)
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     logits = _head(params, cfg, hidden, lengths, last_only)
     return logits, hidden, cache._replace(pos=cache.pos + lengths)
