@@ -1,8 +1,10 @@
 """Gated full attention: partial rotate-half RoPE, GQA, the KV write/attend step, output gate.
 
 The KV cache of all attention layers is one contiguous array per K and V,
-[layers, B, max_len, kv_heads, head_dim]; `kv_write_attend` is the only code that knows that layout,
-so a paged-KV implementation replaces that one function.
+[layers, B, max_len, kv_heads, head_dim]; `kv_write_attend` is the only code that knows that layout.
+The paged pool (engine/paged_kv.py) replaces that one function with `paged_write_attend`;
+`layers.attention_layer` picks one by the type of the kv it is given. Both share `attend`, the
+layout-free softmax core.
 """
 from __future__ import annotations
 
@@ -54,30 +56,43 @@ def kv_write_attend(kv, layer, q, k, v, positions, valid):
     Returns (out [B, T, heads, head_dim] in q.dtype, new kv).
     """
     k_cache, v_cache = kv
-    b, t, nh, hd = q.shape
-    s, kvh = k_cache.shape[2], k_cache.shape[3]
+    b = q.shape[0]
+    s = k_cache.shape[2]
     slot = jnp.where(valid, positions, s)
     rows = jnp.arange(b)[:, None]
     k_cache = k_cache.at[layer, rows, slot].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[layer, rows, slot].set(v.astype(v_cache.dtype), mode="drop")
     keys = k_cache[layer].astype(jnp.float32)  # [B, S, kvh, hd]
     vals = v_cache[layer].astype(jnp.float32)
+    visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    return attend(q, keys, vals, visible), (k_cache, v_cache)
+
+
+def attend(q, keys, vals, visible):
+    """Softmax attention of q over gathered keys/values, in fp32, whatever the storage layout.
+
+    q: [B, T, heads, head_dim]; keys, vals: [B, S, kv_heads, head_dim] fp32; visible: [B, T, S]
+    bool (which slots query t of row b may see). Returns [B, T, heads, head_dim] in q.dtype.
+    """
+    b, t, nh, hd = q.shape
+    kvh = keys.shape[2]
     # GQA: query head h reads kv head h // (nh // kvh) (HF repeat_kv order).
     qg = q.astype(jnp.float32).reshape(b, t, kvh, nh // kvh, hd)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, keys, precision=_HI) * hd ** -0.5
-    visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
     # A finite floor, not -inf: a query whose own slot was dropped (past S) sees nothing and must
     # yield garbage rather than NaN that would poison the rest of the batch row.
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bgrts,bsgd->btgrd", probs, vals, precision=_HI)
-    return out.reshape(b, t, nh, hd).astype(q.dtype), (k_cache, v_cache)
+    return out.reshape(b, t, nh, hd).astype(q.dtype)
 
 
-def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid):
+def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
+                    write_attend=kv_write_attend):
     """Gated attention token mixer. p: the layer's `self_attn` params; x: [B, T, H] (normed).
 
-    q_proj rows are grouped per head as [q (head_dim) | gate (head_dim)]. Returns
+    q_proj rows are grouped per head as [q (head_dim) | gate (head_dim)]. `write_attend` is
+    `kv_write_attend` or `paged_kv.paged_write_attend`, matching the kind of `kv`. Returns
     (out [B, T, H], new kv).
     """
     b, t, _ = x.shape
@@ -89,6 +104,6 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid):
     v = linear(x, p["v_proj"]).reshape(b, t, kvh, hd)
     cos, sin = rope_tables(cfg, positions)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out, kv = kv_write_attend(kv, layer, q, k, v, positions, valid)
+    out, kv = write_attend(kv, layer, q, k, v, positions, valid)
     out = out.reshape(b, t, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     return linear(out, p["o_proj"]), kv

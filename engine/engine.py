@@ -1,13 +1,14 @@
-"""The serving engine: one thread that owns the device and runs requests from a queue.
+"""The serving engine: one thread owns the device and runs the scheduler's steps.
 
-The HTTP layer submits a `GenerationRequest` and receives events through the request's `emit`
-callback (called on the engine thread; the server forwards them to its event loop). This first
-version runs one sequence at a time; the runtime work adds paged KV and batching behind the same
-interface.
+The HTTP layer submits a `GenerationRequest` (which may raise `QueueFull`) and receives
+`TokenEvent`s and one `DoneEvent` through the request's `emit` callback, called on the engine
+thread. Up to `max_concurrency` sequences run at once, each in its own row of a batched cache:
+decode steps are batched over all decoding rows, prefill runs in chunks interleaved with them.
 """
 from __future__ import annotations
 
 import functools
+import secrets
 import queue
 import threading
 import time
@@ -20,7 +21,8 @@ import numpy as np
 
 from engine import model as M
 from engine.loader import LoadedModel
-from engine.sampling import SamplingParams, request_key, sample, step_key
+from engine.runtime.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (re-export)
+from engine.sampling import SamplingParams, request_key, sample
 
 
 @dataclass
@@ -30,9 +32,10 @@ class TokenEvent:
 
 @dataclass
 class DoneEvent:
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "queue_timeout" | "error"
     prompt_tokens: int
     output_tokens: int
+    queue_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     error: str | None = None
@@ -46,115 +49,191 @@ class GenerationRequest:
     stop_ids: frozenset[int]
     emit: Callable[[object], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
-    enqueued_at: float = field(default_factory=time.monotonic)
+    key_data: np.ndarray | None = None   # uint32[2], the request's sampling key
+    first_token_at: float | None = None
 
 
-def prefill_pieces(n: int, chunk: int) -> list[int]:
-    """Split n prompt tokens into full chunks plus power-of-two pieces.
+def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, *, n_vocab: int):
+    """Sample one token per row; row b uses only fold_in(key_b, steps_b): batch-invariant.
 
-    Every piece size is a power of two <= chunk, so prefill compiles for at most log2(chunk)+1
-    shapes and never needs padding (padding would enter the recurrent state).
+    logits: [B, V] f32; key_data: [B, 2] uint32; steps: [B] int32. Ids >= n_vocab are padding
+    rows of the embedding with no token: masked out.
     """
-    pieces = [chunk] * (n // chunk)
-    rest, bit = n % chunk, chunk >> 1
-    while rest:
-        if rest >= bit:
-            pieces.append(bit)
-            rest -= bit
-        bit >>= 1
-    return pieces
-
-
-def _masked_sample(logits, temperature, top_k, top_p, keys, *, n_vocab: int):
-    """Sample after masking the padded vocabulary rows (ids >= n_vocab have no token)."""
     ids = jnp.arange(logits.shape[-1])
     logits = jnp.where(ids[None, :] < n_vocab, logits, -jnp.inf)
+    keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(
+        key_data, steps)
     return sample(logits, temperature, top_k, top_p, keys)
 
 
+def _reset_row(cache: M.Cache, row):
+    """Forget row `row`: position 0 and zero GDN state (KV past pos is never read)."""
+    return cache._replace(
+        pos=cache.pos.at[row].set(0), conv=cache.conv.at[:, :, row].set(0),
+        rec=cache.rec.at[:, :, row].set(0), mtp_pos=cache.mtp_pos.at[row].set(0))
+
+
 class Engine:
-    def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int):
+    def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int,
+                 max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0):
         self.model = model
         self.context_tokens = context_tokens
-        self.prefill_chunk = prefill_chunk
-        self._queue: queue.Queue[GenerationRequest | None] = queue.Queue()
+        self.max_queue = max_queue
+        self.sched = Scheduler(max_concurrency=max_concurrency, max_queue=max_queue,
+                               queue_timeout_s=queue_timeout_s,
+                               capacity_tokens=context_tokens * max_concurrency,
+                               prefill_chunk=prefill_chunk)
+        self._inbox: queue.Queue[Sequence | None] = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
-        cfg, n_vocab = model.cfg, model.tokenizer.vocab_size
+        cfg = model.cfg
         fwd = M.jit_forward()
-        # Logits only at the last position: a prefill chunk never materialises [T, V] logits.
-        self._step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True)
-        self._sample = jax.jit(functools.partial(_masked_sample, n_vocab=n_vocab))
+        # Logits only at each row's last valid position: a prefill chunk never builds [T, V].
+        self._fwd = lambda p, t, c, n: fwd(p, cfg, t, c, lengths=n, last_only=True)
+        self._sample = jax.jit(functools.partial(_sample_rows,
+                                                 n_vocab=model.tokenizer.vocab_size))
+        self._reset = jax.jit(_reset_row, donate_argnums=(0,))
+        self.cache = M.init_cache(cfg, max_concurrency, context_tokens, model.kv_dtype)
+        self.B = max_concurrency
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self._inbox.put(None)
         self._thread.join(timeout=30)
 
     def submit(self, req: GenerationRequest) -> None:
-        self._queue.put(req)
+        """Queue a request; raises QueueFull when max_queue requests already wait."""
+        with self._lock:
+            if self._pending >= self.max_queue:
+                raise QueueFull(f"{self._pending} requests already waiting")
+            self._pending += 1
+        seed = req.sampling.seed
+        if seed is None:  # unseeded sampling: a fresh key per request
+            seed = secrets.randbits(63)
+        req.key_data = np.asarray(jax.random.key_data(request_key(seed)))
+        self._inbox.put(Sequence(prompt_ids=list(req.prompt_ids), max_tokens=req.max_tokens,
+                                 emit=req.emit, payload=req))
 
     def warmup(self) -> float:
-        """Compile the decode step and every prefill piece shape; returns seconds taken."""
+        """Compile the decode step, every prefill piece shape and the sampler; returns seconds."""
         t0 = time.monotonic()
-        sizes = sorted(set(prefill_pieces(2 * self.prefill_chunk - 1, self.prefill_chunk)))
-        cache = M.init_cache(self.model.cfg, 1, self.context_tokens, self.model.kv_dtype)
+        sizes, s = [], self.sched.prefill_chunk
+        while s:
+            sizes.append(s)
+            s >>= 1
+        zero = jnp.zeros((self.B,), jnp.int32)
         for size in sizes:
-            logits, _, cache = self._step(self.model.params, jnp.zeros((1, size), jnp.int32),
-                                          cache)
-        self._sample_one(logits[:, -1], SamplingParams(), request_key(0), 0)
-        jax.block_until_ready(cache)
+            logits, _, self.cache = self._fwd(self.model.params,
+                                              jnp.zeros((self.B, size), jnp.int32), self.cache,
+                                              zero)
+        self._sample_batch(logits[:, 0], [None] * self.B)
+        self.cache = self._reset(self.cache, 0)
+        jax.block_until_ready(self.cache)
         return time.monotonic() - t0
 
     # ---- the loop ---------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            req = self._queue.get()
-            if req is None:
+            if not self._drain_inbox(block=self.sched.idle):
                 return
+            for seq in self.sched.expire():
+                self._unpend()
+                seq.emit(DoneEvent(seq.finish_reason, len(seq.prompt_ids), 0,
+                                   queue_s=time.monotonic() - seq.enqueued_at))
+            for seq in self.sched.admit():
+                self._unpend()
+                self.cache = self._reset(self.cache, seq.slot)
+            for seq in list(self.sched.running):
+                if seq.payload.cancelled.is_set():
+                    self._finish(seq, "cancelled")
+            step = self.sched.next_step()
+            if step is None:
+                continue
             try:
-                self._run(req)
-            except Exception as e:  # the engine thread must survive a failed request
-                req.emit(DoneEvent("error", len(req.prompt_ids), 0, error=type(e).__name__))
+                self._run_step(step)
+            except Exception as e:  # the engine thread must survive a failed step
+                for seq in step.seqs:
+                    self._finish(seq, "error", error=type(e).__name__)
 
-    def _sample_one(self, logits, sp: SamplingParams, key, step: int) -> int:
-        tok = self._sample(logits, jnp.asarray([sp.temperature], jnp.float32),
-                           jnp.asarray([sp.top_k], jnp.int32),
-                           jnp.asarray([sp.top_p], jnp.float32), step_key(key, step)[None])
-        return int(tok[0])
+    def _drain_inbox(self, block: bool) -> bool:
+        """Move submissions into the scheduler; False when asked to stop."""
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            while True:
+                if item is None:
+                    return False
+                self.sched.waiting.append(item)  # capacity was checked by submit()
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
 
-    def _run(self, req: GenerationRequest) -> None:
-        n = len(req.prompt_ids)
-        if req.cancelled.is_set():
-            req.emit(DoneEvent("cancelled", n, 0))
+    def _unpend(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _run_step(self, step) -> None:
+        tokens = np.zeros((self.B, max(step.size, 1)), np.int32)
+        lengths = np.zeros((self.B,), np.int32)
+        if step.kind == "prefill":
+            seq = step.seqs[0]
+            tokens[seq.slot] = seq.prompt_ids[step.start:step.start + step.size]
+            lengths[seq.slot] = step.size
+        else:
+            for seq in step.seqs:
+                tokens[seq.slot, 0] = seq.output_ids[-1]
+                lengths[seq.slot] = 1
+        logits, _, self.cache = self._fwd(self.model.params, jnp.asarray(tokens), self.cache,
+                                          jnp.asarray(lengths))
+        if step.kind == "prefill":
+            self.sched.prefilled(step.seqs[0], step.size)
+            ready = [s for s in step.seqs if s.prefill_remaining == 0]
+        else:
+            ready = list(step.seqs)
+        if ready:
+            rows = [None] * self.B
+            for s in ready:
+                rows[s.slot] = s
+            picked = self._sample_batch(logits[:, 0], rows)
+            for s in ready:
+                self._accept(s, int(picked[s.slot]))
+
+    def _sample_batch(self, logits, rows: list) -> np.ndarray:
+        temp = np.zeros((self.B,), np.float32)
+        top_k = np.zeros((self.B,), np.int32)
+        top_p = np.ones((self.B,), np.float32)
+        keys = np.zeros((self.B, 2), np.uint32)
+        steps = np.zeros((self.B,), np.int32)
+        for b, seq in enumerate(rows):
+            if seq is None:
+                continue
+            sp = seq.payload.sampling
+            temp[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
+            keys[b], steps[b] = seq.payload.key_data, len(seq.output_ids)
+        return np.asarray(self._sample(logits, temp, top_k, top_p, keys, steps))
+
+    def _accept(self, seq: Sequence, tok: int) -> None:
+        req: GenerationRequest = seq.payload
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        if tok in req.stop_ids:
+            self._finish(seq, "stop")
             return
-        t0 = time.monotonic()
-        cache = M.init_cache(self.model.cfg, 1, self.context_tokens, self.model.kv_dtype)
-        ids = np.asarray(req.prompt_ids, np.int32)[None]
-        pos = 0
-        for size in prefill_pieces(n, self.prefill_chunk):
-            logits, _, cache = self._step(self.model.params, ids[:, pos:pos + size], cache)
-            pos += size
-        key = request_key(req.sampling.seed)
-        tok = self._sample_one(logits[:, -1], req.sampling, key, 0)
-        t1 = time.monotonic()
-        produced = 0
-        reason = "length"
-        while True:
-            if req.cancelled.is_set():
-                reason = "cancelled"
-                break
-            if tok in req.stop_ids:
-                reason = "stop"
-                break
-            req.emit(TokenEvent(tok))
-            produced += 1
-            if produced >= req.max_tokens or n + produced >= self.context_tokens:
-                break
-            logits, _, cache = self._step(self.model.params, jnp.asarray([[tok]], jnp.int32),
-                                          cache)
-            tok = self._sample_one(logits[:, -1], req.sampling, key, produced)
-        req.emit(DoneEvent(reason, n, produced, prefill_s=t1 - t0,
-                           decode_s=time.monotonic() - t1))
+        seq.output_ids.append(tok)
+        seq.emit(TokenEvent(tok))
+        total = len(seq.prompt_ids) + len(seq.output_ids)
+        if len(seq.output_ids) >= seq.max_tokens or total >= self.context_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.sched.finish(seq, reason)
+        req: GenerationRequest = seq.payload
+        now = time.monotonic()
+        first = req.first_token_at or now
+        admitted = seq.admitted_at or seq.enqueued_at
+        seq.emit(DoneEvent(reason, len(seq.prompt_ids), len(seq.output_ids),
+                           queue_s=admitted - seq.enqueued_at, prefill_s=first - admitted,
+                           decode_s=now - first, error=error))

@@ -6,11 +6,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.attention import attention_mixer
+from engine.attention import attention_mixer, kv_write_attend
 from engine.config import ModelConfig
 from engine.gdn import (causal_conv1d, chunk_gated_delta_rule, l2_normalize,
                         recurrent_gated_delta_rule)
 from engine.norms import gated_rms_norm, rms_norm
+from engine.paged_kv import PagedKV, paged_write_attend
 from engine.quant import linear
 
 GDN_RULES = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}
@@ -63,11 +64,13 @@ def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
 
 
 def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid):
-    """One gated-attention decoder layer. x: [B, T, H]; kv/layer/positions/valid as in
-    `attention.kv_write_attend`. Returns (x, kv)."""
+    """One gated-attention decoder layer. x: [B, T, H]; kv: the contiguous (k, v) of
+    `attention.kv_write_attend` or a `paged_kv.PagedKV`; layer/positions/valid as there.
+    Returns (x, kv) with kv of the same kind."""
+    write_attend = paged_write_attend if isinstance(kv, PagedKV) else kv_write_attend
     h, kv = attention_mixer(p["self_attn"], cfg,
                             rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
-                            kv, layer, positions, valid)
+                            kv, layer, positions, valid, write_attend)
     x = x + h
     x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps))
     return x, kv

@@ -2,7 +2,9 @@
 -> final norm -> lm_head, plus the MTP draft head.
 
 The blocks run as ONE lax.scan over stacked block weights, so compile time does not grow with
-depth. The whole cache rides in the scan carry and each block updates its slice in place.
+depth. The whole cache rides in the scan carry and each block updates its slice in place. The
+cache is a contiguous `Cache` or a `PagedCache` (KV in a shared page pool); the type picks the
+attention KV path at trace time, everything else is shared.
 
     fwd = jax.jit(forward, static_argnames=FORWARD_STATIC, donate_argnames=("cache",))
     logits, hidden, cache = fwd(params, cfg, tokens, cache)
@@ -13,10 +15,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from engine.cache import Cache, init_cache  # noqa: F401  (re-exported)
+from engine.cache import Cache, PagedCache, init_cache, init_paged_cache  # noqa: F401
 from engine.config import ConfigError, ModelConfig
 from engine.layers import GDN_RULES, attention_layer, gdn_layer
 from engine.norms import rms_norm
+from engine.paged_kv import PagedKV
 from engine.params import ParamError, stack_params  # noqa: F401  (re-exported)
 from engine.quant import embedding_lookup, linear
 
@@ -38,13 +41,16 @@ def _embed(params, tokens):
     return embedding_lookup(params["embed_tokens"], tokens, dtype=params["norm"].dtype)
 
 
-def _run_blocks(blocks, cfg: ModelConfig, x, cache: Cache, positions, lengths, valid, mode,
+def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, mode,
                 unroll: bool):
-    """Scan the stacked blocks over x [B, T, H]; returns (x, cache with k/v/conv/rec updated).
-    unroll=True unrolls both scans (same math, static weight slices, compile grows with depth)."""
+    """Scan the stacked blocks over x [B, T, H]; returns (x, cache with its attention KV, conv
+    and rec updated). unroll=True unrolls both scans (same math, static weight slices, compile
+    grows with depth). The carry holds the KV arrays only (the pool, or k and v); the block
+    table is constant and closed over."""
+    paged = isinstance(cache, PagedCache)
 
     def block(carry, xs):
-        x, k, v, conv, rec = carry
+        x, kv, conv, rec = carry
         p, i = xs
 
         def gdn(x, layer_xs):
@@ -54,13 +60,20 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache: Cache, positions, lengths, v
 
         x, (conv_i, rec_i) = lax.scan(gdn, x, (p["gdn"], conv[i], rec[i]), unroll=unroll)
         conv, rec = conv.at[i].set(conv_i), rec.at[i].set(rec_i)
-        x, (k, v) = attention_layer(p["attn"], cfg, x, (k, v), i, positions, valid)
-        return (x, k, v, conv, rec), None
+        if paged:
+            x, layer_kv = attention_layer(p["attn"], cfg, x, PagedKV(kv, cache.block_table), i,
+                                          positions, valid)
+            kv = layer_kv.pool
+        else:
+            x, kv = attention_layer(p["attn"], cfg, x, kv, i, positions, valid)
+        return (x, kv, conv, rec), None
 
-    carry = (x, cache.k, cache.v, cache.conv, cache.rec)
+    kv = cache.pool if paged else (cache.k, cache.v)
     xs = (blocks, jnp.arange(cfg.num_blocks, dtype=jnp.int32))
-    (x, k, v, conv, rec), _ = lax.scan(block, carry, xs, unroll=unroll)
-    return x, cache._replace(k=k, v=v, conv=conv, rec=rec)
+    (x, kv, conv, rec), _ = lax.scan(block, (x, kv, cache.conv, cache.rec), xs, unroll=unroll)
+    if paged:
+        return x, cache._replace(pool=kv, conv=conv, rec=rec)
+    return x, cache._replace(k=kv[0], v=kv[1], conv=conv, rec=rec)
 
 
 def _head(params, cfg: ModelConfig, h, lengths, last_only: bool):
@@ -71,18 +84,21 @@ def _head(params, cfg: ModelConfig, h, lengths, last_only: bool):
     return linear(h, params["lm_head"]).astype(jnp.float32)
 
 
-def forward(params, cfg: ModelConfig, tokens, cache: Cache, *, gdn_mode: str = "chunk",
-            lengths=None, last_only: bool = False, unroll: bool = False):
+def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
+            gdn_mode: str = "chunk", lengths=None, last_only: bool = False,
+            unroll: bool = False):
     """Process T new tokens per row at each row's cache position (prefill T > 1, decode T = 1).
 
-    params: `stack_params` tree; tokens: [B, T] int32; cache: `init_cache(cfg, B, max_len)`.
+    params: `stack_params` tree; tokens: [B, T] int32; cache: `init_cache(cfg, B, max_len)` or
+    `init_paged_cache(cfg, pool, block_table)` (same results; see engine/paged_kv.py).
     gdn_mode: "chunk" (WY/UT form) or "recurrent" (step-by-step); both give the same result.
     lengths: optional [B] int32, valid tokens per row (right padding; a row with 0 is untouched).
     last_only: return logits only at each row's last valid token ([B, 1, V]), for long prefills.
     unroll: unroll the block scan (compile time then grows with depth; see engine/bench.py).
     Returns (logits fp32 [B, T, V], hidden [B, T, H] after the final norm (the MTP input),
-    new cache with pos += lengths). Tokens past max_len are silently dropped from the KV cache:
-    the caller must keep pos + T <= max_len.
+    new cache with pos += lengths). Tokens past max_len (paged: past the block table, or on a
+    page id < 0) are silently dropped from the KV cache: the caller must keep pos + T <= max_len
+    (paged: the row's table must cover slots [pos, pos + T)).
     """
     if gdn_mode not in GDN_RULES:
         raise ValueError(f"gdn_mode must be one of {sorted(GDN_RULES)}, got {gdn_mode!r}")
@@ -96,31 +112,43 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache, *, gdn_mode: str = "
     return logits, hidden, cache._replace(pos=cache.pos + lengths)
 
 
-def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache, *, lengths=None,
-                last_only: bool = False):
+def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCache, *,
+                lengths=None, last_only: bool = False):
     """Multi-token-prediction head: entry t pairs the main model's hidden h_t with token x_{t+1}
     and predicts x_{t+2}.
 
     hidden: [B, T, H] from `forward` (after the final norm); tokens: [B, T] int32, the tokens that
     follow those hidden states. Entries sit at positions cache.mtp_pos + t in the MTP layer's own
-    KV cache. h' = fc(cat[norm_e(embed(x_{t+1})), norm_h(h_t)]) -> one attention decoder layer ->
+    KV cache (paged: pool layer num_blocks, slot position + 1, through the rows' block tables;
+    the pool must be built with mtp=True and the tables must cover slot mtp_pos + T).
+    h' = fc(cat[norm_e(embed(x_{t+1})), norm_h(h_t)]) -> one attention decoder layer ->
     mtp.norm -> shared lm_head. Returns (logits fp32 [B, T, V] (or [B, 1, V] with last_only),
     mtp hidden [B, T, H] after mtp.norm (input for a further draft step), new cache with
     mtp_pos += lengths).
     """
     if not cfg.mtp_layers or "mtp" not in params:
         raise ConfigError(f"model config {cfg.name!r} has no MTP layer")
+    if isinstance(cache, PagedCache) and cache.pool.k.shape[0] <= cfg.num_blocks:
+        raise ConfigError("the paged KV pool has no MTP layer: build it with "
+                          "init_kv_pool(..., mtp=True)")
     m, eps = params["mtp"], cfg.rms_norm_eps
     lengths, valid = _steps(tokens, lengths)
     positions = cache.mtp_pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     e = rms_norm(_embed(params, tokens), m["pre_fc_norm_embedding"], eps)
     h = rms_norm(hidden.astype(e.dtype), m["pre_fc_norm_hidden"], eps)
     x = linear(jnp.concatenate([e, h], axis=-1), m["fc"])
-    x, (k, v) = attention_layer(m["layer"], cfg, x, (cache.mtp_k, cache.mtp_v), 0, positions,
-                                valid)
+    if isinstance(cache, PagedCache):
+        # Slot = position + 1: entry j depends on tokens[0..j+1], like main-model slot j + 1.
+        kv = PagedKV(cache.pool, cache.block_table, slot_offset=1)
+        x, kv = attention_layer(m["layer"], cfg, x, kv, cfg.num_blocks, positions, valid)
+        cache = cache._replace(pool=kv.pool)
+    else:
+        x, (k, v) = attention_layer(m["layer"], cfg, x, (cache.mtp_k, cache.mtp_v), 0,
+                                    positions, valid)
+        cache = cache._replace(mtp_k=k, mtp_v=v)
     h = rms_norm(x, m["norm"], eps)
     logits = _head(params, cfg, h, lengths, last_only)
-    return logits, h, cache._replace(mtp_k=k, mtp_v=v, mtp_pos=cache.mtp_pos + lengths)
+    return logits, h, cache._replace(mtp_pos=cache.mtp_pos + lengths)
 
 
 def jit_forward():

@@ -30,6 +30,8 @@ class LaneProfile:
     max_concurrency: int
     prefill_chunk: int
     max_output_tokens: int
+    max_queue: int
+    queue_timeout_s: float
     host: str
     port: int
 
@@ -43,6 +45,10 @@ class LaneProfile:
         for f in ("context_tokens", "max_concurrency", "prefill_chunk", "max_output_tokens"):
             v = getattr(self, f)
             need(isinstance(v, int) and v > 0, f"{f} must be a positive integer, got {v!r}")
+        need(isinstance(self.max_queue, int) and self.max_queue >= 0,
+             "max_queue must be a non-negative integer")
+        need(isinstance(self.queue_timeout_s, (int, float)) and self.queue_timeout_s > 0,
+             "queue_timeout_s must be positive")
         need(self.prefill_chunk & (self.prefill_chunk - 1) == 0,
              "prefill_chunk must be a power of two")
         need(0 < self.port < 65536, "port must be in 1..65535")

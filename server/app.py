@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from sanic import Request, Sanic, response
 
-from engine.engine import DoneEvent, Engine, GenerationRequest, TokenEvent
+from engine.engine import DoneEvent, Engine, GenerationRequest, QueueFull, TokenEvent
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from server.auth import KeyRing
@@ -105,10 +105,13 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
                               store=req.store, prompt_cache_key=req.prompt_cache_key,
                               input_tokens=len(prompt_ids))
         gen, events = _submit(rt.engine, m, req, prompt_ids, max_tokens)
-        if req.stream:
-            return await _stream(request, state, gen, events, m)
         try:
-            await _collect(state, events, m)
+            first = await events.get()  # errors before the first token get a plain HTTP error
+            _raise_if_rejected(first)
+            source = _Events(events, first)
+            if req.stream:
+                return await _stream(request, state, gen, source, m)
+            await _collect(state, source, m)
         finally:
             gen.cancelled.set()  # a no-op when finished; frees the engine if the client left
         return response.json(state.to_dict())
@@ -143,11 +146,36 @@ def _submit(engine: Engine, m: LoadedModel, req: ResponseRequest, prompt_ids, ma
     gen = GenerationRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                             stop_ids=frozenset(m.tokenizer.eos_ids),
                             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-    engine.submit(gen)
+    try:
+        engine.submit(gen)
+    except QueueFull:
+        raise APIError(429, "The server is overloaded: too many requests are waiting. Retry "
+                       "shortly.", type="server_error", code="server_overloaded",
+                       headers={"Retry-After": "2"}) from None
     return gen, events
 
 
-async def _next_text(events: asyncio.Queue, decoder, state: ResponseState):
+def _raise_if_rejected(ev) -> None:
+    if isinstance(ev, DoneEvent) and ev.finish_reason == "queue_timeout":
+        raise APIError(503, f"The request waited {ev.queue_s:.0f}s in the queue without being "
+                       "scheduled.", type="server_error", code="request_queue_timeout",
+                       headers={"Retry-After": "5"})
+
+
+class _Events:
+    """The engine's events for one request, with the already-received first one in front."""
+
+    def __init__(self, queue: asyncio.Queue, first):
+        self.queue, self.first = queue, first
+
+    async def get(self):
+        if self.first is not None:
+            ev, self.first = self.first, None
+            return ev
+        return await self.queue.get()
+
+
+async def _next_text(events: _Events, decoder, state: ResponseState):
     """The next piece of text, or a DoneEvent when generation ended."""
     while True:
         ev = await events.get()

@@ -61,14 +61,16 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         model = load_model(path, compute_dtype=profile.compute_dtype,
                            kv_dtype=profile.kv_dtype, expected_sha256=expected)
         engine = Engine(model, context_tokens=profile.context_tokens,
-                        prefill_chunk=profile.prefill_chunk)
+                        prefill_chunk=profile.prefill_chunk,
+                        max_concurrency=profile.max_concurrency, max_queue=profile.max_queue,
+                        queue_timeout_s=profile.queue_timeout_s)
         compile_s = engine.warmup()
         engine.start()
         rt.model, rt.engine = model, engine
         print(f"ninfer: ready: model {model.model_id} sha256 {model.sha256[:16]}... "
               f"(compile {compile_s:.1f}s, ready {time.monotonic() - t_start:.1f}s after start)",
               file=sys.stderr, flush=True)
-    except Exception as e:  # keep serving /health (503) and say why, instead of dying silently
+    except Exception as e:  # fail closed: say why and stop, never serve without the model
         rt.load_error = f"{type(e).__name__}: {e}"
         print(f"ninfer: model failed to load: {rt.load_error}", file=sys.stderr, flush=True)
         os._exit(3)

@@ -14,58 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import TEST_SMALL, ModelConfig
-from engine.hf_config import hf_text_config_dict, model_config_from_hf
+from engine.config import TEST_SMALL
+from engine.hf_config import model_config_from_hf
 from engine.model import init_cache, jit_forward, stack_params
 
 jax.config.update("jax_enable_x64", False)
 transformers = pytest.importorskip("transformers")
 
+from tests.hf_models import build_hf, canonical_weights, hf_logits, rel_err  # noqa: E402
+
 TOL = 1e-4
 MAX_LEN = 128
-WEIGHT_SCALE = 3.0
 FWD = jit_forward()
-
-
-def build_hf(cfg: ModelConfig, seed: int = 0):
-    """A random fp32 Qwen3_5ForCausalLM with cfg's shapes (eager attention, eval mode)."""
-    torch.manual_seed(seed)
-    hcfg = transformers.Qwen3_5TextConfig(**hf_text_config_dict(cfg))
-    hcfg._attn_implementation = "eager"
-    model = transformers.Qwen3_5ForCausalLM(hcfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "linear_attn.norm" in name:  # gated norm: plain weight around 1
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("norm.weight"):  # zero-centred norms: 1 + w
-                p.uniform_(-0.5, 0.5)
-            elif name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 8.0)))
-            elif name.endswith("dt_bias"):
-                p.normal_(0.0, 1.0)
-            else:
-                p.mul_(WEIGHT_SCALE)
-    return model
-
-
-def canonical_weights(model) -> dict[str, np.ndarray]:
-    """HF state dict -> canonical names (no `model.` prefix / `.weight` suffix, conv squeezed)."""
-    flat = {}
-    for name, t in model.state_dict().items():
-        name = name.removeprefix("model.").removesuffix(".weight")
-        a = t.detach().numpy()
-        flat[name] = a[:, 0, :] if name.endswith("conv1d") else a
-    return flat
-
-
-def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def run_pieces(params, cfg, tokens, pieces, modes=None):

@@ -1,0 +1,169 @@
+"""Scheduling: which sequences run, and what the next device step is.
+
+Pure host logic, no arrays. A sequence moves WAITING -> PREFILLING -> DECODING -> FINISHED (or
+is cancelled / expires on the way) only through the named transitions below. Each loop iteration
+of the engine asks for the next step: one batched decode step for every decoding sequence, then
+one prefill chunk of the oldest prefilling sequence. So a long prefill never freezes a stream
+that is already decoding: between two prefill chunks of B there is always a decode step of A.
+
+Admission reserves prompt + output tokens of KV capacity; a request that cannot be admitted
+waits in a bounded queue until its pending deadline.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class QueueFull(Exception):
+    """The wait queue is full: the server answers 429 server_overloaded."""
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    max_tokens: int
+    emit: Callable[[object], None]
+    payload: object = None  # what the runner needs (sampling params, stop ids, ...)
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: SeqStatus = SeqStatus.WAITING
+    enqueued_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    computed: int = 0        # prompt tokens already in the model state
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None  # batch row while running
+    finish_reason: str | None = None
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.prompt_ids) + self.max_tokens
+
+    @property
+    def prefill_remaining(self) -> int:
+        return len(self.prompt_ids) - self.computed
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str                      # "decode" | "prefill"
+    seqs: tuple[Sequence, ...]
+    start: int = 0                 # prefill: first prompt index of the chunk
+    size: int = 0                  # prefill: chunk length
+
+
+class Scheduler:
+    def __init__(self, *, max_concurrency: int, max_queue: int, queue_timeout_s: float,
+                 capacity_tokens: int, prefill_chunk: int):
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.capacity_tokens = capacity_tokens
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(max_concurrency))
+        self.reserved = 0
+        self.step_log: list[tuple[str, tuple[int, ...]]] = []  # (kind, seq ids), for tests
+        self._decode_turn = True
+
+    # ---- submission -----------------------------------------------------------------------
+    def can_submit(self) -> bool:
+        return len(self.waiting) < self.max_queue
+
+    def submit(self, seq: Sequence) -> None:
+        if not self.can_submit():
+            raise QueueFull(f"{len(self.waiting)} requests already waiting")
+        if seq.reserved_tokens > self.capacity_tokens:
+            raise ValueError("request larger than the KV capacity")  # the server checks first
+        self.waiting.append(seq)
+
+    # ---- admission ------------------------------------------------------------------------
+    def can_admit(self, seq: Sequence) -> bool:
+        return bool(self.free_slots) and \
+            self.reserved + seq.reserved_tokens <= self.capacity_tokens
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting sequences (in arrival order) into free slots while capacity allows."""
+        admitted = []
+        while self.waiting and self.can_admit(self.waiting[0]):
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            seq.status = SeqStatus.PREFILLING
+            seq.admitted_at = time.monotonic()
+            self.reserved += seq.reserved_tokens
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def expire(self, now: float | None = None) -> list[Sequence]:
+        """Remove waiting sequences past their pending deadline or cancelled; returns them."""
+        now = time.monotonic() if now is None else now
+        gone = [s for s in self.waiting
+                if now - s.enqueued_at > self.queue_timeout_s or _cancelled(s)]
+        for s in gone:
+            self.waiting.remove(s)
+            s.status = SeqStatus.FINISHED
+            s.finish_reason = "cancelled" if _cancelled(s) else "queue_timeout"
+        return gone
+
+    # ---- steps ----------------------------------------------------------------------------
+    def next_step(self) -> Step | None:
+        decoding = tuple(s for s in self.running if s.status is SeqStatus.DECODING)
+        prefilling = [s for s in self.running if s.status is SeqStatus.PREFILLING]
+        # Alternate: a decode step of every decoding stream, then one prefill chunk.
+        if decoding and (self._decode_turn or not prefilling):
+            self._decode_turn = False
+            step = Step("decode", decoding)
+        elif prefilling:
+            self._decode_turn = True
+            seq = prefilling[0]
+            size = _piece(seq.prefill_remaining, self.prefill_chunk)
+            step = Step("prefill", (seq,), start=seq.computed, size=size)
+        else:
+            return None
+        self.step_log.append((step.kind, tuple(s.seq_id for s in step.seqs)))
+        return step
+
+    def prefilled(self, seq: Sequence, n: int) -> None:
+        seq.computed += n
+        if seq.prefill_remaining == 0:
+            seq.status = SeqStatus.DECODING
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+        self.reserved -= seq.reserved_tokens
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+
+def _cancelled(seq: Sequence) -> bool:
+    flag = getattr(seq.payload, "cancelled", None)
+    return bool(flag is not None and flag.is_set())
+
+
+def _piece(remaining: int, chunk: int) -> int:
+    """Largest power of two <= min(remaining, chunk): a bounded set of compiled shapes."""
+    n = min(remaining, chunk)
+    return 1 << (n.bit_length() - 1)

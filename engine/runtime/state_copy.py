@@ -1,0 +1,64 @@
+"""Jitted copies between the live cache's GDN state and the state pool's device slots.
+
+Row and slot indices are traced int32 scalars, so each function compiles once per shape, not
+once per index. Indices are not bounds-checked on the device (dynamic indexing clamps): callers
+check them on the host. Destinations are donated so XLA updates them in place.
+
+Shapes (C = conv_dim, K = conv kernel, G = GDN layers per block, nb = num_blocks):
+  cache conv  [nb, G, B, C, K-1]        cache rec  [nb, G, B, Hv, Dk, Dv] fp32
+  slots conv  [S, nb, G, C, K-1]        slots rec  [S, nb, G, Hv, Dk, Dv] fp32
+  row conv    [nb, G, C, K-1]           row rec    [nb, G, Hv, Dk, Dv]    fp32
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+
+_BATCH_AXIS = 2  # of the cache's conv and rec arrays
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def snapshot_to_slot(slots_conv, slots_rec, cache_conv, cache_rec, batch_row, slot):
+    """Copy batch row `batch_row` of the cache into slot `slot`; returns the new slot arrays."""
+    conv = lax.dynamic_index_in_dim(cache_conv, batch_row, _BATCH_AXIS, keepdims=False)
+    rec = lax.dynamic_index_in_dim(cache_rec, batch_row, _BATCH_AXIS, keepdims=False)
+    return (lax.dynamic_update_index_in_dim(slots_conv, conv, slot, 0),
+            lax.dynamic_update_index_in_dim(slots_rec, rec, slot, 0))
+
+
+def _read(slots_conv, slots_rec, slot):
+    return (lax.dynamic_index_in_dim(slots_conv, slot, 0, keepdims=False),
+            lax.dynamic_index_in_dim(slots_rec, slot, 0, keepdims=False))
+
+
+def _write_row(cache_conv, cache_rec, batch_row, conv_row, rec_row):
+    return (lax.dynamic_update_index_in_dim(cache_conv, conv_row, batch_row, _BATCH_AXIS),
+            lax.dynamic_update_index_in_dim(cache_rec, rec_row, batch_row, _BATCH_AXIS))
+
+
+@jax.jit
+def read_slot(slots_conv, slots_rec, slot):
+    """The image in slot `slot`: (conv row, rec row)."""
+    return _read(slots_conv, slots_rec, slot)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def write_slot(slots_conv, slots_rec, conv_row, rec_row, slot):
+    """Put one image (e.g. fetched from the host) into slot `slot`; returns the new slot arrays."""
+    return (lax.dynamic_update_index_in_dim(slots_conv, conv_row, slot, 0),
+            lax.dynamic_update_index_in_dim(slots_rec, rec_row, slot, 0))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def write_row(cache_conv, cache_rec, batch_row, conv_row, rec_row):
+    """Write one image into batch row `batch_row` of the cache; returns the new cache arrays."""
+    return _write_row(cache_conv, cache_rec, batch_row, conv_row, rec_row)
+
+
+@functools.partial(jax.jit, donate_argnums=(2, 3))
+def restore_to_row(slots_conv, slots_rec, cache_conv, cache_rec, slot, batch_row):
+    """Copy slot `slot` straight into batch row `batch_row` (no intermediate row arrays)."""
+    conv, rec = _read(slots_conv, slots_rec, slot)
+    return _write_row(cache_conv, cache_rec, batch_row, conv, rec)

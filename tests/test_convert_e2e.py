@@ -1,0 +1,260 @@
+"""End to end: tiny random HF checkpoints -> `./ninfer convert` (the real CLI, as a subprocess) ->
+open_artifact + stack_params -> our jitted forward, against transformers in fp32 on CPU.
+
+For each source layout (Qwen3_5ForCausalLM and dense Qwen3NextForCausalLM, norm weights, A_log and
+dt_bias randomised) the fp32 artifact meets max|ours - ref| / max|ref| <= 1e-4 for: the full forward
+over 80 positions; chunked prefill (37 + 27) then 16 decode steps; the logits of a 64-token greedy
+continuation, whose tokens equal HF generate's, hold >= 16 distinct ids and change when one prompt
+token changes. Each quantized recipe meets two fixed bounds (docs/formats/artifact.md, "Model-level
+accuracy"): against the same forward on its own dequantized weights, and against the fp32 model.
+Last, `./ninfer serve --model` serves a converted model through the OpenAI SDK.
+"""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from engine.artifact import open_artifact  # noqa: E402
+from engine.chat import default_chat_template  # noqa: E402
+from engine.config import TEST_SMALL  # noqa: E402
+from engine.model import init_cache, jit_forward, stack_params  # noqa: E402
+from engine.quant import QTensor, dequantize  # noqa: E402
+from engine.tokenizer import MODEL_VOCAB_SIZE, build_qwen35_tokenizer_json  # noqa: E402
+from tests.hf_models import ARCHS, build_hf, hf_logits, rel_err  # noqa: E402
+from tests.serverproc import REPO, start_server  # noqa: E402
+
+CFG = TEST_SMALL  # hidden 64, 4 layers, interval 2, vocab 512
+TOL = 1e-4
+MAX_LEN = 128
+SEQ = 80  # full-forward length = chunked prefill 37 + 27, then 16 decode steps
+PIECES = (37, 27)
+PROMPT, GEN, DISTINCT = 37, 64, 16  # greedy: prompt length (reuses the 37 prefill), new tokens
+GAP = 1e-3  # near-tie guard: top-2 logit gap > GAP * max|logit| at every greedy step
+QUANT_RECIPES = ("bf16", "int8", "fp8", "int4")
+RECIPES = ("fp32",) + QUANT_RECIPES
+# Quantized artifact vs the same forward on its dequantized fp32 weights, max|d| / max|ref|: the
+# same math through a different storage path (measured <= 4e-7; docs/formats/artifact.md).
+VS_DEQUANT = 1e-5
+# Quantized vs the fp32 original, normwise ||L_q - L_fp32|| / ||L_fp32|| over 2 x 80 positions:
+# about 2x the larger of the two layouts' measured values (docs/formats/artifact.md).
+VS_FP32 = {"bf16": 1e-2, "int8": 2e-2, "fp8": 6e-2, "int4": 2.5e-1}
+FWD = jit_forward()
+
+
+def _convert(jobs: list[tuple[Path, Path, str]]) -> None:
+    """Run `./ninfer convert` for every (hf_dir, out, recipe) concurrently (each run is mostly
+    interpreter and import time) and fail with the CLI's stderr when one fails."""
+    procs = [(out, subprocess.Popen(
+        [str(REPO / "ninfer"), "convert", "--from", str(src), "--out", str(out),
+         "--recipe", recipe, "--quiet"], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)) for src, out, recipe in jobs]
+    for out, proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"ninfer convert -> {out.name} failed:\n{stderr}"
+        assert stdout.startswith(f"{out} sha256 "), stdout
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[object, dict[str, Path]]]:
+    """{arch: (HF model, {recipe: artifact path})}: each model built and converted once."""
+    root = tmp_path_factory.mktemp("e2e")
+    out, jobs = {}, []
+    for seed, arch in enumerate(ARCHS):
+        model = build_hf(CFG, seed=seed, arch=arch)
+        src = root / f"hf-{arch}"
+        model.save_pretrained(src)  # safetensors
+        paths = {r: root / f"{arch}-{r}.ninfer" for r in RECIPES}
+        jobs += [(src, p, r) for r, p in paths.items()]
+        out[arch] = model, paths
+    _convert(jobs)
+    return out
+
+
+def _params(path: Path, *, dequantized: bool = False) -> dict:
+    """The artifact's stacked params as stored, or with every weight dense fp32 (QTensors through
+    quant.dequantize, bf16 upcast): the dequantized reference."""
+    flat = open_artifact(path).load_all()
+    if dequantized:
+        flat = {n: dequantize(v) if isinstance(v, QTensor) else np.asarray(v, np.float32)
+                for n, v in flat.items()}
+    return stack_params(flat, CFG)
+
+
+@pytest.fixture(scope="module")
+def fp32_params(checkpoints) -> dict[str, dict]:
+    return {arch: _params(paths["fp32"]) for arch, (_, paths) in checkpoints.items()}
+
+
+def _forward(params, tokens) -> np.ndarray:
+    # Both layouts run with CFG itself (test_converted_config checks that the artifacts' configs
+    # differ from it only in name and source_layout, which the forward never reads), so they
+    # share every compiled function.
+    logits, _, _ = FWD(params, CFG, jnp.asarray(tokens, jnp.int32),
+                       init_cache(CFG, tokens.shape[0], MAX_LEN))
+    return np.asarray(logits)
+
+
+def _tokens(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, (2, SEQ))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_converted_config(checkpoints, arch, recipe):
+    with open_artifact(checkpoints[arch][1][recipe]) as art:
+        assert art.config == dataclasses.replace(CFG, name=f"hf-{arch}", source_layout=arch)
+        assert art.extra == {"recipe": recipe}
+        assert art.tokenizer_json is None and art.chat_template is None  # none in the HF dir
+        assert {"config.json", "model.safetensors"} <= {f["path"] for f in art.source["files"]}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_forward_matches_hf(checkpoints, fp32_params, arch):
+    tokens = _tokens(10)
+    ours = _forward(fp32_params[arch], tokens)
+    assert ours.shape == (2, SEQ, CFG.vocab_size)
+    assert rel_err(ours, hf_logits(checkpoints[arch][0], tokens)) <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_then_decode_matches_full_forward(checkpoints, fp32_params, arch):
+    params, tokens = fp32_params[arch], _tokens(11)
+    cache, out, start = init_cache(CFG, 2, MAX_LEN), [], 0
+    for n in list(PIECES) + [1] * (SEQ - sum(PIECES)):
+        logits, _, cache = FWD(params, CFG, jnp.asarray(tokens[:, start:start + n], jnp.int32),
+                               cache)
+        out.append(np.asarray(logits))
+        start += n
+    assert np.asarray(cache.pos).tolist() == [SEQ, SEQ]
+    ours = np.concatenate(out, axis=1)
+    assert rel_err(ours, hf_logits(checkpoints[arch][0], tokens)) <= TOL
+    assert rel_err(ours, _forward(params, tokens)) <= TOL
+
+
+def _hf_greedy(model, prompts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """HF generate, greedy: (new tokens [B, GEN], the logits that chose them [B, GEN, V])."""
+    ids = torch.tensor(prompts)
+    with torch.no_grad():  # explicit mask: pad_token_id 0 may occur in a random prompt
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GEN,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+    return out.sequences[:, prompts.shape[1]:].numpy(), torch.stack(out.logits, 1).numpy()
+
+
+def _greedy_case(model) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompts [2, PROMPT], HF tokens, HF logits) for the first prompt seed that makes a fair
+    test: row 1 is row 0 with one token changed (the negative control); HF's continuation has no
+    near-tie (with every logit within TOL * max|ref| of HF's, a top-2 gap above twice that cannot
+    flip an argmax; GAP is 5x that), >= DISTINCT distinct tokens, and differs between the rows."""
+    for seed in range(8):
+        prompts = np.random.default_rng(100 + seed).integers(0, CFG.vocab_size, (2, PROMPT))
+        prompts[1] = prompts[0]
+        prompts[1, 5] = (prompts[0, 5] + 1) % CFG.vocab_size
+        toks, logits = _hf_greedy(model, prompts)
+        top2 = np.sort(logits, axis=-1)[..., -2:]
+        if ((top2[..., 1] - top2[..., 0]).min() > GAP * np.abs(logits).max()
+                and len(set(toks[0].tolist())) >= DISTINCT
+                and not np.array_equal(toks[0], toks[1])):
+            return prompts, toks, logits
+    pytest.fail("no prompt seed gives a continuation without near-ties: the model is degenerate")
+
+
+def _our_greedy(params, prompts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill, then GEN - 1 decode steps through our cache: (tokens [B, GEN], logits)."""
+    logits, _, cache = FWD(params, CFG, jnp.asarray(prompts, jnp.int32),
+                           init_cache(CFG, prompts.shape[0], MAX_LEN))
+    last, toks, all_logits = logits[:, -1], [], []
+    for step in range(GEN):
+        nxt = jnp.argmax(last, axis=-1).astype(jnp.int32)
+        toks.append(np.asarray(nxt))
+        all_logits.append(np.asarray(last))
+        if step + 1 < GEN:
+            logits, _, cache = FWD(params, CFG, nxt[:, None], cache)
+            last = logits[:, 0]
+    return np.stack(toks, 1), np.stack(all_logits, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_continuation_matches_hf(checkpoints, fp32_params, arch):
+    prompts, ref_toks, ref_logits = _greedy_case(checkpoints[arch][0])
+    toks, logits = _our_greedy(fp32_params[arch], prompts)
+    assert rel_err(logits, ref_logits) <= TOL
+    np.testing.assert_array_equal(toks, ref_toks)
+    assert len(set(toks[0].tolist())) >= DISTINCT, "degenerate continuation"
+    assert not np.array_equal(toks[0], toks[1]), "one changed prompt token changed nothing"
+
+
+def _normwise(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("recipe", QUANT_RECIPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_recipe_bounds(checkpoints, fp32_params, arch, recipe):
+    path, tokens = checkpoints[arch][1][recipe], _tokens(12)
+    quant = _forward(_params(path), tokens)
+    ref = _forward(_params(path, dequantized=True), tokens)
+    fp32 = _forward(fp32_params[arch], tokens)
+    vs_dequant, vs_fp32 = rel_err(quant, ref), _normwise(quant, fp32)
+    print(f"{arch} {recipe}: vs dequantized {vs_dequant:.2e} (max-rel), "
+          f"vs fp32 {vs_fp32:.2e} (normwise)")
+    assert vs_dequant <= VS_DEQUANT
+    assert vs_fp32 <= VS_FP32[recipe]
+    assert vs_fp32 > 0  # the recipe really quantized something
+
+
+# ---- serving a converted model ------------------------------------------------------------------
+# Vocabulary as large as our tokenizer's (248,077 ids, padded to 248,320 rows) at hidden 32.
+SERVE_CFG = dataclasses.replace(CFG, name="serve", vocab_size=MODEL_VOCAB_SIZE, hidden_size=32,
+                                intermediate_size=64, num_layers=2, head_dim=16)
+# The cpu lane with a small prefill chunk and context: the server then compiles 3 prefill shapes
+# (4, 2, 1) instead of 9, which is most of its start-up time. --model overrides `model`.
+SERVE_LANE = """name = "e2e"
+device = "cpu"
+model = "embedded:tiny"
+model_sha256 = "PENDING"
+compute_dtype = "float32"
+kv_dtype = "float32"
+context_tokens = 512
+max_concurrency = 1
+prefill_chunk = 4
+max_output_tokens = 64
+host = "127.0.0.1"
+port = 18089
+"""
+
+
+def test_serve_converted_model(tmp_path):
+    import openai
+
+    src = tmp_path / "e2e-served"
+    build_hf(SERVE_CFG, seed=3, weight_scale=1.0).save_pretrained(src)
+    (src / "tokenizer.json").write_text(build_qwen35_tokenizer_json(), encoding="utf-8")
+    (src / "chat_template.jinja").write_text(default_chat_template(), encoding="utf-8")
+    artifact = tmp_path / "served.ninfer"
+    _convert([(src, artifact, "int8")])
+    lane = tmp_path / "e2e-lane.toml"
+    lane.write_text(SERVE_LANE)
+    server = start_server(tmp_path / "state", "--lane", str(lane), "--model", str(artifact),
+                          timeout=300)
+    try:
+        client = openai.OpenAI(base_url=server.api_url, api_key=server.key, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["e2e-served"]
+        raw = client.responses.with_raw_response.create(
+            model="e2e-served", input="Say something.", temperature=0, max_output_tokens=8)
+        assert raw.status_code == 200
+        r = raw.parse()
+        assert r.status in ("completed", "incomplete") and r.model == "e2e-served"
+        assert r.usage.output_tokens > 0 and r.usage.input_tokens > 5
+        assert r.output[0].type == "message" and r.output_text
+    finally:
+        assert server.stop() in (0, -15), "".join(server.log)
