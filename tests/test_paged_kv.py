@@ -45,10 +45,18 @@ def shuffled_tables(rng, rows_pages: list[int]) -> np.ndarray:
     return table
 
 
+def fwd(params, tokens, cache, lengths):
+    """FWD on tokens right-padded to T=40 or T=1 (two compiled shapes per cache kind: compiles
+    dominate this file's run time). tokens: [B, <= T] int32; lengths: [B]."""
+    tokens = np.asarray(tokens, np.int32)
+    t = 1 if tokens.shape[1] == 1 else 40
+    tokens = np.pad(tokens, ((0, 0), (0, t - tokens.shape[1])), constant_values=7)
+    return FWD(params, CFG, jnp.asarray(tokens), cache, lengths=jnp.asarray(lengths, jnp.int32))
+
+
 def step_both(params, caches, tokens, lengths):
     """One forward on the contiguous and the paged cache; returns (logits pair, hiddens, caches)."""
-    outs = [FWD(params, CFG, jnp.asarray(tokens, jnp.int32), c,
-                lengths=jnp.asarray(lengths, jnp.int32)) for c in caches]
+    outs = [fwd(params, tokens, c, lengths) for c in caches]
     return [np.asarray(o[0]) for o in outs], [np.asarray(o[1]) for o in outs], [o[2] for o in outs]
 
 
@@ -103,32 +111,30 @@ def test_shared_prefix_page_equals_private_copies(params):
     rng = np.random.default_rng(2)
     seqs = rng.integers(0, CFG.vocab_size, (2, 44)).astype(np.int32)
     seqs[1, :P] = seqs[0, :P]
-    ref, _, ref_cache = FWD(params, CFG, jnp.asarray(seqs[:, :40]), init_cache(CFG, 2, MAX_LEN))
+    ref, _, ref_cache = fwd(params, seqs[:, :40], init_cache(CFG, 2, MAX_LEN), [40, 40])
     ref = [np.asarray(ref)[:, P:]]
     for t in range(40, 44):
-        lg, _, ref_cache = FWD(params, CFG, jnp.asarray(seqs[:, t:t + 1]), ref_cache)
+        lg, _, ref_cache = fwd(params, seqs[:, t:t + 1], ref_cache, [1, 1])
         ref.append(np.asarray(lg))
     ref = np.concatenate(ref, 1)
 
     table = shuffled_tables(rng, [4, 4])
     shared, private = int(table[0, 0]), int(table[1, 0])
     table[1, 0] = shared
-    pool = init_kv_pool(CFG, NUM_PAGES, P, jnp.float32)
+    pool = init_kv_pool(CFG, NUM_PAGES, P, jnp.float32, mtp=True)  # same shapes: no recompile
     cache = init_paged_cache(CFG, pool, table)
-    prefix = np.zeros((2, 24), np.int32)
-    prefix[0, :P] = seqs[0, :P]
     # The prefix is prefilled once, on row 0; row 1 takes row 0's GDN states and position.
-    _, _, cache = FWD(params, CFG, jnp.asarray(prefix), cache, lengths=jnp.asarray([P, 0]))
+    _, _, cache = fwd(params, seqs[:, :P], cache, [P, 0])
     cache = cache._replace(conv=cache.conv.at[:, :, 1].set(cache.conv[:, :, 0]),
                            rec=cache.rec.at[:, :, 1].set(cache.rec[:, :, 0]),
                            pos=jnp.asarray([P, P], jnp.int32))
     page_before = np.asarray(cache.pool.k[:, shared]), np.asarray(cache.pool.v[:, shared])
 
     def continue_rows(cache):
-        lg, _, cache = FWD(params, CFG, jnp.asarray(seqs[:, P:40]), cache)
-        out = [np.asarray(lg)]
+        lg, _, cache = fwd(params, seqs[:, P:40], cache, [40 - P, 40 - P])
+        out = [np.asarray(lg)[:, :40 - P]]
         for t in range(40, 44):
-            lg, _, cache = FWD(params, CFG, jnp.asarray(seqs[:, t:t + 1]), cache)
+            lg, _, cache = fwd(params, seqs[:, t:t + 1], cache, [1, 1])
             out.append(np.asarray(lg))
         return np.concatenate(out, 1), cache
 

@@ -2,8 +2,8 @@
 
 The device pool (`engine/paged_kv.py`, [attn_layers, num_pages, page_size, kv_heads, head_dim])
 knows nothing about ownership. This module decides page ids and tells the device which pages to
-copy; it never touches device arrays. Token i of a sequence lives in page `pages[i // page_size]` at slot
-`i % page_size`.
+copy; it never touches device arrays. Token i of a sequence lives in page
+`pages[i // page_size]` at slot `i % page_size`.
 
 Pages are shared by reference between a response and the responses that continue it (`fork`), and
 copied on write: a table only ever writes into a page that no other table holds. Full pages are

@@ -14,28 +14,50 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 _BATCH_AXIS = 2  # of the cache's conv and rec arrays
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def snapshot_to_slot(slots_conv, slots_rec, cache_conv, cache_rec, batch_row, slot):
-    """Copy batch row `batch_row` of the cache into slot `slot`; returns the new slot arrays."""
-    conv = lax.dynamic_index_in_dim(cache_conv, batch_row, _BATCH_AXIS, keepdims=False)
-    rec = lax.dynamic_index_in_dim(cache_rec, batch_row, _BATCH_AXIS, keepdims=False)
-    return (lax.dynamic_update_index_in_dim(slots_conv, conv, slot, 0),
-            lax.dynamic_update_index_in_dim(slots_rec, rec, slot, 0))
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _bits(x):
+    # Copies run on the raw bits: XLA:CPU computes bf16 ops in f32, which canonicalises NaN
+    # payloads, and an image must come back bit for bit whatever it holds.
+    return lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+
+
+def _unbits(u, dtype):
+    return lax.bitcast_convert_type(u, dtype)
+
+
+def _index(x, i, axis):
+    return _unbits(lax.dynamic_index_in_dim(_bits(x), i, axis, keepdims=False), x.dtype)
+
+
+def _update(x, row, i, axis):
+    if row.dtype != x.dtype:  # no silent casts: an image is copied, never converted
+        raise TypeError(f"writing {row.dtype} into {x.dtype}")
+    return _unbits(lax.dynamic_update_index_in_dim(_bits(x), _bits(row), i, axis), x.dtype)
 
 
 def _read(slots_conv, slots_rec, slot):
-    return (lax.dynamic_index_in_dim(slots_conv, slot, 0, keepdims=False),
-            lax.dynamic_index_in_dim(slots_rec, slot, 0, keepdims=False))
+    return _index(slots_conv, slot, 0), _index(slots_rec, slot, 0)
 
 
 def _write_row(cache_conv, cache_rec, batch_row, conv_row, rec_row):
-    return (lax.dynamic_update_index_in_dim(cache_conv, conv_row, batch_row, _BATCH_AXIS),
-            lax.dynamic_update_index_in_dim(cache_rec, rec_row, batch_row, _BATCH_AXIS))
+    return (_update(cache_conv, conv_row, batch_row, _BATCH_AXIS),
+            _update(cache_rec, rec_row, batch_row, _BATCH_AXIS))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def snapshot_to_slot(slots_conv, slots_rec, cache_conv, cache_rec, batch_row, slot):
+    """Copy batch row `batch_row` of the cache into slot `slot`; returns the new slot arrays."""
+    conv = _index(cache_conv, batch_row, _BATCH_AXIS)
+    rec = _index(cache_rec, batch_row, _BATCH_AXIS)
+    return _update(slots_conv, conv, slot, 0), _update(slots_rec, rec, slot, 0)
 
 
 @jax.jit
@@ -47,8 +69,7 @@ def read_slot(slots_conv, slots_rec, slot):
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def write_slot(slots_conv, slots_rec, conv_row, rec_row, slot):
     """Put one image (e.g. fetched from the host) into slot `slot`; returns the new slot arrays."""
-    return (lax.dynamic_update_index_in_dim(slots_conv, conv_row, slot, 0),
-            lax.dynamic_update_index_in_dim(slots_rec, rec_row, slot, 0))
+    return _update(slots_conv, conv_row, slot, 0), _update(slots_rec, rec_row, slot, 0)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))

@@ -67,6 +67,10 @@ def state_image_bytes(cfg: ModelConfig, conv_itemsize: int) -> int:
 
 
 class StatePool:
+    """Device slots [device_slots, nb, G, C, K-1] / [device_slots, nb, G, Hv, Dk, Dv] plus a host
+    tier of at most `host_bytes_limit` bytes. `image_bytes` follows from the config and the conv
+    dtype. Not thread-safe: the engine thread owns it."""
+
     def __init__(self, cfg: ModelConfig, device_slots: int, host_bytes_limit: int, *,
                  conv_dtype=jnp.float32, on_evict: Callable[[StateImage], None] | None = None):
         if not isinstance(device_slots, int) or device_slots <= 0:
