@@ -2,8 +2,10 @@
 
 The HTTP layer submits a `GenerationRequest` (which may raise `QueueFull`) and receives
 `TokenEvent`s and one `DoneEvent` through the request's `emit` callback, called on the engine
-thread. Up to `max_concurrency` sequences run at once, each in its own row of a batched cache:
-decode steps are batched over all decoding rows, prefill runs in chunks interleaved with them.
+thread. Up to `max_concurrency` sequences run at once, each in its own row of a batched paged
+cache: decode steps are batched over all decoding rows, prefill runs in chunks interleaved with
+them. A prompt that extends a stored state (an earlier response of the same principal, or the
+shared system prefix) continues from it and computes only its new tokens.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 
 from engine import model as M
 from engine.loader import LoadedModel
+from engine.runtime.memory import Memory
 from engine.runtime.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (re-export)
 from engine.sampling import SamplingParams, request_key, sample
 
@@ -39,6 +42,12 @@ class DoneEvent:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     error: str | None = None
+    cached_tokens: int = 0
+    path: str = "root"  # root | continuation | fork | shared-prefix | host-restored
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
 
 
 @dataclass
@@ -49,8 +58,12 @@ class GenerationRequest:
     stop_ids: frozenset[int]
     emit: Callable[[object], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    principal: str | None = None         # states are stored and reused per principal only
+    prefix_boundary: int = 0             # end of the stable prefix (system turn): snapshot there
     key_data: np.ndarray | None = None   # uint32[2], the request's sampling key
     first_token_at: float | None = None
+    path: str = "root"
+    cached_tokens: int = 0
 
 
 def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, *, n_vocab: int):
@@ -66,22 +79,19 @@ def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, *, n_vocab:
     return sample(logits, temperature, top_k, top_p, keys)
 
 
-def _reset_row(cache: M.Cache, row):
-    """Forget row `row`: position 0 and zero GDN state (KV past pos is never read)."""
-    return cache._replace(
-        pos=cache.pos.at[row].set(0), conv=cache.conv.at[:, :, row].set(0),
-        rec=cache.rec.at[:, :, row].set(0), mtp_pos=cache.mtp_pos.at[row].set(0))
-
-
 class Engine:
     def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int,
-                 max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0):
+                 max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
+                 capacity_tokens: int | None = None, state_slots: int = 8,
+                 host_state_bytes: int = 0, before_evict=None):
         self.model = model
         self.context_tokens = context_tokens
         self.max_queue = max_queue
         self.sched = Scheduler(max_concurrency=max_concurrency, max_queue=max_queue,
                                queue_timeout_s=queue_timeout_s,
-                               capacity_tokens=context_tokens * max_concurrency,
+                               capacity_tokens=min(capacity_tokens or context_tokens *
+                                                   max_concurrency,
+                                                   context_tokens * max_concurrency),
                                prefill_chunk=prefill_chunk)
         self._inbox: queue.Queue[Sequence | None] = queue.Queue()
         self._pending = 0
@@ -93,8 +103,11 @@ class Engine:
         self._fwd = lambda p, t, c, n: fwd(p, cfg, t, c, lengths=n, last_only=True)
         self._sample = jax.jit(functools.partial(_sample_rows,
                                                  n_vocab=model.tokenizer.vocab_size))
-        self._reset = jax.jit(_reset_row, donate_argnums=(0,))
-        self.cache = M.init_cache(cfg, max_concurrency, context_tokens, model.kv_dtype)
+        self.mem = Memory(cfg, batch=max_concurrency, context_tokens=context_tokens,
+                          capacity_tokens=capacity_tokens or context_tokens * max_concurrency,
+                          kv_dtype=model.kv_dtype, conv_dtype=model.compute_dtype,
+                          state_slots=state_slots, host_state_bytes=host_state_bytes,
+                          before_evict=before_evict)
         self.B = max_concurrency
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -116,7 +129,8 @@ class Engine:
             seed = secrets.randbits(63)
         req.key_data = np.asarray(jax.random.key_data(request_key(seed)))
         self._inbox.put(Sequence(prompt_ids=list(req.prompt_ids), max_tokens=req.max_tokens,
-                                 emit=req.emit, payload=req))
+                                 emit=req.emit, payload=req,
+                                 breakpoint=req.prefix_boundary))
 
     def warmup(self) -> float:
         """Compile the decode step, every prefill piece shape and the sampler; returns seconds."""
@@ -125,14 +139,13 @@ class Engine:
         while s:
             sizes.append(s)
             s >>= 1
-        zero = jnp.zeros((self.B,), jnp.int32)
+        zero = jnp.zeros((self.B,), jnp.int32)  # length 0: nothing is written
         for size in sizes:
-            logits, _, self.cache = self._fwd(self.model.params,
-                                              jnp.zeros((self.B, size), jnp.int32), self.cache,
-                                              zero)
+            logits, _, self.mem.cache = self._fwd(self.model.params,
+                                                  jnp.zeros((self.B, size), jnp.int32),
+                                                  self.mem.cache, zero)
         self._sample_batch(logits[:, 0], [None] * self.B)
-        self.cache = self._reset(self.cache, 0)
-        jax.block_until_ready(self.cache)
+        jax.block_until_ready(self.mem.cache)
         return time.monotonic() - t0
 
     # ---- the loop ---------------------------------------------------------------------
@@ -146,7 +159,9 @@ class Engine:
                                    queue_s=time.monotonic() - seq.enqueued_at))
             for seq in self.sched.admit():
                 self._unpend()
-                self.cache = self._reset(self.cache, seq.slot)
+                req = seq.payload
+                req.path, req.cached_tokens = self.mem.begin(seq, req.principal)
+                seq.computed = req.cached_tokens
             for seq in list(self.sched.running):
                 if seq.payload.cancelled.is_set():
                     self._finish(seq, "cancelled")
@@ -186,10 +201,14 @@ class Engine:
             for seq in step.seqs:
                 tokens[seq.slot, 0] = seq.output_ids[-1]
                 lengths[seq.slot] = 1
-        logits, _, self.cache = self._fwd(self.model.params, jnp.asarray(tokens), self.cache,
-                                          jnp.asarray(lengths))
+        self.mem.prepare(step.seqs, max(step.size, 1))
+        logits, _, self.mem.cache = self._fwd(self.model.params, jnp.asarray(tokens),
+                                              self.mem.cache, jnp.asarray(lengths))
         if step.kind == "prefill":
-            self.sched.prefilled(step.seqs[0], step.size)
+            seq = step.seqs[0]
+            self.sched.prefilled(seq, step.size)
+            if seq.computed == seq.breakpoint:
+                self.mem.snapshot(seq, seq.payload.principal, seq.computed, "prefix")
             ready = [s for s in step.seqs if s.prefill_remaining == 0]
         else:
             ready = list(step.seqs)
@@ -229,11 +248,18 @@ class Engine:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        self.sched.finish(seq, reason)
         req: GenerationRequest = seq.payload
+        if reason in ("stop", "length") and seq.status.value == "decoding":
+            # The state covers every token fed so far: all outputs when the last sampled token
+            # was a stop token (never fed), all but the last when the budget ran out.
+            fed = len(seq.prompt_ids) + len(seq.output_ids) - (reason == "length")
+            self.mem.snapshot(seq, req.principal, fed, "response")
+        self.mem.end(seq)
+        self.sched.finish(seq, reason)
         now = time.monotonic()
         first = req.first_token_at or now
         admitted = seq.admitted_at or seq.enqueued_at
         seq.emit(DoneEvent(reason, len(seq.prompt_ids), len(seq.output_ids),
                            queue_s=admitted - seq.enqueued_at, prefill_s=first - admitted,
-                           decode_s=now - first, error=error))
+                           decode_s=now - first, error=error,
+                           cached_tokens=req.cached_tokens, path=req.path))

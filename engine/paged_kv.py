@@ -59,7 +59,7 @@ class PagedKV(NamedTuple):
     slot_offset: int = 0   # a Python int: static
 
 
-def kv_dtype(dtype) -> np.dtype:
+def kv_storage_dtype(dtype) -> np.dtype:
     """The numpy dtype of a KV storage dtype given by name or dtype; ValueError if unsupported."""
     try:
         dt = np.dtype(jnp.dtype(dtype))
@@ -75,10 +75,10 @@ def num_kv_layers(cfg: ModelConfig, *, mtp: bool = False) -> int:
     return cfg.num_blocks + (cfg.mtp_layers if mtp else 0)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype, *, mtp: bool = False) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype, *, mtp: bool = False) -> int:
     """Pool bytes one token occupies (K and V, all layers, int8 scales included).
     qwen3.8-27b: bfloat16 65,536; int8 32,768 + 512 of scales = 33,280; x 17/16 with mtp."""
-    dt = kv_dtype(dtype)
+    dt = kv_storage_dtype(kv_dtype)
     per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * dt.itemsize
     if dt == np.int8:
         per_layer += 2 * cfg.num_kv_heads * 4
@@ -93,14 +93,14 @@ def kv_pages_needed(tokens: int, page_size: int = PAGE_SIZE) -> int:
 
 
 def init_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE,
-                 dtype=jnp.bfloat16, *, mtp: bool = False) -> KVPool:
+                 kv_dtype=jnp.bfloat16, *, mtp: bool = False) -> KVPool:
     """An all-zero pool of `num_pages` pages of `page_size` tokens. `mtp=True` adds the MTP
     layer (index cfg.num_blocks), needed by `mtp_forward` on a paged cache."""
     if not (isinstance(num_pages, int) and num_pages > 0):
         raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
     if not (isinstance(page_size, int) and page_size > 0):
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    dt = kv_dtype(dtype)
+    dt = kv_storage_dtype(kv_dtype)
     shape = (num_kv_layers(cfg, mtp=mtp), num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     scale = (lambda: jnp.ones(shape[:-1], jnp.float32)) if dt == np.int8 else (lambda: None)
     return KVPool(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), k_scale=scale(),

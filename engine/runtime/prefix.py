@@ -29,6 +29,7 @@ class Snapshot:
     kind: str               # "response" | "prefix"
     pages: object = None    # PageTable holding this state's KV pages (shared, refcounted)
     image: object = None    # StateImage in the StatePool
+    uses: int = 0           # requests that continued from it (the second one is a fork)
     key: str = field(init=False)
 
     def __post_init__(self):

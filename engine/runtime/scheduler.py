@@ -46,6 +46,7 @@ class Sequence:
     computed: int = 0        # prompt tokens already in the model state
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # batch row while running
+    breakpoint: int = 0      # a prefill chunk never crosses this prompt index (a snapshot point)
     finish_reason: str | None = None
 
     @property
@@ -131,7 +132,10 @@ class Scheduler:
         elif prefilling:
             self._decode_turn = True
             seq = prefilling[0]
-            size = _piece(seq.prefill_remaining, self.prefill_chunk)
+            limit = seq.prefill_remaining
+            if seq.computed < seq.breakpoint:
+                limit = min(limit, seq.breakpoint - seq.computed)
+            size = _piece(limit, self.prefill_chunk)
             step = Step("prefill", (seq,), start=seq.computed, size=size)
         else:
             return None

@@ -1,0 +1,162 @@
+"""The runtime's memory: paged KV, recurrent-state images and the prefix index, as one unit.
+
+`Memory` owns the device pool and the batched `PagedCache`, and the host bookkeeping of what
+lives in it. The engine thread calls it in a fixed pattern:
+
+    begin(seq)              at admission: find the longest stored state the prompt continues,
+                            share its pages and restore its GDN state into the row (or start empty)
+    prepare(seqs, n)        before a step: make room for n tokens per row (copy-on-write, evicting
+                            stored states when pages run out), refresh the block table rows
+    snapshot(seq, n, kind)  after a step: store the state after the first n tokens of the sequence
+    end(seq)                when a sequence finishes: give its pages back
+
+Evicting a stored state calls `before_evict(snapshot)` first (the checkpoint work saves there).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from engine import paged_kv as pk
+from engine.cache import PagedCache, init_paged_cache
+from engine.config import ModelConfig
+from engine.runtime.pages import PageAllocator, PageTable, pages_for
+from engine.runtime.prefix import PrefixIndex, Snapshot
+from engine.runtime.retention import Role, retention_score
+from engine.runtime.states import StatePool, Tier
+
+_ROLE = {"response": Role.SESSION_HEAD, "prefix": Role.SHARED_PREFIX}
+
+
+class Memory:
+    def __init__(self, cfg: ModelConfig, *, batch: int, context_tokens: int,
+                 capacity_tokens: int, kv_dtype, conv_dtype, state_slots: int,
+                 host_state_bytes: int, page_size: int = pk.PAGE_SIZE,
+                 before_evict: Callable[[Snapshot], None] | None = None):
+        self.cfg = cfg
+        self.page_size = page_size
+        self.max_pages = pages_for(context_tokens, page_size)
+        num_pages = max(pages_for(capacity_tokens, page_size), batch * self.max_pages)
+        page_bytes = pk.kv_bytes_per_token(cfg, kv_dtype) * page_size
+        self.alloc = PageAllocator(num_pages, page_size, page_bytes)
+        pool = pk.init_kv_pool(cfg, num_pages, page_size, kv_dtype)
+        self.table = np.zeros((batch, self.max_pages), np.int32)
+        self.cache: PagedCache = init_paged_cache(cfg, pool, self.table, conv_dtype)
+        self.states = StatePool(cfg, state_slots, host_state_bytes, conv_dtype=conv_dtype,
+                                on_evict=self._image_evicted)
+        self.index = PrefixIndex()
+        self._by_key: dict[str, Snapshot] = {}
+        self.before_evict = before_evict
+        self.evictions = 0
+
+    # ---- sequences ------------------------------------------------------------------------
+    def begin(self, seq, principal: str | None) -> tuple[str, int]:
+        """Place `seq` in its row; returns (reuse path, cached tokens)."""
+        snap = self.index.longest_prefix(principal, seq.prompt_ids) if principal else None
+        if snap is not None and snap.image.tier is Tier.HOST and not self.states.can_fetch(
+                snap.image):
+            snap = None
+        if snap is None:
+            seq.table = PageTable(self.alloc)
+            self._set_row(seq.slot, seq.table, pos=0)
+            self.cache = self.cache._replace(conv=self.cache.conv.at[:, :, seq.slot].set(0),
+                                             rec=self.cache.rec.at[:, :, seq.slot].set(0))
+            return "root", 0
+        path = {"prefix": "shared-prefix", "response": "continuation"}[snap.kind]
+        if snap.kind == "response" and snap.uses > 0:
+            path = "fork"
+        restored = "host-restored" if snap.image.tier is Tier.HOST else None
+        snap.uses += 1
+        if snap.image.tier is Tier.HOST:
+            self.states.fetch(snap.image)
+        conv, rec = self.states.restore_into(self.cache.conv, self.cache.rec, seq.slot,
+                                             snap.image)
+        self.cache = self.cache._replace(conv=conv, rec=rec)
+        seq.table = snap.pages.fork()
+        self._set_row(seq.slot, seq.table, pos=snap.num_tokens)
+        self.states.set_weight(snap.image, retention_score(_ROLE[snap.kind], _now()))
+        return restored or path, snap.num_tokens
+
+    def prepare(self, seqs, n_tokens: int) -> None:
+        """Room for `n_tokens` more tokens in each sequence's pages, copies done on the device."""
+        src, dst = [], []
+        for seq in seqs:
+            while not seq.table.can_append(n_tokens):
+                if not self._evict_one():
+                    raise MemoryError("KV pages exhausted with nothing left to evict")
+            plan = seq.table.append(n_tokens)
+            src += list(plan.src_ids)
+            dst += list(plan.dst_ids)
+            self.table[seq.slot] = seq.table.as_row(self.max_pages)
+        if src:
+            pool = pk.copy_pages(self.cache.pool, np.asarray(src, np.int32),
+                                 np.asarray(dst, np.int32))
+            self.cache = self.cache._replace(pool=pool)
+        self.cache = self.cache._replace(block_table=jnp.asarray(self.table))
+
+    def snapshot(self, seq, principal: str | None, n_tokens: int, kind: str) -> bool:
+        """Store the state after the first `n_tokens` tokens of `seq` (its row must be there)."""
+        if not principal or n_tokens <= 0:
+            return False
+        tokens = (list(seq.prompt_ids) + list(seq.output_ids))[:n_tokens]
+        snap = Snapshot(principal, tokens, kind)
+        if self.index.get(principal, snap.key) is not None or not self.states.can_store():
+            return False
+        snap.image = self.states.store(self.cache.conv, self.cache.rec, seq.slot, key=snap.key,
+                                       num_tokens=n_tokens,
+                                       weight=retention_score(_ROLE[kind], _now()))
+        snap.pages = seq.table.fork(n_tokens)
+        self.index.add(snap)
+        self._by_key[snap.key] = snap
+        return True
+
+    def end(self, seq) -> None:
+        if getattr(seq, "table", None) is not None:
+            seq.table.release()
+            seq.table = None
+
+    # ---- eviction -------------------------------------------------------------------------
+    def _evict_one(self) -> bool:
+        """Drop the stored state with the lowest retention; False when none is left."""
+        victims = [s for s in self._by_key.values() if not s.image.pinned]
+        if not victims:
+            return False
+        snap = min(victims, key=lambda s: (s.image.weight, s.image.last_used))
+        if self.before_evict:
+            self.before_evict(snap)
+        self.states.drop(snap.image)
+        self._forget(snap)
+        return True
+
+    def _image_evicted(self, image) -> None:
+        # Called by the state pool before it drops an image it had to make room for.
+        snap = self._by_key.get(image.key)
+        if snap is not None and self.before_evict:
+            self.before_evict(snap)
+        if snap is not None:
+            self._forget(snap)
+
+    def _forget(self, snap: Snapshot) -> None:
+        self.evictions += 1
+        self.index.remove(snap)
+        self._by_key.pop(snap.key, None)
+        snap.pages.release()
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _set_row(self, row: int, table: PageTable, pos: int) -> None:
+        self.table[row] = table.as_row(self.max_pages)
+        self.cache = self.cache._replace(pos=self.cache.pos.at[row].set(pos),
+                                         mtp_pos=self.cache.mtp_pos.at[row].set(pos),
+                                         block_table=jnp.asarray(self.table))
+
+    def stats(self) -> dict:
+        return {"kv": self.alloc.stats(), "states": self.states.stats(),
+                "snapshots": len(self.index), "evictions": self.evictions}
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
