@@ -27,7 +27,8 @@ from engine.runtime.prefix import PrefixIndex, Snapshot
 from engine.runtime.retention import Role, retention_score
 from engine.runtime.states import StatePool, Tier
 
-_ROLE = {"response": Role.SESSION_HEAD, "prefix": Role.SHARED_PREFIX}
+# A shared prefix serves every new session of its principal: kept like a live session head.
+_ROLE = {"response": Role.SESSION_HEAD, "prefix": Role.SESSION_HEAD}
 
 
 class Memory:
