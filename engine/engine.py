@@ -59,6 +59,7 @@ class GenerationRequest:
     emit: Callable[[object], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     principal: str | None = None         # states are stored and reused per principal only
+    session: str | None = None           # prompt_cache_key: None marks a one-off request
     prefix_boundary: int = 0             # end of the stable prefix (system turn): snapshot there
     key_data: np.ndarray | None = None   # uint32[2], the request's sampling key
     first_token_at: float | None = None
@@ -253,7 +254,7 @@ class Engine:
             # The state covers every token fed so far: all outputs when the last sampled token
             # was a stop token (never fed), all but the last when the budget ran out.
             fed = len(seq.prompt_ids) + len(seq.output_ids) - (reason == "length")
-            self.mem.snapshot(seq, req.principal, fed, "response")
+            self.mem.snapshot(seq, req.principal, fed, "response", one_off=req.session is None)
         self.mem.end(seq)
         self.sched.finish(seq, reason)
         now = time.monotonic()

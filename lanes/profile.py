@@ -32,6 +32,9 @@ class LaneProfile:
     max_output_tokens: int
     max_queue: int
     queue_timeout_s: float
+    kv_capacity_tokens: int
+    state_slots: int
+    host_state_bytes: int
     host: str
     port: int
 
@@ -42,13 +45,18 @@ class LaneProfile:
 
         need(self.compute_dtype in _DTYPES, f"compute_dtype must be one of {sorted(_DTYPES)}")
         need(self.kv_dtype in _KV_DTYPES, f"kv_dtype must be one of {sorted(_KV_DTYPES)}")
-        for f in ("context_tokens", "max_concurrency", "prefill_chunk", "max_output_tokens"):
+        for f in ("context_tokens", "max_concurrency", "prefill_chunk", "max_output_tokens",
+                  "kv_capacity_tokens", "state_slots"):
             v = getattr(self, f)
             need(isinstance(v, int) and v > 0, f"{f} must be a positive integer, got {v!r}")
         need(isinstance(self.max_queue, int) and self.max_queue >= 0,
              "max_queue must be a non-negative integer")
         need(isinstance(self.queue_timeout_s, (int, float)) and self.queue_timeout_s > 0,
              "queue_timeout_s must be positive")
+        need(isinstance(self.host_state_bytes, int) and self.host_state_bytes >= 0,
+             "host_state_bytes must be a non-negative integer")
+        need(self.kv_capacity_tokens >= self.context_tokens,
+             "kv_capacity_tokens must hold at least one full context")
         need(self.prefill_chunk & (self.prefill_chunk - 1) == 0,
              "prefill_chunk must be a power of two")
         need(0 < self.port < 65536, "port must be in 1..65535")

@@ -92,7 +92,7 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
         if req.previous_response_id is not None:
             raise invalid(f"Previous response with id '{req.previous_response_id}' not found.",
                           param="previous_response_id", code="previous_response_not_found")
-        prompt_ids = _render_prompt(m, req)
+        prompt_ids, boundary = _render_prompt(m, req)
         budget = rt.context_tokens - len(prompt_ids)
         if budget < 1:
             raise invalid(f"This model's maximum context length is {rt.context_tokens} tokens; "
@@ -104,7 +104,8 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
                               instructions=_instructions(req), metadata=req.metadata,
                               store=req.store, prompt_cache_key=req.prompt_cache_key,
                               input_tokens=len(prompt_ids))
-        gen, events = _submit(rt.engine, m, req, prompt_ids, max_tokens)
+        gen, events = _submit(rt.engine, m, req, prompt_ids, max_tokens,
+                              principal=request.ctx.principal, boundary=boundary)
         try:
             first = await events.get()  # errors before the first token get a plain HTTP error
             _raise_if_rejected(first)
@@ -130,21 +131,32 @@ def _instructions(req: ResponseRequest) -> str | None:
     return next((m.content for m in req.messages[:1] if m.role == "system"), None)
 
 
-def _render_prompt(m: LoadedModel, req: ResponseRequest) -> list[int]:
+def _render_prompt(m: LoadedModel, req: ResponseRequest) -> tuple[list[int], int]:
+    """The prompt's token ids, and where its stable prefix (the system turn) ends: the engine
+    snapshots the state there so other sessions of the principal start from it."""
     from engine.chat import render_chat
 
-    text = render_chat(m.chat_template, [{"role": x.role, "content": x.content}
-                                         for x in req.messages], add_generation_prompt=True)
-    return m.tokenizer.encode(text)
+    msgs = [{"role": x.role, "content": x.content} for x in req.messages]
+    ids = m.tokenizer.encode(render_chat(m.chat_template, msgs, add_generation_prompt=True))
+    boundary = 0
+    if msgs and msgs[0]["role"] == "system" and len(msgs) > 1:
+        head = m.tokenizer.encode(render_chat(m.chat_template, msgs[:1],
+                                              add_generation_prompt=False))
+        if len(head) < len(ids) and ids[:len(head)] == head:
+            boundary = len(head)
+    return ids, boundary
 
 
-def _submit(engine: Engine, m: LoadedModel, req: ResponseRequest, prompt_ids, max_tokens):
+def _submit(engine: Engine, m: LoadedModel, req: ResponseRequest, prompt_ids, max_tokens, *,
+            principal: str, boundary: int):
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     sampling = SamplingParams(temperature=req.temperature, top_p=max(req.top_p, 1e-6),
                               top_k=0, seed=secrets.randbits(31))
     gen = GenerationRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
-                            stop_ids=frozenset(m.tokenizer.eos_ids),
+                            stop_ids=frozenset(m.tokenizer.eos_ids), principal=principal,
+                            session=req.prompt_cache_key,
+                            prefix_boundary=boundary,
                             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
     try:
         engine.submit(gen)
@@ -189,6 +201,7 @@ async def _next_text(events: _Events, decoder, state: ResponseState):
 
 
 def _finish(state: ResponseState, done: DoneEvent) -> None:
+    state.cached_tokens = done.cached_tokens
     if done.finish_reason == "error":
         raise APIError(500, "generation failed", type="server_error", code="server_error")
     if done.finish_reason == "stop":

@@ -63,7 +63,10 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         engine = Engine(model, context_tokens=profile.context_tokens,
                         prefill_chunk=profile.prefill_chunk,
                         max_concurrency=profile.max_concurrency, max_queue=profile.max_queue,
-                        queue_timeout_s=profile.queue_timeout_s)
+                        queue_timeout_s=profile.queue_timeout_s,
+                        capacity_tokens=profile.kv_capacity_tokens,
+                        state_slots=profile.state_slots,
+                        host_state_bytes=profile.host_state_bytes)
         compile_s = engine.warmup()
         engine.start()
         rt.model, rt.engine = model, engine

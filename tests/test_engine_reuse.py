@@ -43,7 +43,8 @@ def run(engine, ids, principal, max_tokens=64, boundary=0, stop=False):
     c = Collector()
     engine.submit(GenerationRequest(prompt_ids=list(ids), sampling=GREEDY,
                                     max_tokens=max_tokens, stop_ids=frozenset(), emit=c,
-                                    principal=principal, prefix_boundary=boundary))
+                                    principal=principal, session=f"session-of-{principal}",
+                                    prefix_boundary=boundary))
     return c.result()
 
 

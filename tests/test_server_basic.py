@@ -130,3 +130,15 @@ def test_refuses_key_file_readable_by_others(tmp_path):
     kf.chmod(0o644)
     err = _serve_expect_refusal(tmp_path, "--port", "0", "--key-file", str(kf))
     assert "chmod 600" in err
+
+
+def test_second_session_reuses_the_shared_system_prefix(client):
+    instructions = "You are a meticulous coding agent working in a large repository. " * 30
+    first = client.responses.create(model="tiny", instructions=instructions, input="List files.",
+                                    temperature=0, max_output_tokens=4)
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    second = client.responses.create(model="tiny", instructions=instructions,
+                                     input="Open the README.", temperature=0,
+                                     max_output_tokens=4)
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert 300 < cached < second.usage.input_tokens

@@ -77,7 +77,9 @@ class Memory:
         self.cache = self.cache._replace(conv=conv, rec=rec)
         seq.table = snap.pages.fork()
         self._set_row(seq.slot, seq.table, pos=snap.num_tokens)
-        self.states.set_weight(snap.image, retention_score(_ROLE[snap.kind], _now()))
+        # A response that has been continued is history now; the continuation becomes the head.
+        role = Role.SESSION_HISTORY if snap.kind == "response" else _ROLE[snap.kind]
+        self.states.set_weight(snap.image, retention_score(role, _now()))
         return restored or path, snap.num_tokens
 
     def prepare(self, seqs, n_tokens: int) -> None:
@@ -97,8 +99,10 @@ class Memory:
             self.cache = self.cache._replace(pool=pool)
         self.cache = self.cache._replace(block_table=jnp.asarray(self.table))
 
-    def snapshot(self, seq, principal: str | None, n_tokens: int, kind: str) -> bool:
-        """Store the state after the first `n_tokens` tokens of `seq` (its row must be there)."""
+    def snapshot(self, seq, principal: str | None, n_tokens: int, kind: str,
+                 one_off: bool = False) -> bool:
+        """Store the state after the first `n_tokens` tokens of `seq` (its row must be there).
+        `one_off`: a response outside any session, evicted before session states."""
         if not principal or n_tokens <= 0:
             return False
         tokens = (list(seq.prompt_ids) + list(seq.output_ids))[:n_tokens]
@@ -107,7 +111,8 @@ class Memory:
             return False
         snap.image = self.states.store(self.cache.conv, self.cache.rec, seq.slot, key=snap.key,
                                        num_tokens=n_tokens,
-                                       weight=retention_score(_ROLE[kind], _now()))
+                                       weight=retention_score(
+                                           Role.ONE_OFF if one_off else _ROLE[kind], _now()))
         snap.pages = seq.table.fork(n_tokens)
         self.index.add(snap)
         self._by_key[snap.key] = snap
