@@ -21,6 +21,7 @@ from engine.tokenizer import Tokenizer, build_qwen35_tokenizer_json
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_KV_DTYPES = {**_DTYPES, "int8": jnp.int8}
 
 
 @dataclass
@@ -87,4 +88,4 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
     params = M.stack_params(flat, art.config)
     return LoadedModel(cfg=art.config, params=params, tokenizer=Tokenizer(art.tokenizer_json),
                        chat_template=art.chat_template, sha256=art.sha256, path=Path(path),
-                       compute_dtype=dt, kv_dtype=_DTYPES.get(kv_dtype, jnp.float32))
+                       compute_dtype=dt, kv_dtype=_KV_DTYPES[kv_dtype])

@@ -125,3 +125,37 @@ def test_after_eviction_recomputes_the_same_tokens(model):
         assert st["evictions"] >= 1 and st["states"]["device_images"] <= 1
     finally:
         eng.stop()
+
+
+def test_host_tier_restore(model):
+    # One device slot: the second session's state pushes the first one to the host tier; the
+    # first session then continues from the host copy, with the same tokens as a cold run.
+    eng = make_engine(model, state_slots=1, host_state_bytes=8 << 20)
+    try:
+        p1 = turn(model, "What is a closure?")
+        out1, _ = run(eng, p1, "gina")
+        run(eng, turn(model, "Unrelated."), "hank", max_tokens=8)
+        assert eng.mem.stats()["states"]["host_images"] >= 1
+        p2 = p1 + out1 + turn(model, "An example?")
+        out2, d2 = run(eng, p2, "gina")
+        assert d2.path == "host-restored" and d2.cached_tokens == len(p1) + len(out1) - 1
+        assert out2 == run(eng, p2, "cold-8")[0]
+    finally:
+        eng.stop()
+
+
+def test_int8_kv_pool_serves(model):
+    import dataclasses
+
+    m8 = dataclasses.replace(model, kv_dtype=__import__("jax.numpy").numpy.int8)
+    eng = make_engine(m8)
+    try:
+        assert eng.mem.cache.pool.k.dtype.name == "int8"
+        p1 = turn(model, "Write a haiku.")
+        out8, _ = run(eng, p1, "ivy")
+        out8b, d = run(eng, p1 + out8 + turn(model, "Another."), "ivy")
+        assert d.path == "continuation" and len(set(out8)) >= 16 and len(out8b) == 64
+        kv = eng.mem.stats()["kv"]
+        assert kv["page_bytes"] < 0.3 * 64 * 2048  # int8 codes + scales vs 2 KiB/token in fp32
+    finally:
+        eng.stop()
