@@ -85,6 +85,23 @@ def random_cache(cfg, ctx: int, dtype, batch: int = 1):
         pos=jnp.full((batch,), ctx, jnp.int32))
 
 
+def random_paged_cache(cfg, ctx: int, dtype, batch: int = 1):
+    """A paged cache: each row owns consecutive pages holding ctx random K/V tokens."""
+    from engine import paged_kv as pk
+
+    per_row = pk.kv_pages_needed(ctx + 16)
+    pool = pk.init_kv_pool(cfg, batch * per_row, pk.PAGE_SIZE, dtype)
+    k1, k2 = jax.random.split(jax.random.key(8))
+    pool = pool._replace(k=jax.random.normal(k1, pool.k.shape, dtype),
+                         v=jax.random.normal(k2, pool.v.shape, dtype))
+    table = np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
+    c = M.init_paged_cache(cfg, pool, table, dtype)
+    k3, k4 = jax.random.split(jax.random.key(9))
+    return c._replace(conv=jax.random.normal(k3, c.conv.shape, dtype) * 0.1,
+                      rec=jax.random.normal(k4, c.rec.shape, jnp.float32) * 0.01,
+                      pos=jnp.full((batch,), ctx, jnp.int32))
+
+
 def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -100,6 +117,7 @@ def main() -> None:
                     "CPU smoke run)")
     ap.add_argument("--skip-peaks", action="store_true")
     ap.add_argument("--unroll", action="store_true", help="unroll the scan over blocks")
+    ap.add_argument("--paged", action="store_true", help="decode over the paged KV pool")
     args = ap.parse_args()
     cfg, dt = preset(args.preset), jnp.bfloat16
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
@@ -119,13 +137,14 @@ def main() -> None:
     fwd = M.jit_forward()
     step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll)  # noqa: E731
     res["unroll"] = args.unroll
+    res["paged"] = args.paged
     state_bytes = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
         cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     kv_per_tok = cfg.num_blocks * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     res["decode"] = []
     runs = [(int(b), int(c)) for b in args.batches.split(",") for c in args.contexts.split(",")]
     for batch, ctx in runs:
-        cache = random_cache(cfg, ctx, dt, batch)
+        cache = (random_paged_cache if args.paged else random_cache)(cfg, ctx, dt, batch)
         tok = jnp.ones((batch, 1), jnp.int32)
         t0 = time.perf_counter()
         _, _, cache = step(params, tok, cache)
