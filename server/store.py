@@ -1,0 +1,359 @@
+"""The durable response store: stored responses, their lineage, and the exact token ids of every
+output item, in one SQLite file (settings and their reasons: `server/store_schema.py`).
+
+What a stored response holds: its principal and session, `previous_response_id`, the request's
+own input items (not the chain's), its output items each with the token ids the model produced,
+instructions, request parameters (tools, reasoning, tool_choice, sampling ...), usage and the
+prompt token count. `history(id)` rebuilds a conversation by walking `previous_response_id`:
+each ancestor's input items then its output items, oldest first. Instructions are never part of
+the history: the current request's apply.
+
+Delete semantics (no cascade). `delete` turns a response into a tombstone at once: `get`,
+`history`, `list_input_items`, `continuation` and the replay lookups treat it as absent, and its
+instructions, parameters and usage are erased. Its input and output items stay in the file only
+while a live descendant's history runs through it (the descendant's conversation contains them,
+so "descendants still continue" requires them); when no live descendant is left they are
+deleted with the row, overwritten (secure_delete) and the WAL is truncated. Prune and purge
+follow the same rules; a session purge removes every response of the session outright
+(descendants always live in their parent's session).
+
+Sessions. A request with `prompt_cache_key` K belongs to session (principal, K). A request
+without a key continuing a response joins that response's session; a new chain without a key is
+its own session, named by its root response id. A request that names a key other than its
+parent's session key is refused like an absent parent (`continuation` returns None).
+
+Threading rule. One connection guarded by one lock; every public method holds the lock for its
+whole (short) duration, so any thread may call any method. Reads take well under a millisecond;
+writes commit with an fsync, so the asyncio loop should call `put_response`, `delete`,
+`purge_session` and `prune` through `asyncio.to_thread` rather than wait on the disk itself.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from server.store_items import (HistoryEntry, ResponseRecord, compact_json, input_item_ids,
+                                item_content_hash, pack_token_ids, unpack_token_ids)
+from server.store_schema import StoreError, connect
+
+__all__ = ["ResponseStore", "ResponseRecord", "HistoryEntry", "StoreError", "InvalidCursor",
+           "item_content_hash", "pack_token_ids", "unpack_token_ids"]
+
+MAX_HISTORY_DEPTH = 1_000_000  # a guard against a lineage cycle, which ids make impossible
+
+
+class InvalidCursor(ValueError):
+    """`after` names no input item of the response."""
+
+
+# ---- the store ---------------------------------------------------------------------------------
+_LIVE_OWNED = """SELECT r.*, s.cache_key FROM responses r
+    JOIN principals p ON p.id = r.principal_id JOIN sessions s ON s.id = r.session_id
+    WHERE r.id = ? AND p.name = ? AND r.deleted_at IS NULL"""
+
+# Ancestors of live responses: the tombstones whose items some live history still reads.
+_NEEDED = """WITH RECURSIVE needed(id) AS (
+    SELECT previous_response_id FROM responses
+        WHERE deleted_at IS NULL AND previous_response_id IS NOT NULL {scope}
+    UNION
+    SELECT r.previous_response_id FROM responses r JOIN needed n ON r.id = n.id
+        WHERE r.previous_response_id IS NOT NULL)"""
+
+_ERASE = "UPDATE responses SET deleted_at = ?, instructions = NULL, params = '{}', usage = NULL"
+
+
+def _listed(item_id: str, item: dict) -> dict:
+    return {"id": item_id, **{k: v for k, v in item.items() if k != "id"}}
+
+
+class ResponseStore:
+    """Durable responses for the Responses API. See the module docstring for the rules."""
+
+    def __init__(self, path):
+        self.path = path
+        self._conn = connect(path)
+        self._conn.row_factory = sqlite3.Row
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self, mode: str = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
+        """One transaction under the lock: IMMEDIATE for writes, DEFERRED for a consistent
+        snapshot across several reads."""
+        with self._lock:
+            self._conn.execute(f"BEGIN {mode}")
+            try:
+                yield self._conn
+                self._conn.execute("COMMIT")
+            except BaseException:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+
+    def _scrub(self) -> None:
+        """After content was deleted: give freed pages back and empty the WAL, so the deleted
+        bytes are in neither file (secure_delete has zeroed them in the pages)."""
+        with self._lock:
+            self._conn.execute("PRAGMA incremental_vacuum").fetchall()
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+
+    # ---- writes --------------------------------------------------------------------------------
+    def put_response(self, rec: ResponseRecord) -> None:
+        """Store `rec` atomically (one transaction). Raises ValueError for a malformed record or
+        an id already stored, sqlite3 errors for disk failures."""
+        if len(rec.output_token_ids) != len(rec.output_items):
+            raise ValueError("output_token_ids must have one entry per output item")
+        inputs = [(i, iid, compact_json(it)) for i, (iid, it)
+                  in enumerate(zip(input_item_ids(rec.input_items), rec.input_items))]
+        outputs = [(i, it.get("id"), item_content_hash(it), compact_json(it),
+                    None if ids is None else pack_token_ids(ids))
+                   for i, (it, ids) in enumerate(zip(rec.output_items, rec.output_token_ids))]
+        now = time.time()
+        with self._tx() as c:
+            c.execute("INSERT OR IGNORE INTO principals (name, created_at) VALUES (?, ?)",
+                      (rec.principal, now))
+            pid = c.execute("SELECT id FROM principals WHERE name = ?",
+                            (rec.principal,)).fetchone()[0]
+            if c.execute("SELECT 1 FROM responses WHERE id = ?", (rec.id,)).fetchone():
+                raise ValueError(f"response {rec.id} is already stored")
+            sid = self._session_for(c, pid, rec, now)
+            c.execute("INSERT INTO responses (id, principal_id, session_id, previous_response_id,"
+                      " created_at, status, model, instructions, params, usage, prompt_tokens)"
+                      " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                      (rec.id, pid, sid, rec.previous_response_id, rec.created_at, rec.status,
+                       rec.model, rec.instructions, compact_json(rec.params),
+                       None if rec.usage is None else compact_json(rec.usage),
+                       rec.prompt_tokens))
+            c.executemany("INSERT INTO input_items VALUES (?, ?, ?, ?)",
+                          [(rec.id, *row) for row in inputs])
+            c.executemany("INSERT INTO output_items VALUES (?, ?, ?, ?, ?, ?)",
+                          [(rec.id, *row) for row in outputs])
+
+    @staticmethod
+    def _session_for(c, pid: int, rec: ResponseRecord, now: float) -> int:
+        """The session a new response joins: its parent's (whose key it must not contradict),
+        else its key's, else a new one rooted at itself. A parent collected while this response
+        was generated (deleted meanwhile) leaves the lineage in place and the history starting
+        here."""
+        if rec.previous_response_id is not None:
+            row = c.execute("SELECT r.principal_id, r.session_id, s.cache_key FROM responses r "
+                            "JOIN sessions s ON s.id = r.session_id WHERE r.id = ?",
+                            (rec.previous_response_id,)).fetchone()
+            if row is not None:
+                if row[0] != pid:
+                    raise ValueError("previous_response_id belongs to another principal")
+                if rec.prompt_cache_key is not None and rec.prompt_cache_key != row[2]:
+                    raise ValueError("prompt_cache_key differs from the parent's session")
+                c.execute("UPDATE sessions SET last_used_at = ? WHERE id = ?", (now, row[1]))
+                return row[1]
+        if rec.prompt_cache_key is not None:
+            c.execute("INSERT OR IGNORE INTO sessions (principal_id, cache_key, created_at, "
+                      "last_used_at) VALUES (?, ?, ?, ?)", (pid, rec.prompt_cache_key, now, now))
+            c.execute("UPDATE sessions SET last_used_at = ? WHERE principal_id = ? AND "
+                      "cache_key = ?", (now, pid, rec.prompt_cache_key))
+            return c.execute("SELECT id FROM sessions WHERE principal_id = ? AND cache_key = ?",
+                             (pid, rec.prompt_cache_key)).fetchone()[0]
+        return c.execute("INSERT INTO sessions (principal_id, root_response_id, created_at, "
+                         "last_used_at) VALUES (?, ?, ?, ?)", (pid, rec.id, now, now)).lastrowid
+
+    @staticmethod
+    def _collect(c, session_ids=None) -> None:
+        """Delete every tombstone no live history needs (with its items), then empty sessions.
+        Descendants share their parent's session, so a session-scoped pass is complete."""
+        if session_ids is None:
+            scope, args = "", ()
+        else:
+            scope = f"AND session_id IN ({','.join('?' * len(session_ids))})"
+            args = tuple(session_ids)
+        c.execute(_NEEDED.format(scope=scope) + " DELETE FROM responses WHERE deleted_at IS NOT"
+                  f" NULL {scope} AND id NOT IN (SELECT id FROM needed)", args + args)
+        c.execute("DELETE FROM sessions WHERE NOT EXISTS (SELECT 1 FROM responses r WHERE "
+                  f"r.session_id = sessions.id) {scope.replace('session_id', 'sessions.id')}",
+                  args)
+
+    def delete(self, principal: str, response_id: str) -> bool:
+        """Tombstone one response (no cascade). False when absent, deleted or not the
+        principal's, which callers must answer exactly like an unknown id."""
+        with self._tx() as c:
+            row = c.execute(_LIVE_OWNED, (response_id, principal)).fetchone()
+            if row is None:
+                return False
+            c.execute(_ERASE + " WHERE id = ?", (time.time(), response_id))
+            self._collect(c, [row["session_id"]])
+        self._scrub()
+        return True
+
+    def purge_session(self, principal: str, prompt_cache_key: str | None = None, *,
+                      root_response_id: str | None = None) -> int:
+        """Remove every response of one session (keyed, or a keyless chain by its root id),
+        content and rows. Returns the number of responses removed (tombstones included)."""
+        if (prompt_cache_key is None) == (root_response_id is None):
+            raise ValueError("give exactly one of prompt_cache_key and root_response_id")
+        column, key = (("cache_key", prompt_cache_key) if prompt_cache_key is not None
+                       else ("root_response_id", root_response_id))
+        with self._tx() as c:
+            row = c.execute(f"SELECT s.id FROM sessions s JOIN principals p ON p.id = "
+                            f"s.principal_id WHERE p.name = ? AND s.{column} = ?",
+                            (principal, key)).fetchone()
+            if row is None:
+                return 0
+            n = c.execute("DELETE FROM responses WHERE session_id = ?", (row[0],)).rowcount
+            c.execute("DELETE FROM sessions WHERE id = ?", (row[0],))
+        self._scrub()
+        return n
+
+    def prune(self, max_responses_per_principal: int | None = None,
+              max_age_s: float | None = None, now: float | None = None) -> int:
+        """Retention: tombstone live responses older than `max_age_s` and, per principal, all
+        but the newest `max_responses_per_principal`; then collect as `delete` does. Returns
+        the number of responses tombstoned."""
+        now = time.time() if now is None else now
+        n = 0
+        with self._tx() as c:
+            if max_age_s is not None:
+                n += c.execute(_ERASE + " WHERE deleted_at IS NULL AND created_at < ?",
+                               (now, now - max_age_s)).rowcount
+            if max_responses_per_principal is not None:
+                n += c.execute(_ERASE + " WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() "
+                               "OVER (PARTITION BY principal_id ORDER BY created_at DESC, "
+                               "rowid DESC) AS rank FROM responses WHERE deleted_at IS NULL) "
+                               "WHERE rank > ?)", (now, max_responses_per_principal)).rowcount
+            self._collect(c)
+        if n:
+            self._scrub()
+        return n
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def get(self, principal: str, response_id: str) -> ResponseRecord | None:
+        """The stored response, or None when absent, deleted or another principal's."""
+        with self._tx("DEFERRED") as c:
+            row = c.execute(_LIVE_OWNED, (response_id, principal)).fetchone()
+            if row is None:
+                return None
+            inputs = c.execute("SELECT item FROM input_items WHERE response_id = ? "
+                               "ORDER BY position", (response_id,)).fetchall()
+            outputs = c.execute("SELECT item, token_ids FROM output_items WHERE "
+                                "response_id = ? ORDER BY position", (response_id,)).fetchall()
+        r = row
+        return ResponseRecord(
+            id=r["id"], principal=principal, model=r["model"], status=r["status"],
+            input_items=[json.loads(x[0]) for x in inputs],
+            output_items=[json.loads(x[0]) for x in outputs],
+            output_token_ids=[None if x[1] is None else unpack_token_ids(x[1]) for x in outputs],
+            created_at=r["created_at"], previous_response_id=r["previous_response_id"],
+            prompt_cache_key=r["cache_key"], instructions=r["instructions"],
+            params=json.loads(r["params"]),
+            usage=None if r["usage"] is None else json.loads(r["usage"]),
+            prompt_tokens=r["prompt_tokens"])
+
+    def continuation(self, principal: str, previous_response_id: str,
+                     prompt_cache_key: str | None) -> ResponseRecord | None:
+        """The response a request may continue, or None, which the caller answers with
+        `previous_response_not_found` (400): absent, deleted, another principal's, or in another
+        session than the request's `prompt_cache_key` names."""
+        parent = self.get(principal, previous_response_id)
+        if parent is None:
+            return None
+        if prompt_cache_key is not None and prompt_cache_key != parent.prompt_cache_key:
+            return None
+        return parent
+
+    def history_entries(self, principal: str, response_id: str) -> list[HistoryEntry] | None:
+        """The conversation up to and including `response_id`, oldest first: for each response
+        of the chain its input items, then its output items with their token ids. None when the
+        response itself is not visible; deleted ancestors still contribute their items."""
+        with self._tx("DEFERRED") as c:
+            if c.execute(_LIVE_OWNED, (response_id, principal)).fetchone() is None:
+                return None
+            rows = c.execute(
+                """WITH RECURSIVE chain(id, prev, depth) AS (
+                    SELECT id, previous_response_id, 0 FROM responses WHERE id = ?
+                    UNION ALL
+                    SELECT r.id, r.previous_response_id, chain.depth + 1 FROM responses r
+                        JOIN chain ON r.id = chain.prev
+                        WHERE chain.depth < ? AND r.principal_id =
+                            (SELECT principal_id FROM responses WHERE id = ?))
+                SELECT chain.depth, 0 AS kind, i.position, chain.id, i.item, NULL
+                    FROM chain JOIN input_items i ON i.response_id = chain.id
+                UNION ALL
+                SELECT chain.depth, 1, o.position, chain.id, o.item, o.token_ids
+                    FROM chain JOIN output_items o ON o.response_id = chain.id
+                ORDER BY 1 DESC, 2, 3""",
+                (response_id, MAX_HISTORY_DEPTH, response_id)).fetchall()
+        return [HistoryEntry(rid, "output" if kind else "input", json.loads(item),
+                             None if blob is None else unpack_token_ids(blob))
+                for _, kind, _, rid, item, blob in rows]
+
+    def history(self, principal: str, response_id: str) -> list[dict] | None:
+        """The items of `history_entries`, in conversation order."""
+        entries = self.history_entries(principal, response_id)
+        return None if entries is None else [e.item for e in entries]
+
+    def list_input_items(self, principal: str, response_id: str, after: str | None = None,
+                         limit: int = 20, order: str = "desc") -> dict | None:
+        """`GET /v1/responses/{id}/input_items`: this request's input items, a page at a time.
+        None when the response is not visible; InvalidCursor when `after` is not one of its
+        items; ValueError for a limit outside 1..100 or an unknown order."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100:
+            raise ValueError("limit must be an integer between 1 and 100")
+        if order not in ("asc", "desc"):
+            raise ValueError("order must be 'asc' or 'desc'")
+        with self._tx("DEFERRED") as c:
+            if c.execute(_LIVE_OWNED, (response_id, principal)).fetchone() is None:
+                return None
+            start = -1 if order == "asc" else 1 << 62
+            if after is not None:
+                row = c.execute("SELECT position FROM input_items WHERE response_id = ? AND "
+                                "item_id = ?", (response_id, after)).fetchone()
+                if row is None:
+                    raise InvalidCursor(f"'after': no input item '{after}' in this response")
+                start = row[0]
+            cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+            rows = c.execute(f"SELECT item_id, item FROM input_items WHERE response_id = ? AND "
+                             f"position {cmp} ? ORDER BY position {direction} LIMIT ?",
+                             (response_id, start, limit + 1)).fetchall()
+        data = [_listed(iid, json.loads(item)) for iid, item in rows[:limit]]
+        return {"object": "list", "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": len(rows) > limit}
+
+    def _stored_tokens(self, principal: str, where: str, args: tuple) -> list[int] | None:
+        """The newest live match's token ids among the principal's output items."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT o.token_ids FROM output_items o JOIN responses r ON r.id = o.response_id"
+                " JOIN principals p ON p.id = r.principal_id WHERE p.name = ? AND"
+                f" r.deleted_at IS NULL AND o.token_ids IS NOT NULL AND {where}"
+                " ORDER BY r.created_at DESC, r.rowid DESC LIMIT 1", (principal, *args)).fetchone()
+        return None if row is None else unpack_token_ids(row[0])
+
+    def token_ids_for_item(self, principal: str, *, item_id: str | None = None,
+                           content_hash: str | None = None) -> list[int] | None:
+        """Exact replay: the token ids stored for an output item of one of the principal's live
+        responses, found by item id or by `item_content_hash`; the newest match wins."""
+        if (item_id is None) == (content_hash is None):
+            raise ValueError("give exactly one of item_id and content_hash")
+        if item_id is not None:
+            return self._stored_tokens(principal, "o.item_id = ?", (item_id,))
+        return self._stored_tokens(principal, "o.content_hash = ?", (content_hash,))
+
+    def replay_token_ids(self, principal: str, item: dict) -> list[int] | None:
+        """The stored token ids for an output item a client echoed back: by its id when the
+        stored item under that id says the same thing, else by its content hash. None means
+        the item must be tokenized from its text."""
+        digest = item_content_hash(item)
+        own = item.get("id")
+        if isinstance(own, str):
+            ids = self._stored_tokens(principal, "o.item_id = ? AND o.content_hash = ?",
+                                      (own, digest))
+            if ids is not None:
+                return ids
+        return self._stored_tokens(principal, "o.content_hash = ?", (digest,))
