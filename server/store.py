@@ -131,6 +131,10 @@ class ResponseStore:
                        rec.model, rec.instructions, compact_json(rec.params),
                        None if rec.usage is None else compact_json(rec.usage),
                        rec.prompt_tokens))
+            if rec.prompt_token_ids is not None:
+                c.execute("UPDATE responses SET prompt_token_ids = ?, extends_parent = ? "
+                          "WHERE id = ?", (pack_token_ids(rec.prompt_token_ids),
+                                           int(rec.extends_parent), rec.id))
             c.executemany("INSERT INTO input_items VALUES (?, ?, ?, ?)",
                           [(rec.id, *row) for row in inputs])
             c.executemany("INSERT INTO output_items VALUES (?, ?, ?, ?, ?, ?)",
@@ -264,6 +268,30 @@ class ResponseStore:
         if prompt_cache_key is not None and prompt_cache_key != parent.prompt_cache_key:
             return None
         return parent
+
+    def token_sequence(self, principal: str, response_id: str) -> list[int] | None:
+        """Every token of the conversation up to the end of `response_id`'s output, exactly as
+        the model saw and produced them (prompt deltas and outputs along the chain); None when
+        the response is not visible or a link of the chain has no stored token ids."""
+        parts: list[list[int]] = []
+        with self._tx("DEFERRED") as c:
+            if c.execute(_LIVE_OWNED, (response_id, principal)).fetchone() is None:
+                return None
+            rid, depth = response_id, 0
+            while rid is not None and depth < MAX_HISTORY_DEPTH:
+                row = c.execute("SELECT previous_response_id, prompt_token_ids, extends_parent "
+                                "FROM responses WHERE id = ?", (rid,)).fetchone()
+                if row is None or row[1] is None:
+                    return None
+                outs = c.execute("SELECT token_ids FROM output_items WHERE response_id = ? "
+                                 "ORDER BY position", (rid,)).fetchall()
+                if any(o[0] is None for o in outs):
+                    return None
+                output = [t for o in outs for t in unpack_token_ids(o[0])]
+                parts.append(unpack_token_ids(row[1]) + output)  # newest response first
+                rid = row[0] if row[2] else None
+                depth += 1
+        return [t for part in reversed(parts) for t in part]
 
     def history_entries(self, principal: str, response_id: str) -> list[HistoryEntry] | None:
         """The conversation up to and including `response_id`, oldest first: for each response

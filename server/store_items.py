@@ -29,6 +29,10 @@ class ResponseRecord:
     params: dict = field(default_factory=dict)
     usage: dict | None = None
     prompt_tokens: int = 0
+    # The prompt's token ids: all of them, or (extends_parent) only those after the parent's
+    # token sequence. None when unknown.
+    prompt_token_ids: list[int] | None = None
+    extends_parent: bool = False
 
 
 @dataclass(frozen=True)

@@ -89,8 +89,17 @@ _V1 = (
     "CREATE INDEX output_items_by_hash ON output_items(content_hash)",
 )
 
+# Version 2: the prompt token ids of each response, as a delta. A response whose prompt extends
+# its parent's token sequence (parent prompt + parent output) stores only the new tokens, so a
+# long chain costs linear, not quadratic, space; the engine's stored states are keyed by exactly
+# these sequences.
+_V2 = (
+    "ALTER TABLE responses ADD COLUMN prompt_token_ids BLOB",
+    "ALTER TABLE responses ADD COLUMN extends_parent INTEGER NOT NULL DEFAULT 0",
+)
+
 # Migration hook: (version, statements). Append new versions; never edit a shipped one.
-MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = ((1, _V1),)
+MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = ((1, _V1), (2, _V2))
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

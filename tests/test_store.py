@@ -3,6 +3,7 @@ and session isolation, forks and rollback, non-cascading delete, input-item pagi
 model, exact token ids, and deleted content gone from the file's bytes."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from server.store import (InvalidCursor, ResponseRecord, ResponseStore, StoreError,
                           item_content_hash, pack_token_ids)
-from server.store_schema import MIGRATIONS, connect
+from server.store_schema import MIGRATIONS, SCHEMA_VERSION, connect
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,14 +151,15 @@ def test_file_mode_0600_and_loose_file_refused(db, store):
 
 def test_schema_version_and_migrations(db):
     conn = connect(db)
-    assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 1
+    assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == SCHEMA_VERSION
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
     conn.close()
-    v2 = MIGRATIONS + ((2, ("CREATE TABLE later (x INTEGER)",)),)
-    conn = connect(db, migrations=v2)
-    assert [r[0] for r in conn.execute("SELECT version FROM schema_version")] == [1, 2]
+    later = MIGRATIONS + ((SCHEMA_VERSION + 1, ("CREATE TABLE later (x INTEGER)",)),)
+    conn = connect(db, migrations=later)
+    assert [r[0] for r in conn.execute("SELECT version FROM schema_version")] == \
+        list(range(1, SCHEMA_VERSION + 2))
     conn.close()
     with pytest.raises(StoreError, match="newer"):
         connect(db)
@@ -443,3 +445,17 @@ def test_store_survives_sqlite_read_by_another_connection(db, store):
     assert other.execute("SELECT COUNT(*) FROM responses").fetchone()[0] == 1
     other.close()
     assert store.delete("alice", "r1")
+
+
+def test_token_sequence_follows_the_chain(store):
+    store.put_response(dataclasses.replace(make("t1", tokens=[5, 6]), prompt_token_ids=[1, 2, 3]))
+    store.put_response(dataclasses.replace(make("t2", prev="t1", tokens=[9]),
+                                           prompt_token_ids=[7, 8], extends_parent=True))
+    store.put_response(dataclasses.replace(make("t3", prev="t1", tokens=[4]),
+                                           prompt_token_ids=[1, 2, 3, 0], extends_parent=False))
+    assert store.token_sequence("alice", "t1") == [1, 2, 3, 5, 6]
+    assert store.token_sequence("alice", "t2") == [1, 2, 3, 5, 6, 7, 8, 9]
+    assert store.token_sequence("alice", "t3") == [1, 2, 3, 0, 4]
+    assert store.token_sequence("mallory", "t2") is None
+    store.put_response(make("t4"))  # no prompt ids known
+    assert store.token_sequence("alice", "t4") is None
