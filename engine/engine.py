@@ -133,6 +133,13 @@ class Engine:
                                  emit=req.emit, payload=req,
                                  breakpoint=req.prefix_boundary))
 
+    def forget(self, principal: str, tokens) -> None:
+        """Drop the stored state that follows exactly `tokens` for `principal` (asynchronous:
+        done by the engine thread before its next step)."""
+        from engine.runtime.prefix import token_key
+
+        self._inbox.put(("forget", principal, token_key(principal, tokens)))
+
     def warmup(self) -> float:
         """Compile the decode step, every prefill piece shape and the sampler; returns seconds."""
         t0 = time.monotonic()
@@ -182,7 +189,10 @@ class Engine:
             while True:
                 if item is None:
                     return False
-                self.sched.waiting.append(item)  # capacity was checked by submit()
+                if isinstance(item, tuple):  # ("forget", principal, key)
+                    self.mem.forget(item[1], item[2])
+                else:
+                    self.sched.waiting.append(item)  # capacity was checked by submit()
                 item = self._inbox.get_nowait()
         except queue.Empty:
             return True

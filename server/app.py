@@ -15,7 +15,9 @@ from sanic import Request, Sanic, response
 from engine.engine import DoneEvent, Engine, GenerationRequest, QueueFull, TokenEvent
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
+from server import chains
 from server.auth import KeyRing
+from server.store import InvalidCursor, ResponseStore
 from server.errors import APIError, invalid, not_found, unauthorized
 from server.request_model import ResponseRequest, parse_response_request
 from server.response_objects import EventStream, ResponseState
@@ -30,6 +32,7 @@ class Runtime:
     keys: KeyRing
     max_output_tokens: int
     context_tokens: int
+    store: ResponseStore | None = None
     engine: Engine | None = None
     model: LoadedModel | None = None
     load_error: str | None = None
@@ -89,10 +92,9 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
         if req.model != m.model_id:
             raise not_found(f"The model '{req.model}' does not exist; this server serves "
                             f"'{m.model_id}'.", code="model_not_found")
-        if req.previous_response_id is not None:
-            raise invalid(f"Previous response with id '{req.previous_response_id}' not found.",
-                          param="previous_response_id", code="previous_response_not_found")
-        prompt_ids, boundary = _render_prompt(m, req)
+        principal = request.ctx.principal
+        prompt = await chains.build_prompt(rt.store, m, req, principal)
+        prompt_ids, boundary = prompt.ids, prompt.boundary
         budget = rt.context_tokens - len(prompt_ids)
         if budget < 1:
             raise invalid(f"This model's maximum context length is {rt.context_tokens} tokens; "
@@ -101,21 +103,66 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
         max_tokens = min(req.max_output_tokens or rt.max_output_tokens, budget)
         state = ResponseState(model=m.model_id, max_output_tokens=req.max_output_tokens,
                               temperature=req.temperature, top_p=req.top_p,
-                              instructions=_instructions(req), metadata=req.metadata,
+                              instructions=req.instructions, metadata=req.metadata,
+                              previous_response_id=req.previous_response_id,
                               store=req.store, prompt_cache_key=req.prompt_cache_key,
                               input_tokens=len(prompt_ids))
         gen, events = _submit(rt.engine, m, req, prompt_ids, max_tokens,
-                              principal=request.ctx.principal, boundary=boundary)
+                              principal=principal, boundary=boundary)
+
+        async def persist():  # before the terminal event: a client may chain on it at once
+            if req.store and state.status in ("completed", "incomplete"):
+                rec = chains.record_for(state, req, principal, prompt)
+                await asyncio.to_thread(rt.store.put_response, rec)
+
         try:
             first = await events.get()  # errors before the first token get a plain HTTP error
             _raise_if_rejected(first)
             source = _Events(events, first)
             if req.stream:
-                return await _stream(request, state, gen, source, m)
+                return await _stream(request, state, gen, source, m, persist)
             await _collect(state, source, m)
+            await persist()
         finally:
             gen.cancelled.set()  # a no-op when finished; frees the engine if the client left
         return response.json(state.to_dict())
+
+    @app.get("/v1/responses/<response_id:str>")
+    async def get_response(request: Request, response_id: str):
+        rec = await asyncio.to_thread(rt.store.get, request.ctx.principal, response_id)
+        if rec is None:
+            raise not_found(f"No response found with id '{response_id}'.")
+        return response.json(chains.response_from_record(rec))
+
+    @app.delete("/v1/responses/<response_id:str>")
+    async def delete_response(request: Request, response_id: str):
+        principal = request.ctx.principal
+        rec = await asyncio.to_thread(rt.store.get, principal, response_id)
+        seq = await asyncio.to_thread(rt.store.token_sequence, principal, response_id)
+        if rec is None or not await asyncio.to_thread(rt.store.delete, principal, response_id):
+            raise not_found(f"No response found with id '{response_id}'.")
+        if seq is not None and rt.engine is not None:  # its model state goes too
+            rt.engine.forget(principal, chains.fed_tokens(rec.status, seq))
+        return response.json({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/<response_id:str>/input_items")
+    async def input_items(request: Request, response_id: str):
+        args = request.args
+        try:
+            limit = int(args.get("limit", "20"))
+        except ValueError:
+            raise invalid("'limit' must be an integer between 1 and 100", param="limit")
+        try:
+            page = await asyncio.to_thread(
+                rt.store.list_input_items, request.ctx.principal, response_id,
+                args.get("after"), limit, args.get("order", "desc"))
+        except InvalidCursor:
+            raise invalid(f"No input item with id '{args.get('after')}'.", param="after")
+        except ValueError as e:
+            raise invalid(str(e), param="limit" if "limit" in str(e) else "order")
+        if page is None:
+            raise not_found(f"No response found with id '{response_id}'.")
+        return response.json(page)
 
     return app
 
@@ -125,26 +172,6 @@ def _require_model(rt: Runtime) -> LoadedModel:
         raise APIError(503, "the model is still loading; retry shortly", type="server_error",
                        code="model_loading", headers={"Retry-After": "2"})
     return rt.model
-
-
-def _instructions(req: ResponseRequest) -> str | None:
-    return next((m.content for m in req.messages[:1] if m.role == "system"), None)
-
-
-def _render_prompt(m: LoadedModel, req: ResponseRequest) -> tuple[list[int], int]:
-    """The prompt's token ids, and where its stable prefix (the system turn) ends: the engine
-    snapshots the state there so other sessions of the principal start from it."""
-    from engine.chat import render_chat
-
-    msgs = [{"role": x.role, "content": x.content} for x in req.messages]
-    ids = m.tokenizer.encode(render_chat(m.chat_template, msgs, add_generation_prompt=True))
-    boundary = 0
-    if msgs and msgs[0]["role"] == "system" and len(msgs) > 1:
-        head = m.tokenizer.encode(render_chat(m.chat_template, msgs[:1],
-                                              add_generation_prompt=False))
-        if len(head) < len(ids) and ids[:len(head)] == head:
-            boundary = len(head)
-    return ids, boundary
 
 
 def _submit(engine: Engine, m: LoadedModel, req: ResponseRequest, prompt_ids, max_tokens, *,
@@ -193,6 +220,7 @@ async def _next_text(events: _Events, decoder, state: ResponseState):
         ev = await events.get()
         if isinstance(ev, TokenEvent):
             state.output_tokens += 1
+            state.output_ids.append(ev.token_id)
             piece = decoder.push(ev.token_id)
             if piece:
                 return piece
@@ -222,7 +250,8 @@ async def _collect(state: ResponseState, events, m: LoadedModel) -> None:
         state.text += item
 
 
-async def _stream(request: Request, state: ResponseState, gen, events, m: LoadedModel):
+async def _stream(request: Request, state: ResponseState, gen, events, m: LoadedModel,
+                  persist):
     resp = await request.respond(content_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     es = EventStream(state)
@@ -242,6 +271,7 @@ async def _stream(request: Request, state: ResponseState, gen, events, m: Loaded
                 except APIError as e:
                     await resp.send(es.failed(e.message))
                     break
+                await persist()
                 for frame in es.closing():
                     await resp.send(frame)
                 break

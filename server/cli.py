@@ -101,8 +101,11 @@ def cmd_serve(args) -> int:
 
     from server.app import Runtime, create_app
 
+    from server.store import ResponseStore
+
     rt = Runtime(keys=keys, max_output_tokens=profile.max_output_tokens,
-                 context_tokens=profile.context_tokens)
+                 context_tokens=profile.context_tokens,
+                 store=ResponseStore(args.state_dir / "responses.db"))
     app = create_app(rt)
     actual_port = sock.getsockname()[1]
     print(f"ninfer: lane {profile.name} listening on http://{host}:{actual_port}",

@@ -28,7 +28,7 @@ class Message:
 @dataclass(frozen=True)
 class ResponseRequest:
     model: str
-    messages: tuple[Message, ...]
+    messages: tuple[Message, ...]  # the instructions (as a system message) + the input
     stream: bool
     max_output_tokens: int | None
     temperature: float
@@ -37,6 +37,12 @@ class ResponseRequest:
     previous_response_id: str | None
     prompt_cache_key: str | None
     metadata: dict = field(default_factory=dict)
+    instructions: str | None = None
+    input_items: tuple = ()        # the input items as sent (string input as one message)
+
+    @property
+    def input_messages(self) -> tuple[Message, ...]:
+        return self.messages[1:] if self.instructions is not None else self.messages
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -50,7 +56,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     return float(v)
 
 
-def _content_text(content, where: str) -> str:
+def content_text(content, where: str = "item") -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -98,7 +104,7 @@ def _messages(body: dict) -> list[Message]:
             raise invalid(f"'{where}.role' must be one of {sorted(_ROLES)}",
                           param=f"{where}.role")
         msgs.append(Message("system" if role == "developer" else role,
-                            _content_text(item.get("content"), where)))
+                            content_text(item.get("content"), where)))
     return msgs
 
 
@@ -131,8 +137,12 @@ def parse_response_request(body) -> ResponseRequest:
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise invalid("'metadata' must be an object", param="metadata")
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
     return ResponseRequest(
         model=model, messages=tuple(_messages(body)), stream=stream, max_output_tokens=mot,
+        instructions=body.get("instructions"), input_items=tuple(items),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
         store=store, previous_response_id=prev, prompt_cache_key=pck, metadata=metadata)

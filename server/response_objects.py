@@ -38,6 +38,7 @@ class ResponseState:
     metadata: dict = field(default_factory=dict)
     store: bool = True
     prompt_cache_key: str | None = None
+    output_ids: list[int] = field(default_factory=list)  # the model's tokens, for the store
 
     def message_item(self, status: str) -> dict:
         content = [] if status == "in_progress" and not self.text else [self.text_part()]

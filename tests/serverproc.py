@@ -47,7 +47,7 @@ def read_key(key_file: Path, principal: str = "default") -> str:
 
 
 def start_server(state_dir: Path, *extra: str, timeout: float = 600.0,
-                 wait_ready: bool = True) -> ServerProcess:
+                 wait_ready: bool = True, principal: str | None = None) -> ServerProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0",
            "--state-dir", str(state_dir), *extra]
@@ -77,7 +77,9 @@ def start_server(state_dir: Path, *extra: str, timeout: float = 600.0,
             key_file = Path(a.split("=", 1)[1])
     if "--key-file" in extra:
         key_file = Path(extra[list(extra).index("--key-file") + 1])
-    server = ServerProcess(proc, base, state_dir, read_key(key_file), log)
+    if principal is None:  # the first principal of the key file
+        principal = key_file.read_text().split()[0]
+    server = ServerProcess(proc, base, state_dir, read_key(key_file, principal), log)
     if wait_ready:
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:

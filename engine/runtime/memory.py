@@ -123,6 +123,16 @@ class Memory:
             seq.table.release()
             seq.table = None
 
+    def forget(self, principal: str, key: str) -> bool:
+        """Drop the stored state with content key `key` (a deleted response or purged session):
+        its KV pages and state image are released now, not when eviction gets to them."""
+        snap = self.index.get(principal, key)
+        if snap is None or snap.image.pinned:
+            return False
+        self.states.drop(snap.image)
+        self._forget(snap)
+        return True
+
     # ---- eviction -------------------------------------------------------------------------
     def _evict_one(self) -> bool:
         """Drop the stored state with the lowest retention; False when none is left."""
