@@ -19,8 +19,9 @@ from server import chains
 from server.auth import KeyRing
 from server.store import InvalidCursor, ResponseStore
 from server.errors import APIError, invalid, not_found, unauthorized
+from server.observability import Metrics, Observability, RequestTrace
 from server.request_model import ResponseRequest, parse_response_request
-from server.response_objects import EventStream, ResponseState
+from server.response_objects import EventStream, ResponseState, new_id
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 PUBLIC_ROUTES = {"/health"}
@@ -37,6 +38,7 @@ class Runtime:
     model: LoadedModel | None = None
     load_error: str | None = None
     extra: dict = field(default_factory=dict)
+    obs: Observability = field(default_factory=lambda: Observability(Metrics()))
 
 
 def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
@@ -54,12 +56,14 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
         scheme, _, token = header.partition(" ")
         principal = rt.keys.principal_for(token.strip()) if scheme.lower() == "bearer" else None
         if principal is None:
+            rt.obs.on_request_rejected(rt.obs.new_request(None), 401, "invalid_api_key")
             return unauthorized().to_response()
         request.ctx.principal = principal
         return None
 
     @app.exception(APIError)
     async def api_error(request, exc: APIError):
+        rt.obs.on_request_rejected(_trace(request, rt.obs), exc.status, exc.code)
         return exc.to_response()
 
     @app.exception(Exception)
@@ -67,6 +71,11 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
         status = getattr(exc, "status_code", 500) or 500
         message = str(exc) if status < 500 else "internal server error"
         kind = "invalid_request_error" if status < 500 else "server_error"
+        if status >= 500:
+            rt.obs.on_request_error(_trace(request, rt.obs), status=status,
+                                    error_type=type(exc).__name__)
+        else:
+            rt.obs.on_request_rejected(_trace(request, rt.obs), status, None)
         return APIError(status, message, type=kind).to_response()
 
     @app.get("/health")
@@ -74,6 +83,11 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
         if rt.engine is None:
             return response.json({"status": "loading"}, status=503)
         return response.json({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request):
+        body, ctype = rt.obs.metrics.render()
+        return response.raw(body, content_type=ctype)
 
     @app.get("/v1/models")
     async def models(request):
@@ -83,6 +97,7 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
+        trace = request.ctx.trace = rt.obs.new_request(request.ctx.principal, new_id("resp"))
         try:
             body = json.loads(request.body or b"null")
         except (ValueError, UnicodeDecodeError):
@@ -101,12 +116,15 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
                           f"the input is {len(prompt_ids)} tokens (context_length_exceeded).",
                           param="input", code="context_length_exceeded")
         max_tokens = min(req.max_output_tokens or rt.max_output_tokens, budget)
-        state = ResponseState(model=m.model_id, max_output_tokens=req.max_output_tokens,
+        state = ResponseState(id=trace.request_id, model=m.model_id, max_output_tokens=req.max_output_tokens,
                               temperature=req.temperature, top_p=req.top_p,
                               instructions=req.instructions, metadata=req.metadata,
                               previous_response_id=req.previous_response_id,
                               store=req.store, prompt_cache_key=req.prompt_cache_key,
                               input_tokens=len(prompt_ids))
+        rt.obs.on_request_start(trace, session=req.prompt_cache_key, stream=req.stream,
+                                prompt_tokens=len(prompt_ids), max_output_tokens=max_tokens,
+                                store=req.store)
         gen, events = _submit(rt.engine, m, req, prompt_ids, max_tokens,
                               principal=principal, boundary=boundary)
 
@@ -117,14 +135,18 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
 
         try:
             first = await events.get()  # errors before the first token get a plain HTTP error
+            if isinstance(first, DoneEvent) and first.finish_reason == "queue_timeout":
+                rt.obs.on_request_done(trace, first)
             _raise_if_rejected(first)
-            source = _Events(events, first)
+            source = _Events(events, first, trace, rt.obs)
             if req.stream:
                 return await _stream(request, state, gen, source, m, persist)
             await _collect(state, source, m)
             await persist()
         finally:
             gen.cancelled.set()  # a no-op when finished; frees the engine if the client left
+            if not trace.finished:  # the client left before the DoneEvent was read
+                rt.obs.on_request_abandoned(trace, output_tokens=state.output_tokens)
         return response.json(state.to_dict())
 
     @app.get("/v1/responses/<response_id:str>")
@@ -167,6 +189,11 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
     return app
 
 
+def _trace(request: Request, obs: Observability) -> RequestTrace:
+    trace = getattr(request.ctx, "trace", None)
+    return trace or obs.new_request(getattr(request.ctx, "principal", None))
+
+
 def _require_model(rt: Runtime) -> LoadedModel:
     if rt.engine is None or rt.model is None:
         raise APIError(503, "the model is still loading; retry shortly", type="server_error",
@@ -204,14 +231,19 @@ def _raise_if_rejected(ev) -> None:
 class _Events:
     """The engine's events for one request, with the already-received first one in front."""
 
-    def __init__(self, queue: asyncio.Queue, first):
-        self.queue, self.first = queue, first
+    def __init__(self, queue: asyncio.Queue, first, trace: RequestTrace, obs: Observability):
+        self.queue, self.first, self.trace, self.obs = queue, first, trace, obs
 
     async def get(self):
         if self.first is not None:
             ev, self.first = self.first, None
-            return ev
-        return await self.queue.get()
+        else:
+            ev = await self.queue.get()
+        if isinstance(ev, TokenEvent):
+            self.trace.mark_first_token()
+        elif isinstance(ev, DoneEvent):
+            self.obs.on_request_done(self.trace, ev)
+        return ev
 
 
 async def _next_text(events: _Events, decoder, state: ResponseState):

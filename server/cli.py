@@ -70,6 +70,10 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         compile_s = engine.warmup()
         engine.start()
         rt.model, rt.engine = model, engine
+        rt.obs.on_server_start(lane=profile.name, host=args.host_bound, port=args.port_bound,
+                               model=model.model_id, model_sha256=model.sha256,
+                               compile_s=round(compile_s, 3),
+                               ready_s=round(time.monotonic() - t_start, 3))
         print(f"ninfer: ready: model {model.model_id} sha256 {model.sha256[:16]}... "
               f"(compile {compile_s:.1f}s, ready {time.monotonic() - t_start:.1f}s after start)",
               file=sys.stderr, flush=True)
@@ -100,14 +104,20 @@ def cmd_serve(args) -> int:
     _configure_jax_cache(args.state_dir)
 
     from server.app import Runtime, create_app
+    from server.observability import Metrics, Observability, RequestLog, engine_stats
 
     from server.store import ResponseStore
 
     rt = Runtime(keys=keys, max_output_tokens=profile.max_output_tokens,
                  context_tokens=profile.context_tokens,
                  store=ResponseStore(args.state_dir / "responses.db"))
+    log_dir = args.state_dir / "logs"
+    log_dir.mkdir(mode=0o700, exist_ok=True)
+    rt.obs = Observability(Metrics(stats=lambda: engine_stats(rt.engine)),
+                           RequestLog(log_dir / "requests.jsonl"))
     app = create_app(rt)
     actual_port = sock.getsockname()[1]
+    args.host_bound, args.port_bound = host, actual_port
     print(f"ninfer: lane {profile.name} listening on http://{host}:{actual_port}",
           file=sys.stderr, flush=True)
     threading.Thread(target=_load_in_background, args=(rt, profile, args, t_start),

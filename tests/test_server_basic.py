@@ -142,3 +142,27 @@ def test_second_session_reuses_the_shared_system_prefix(client):
                                      max_output_tokens=4)
     cached = second.usage.input_tokens_details.cached_tokens
     assert 300 < cached < second.usage.input_tokens
+
+
+def test_metrics_and_request_log_without_text_or_keys(server, client):
+    secret_prompt = "zebra-unicorn-canary prompt text"
+    client.responses.create(model="tiny", input=secret_prompt, temperature=0,
+                            max_output_tokens=3, prompt_cache_key="canary-session-key")
+    assert httpx.get(server.base_url + "/metrics").status_code == 401
+    r = httpx.get(server.base_url + "/metrics",
+                  headers={"Authorization": f"Bearer {server.key}"})
+    assert r.status_code == 200
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    done = sum(v for (n, lab), v in samples.items() if n == "ninfer_requests_total"
+               and dict(lab).get("outcome") in ("completed", "incomplete"))
+    assert done >= 1
+    assert samples[("ninfer_kv_used_bytes", ())] >= 0
+    assert samples[("ninfer_output_tokens_total", ())] >= 3
+    log = (server.state_dir / "logs" / "requests.jsonl").read_text()
+    events = [__import__("json").loads(line)["event"] for line in log.splitlines()]
+    assert "server_start" in events and "request_done" in events and "request_rejected" in events
+    for needle in (secret_prompt, "canary-session-key", server.key):
+        assert needle not in log
