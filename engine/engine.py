@@ -140,6 +140,10 @@ class Engine:
 
         self._inbox.put(("forget", principal, token_key(principal, tokens)))
 
+    def forget_session(self, principal: str, session: str) -> None:
+        """Drop every stored state of (principal, session) (asynchronous, like `forget`)."""
+        self._inbox.put(("forget_session", principal, session))
+
     def warmup(self) -> float:
         """Compile the decode step, every prefill piece shape and the sampler; returns seconds."""
         t0 = time.monotonic()
@@ -189,8 +193,8 @@ class Engine:
             while True:
                 if item is None:
                     return False
-                if isinstance(item, tuple):  # ("forget", principal, key)
-                    self.mem.forget(item[1], item[2])
+                if isinstance(item, tuple):  # ("forget" | "forget_session", principal, key)
+                    getattr(self.mem, item[0])(item[1], item[2])
                 else:
                     self.sched.waiting.append(item)  # capacity was checked by submit()
                 item = self._inbox.get_nowait()
@@ -264,7 +268,8 @@ class Engine:
             # The state covers every token fed so far: all outputs when the last sampled token
             # was a stop token (never fed), all but the last when the budget ran out.
             fed = len(seq.prompt_ids) + len(seq.output_ids) - (reason == "length")
-            self.mem.snapshot(seq, req.principal, fed, "response", one_off=req.session is None)
+            self.mem.snapshot(seq, req.principal, fed, "response", one_off=req.session is None,
+                              session=req.session)
         self.mem.end(seq)
         self.sched.finish(seq, reason)
         now = time.monotonic()

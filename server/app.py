@@ -15,7 +15,7 @@ from sanic import Request, Sanic, response
 from engine.engine import DoneEvent, Engine, GenerationRequest, QueueFull, TokenEvent
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
-from server import chains
+from server import chains, routes_extra
 from server.auth import KeyRing
 from server.store import InvalidCursor, ResponseStore
 from server.errors import APIError, invalid, not_found, unauthorized
@@ -83,6 +83,8 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
         if rt.engine is None:
             return response.json({"status": "loading"}, status=503)
         return response.json({"status": "ok"})
+
+    routes_extra.register(app, rt)
 
     @app.get("/metrics")
     async def metrics(request):

@@ -111,6 +111,7 @@ def cmd_serve(args) -> int:
     rt = Runtime(keys=keys, max_output_tokens=profile.max_output_tokens,
                  context_tokens=profile.context_tokens,
                  store=ResponseStore(args.state_dir / "responses.db"))
+    rt.extra["profile"] = profile
     log_dir = args.state_dir / "logs"
     log_dir.mkdir(mode=0o700, exist_ok=True)
     rt.obs = Observability(Metrics(stats=lambda: engine_stats(rt.engine)),

@@ -146,3 +146,37 @@ def test_chains_survive_a_restart(state_dir):
         assert r3.usage.input_tokens > expected_cached(r2)
     finally:
         second.stop()
+
+
+def test_status_input_tokens_and_session_purge(server):
+    import httpx
+
+    a = client(server)
+    headers = {"Authorization": f"Bearer {a.api_key}"}
+    st = httpx.get(server.api_url + "/ninfer/status", headers=headers).json()
+    assert len(st["model"]["artifact_sha256"]) == 64 and st["lane"]["name"] == "cpu"
+    from lanes.profile import load_profile
+
+    assert st["lane"]["profile_sha256"] == load_profile("cpu").canonical_hash()
+    body = {"model": "tiny", "input": "Count the tokens.", "instructions": "Answer briefly.",
+            "max_output_tokens": 2}
+    n = httpx.post(server.api_url + "/responses/input_tokens", json=body,
+                   headers=headers).json()["input_tokens"]
+    r1 = a.responses.create(**body, prompt_cache_key="purge-me", temperature=0)
+    assert r1.usage.input_tokens == n
+    r2 = a.responses.create(model="tiny", input="More.", previous_response_id=r1.id,
+                            instructions="Answer briefly.", max_output_tokens=2,
+                            prompt_cache_key="purge-me", temperature=0)
+    before = httpx.get(server.api_url + "/ninfer/status", headers=headers).json()
+    r = httpx.delete(server.api_url + "/ninfer/sessions/purge-me", headers=headers)
+    assert r.status_code == 200 and r.json()["responses"] == 2
+    for rid in (r1.id, r2.id):
+        with pytest.raises(openai.NotFoundError):
+            a.responses.retrieve(rid)
+    with pytest.raises(openai.BadRequestError):
+        a.responses.create(model="tiny", input="x", previous_response_id=r2.id,
+                           max_output_tokens=2, prompt_cache_key="purge-me")
+    after = httpx.get(server.api_url + "/ninfer/status", headers=headers).json()
+    assert after["memory"]["snapshots"] < before["memory"]["snapshots"]
+    assert httpx.delete(server.api_url + "/ninfer/sessions/purge-me",
+                        headers=headers).status_code == 404

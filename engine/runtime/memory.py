@@ -100,13 +100,13 @@ class Memory:
         self.cache = self.cache._replace(block_table=jnp.asarray(self.table))
 
     def snapshot(self, seq, principal: str | None, n_tokens: int, kind: str,
-                 one_off: bool = False) -> bool:
+                 one_off: bool = False, session: str | None = None) -> bool:
         """Store the state after the first `n_tokens` tokens of `seq` (its row must be there).
         `one_off`: a response outside any session, evicted before session states."""
         if not principal or n_tokens <= 0:
             return False
         tokens = (list(seq.prompt_ids) + list(seq.output_ids))[:n_tokens]
-        snap = Snapshot(principal, tokens, kind)
+        snap = Snapshot(principal, tokens, kind, session=session)
         if self.index.get(principal, snap.key) is not None or not self.states.can_store():
             return False
         snap.image = self.states.store(self.cache.conv, self.cache.rec, seq.slot, key=snap.key,
@@ -132,6 +132,16 @@ class Memory:
         self.states.drop(snap.image)
         self._forget(snap)
         return True
+
+    def forget_session(self, principal: str, session: str) -> int:
+        """Drop every stored response state of one session (a session purge); returns how many.
+        Shared-prefix states stay: they hold only the principal's system turn."""
+        gone = [s for s in self.index.snapshots(principal)
+                if s.kind == "response" and s.session == session and not s.image.pinned]
+        for snap in gone:
+            self.states.drop(snap.image)
+            self._forget(snap)
+        return len(gone)
 
     # ---- eviction -------------------------------------------------------------------------
     def _evict_one(self) -> bool:

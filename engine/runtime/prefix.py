@@ -30,6 +30,7 @@ class Snapshot:
     pages: object = None    # PageTable holding this state's KV pages (shared, refcounted)
     image: object = None    # StateImage in the StatePool
     uses: int = 0           # requests that continued from it (the second one is a fork)
+    session: str | None = None  # the prompt_cache_key of the response that produced it
     key: str = field(init=False)
 
     def __post_init__(self):
