@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--slow", action="store_true", help="include the slow tier")
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to .ninfer",
                    add_help=False)
+    sub.add_parser("omp-config", help="write the Oh My Pi client config for this server",
+                   add_help=False)
     return p
 
 
@@ -170,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["convert"]:
         return cmd_convert(argv[1:])
+    if argv[:1] == ["omp-config"]:
+        from server.omp_config import main as omp_config_main
+
+        return omp_config_main(argv[1:], default_state_dir())
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "test":

@@ -8,6 +8,8 @@ developer's OMP setup nor this repository leaks into a run. Its HTTP(S)_PROXY is
 """
 from __future__ import annotations
 
+from server import omp_config  # noqa: E402  (the code behind ./ninfer omp-config)
+
 import hashlib
 import json
 import os
@@ -84,57 +86,11 @@ def omp_install() -> float:
 # Configuration
 
 
-@dataclass(frozen=True)
-class Provider:
-    """One `openai-responses` provider in models.yml, serving one model."""
-    id: str
-    base_url: str  # ends in /v1: OMP POSTs {base_url}/responses
-    api_key: str
-    model: str = "tiny"
-    context_window: int = 32768
-    max_tokens: int = 16  # sent as max_output_tokens: keeps the tiny model's gibberish short
-
-
-def models_yml(providers: Sequence[Provider]) -> dict:
-    return {"providers": {p.id: {
-        "baseUrl": p.base_url,
-        "api": "openai-responses",
-        "apiKey": p.api_key,
-        "models": [{
-            "id": p.model, "name": p.model, "reasoning": False, "input": ["text"],
-            "contextWindow": p.context_window, "maxTokens": p.max_tokens,
-            "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
-            "compat": {"includeEncryptedReasoning": False, "supportsReasoningSummary": False,
-                       "supportsImageDetailOriginal": False},
-        }],
-    } for p in providers}}
-
-
-# Providers OMP adds by itself and probes on loopback at startup (ports 11434, 8080, 1234).
-IMPLICIT_LOCAL_PROVIDERS = ("ollama", "llama.cpp", "lm-studio")
-
-
-def config_yml(default: Provider, *, max_in_flight: int = 1, fallback_chain: Sequence[str] = (),
-               retry: dict | None = None, compaction: bool = False) -> dict:
-    """The seeds' fail-closed client settings (no retry, no model fallback, no update check),
-    plus no probing of other local servers. `retry` overrides let a test show the opposite.
-
-    Compaction is off because the tiny model never stops by itself: each turn ends `incomplete`
-    at max_output_tokens, which OMP takes for "out of room": with compaction on it compacts and
-    sends the same request again (two requests per turn).
-    """
-    settings = {"enabled": False, "modelFallback": False, "fallbackRevertPolicy": "never"}
-    if fallback_chain:
-        settings["fallbackChains"] = {"default": list(fallback_chain)}
-    settings.update(retry or {})
-    return {
-        "modelRoles": {"default": f"{default.id}/{default.model}"},
-        "providers": {"maxInFlightRequests": {default.id: max_in_flight}},
-        "disabledProviders": list(IMPLICIT_LOCAL_PROVIDERS),
-        "retry": settings,
-        "compaction": {"enabled": compaction},
-        "startup": {"checkUpdate": False},
-    }
+def Provider(id: str, base_url: str, api_key: str, model: str = "tiny",  # noqa: N802
+             context_window: int = 32768, max_tokens: int = 16) -> omp_config.Provider:
+    """The provider `./ninfer omp-config` writes, with a short max_tokens: the tiny model's
+    gibberish stays short."""
+    return omp_config.Provider(id, base_url, api_key, model, context_window, max_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,9 +124,10 @@ class OmpClient:
         agent = self.home / ".omp" / "agent"
         agent.mkdir(parents=True, exist_ok=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        # JSON is YAML: no YAML writer needed.
-        (agent / "models.yml").write_text(json.dumps(models_yml(providers), indent=2))
-        (agent / "config.yml").write_text(json.dumps(config_yml(default, **config), indent=2))
+        # Compaction off: the tiny model never stops by itself, each turn ends `incomplete`,
+        # which OMP takes for "out of room" and would compact and resend.
+        config.setdefault("compaction", False)
+        omp_config.write_config(agent, providers, **config)  # what `./ninfer omp-config` writes
         self.model_arg = f"{default.id}/{default.model}"
         self.egress = RecordingServer(status=502)
         self.env = {"HOME": str(self.home), "PATH": f"{BUN.parent}:/usr/bin:/bin",
