@@ -17,7 +17,7 @@ from engine.loader import LoadedModel
 from server.errors import invalid
 from server.request_model import ResponseRequest, content_text
 from server.response_objects import ResponseState
-from server.store import ResponseRecord, ResponseStore
+from server.store import ResponseRecord, ResponseStore, item_content_hash
 
 END_OF_TURN = "<|im_end|>\n"
 
@@ -27,6 +27,7 @@ class Prompt:
     ids: list[int]
     boundary: int = 0       # end of the system turn (0: none worth a snapshot)
     parent_len: int = 0     # tokens shared with the parent's sequence (extends_parent when > 0)
+    parent_id: str | None = None  # the response whose sequence this prompt extends
 
 
 def not_found(prev: str):
@@ -64,20 +65,57 @@ def _history_messages(entries) -> list[dict]:
     return out
 
 
+def _find_replayed(store: ResponseStore, req: ResponseRequest, principal: str):
+    """A full transcript resent without `previous_response_id` (a client resuming a session):
+    if its items up to the last assistant message are exactly the stored history of one of the
+    principal's responses, with the same instructions, return (that response, the new items)."""
+    items = list(req.input_items)
+    last = next((j for j in range(len(items) - 1, -1, -1)
+                 if items[j].get("type", "message") == "message"
+                 and items[j].get("role") == "assistant"), None)
+    if last is None or last == len(items) - 1:
+        return None
+    sent = [item_content_hash(x) for x in items[:last + 1]]
+    for rid in store.responses_with_output(principal, items[last]):
+        entries = store.history_entries(principal, rid)
+        rec = store.get(principal, rid)
+        if (entries is not None and rec is not None and rec.instructions == req.instructions
+                and req.prompt_cache_key in (None, rec.prompt_cache_key)
+                and [item_content_hash(e.item) for e in entries] == sent):
+            return rec, items[last + 1:]
+    return None
+
+
+async def _extend(store, m: LoadedModel, principal: str, parent_id: str, new_messages):
+    seq = await asyncio.to_thread(store.token_sequence, principal, parent_id)
+    if seq is None:
+        return None
+    new = render_chat(m.chat_template, new_messages, add_generation_prompt=True)
+    return Prompt(seq + m.tokenizer.encode(END_OF_TURN + new), 0, len(seq), parent_id)
+
+
 async def build_prompt(store: ResponseStore, m: LoadedModel, req: ResponseRequest,
                        principal: str) -> Prompt:
     prev = req.previous_response_id
     if prev is None:
+        found = await asyncio.to_thread(_find_replayed, store, req, principal)
+        if found is not None:
+            rec, new_items = found
+            new = [{"role": "system" if x["role"] == "developer" else x["role"],
+                    "content": content_text(x.get("content"))} for x in new_items
+                   if x.get("type", "message") == "message"]
+            if len(new) == len(new_items) and all(x["role"] == "user" for x in new):
+                prompt = await _extend(store, m, principal, rec.id, new)
+                if prompt is not None:
+                    return prompt
         return render_full(m, _msgs(req.messages))
     parent = await asyncio.to_thread(store.continuation, principal, prev, req.prompt_cache_key)
     if parent is None:
         raise not_found(prev)
     if parent.instructions == req.instructions:
-        seq = await asyncio.to_thread(store.token_sequence, principal, prev)
-        if seq is not None:
-            new = render_chat(m.chat_template, _msgs(req.input_messages),
-                              add_generation_prompt=True)
-            return Prompt(seq + m.tokenizer.encode(END_OF_TURN + new), 0, len(seq))
+        prompt = await _extend(store, m, principal, prev, _msgs(req.input_messages))
+        if prompt is not None:
+            return prompt
     entries = await asyncio.to_thread(store.history_entries, principal, prev)
     if entries is None:
         raise not_found(prev)
@@ -94,7 +132,9 @@ def record_for(state: ResponseState, req: ResponseRequest, principal: str,
         output_items=[state.message_item("completed" if status == "completed" else
                                          "incomplete")],
         output_token_ids=[list(state.output_ids)], created_at=state.created_at,
-        previous_response_id=req.previous_response_id, prompt_cache_key=req.prompt_cache_key,
+        # lineage: the response this prompt extends, named by the client or found by replay
+        previous_response_id=prompt.parent_id or req.previous_response_id,
+        prompt_cache_key=req.prompt_cache_key,
         instructions=req.instructions,
         params={"temperature": req.temperature, "top_p": req.top_p,
                 "max_output_tokens": req.max_output_tokens, "metadata": req.metadata,

@@ -363,6 +363,18 @@ class ResponseStore:
                 " ORDER BY r.created_at DESC, r.rowid DESC LIMIT 1", (principal, *args)).fetchone()
         return None if row is None else unpack_token_ids(row[0])
 
+    def responses_with_output(self, principal: str, item: dict, limit: int = 4) -> list[str]:
+        """Ids of the principal's live responses that produced an output item saying what
+        `item` says (by `item_content_hash`), newest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT r.id FROM output_items o JOIN responses r ON r.id = o.response_id"
+                " JOIN principals p ON p.id = r.principal_id WHERE p.name = ? AND"
+                " r.deleted_at IS NULL AND o.content_hash = ?"
+                " ORDER BY r.created_at DESC, r.rowid DESC LIMIT ?",
+                (principal, item_content_hash(item), limit)).fetchall()
+        return [r[0] for r in rows]
+
     def token_ids_for_item(self, principal: str, *, item_id: str | None = None,
                            content_hash: str | None = None) -> list[int] | None:
         """Exact replay: the token ids stored for an output item of one of the principal's live

@@ -180,3 +180,26 @@ def test_status_input_tokens_and_session_purge(server):
     assert after["memory"]["snapshots"] < before["memory"]["snapshots"]
     assert httpx.delete(server.api_url + "/ninfer/sessions/purge-me",
                         headers=headers).status_code == 404
+
+
+def test_resent_transcript_continues_the_stored_state(server):
+    """A client resuming a session sends the whole transcript without previous_response_id:
+    the echoed items match a stored chain, so only the new turn is computed."""
+    a = client(server)
+    r1 = ask(a, "Name a color.")
+    r2 = ask(a, "Another one?", prev=r1.id)
+    echo = lambda r: {"type": "message", "role": "assistant",  # noqa: E731
+                      "content": [{"type": "output_text", "text": r.output_text,
+                                   "annotations": []}]}
+    transcript = [{"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]},
+                  echo(r1), {"role": "user", "content": "Another one?"}, echo(r2),
+                  {"role": "user", "content": "And a third?"}]
+    r3 = a.responses.create(model="tiny", input=transcript, instructions="Answer briefly.",
+                            temperature=0, max_output_tokens=12, prompt_cache_key="session-a")
+    assert r3.previous_response_id is None  # what the client sent
+    assert r3.usage.input_tokens_details.cached_tokens == expected_cached(r2)
+    # the same transcript with an edited echo is not a replay: it is rendered afresh
+    transcript[1]["content"][0]["text"] += " (edited)"
+    r4 = a.responses.create(model="tiny", input=transcript, instructions="Answer briefly.",
+                            temperature=0, max_output_tokens=4, prompt_cache_key="session-a")
+    assert r4.usage.input_tokens_details.cached_tokens < expected_cached(r1)
