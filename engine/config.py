@@ -140,7 +140,7 @@ class ModelConfig:
     # ---- tensor contract ------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a complete model has, by canonical name, with its logical shape."""
-        H, I = self.hidden_size, self.intermediate_size
+        H = self.hidden_size
         specs: dict[str, tuple[int, ...]] = {
             "embed_tokens": (self.vocab_size, H),
             "norm": (H,),

@@ -43,3 +43,21 @@ def pytest_collection_modifyitems(config, items):
 def shared_state_dir(tmp_path_factory):
     """One state directory per test run: the embedded model is generated into it once."""
     return tmp_path_factory.mktemp("state")
+
+
+@pytest.fixture(scope="session")
+def embedded_models_dir(shared_state_dir):
+    """The `models/` folder of the shared state dir, with the embedded model generated (once)."""
+    from engine.loader import ensure_embedded
+    from lanes.profile import load_profile
+
+    ensure_embedded(shared_state_dir, "tiny", load_profile("cpu").model_sha256)
+    return shared_state_dir / "models"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(embedded_models_dir):
+    """The embedded model loaded once per test run (engine tests share it)."""
+    from engine.loader import load_model
+
+    return load_model(embedded_models_dir / "tiny.ninfer")

@@ -7,15 +7,12 @@ import threading
 import pytest
 
 from engine.engine import DoneEvent, Engine, GenerationRequest, QueueFull, TokenEvent
-from engine.loader import ensure_embedded, load_model
 from engine.sampling import SamplingParams
-from lanes.profile import load_profile
 
 
 @pytest.fixture(scope="module")
-def model(shared_state_dir):
-    path = ensure_embedded(shared_state_dir, "tiny", load_profile("cpu").model_sha256)
-    return load_model(path)
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")

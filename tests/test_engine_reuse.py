@@ -9,18 +9,15 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import Engine, GenerationRequest
-from engine.loader import ensure_embedded, load_model
 from engine.sampling import SamplingParams
-from lanes.profile import load_profile
 from tests.test_engine_batching import Collector
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def model(shared_state_dir):
-    return load_model(ensure_embedded(shared_state_dir, "tiny",
-                                      load_profile("cpu").model_sha256))
+def model(tiny_model):
+    return tiny_model
 
 
 def make_engine(model, **kw):

@@ -13,13 +13,9 @@ from tests.serverproc import start_server
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, shared_state_dir):
-    from engine.loader import ensure_embedded
-    from lanes.profile import load_profile
-
-    ensure_embedded(shared_state_dir, "tiny", load_profile("cpu").model_sha256)
+def server(tmp_path_factory, embedded_models_dir):
     d = tmp_path_factory.mktemp("admission")
-    (d / "models").symlink_to(shared_state_dir / "models")
+    (d / "models").symlink_to(embedded_models_dir)
     lane = (PROFILE_DIR / "cpu.toml").read_text()
     for old, new in (("max_concurrency = 2", "max_concurrency = 1"),
                      ("max_queue = 16", "max_queue = 1"),

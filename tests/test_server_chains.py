@@ -9,13 +9,9 @@ from tests.serverproc import start_server
 
 
 @pytest.fixture(scope="module")
-def state_dir(tmp_path_factory, shared_state_dir):
-    from engine.loader import ensure_embedded
-    from lanes.profile import load_profile
-
-    ensure_embedded(shared_state_dir, "tiny", load_profile("cpu").model_sha256)
+def state_dir(tmp_path_factory, embedded_models_dir):
     d = tmp_path_factory.mktemp("chains")
-    (d / "models").symlink_to(shared_state_dir / "models")  # reuse the generated model
+    (d / "models").symlink_to(embedded_models_dir)  # reuse the generated model
     keys = d / "keys"
     keys.write_text("alice nk-alice-0123456789abcdef\nbob nk-bob-0123456789abcdef00\n")
     keys.chmod(0o600)

@@ -231,7 +231,7 @@ def test_embedded_unbalanced_close_ends_value_early():
 def test_multiple_calls_and_text():
     a, b = render("f", [("i", "1")]), render("g", [("b", "true")])
     r = parse_tool_calls(f"  pre {a} mid\n{b}\n post  ", TOOLS)
-    assert r.content == f"pre  mid\n\n post"
+    assert r.content == "pre  mid\n\n post"
     assert [c.name for c in r.calls] == ["f", "g"]
 
 
