@@ -210,6 +210,19 @@ class Tokenizer:
     def special_ids(self) -> frozenset[int]:
         return self._special_ids
 
+    def _optional_id(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+    @property
+    def think_end_id(self) -> int | None:
+        """Id of `</think>`, None when the vocabulary has no such token."""
+        return self._optional_id("</think>")
+
+    @property
+    def tool_call_id(self) -> int | None:
+        """Id of `<tool_call>`, None when the vocabulary has no such token."""
+        return self._optional_id("<tool_call>")
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (NFC-normalised); added tokens written in the text are matched."""
         return self._tk.encode(text, add_special_tokens=False).ids

@@ -6,6 +6,12 @@ Key file format, one entry per line (blank lines and `#` comments ignored):
 
 A line with a single token is a key for the principal `default`. On first run, when no key file
 exists, one is created with a fresh 256-bit key for `default`.
+
+Rotation: edit the file (replace a principal's key, or list a new key beside the old one for a
+grace period, then remove the old one). A running server notices within a second
+(`ReloadingKeyRing`) and rereads it; the principal, and with it every session, response and
+checkpoint, stays the same. A file that becomes unsafe or malformed fails closed: no key is
+accepted until it is fixed.
 """
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ import hmac
 import os
 import secrets
 import stat
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,3 +106,52 @@ def ensure_key_file(path: Path) -> tuple[KeyRing, bool]:
         except FileExistsError:
             pass
     return load_key_file(path), created
+
+
+class ReloadingKeyRing:
+    """A KeyRing that follows its file: checked at most once per `interval_s` (one stat call),
+    reread when its identity, size or modification time changed."""
+
+    def __init__(self, path: Path, ring: KeyRing, interval_s: float = 1.0):
+        self.path = Path(path)
+        self._ring: KeyRing | None = ring
+        self._interval = interval_s
+        self._checked = time.monotonic()
+        self._sig = self._signature()
+        self._lock = threading.Lock()
+
+    def _signature(self):
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self._interval:
+            return
+        with self._lock:
+            self._checked = now
+            sig = self._signature()
+            if sig == self._sig:
+                return
+            self._sig = sig
+            try:
+                self._ring = load_key_file(self.path)
+                print(f"ninfer: key file {self.path} reloaded "
+                      f"({len(self._ring.entries)} keys)", file=sys.stderr, flush=True)
+            except KeyFileError as e:
+                self._ring = None  # fail closed until the file is fixed
+                print(f"ninfer: key file refused, no key is accepted until it is fixed: {e}",
+                      file=sys.stderr, flush=True)
+
+    @property
+    def entries(self) -> tuple[tuple[str, bytes], ...]:
+        self._refresh()
+        return () if self._ring is None else self._ring.entries
+
+    def principal_for(self, presented: str | None) -> str | None:
+        self._refresh()
+        ring = self._ring
+        return None if ring is None else ring.principal_for(presented)

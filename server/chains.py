@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from engine.chat import render_chat
+from engine.chat import ChatTemplateError, render_chat
 from engine.loader import LoadedModel
 from server.errors import invalid
-from server.request_model import ResponseRequest, content_text
+from server.output_items import split_token_ids
+from server.request_model import ResponseRequest, items_to_messages
 from server.response_objects import ResponseState
 from server.store import ResponseRecord, ResponseStore, item_content_hash
 
@@ -28,6 +29,7 @@ class Prompt:
     boundary: int = 0       # end of the system turn (0: none worth a snapshot)
     parent_len: int = 0     # tokens shared with the parent's sequence (extends_parent when > 0)
     parent_id: str | None = None  # the response whose sequence this prompt extends
+    new_items_from: int = 0  # input items before this index were matched to the parent's history
 
 
 def not_found(prev: str):
@@ -35,63 +37,89 @@ def not_found(prev: str):
                    param="previous_response_id", code="previous_response_not_found")
 
 
-def _msgs(messages) -> list[dict]:
-    return [{"role": x.role, "content": x.content} for x in messages]
+def _render(m: LoadedModel, messages: list[dict], req: ResponseRequest, *,
+            tools: bool = True, generation: bool = True) -> str:
+    # preserve_thinking: every assistant turn renders its think block, as it was generated, so
+    # a re-rendered history is the token sequence the model saw.
+    try:
+        return render_chat(m.chat_template, messages,
+                           tools=req.template_tools if tools else None,
+                           add_generation_prompt=generation,
+                           enable_thinking=req.reasoning.thinking, preserve_thinking=True)
+    except ChatTemplateError as e:
+        raise invalid(f"the conversation cannot be rendered: {e}", param="input") from None
 
 
-def render_full(m: LoadedModel, messages: list[dict]) -> Prompt:
+def render_full(m: LoadedModel, messages: list[dict], req: ResponseRequest) -> Prompt:
     """Render and tokenize a whole conversation; find where its system turn ends."""
-    ids = m.tokenizer.encode(render_chat(m.chat_template, messages, add_generation_prompt=True))
+    ids = m.tokenizer.encode(_render(m, messages, req))
     boundary = 0
     if messages and messages[0]["role"] == "system" and len(messages) > 1:
-        head = m.tokenizer.encode(render_chat(m.chat_template, messages[:1],
-                                              add_generation_prompt=False))
+        head_msgs = messages[:1]
+    elif req.tools and messages:
+        head_msgs = [{"role": "system", "content": ""}]  # the tools alone make a system turn
+    else:
+        head_msgs = None
+    if head_msgs is not None:
+        head = m.tokenizer.encode(_render(m, head_msgs, req, generation=False))
         if len(head) < len(ids) and ids[:len(head)] == head:
             boundary = len(head)
     return Prompt(ids, boundary)
 
 
 def _history_messages(entries) -> list[dict]:
-    out = []
-    for e in entries:
-        item = e.item
-        if item.get("type", "message") != "message" or item.get("role") not in (
-                "user", "assistant", "system", "developer"):
-            continue  # tool items join with the tools work
-        role = "system" if item["role"] == "developer" else item["role"]
-        if role == "system":
-            continue  # instructions are never carried over; earlier system items neither
-        out.append({"role": role, "content": content_text(item.get("content"))})
-    return out
+    """The stored conversation as template messages; earlier system and developer messages
+    are left out (instructions are never carried over)."""
+    items = [e.item for e in entries
+             if not (e.item.get("type", "message") == "message"
+                     and e.item.get("role") in ("system", "developer"))]
+    return items_to_messages(items, where="history")
+
+
+def _same_setup(rec: ResponseRecord, req: ResponseRequest) -> bool:
+    """The parent's system turn is this request's: same instructions, same tools."""
+    return (rec.instructions == req.instructions
+            and (rec.params.get("tools") or []) == [dict(t) for t in req.tools])
+
+
+def _is_output_item(item: dict) -> bool:
+    kind = item.get("type", "message")
+    return kind in ("reasoning", "function_call") or (
+        kind == "message" and item.get("role") == "assistant")
 
 
 def _find_replayed(store: ResponseStore, req: ResponseRequest, principal: str):
-    """A full transcript resent without `previous_response_id` (a client resuming a session):
-    if its items up to the last assistant message are exactly the stored history of one of the
-    principal's responses, with the same instructions, return (that response, the new items)."""
+    """A full transcript resent without `previous_response_id` (a client resuming a session,
+    or one answered `previous_response_not_found`): if its items up to the last output item
+    (an assistant message, a reasoning item or a function call) are exactly the stored history
+    of one of the principal's responses, with the same instructions and tools, return (that
+    response, the index of the first new item)."""
     items = list(req.input_items)
-    last = next((j for j in range(len(items) - 1, -1, -1)
-                 if items[j].get("type", "message") == "message"
-                 and items[j].get("role") == "assistant"), None)
+    last = next((j for j in range(len(items) - 1, -1, -1) if _is_output_item(items[j])), None)
     if last is None or last == len(items) - 1:
+        return None
+    new = items[last + 1:]
+    if any(_is_output_item(x) for x in new):
         return None
     sent = [item_content_hash(x) for x in items[:last + 1]]
     for rid in store.responses_with_output(principal, items[last]):
         entries = store.history_entries(principal, rid)
         rec = store.get(principal, rid)
-        if (entries is not None and rec is not None and rec.instructions == req.instructions
+        if (entries is not None and rec is not None and _same_setup(rec, req)
                 and req.prompt_cache_key in (None, rec.prompt_cache_key)
                 and [item_content_hash(e.item) for e in entries] == sent):
-            return rec, items[last + 1:]
+            return rec, last + 1
     return None
 
 
-async def _extend(store, m: LoadedModel, principal: str, parent_id: str, new_messages):
+async def _extend(store, m: LoadedModel, principal: str, parent_id: str, new_messages,
+                  req: ResponseRequest, new_items_from: int = 0):
     seq = await asyncio.to_thread(store.token_sequence, principal, parent_id)
     if seq is None:
         return None
-    new = render_chat(m.chat_template, new_messages, add_generation_prompt=True)
-    return Prompt(seq + m.tokenizer.encode(END_OF_TURN + new), 0, len(seq), parent_id)
+    new = _render(m, list(new_messages), req, tools=False)
+    return Prompt(seq + m.tokenizer.encode(END_OF_TURN + new), 0, len(seq), parent_id,
+                  new_items_from)
 
 
 async def build_prompt(store: ResponseStore, m: LoadedModel, req: ResponseRequest,
@@ -100,44 +128,47 @@ async def build_prompt(store: ResponseStore, m: LoadedModel, req: ResponseReques
     if prev is None:
         found = await asyncio.to_thread(_find_replayed, store, req, principal)
         if found is not None:
-            rec, new_items = found
-            new = [{"role": "system" if x["role"] == "developer" else x["role"],
-                    "content": content_text(x.get("content"))} for x in new_items
-                   if x.get("type", "message") == "message"]
-            if len(new) == len(new_items) and all(x["role"] == "user" for x in new):
-                prompt = await _extend(store, m, principal, rec.id, new)
-                if prompt is not None:
-                    return prompt
-        return render_full(m, _msgs(req.messages))
+            rec, start = found
+            new = items_to_messages(list(req.input_items[start:]))
+            prompt = await _extend(store, m, principal, rec.id, new, req, start)
+            if prompt is not None:
+                return prompt
+        return render_full(m, list(req.messages), req)
     parent = await asyncio.to_thread(store.continuation, principal, prev, req.prompt_cache_key)
     if parent is None:
         raise not_found(prev)
-    if parent.instructions == req.instructions:
-        prompt = await _extend(store, m, principal, prev, _msgs(req.input_messages))
+    if _same_setup(parent, req):
+        prompt = await _extend(store, m, principal, prev, req.input_messages, req)
         if prompt is not None:
             return prompt
     entries = await asyncio.to_thread(store.history_entries, principal, prev)
     if entries is None:
         raise not_found(prev)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return render_full(m, system + _history_messages(entries) + _msgs(req.input_messages))
+    return render_full(m, system + _history_messages(entries) + list(req.input_messages), req)
 
 
 def record_for(state: ResponseState, req: ResponseRequest, principal: str,
-               prompt: Prompt) -> ResponseRecord:
-    status = state.status
+               prompt: Prompt, tokenizer) -> ResponseRecord:
+    items = [dict(it) for it in state.items]
     return ResponseRecord(
-        id=state.id, principal=principal, model=state.model, status=status,
-        input_items=[dict(x) for x in req.input_items],
-        output_items=[state.message_item("completed" if status == "completed" else
-                                         "incomplete")],
-        output_token_ids=[list(state.output_ids)], created_at=state.created_at,
+        id=state.id, principal=principal, model=state.model, status=state.status,
+        input_items=[dict(x) for x in req.input_items[prompt.new_items_from:]],
+        output_items=items,
+        output_token_ids=split_token_ids(items, list(state.output_ids),
+                                         think_end_id=tokenizer.think_end_id,
+                                         tool_call_id=tokenizer.tool_call_id),
+        created_at=state.created_at,
         # lineage: the response this prompt extends, named by the client or found by replay
         previous_response_id=prompt.parent_id or req.previous_response_id,
         prompt_cache_key=req.prompt_cache_key,
         instructions=req.instructions,
         params={"temperature": req.temperature, "top_p": req.top_p,
                 "max_output_tokens": req.max_output_tokens, "metadata": req.metadata,
+                "tools": [dict(t) for t in req.tools], "tool_choice": req.tool_choice,
+                "text": {"format": req.text_format},
+                "reasoning": {"effort": req.reasoning.effort,
+                              "summary": req.reasoning.summary},
                 "incomplete_details": ({"reason": state.incomplete_reason}
                                        if state.incomplete_reason else None)},
         usage=state.usage(), prompt_tokens=len(prompt.ids),
@@ -153,6 +184,7 @@ def fed_tokens(rec_status: str, sequence: list[int]) -> list[int]:
 def response_from_record(rec: ResponseRecord) -> dict:
     text = "".join(p.get("text", "") for it in rec.output_items if it.get("type") == "message"
                    for p in it.get("content", []))
+    p = rec.params
     return {
         "id": rec.id, "object": "response", "created_at": int(rec.created_at),
         "status": rec.status, "error": None,
@@ -160,9 +192,11 @@ def response_from_record(rec: ResponseRecord) -> dict:
         "instructions": rec.instructions, "model": rec.model, "output": rec.output_items,
         "max_output_tokens": rec.params.get("max_output_tokens"),
         "parallel_tool_calls": True, "previous_response_id": rec.previous_response_id,
-        "prompt_cache_key": rec.prompt_cache_key, "reasoning": {"effort": None, "summary": None},
-        "store": True, "temperature": rec.params.get("temperature"),
-        "top_p": rec.params.get("top_p"), "text": {"format": {"type": "text"}},
-        "tool_choice": "auto", "tools": [], "truncation": "disabled",
+        "prompt_cache_key": rec.prompt_cache_key,
+        "reasoning": p.get("reasoning") or {"effort": None, "summary": None},
+        "store": True, "temperature": p.get("temperature"),
+        "top_p": p.get("top_p"), "text": p.get("text") or {"format": {"type": "text"}},
+        "tool_choice": p.get("tool_choice", "auto"), "tools": p.get("tools") or [],
+        "truncation": "disabled",
         "metadata": rec.params.get("metadata") or {}, "usage": rec.usage, "output_text": text,
     }

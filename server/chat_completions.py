@@ -1,0 +1,213 @@
+"""`POST /v1/chat/completions`: the stateless chat API, for generic OpenAI clients.
+
+Nothing is stored: every request carries its whole conversation. The engine still reuses the
+principal's cached states (the shared system prefix, or an earlier turn's state when the client
+resends the conversation it had), so a client that appends to its transcript computes only the
+new tokens. One choice per request (`n` = 1). Tool calls come back as `tool_calls` in the
+chat-completions shape, thinking as `reasoning_content` (the field the Qwen ecosystem uses).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from sanic import Request, response
+
+from server.errors import APIError, invalid
+from server.request_model import (Reasoning, ResponseRequest, _EFFORTS, _number,
+                                  _text_format, _tool_choice, _tools, content_text)
+from server.response_objects import new_id
+
+_KNOWN = {"model", "messages", "stream", "stream_options", "max_tokens",
+          "max_completion_tokens", "temperature", "top_p", "n", "tools", "tool_choice",
+          "response_format", "reasoning_effort", "seed", "user", "metadata", "store",
+          "parallel_tool_calls", "prompt_cache_key", "service_tier", "stop", "logprobs",
+          "top_logprobs", "frequency_penalty", "presence_penalty"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("'messages' must be a non-empty array", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        w = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise invalid(f"'{w}.role' must be one of {sorted(_ROLES)}", param=f"{w}.role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg = {"role": role, "content": content_text(m.get("content"), w)}
+        if role == "assistant":
+            if isinstance(m.get("reasoning_content"), str):
+                msg["reasoning_content"] = m["reasoning_content"]
+            calls = m.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise invalid(f"'{w}.tool_calls' must be an array", param=f"{w}.tool_calls")
+            for j, c in enumerate(calls):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                        not isinstance(fn.get("arguments", ""), str):
+                    raise invalid(f"'{w}.tool_calls[{j}]' must be a function call with a name "
+                                  "and JSON string arguments", param=f"{w}.tool_calls[{j}]")
+                try:
+                    args = json.loads(fn.get("arguments") or "{}")
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    raise invalid(f"'{w}.tool_calls[{j}].function.arguments' must be a JSON "
+                                  "object string", param=f"{w}.tool_calls[{j}].function")
+            if calls:
+                msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def parse_chat_request(body) -> ResponseRequest:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    unknown = sorted(set(body) - _KNOWN)
+    if unknown:
+        raise invalid(f"unknown parameter '{unknown[0]}'", param=unknown[0],
+                      code="unknown_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required and must be a string", param="model")
+    if body.get("n", 1) != 1:
+        raise invalid("only n = 1 is supported", param="n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid("'stream' must be a boolean", param="stream")
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+        raise invalid("'max_completion_tokens' must be a positive integer",
+                      param="max_completion_tokens")
+    # Chat tools are {"type": "function", "function": {...}}: flatten to the Responses shape.
+    tools_body = body.get("tools")
+    if isinstance(tools_body, list):
+        tools_body = [dict(t.get("function") or {}, type=t.get("type"))
+                      if isinstance(t, dict) and isinstance(t.get("function"), dict) else t
+                      for t in tools_body]
+    tools = _tools({"tools": tools_body})
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict) and isinstance(tc.get("function"), dict):
+        tc = {"type": "function", "name": tc["function"].get("name")}
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") == "json_schema" and isinstance(
+            rf.get("json_schema"), dict):
+        rf = {"type": "json_schema", **rf["json_schema"]}
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise invalid(f"'reasoning_effort' must be one of {list(_EFFORTS)}",
+                      param="reasoning_effort")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise invalid("'seed' must be an integer", param="seed")
+    return ResponseRequest(
+        model=model, messages=tuple(_messages(body)), stream=stream, max_output_tokens=mt,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, store=False,
+        previous_response_id=None, prompt_cache_key=None, tools=tools,
+        tool_choice=_tool_choice({"tool_choice": tc}, tools),
+        text_format=_text_format({"text": {"format": rf}} if rf is not None else {}),
+        reasoning=Reasoning(effort=effort), seed=seed)
+
+
+def _chat_tool_calls(items: list[dict]) -> list[dict]:
+    return [{"index": k, "id": it["call_id"], "type": "function",
+             "function": {"name": it["name"], "arguments": it["arguments"]}}
+            for k, it in enumerate(x for x in items if x["type"] == "function_call")]
+
+
+def _finish_reason(state) -> str:
+    if state.status == "completed":
+        return "tool_calls" if any(i["type"] == "function_call" for i in state.items) \
+            else "stop"
+    return "length"
+
+
+def _usage(state) -> dict:
+    return {"prompt_tokens": state.input_tokens, "completion_tokens": state.output_tokens,
+            "total_tokens": state.input_tokens + state.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": state.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": state.reasoning_tokens}}
+
+
+def register(app, rt, generate) -> None:
+    """`generate(request, req, trace)` runs a parsed request on the engine and returns
+    (state, stream) where stream is an async iterator of op batches (see server/app.py)."""
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            body = json.loads(request.body or b"null")
+        except (ValueError, UnicodeDecodeError):
+            raise invalid("the request body is not valid JSON")
+        req = parse_chat_request(body)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        cid, created = new_id("chatcmpl"), int(time.time())
+
+        def chunk(delta: dict, finish=None, usage=None) -> str:
+            c = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                 "model": req.model,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                              "logprobs": None}] if delta is not None else []}
+            if usage is not None:
+                c["usage"] = usage
+            return f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+
+        run = await generate(request, req)
+        state = run.state
+        if not req.stream:
+            try:
+                await run.complete(None)
+            finally:
+                run.close()
+            message = {"role": "assistant", "content": state.text or None}
+            reasoning = "".join(i["content"][0]["text"] for i in state.items
+                                if i["type"] == "reasoning" and i["content"])
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            calls = _chat_tool_calls(state.items)
+            if calls:
+                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"}
+                                         for c in calls]
+            return response.json({
+                "id": cid, "object": "chat.completion", "created": created,
+                "model": req.model, "choices": [{"index": 0, "message": message,
+                                                 "finish_reason": _finish_reason(state),
+                                                 "logprobs": None}],
+                "usage": _usage(state)})
+
+        resp = await request.respond(content_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        ncalls = 0
+
+        async def send(ops):
+            nonlocal ncalls
+            for op in ops:
+                item = state.items[op.index]
+                if op.kind == "text_delta" and op.text:
+                    await resp.send(chunk({"content": op.text}))
+                elif op.kind == "reasoning_delta" and op.text:
+                    await resp.send(chunk({"reasoning_content": op.text}))
+                elif op.kind == "done" and item["type"] == "function_call":
+                    await resp.send(chunk({"tool_calls": [{
+                        "index": ncalls, "id": item["call_id"], "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]}}]}))
+                    ncalls += 1
+
+        try:
+            await resp.send(chunk({"role": "assistant", "content": ""}))
+            try:
+                await run.complete(send)
+            except APIError as e:
+                await resp.send(f"data: {json.dumps({'error': e.body()['error']})}\n\n")
+            else:
+                await resp.send(chunk({}, finish=_finish_reason(state)))
+                if include_usage:
+                    await resp.send(chunk(None, usage=_usage(state)))
+            await resp.send("data: [DONE]\n\n")
+        finally:
+            run.close()
+        await resp.eof()
+        return resp
