@@ -10,13 +10,14 @@ actually saw, not a re-rendering that could tokenize differently. When the instr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 from engine.chat import ChatTemplateError, render_chat
 from engine.loader import LoadedModel
 from server.errors import invalid
 from server.output_items import split_token_ids
-from server.request_model import ResponseRequest, items_to_messages
+from server.request_model import ResponseRequest, items_to_messages, reasoning_text
 from server.response_objects import ResponseState
 from server.store import ResponseRecord, ResponseStore, item_content_hash
 
@@ -146,6 +147,29 @@ async def build_prompt(store: ResponseStore, m: LoadedModel, req: ResponseReques
         raise not_found(prev)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     return render_full(m, system + _history_messages(entries) + list(req.input_messages), req)
+
+
+def unseal_reasoning(req: ResponseRequest, seal, principal: str, tokenizer) -> ResponseRequest:
+    """Reasoning items echoed with only their `encrypted_content`: their text comes back from
+    the sealed token ids (a blob that does not open is left as it is: empty thinking)."""
+    if seal is None or not any(isinstance(x, dict) and x.get("type") == "reasoning"
+                               and x.get("encrypted_content") and not reasoning_text(x)
+                               for x in req.input_items):
+        return req
+    items = []
+    for x in req.input_items:
+        if x.get("type") == "reasoning" and x.get("encrypted_content") and not reasoning_text(x):
+            ids = seal.open(principal, x["encrypted_content"])
+            if ids is not None:
+                end = tokenizer.think_end_id
+                ids = ids[:ids.index(end)] if end in ids else ids
+                x = dict(x, content=[{"type": "reasoning_text",
+                                      "text": tokenizer.decode(ids).strip()}])
+        items.append(x)
+    system = [{"role": "system", "content": req.instructions}] \
+        if req.instructions is not None else []
+    return dataclasses.replace(req, input_items=tuple(items),
+                               messages=tuple(system + items_to_messages(items)))
 
 
 def record_for(state: ResponseState, req: ResponseRequest, principal: str,

@@ -37,7 +37,7 @@ def _partial_suffix(buf: str, lit: str) -> int:
 
 class OutputAssembler:
     def __init__(self, *, tools: list[dict] | None, thinking: bool, summary: bool = False,
-                 message_id: str | None = None):
+                 message_id: str | None = None, sealer=None):
         self.items: list[dict] = []
         self._parser = StreamingToolParser(tools)
         self.thinking = thinking  # as asked: the output starts inside <think>
@@ -47,6 +47,7 @@ class OutputAssembler:
         self._reasoning: dict | None = None
         self._message: dict | None = None
         self._message_id = message_id
+        self._sealer = sealer  # () -> encrypted_content of the reasoning, when asked for
         self.reasoning_chars = 0
 
     # ---- feeding ----------------------------------------------------------------------------
@@ -120,6 +121,8 @@ class OutputAssembler:
         r["content"][0]["text"] = text
         if self._summary and text:
             r["summary"] = [{"type": "summary_text", "text": text}]
+        if self._sealer is not None:
+            r["encrypted_content"] = self._sealer()
         r["status"] = status
         ops.append(Op("done", self.items.index(r)))
         return ops

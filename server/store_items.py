@@ -81,14 +81,18 @@ def _texts(parts) -> list:
 def item_content_hash(item: dict) -> str:
     """A hash of what an output item says, blind to what clients change when they echo it:
     ids, status, annotations, logprobs and content-part type names are left out. A `message`
-    is (role, texts), a `function_call` (call_id, name, arguments), a `reasoning` item (summary
-    and content texts); any other type is its JSON without `id` and `status`."""
+    is (role, texts), a `function_call` (call_id, name, arguments), a `reasoning` item its
+    `encrypted_content` when it has one, else its summary and content texts; any other type is
+    its JSON without `id` and `status`."""
     kind = item.get("type", "message")
     if kind == "message":
         canon = {"type": kind, "role": item.get("role"), "text": _texts(item.get("content"))}
     elif kind == "function_call":
         canon = {"type": kind, "call_id": item.get("call_id"), "name": item.get("name"),
                  "arguments": item.get("arguments")}
+    elif kind == "reasoning" and isinstance(item.get("encrypted_content"), str):
+        # the sealed token ids say it all; clients may echo it without the texts
+        canon = {"type": kind, "encrypted_content": item["encrypted_content"]}
     elif kind == "reasoning":
         canon = {"type": kind, "summary": _texts(item.get("summary")),
                  "content": _texts(item.get("content"))}

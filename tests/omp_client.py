@@ -141,7 +141,9 @@ class OmpClient:
     def argv(self, *args: str) -> list[str]:
         return [str(BUN), str(OMP_CLI), "--model", self.model_arg, *args]
 
-    def run_print(self, prompt: str, *extra: str, timeout: float = 60.0) -> OmpResult:
+    # Turn timeouts are generous: OMP's eleven tool definitions render to ~13.6K prompt tokens,
+    # which the tiny model prefills on CPU once per server (later turns reuse that system turn).
+    def run_print(self, prompt: str, *extra: str, timeout: float = 300.0) -> OmpResult:
         """One non-interactive turn, `omp -p PROMPT [extra]`, with stdin from /dev/null."""
         argv = self.argv("-p", prompt, *extra)
         t0 = time.monotonic()
@@ -226,7 +228,7 @@ class OmpRpc:
         self.proc.stdin.flush()
         return command.get("id", "")
 
-    def prompt(self, message: str, timeout: float = 60.0) -> list[dict]:
+    def prompt(self, message: str, timeout: float = 300.0) -> list[dict]:
         """Send one prompt; return every frame up to and including its agent_end."""
         deadline = time.monotonic() + timeout
         cid = self.send({"type": "prompt", "message": message})

@@ -6,6 +6,7 @@ max_output_tokens (`incomplete`, which OMP reports as stopReason "length").
 """
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -160,6 +161,43 @@ def test_stateful_omp_second_turn_continues_the_stored_chain(server, make_client
     usage = chained.events()[-1]["response"]["usage"]
     assert usage["input_tokens_details"]["cached_tokens"] >= \
         first_usage["input_tokens"] + first_usage["output_tokens"] - 1
+
+
+def test_a_new_omp_process_resumes_the_session_from_the_cache(server, make_client):
+    """`omp --continue` in a new process resends the whole transcript (without
+    previous_response_id); the server matches the echoed items to its stored chain and serves
+    the resumed turn from the cached state."""
+    proxy = RecordingServer(upstream=server.base_url, complete_turns=True)
+    try:
+        omp = make_client([Provider("ninfer", proxy.api_url, server.key)], stateful=True)
+        with omp.rpc(*SHORT_SYSTEM) as rpc:
+            rpc.wait_for("ready", timeout=30)
+            rpc.prompt("Say hello.")
+            rpc.prompt("Now say goodbye.")
+        with omp.rpc(*SHORT_SYSTEM, "--continue") as rpc:
+            rpc.wait_for("ready", timeout=30)
+            resumed = rpc.prompt("One more thing.")
+    finally:
+        proxy.stop()
+    assert last_assistant(resumed)["stopReason"] == "stop", last_assistant(resumed)
+    one, two, three = proxy.requests
+    body = three.json()
+    assert "previous_response_id" not in body
+    assert body["prompt_cache_key"] == one.json()["prompt_cache_key"]
+    roles = [(i.get("type", "message"), i.get("role")) for i in body["input"]]
+    assert roles == [("message", "user"), ("message", "assistant")] * 2 + [("message", "user")]
+    assert user_texts(body["input"][-1])[-1].endswith("One more thing.")
+    before = two.events()[-1]["response"]["usage"]
+    usage = three.events()[-1]["response"]["usage"]
+    cached = usage["input_tokens_details"]["cached_tokens"]
+    assert cached >= 0.9 * before["input_tokens"], (cached, before)
+    assert cached >= before["input_tokens"] + before["output_tokens"] - 1
+    rid = three.events()[0]["response"]["id"]
+    log = [json.loads(x) for x in (server.state_dir / "logs" / "requests.jsonl").read_text()
+           .splitlines()]
+    done = [e for e in log if e["event"] == "request_done" and e.get("request_id") == rid]
+    assert done and done[0]["path"] in ("continuation", "fork"), done
+    assert done[0]["cached_tokens"] == cached
 
 
 @pytest.mark.parametrize("down", [

@@ -162,3 +162,18 @@ def test_token_ids_split_at_think_end_and_tool_call_tokens():
     parts = split_token_ids(items[:3], ids, think_end_id=THINK_END, tool_call_id=TOOL_CALL)
     assert parts == [[1, 2, THINK_END], ids[3:], []]
     assert sum(parts, []) == ids
+
+
+def test_reasoning_seal_binds_token_ids_to_a_principal(tmp_path):
+    from server.reasoning_seal import ReasoningSeal
+
+    seal = ReasoningSeal.from_state_dir(tmp_path)
+    assert (tmp_path / "secrets" / "reasoning.key").stat().st_mode & 0o777 == 0o600
+    blob = seal.seal("alice", [5, 6, 7])
+    assert seal.open("alice", blob) == [5, 6, 7]
+    assert seal.open("bob", blob) is None                       # another principal's
+    flipped = blob[:-3] + ("A" if blob[-3] != "A" else "B") + blob[-2:]
+    assert seal.open("alice", flipped) is None                   # tampered
+    assert ReasoningSeal.from_state_dir(tmp_path).open("alice", blob) == [5, 6, 7]  # restart
+    assert seal.open("alice", "not a blob") is None and seal.open("alice", None) is None
+    assert blob != seal.seal("alice", [5, 6, 7])  # a fresh nonce every time

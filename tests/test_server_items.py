@@ -98,7 +98,8 @@ def test_oversized_body_is_refused_in_the_api_format(server):
 def test_reasoning_is_an_item_that_replays_exactly(server):
     c = sdk(server)
     kw = dict(model="tiny", instructions="Think, then answer.", temperature=0,
-              reasoning={"effort": "low", "summary": "auto"}, prompt_cache_key="rs-1")
+              reasoning={"effort": "low", "summary": "auto"}, prompt_cache_key="rs-1",
+              include=["reasoning.encrypted_content"])
     r1 = c.responses.create(input="What is 2+2?", max_output_tokens=24, **kw)
     kinds = [o.type for o in r1.output]
     assert kinds[0] == "reasoning", kinds
@@ -119,16 +120,25 @@ def test_reasoning_is_an_item_that_replays_exactly(server):
     assert r3.usage.input_tokens_details.cached_tokens == cached
     ids2 = [o.model_dump() for o in r2.output]
     ids3 = [o.model_dump() for o in r3.output]
-    for a, b in zip(ids2, ids3):
-        a.pop("id"), b.pop("id")
+    for a, b in zip(ids2, ids3):  # ids and sealed blobs (fresh nonces) differ by design
+        for k in ("id", "encrypted_content"):
+            a.pop(k, None), b.pop(k, None)
     assert ids2 == ids3
     text = "".join(p.text for o in r2.output if o.type == "reasoning" for p in o.content or [])
     text += r2.output_text
     assert len(text) >= 64 and len(set(text)) >= 16
+    assert r1.output[0].encrypted_content.startswith("ninfer-rs1.")
+    # echoed with only its encrypted_content (no text): the sealed token ids stand for it
+    bare = [dict(x) for x in transcript]
+    bare[1] = {"type": "reasoning", "id": bare[1]["id"], "summary": [],
+               "encrypted_content": bare[1]["encrypted_content"]}
+    r5 = c.responses.create(input=bare, max_output_tokens=64, **kw)
+    assert r5.usage.input_tokens == r2.usage.input_tokens
+    assert r5.usage.input_tokens_details.cached_tokens == cached
     # negative control: a transcript whose reasoning differs does not match, computes more
     altered = [dict(x) for x in transcript]
     altered[1] = dict(altered[1], content=[{"type": "reasoning_text", "text": "other"}],
-                      summary=[])
+                      summary=[], encrypted_content=None)
     r4 = c.responses.create(input=altered, max_output_tokens=4, **kw)
     assert r4.usage.input_tokens_details.cached_tokens < cached
 
