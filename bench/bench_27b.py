@@ -1,19 +1,30 @@
 """Decode and prefill of the qwen3.8-27b shapes with synthetic weights, on one GPU.
 
-Builds random bf16 weights directly on the device (no download, nothing on the host), then times
-the engine's own jitted forward: decode steps at several context lengths and a prefill. Every
-figure is reported with its fraction of the physical limit measured in the same run:
+Builds random weights directly on the device (no download, nothing on the host): bf16, or a
+quantized format (int4_g64, int8_row, fp8_row: random codes and scales, laid out as the
+converter stores them: every layer matrix and lm_head quantized, the embedding bf16). Then it
+times the engine's own jitted forward: decode steps at several context lengths and batch sizes,
+and prefills. Every figure is reported with its fraction of the physical limit measured in the
+same run:
 
-  decode bytes  = every weight byte read once + KV read at that context + GDN state read+written
-  prefill FLOPs = 2 x params used per token x T + attention (causal: 2 x 2 x T^2/2 x heads x hd
-                  per attention layer)
+  decode bytes  = every weight byte a token reads once (the layer matrices, norms, lm_head; not
+                  the embedding table, of which a step reads one row, nor the MTP layer)
+                  + KV read at that context + GDN state read and written, per sequence
+  prefill FLOPs = 2 x matmul params x T + attention (causal: 2 x 2 x T^2/2 x heads x hd per
+                  attention layer)
+
+The ceilings: a device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul, through
+torch when it is installed (what REFERENCE section 7 quotes), else through JAX; both recorded.
 
   python bench/bench_27b.py --contexts 1024,32768 --prefill 8192 --out results.json
+  python bench/bench_27b.py --kernels pallas --weights int4_g64,bf16 --batches 1,2 \
+      --contexts 1024,32768,131072 --prefill 8192,32768,131072 --out v3.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -27,6 +38,8 @@ import numpy as np  # noqa: E402
 
 from engine import model as M  # noqa: E402
 from engine.config import QWEN38_27B, preset  # noqa: E402
+from engine.kernels.stacked import MATRICES  # noqa: E402
+from engine.quant import GROUP, INT4_G64, QTensor  # noqa: E402
 
 
 def timed(fn, *args, reps: int, warmup: int = 2):
@@ -41,6 +54,44 @@ def timed(fn, *args, reps: int, warmup: int = 2):
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
     return float(np.median(times)), out
+
+
+def torch_peaks() -> dict:
+    """Copy bandwidth and bf16 matmul rate through torch (before JAX takes the GPU memory)."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    n = 1 << 30
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+
+    def med(fn, reps):
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(reps):
+            a, b = ev(), ev()
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        return float(np.median(ts))
+
+    t = med(lambda: dst.copy_(src), 20)
+    copy = 2 * n * 2 / t
+    src = dst = None  # free before the matmul buffers
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = med(lambda: a @ b, 10)
+    out = {"torch_copy_bytes_per_s": copy, "torch_bf16_flops_per_s": 2 * 8192 ** 3 / t}
+    a = b = None
+    torch.cuda.empty_cache()  # hand the memory back before JAX allocates its pool
+    return out
 
 
 def peaks() -> dict:
@@ -58,25 +109,49 @@ def peaks() -> dict:
     return {"copy_bytes_per_s": bw, "bf16_flops_per_s": 2 * 8192 ** 3 / t}
 
 
-def random_params(cfg, dtype):
-    """The stacked parameter tree with random values, created on the device leaf by leaf."""
+def _random_qtensor(key, shape, fmt):
+    """A stacked QTensor [*lead, out, in] of random codes with scales ~ 1/sqrt(in)/qmax."""
+    *lead, out, inp = shape
+    k1, k2 = jax.random.split(key)
+    if fmt == INT4_G64:
+        data = jax.random.bits(k1, (*lead, out, inp // 2), jnp.uint8)
+        sshape, qmax = (*lead, out, inp // GROUP), 7.0
+    elif fmt == "int8_row":
+        data = jax.random.randint(k1, (*lead, out, inp), -127, 128, jnp.int32).astype(jnp.int8)
+        sshape, qmax = (*lead, out), 127.0
+    else:
+        data = (jax.random.normal(k1, (*lead, out, inp), jnp.float32) * 100).astype(
+            jnp.float8_e4m3fn)
+        sshape, qmax = (*lead, out), 448.0
+    scale = jax.random.uniform(k2, sshape, jnp.float32, 0.5, 1.5) * (2.0 / np.sqrt(inp) / qmax)
+    return QTensor(data=data, scale=scale, fmt=fmt, shape=(out, inp))
+
+
+def random_params(cfg, dtype, fmt: str = "bf16"):
+    """The stacked parameter tree with random values, created on the device leaf by leaf;
+    fmt != "bf16" stores the layer matrices and lm_head as random QTensors of that format."""
     specs = cfg.tensor_specs()
     flat = {n: jax.ShapeDtypeStruct(s, dtype) for n, s in specs.items()}
     shapes = jax.eval_shape(lambda f: M.stack_params(f, cfg), flat)
-    leaves, tree = jax.tree.flatten(shapes)
+    paths, tree = jax.tree_util.tree_flatten_with_path(shapes)
     out = []
-    for i, leaf in enumerate(leaves):
+    for i, (path, leaf) in enumerate(paths):
+        name = str(getattr(path[-1], "key", ""))
+        key = jax.random.key(100 + i)
+        if fmt != "bf16" and (name in MATRICES or name == "lm_head") and "mtp" not in str(path):
+            out.append(jax.jit(_random_qtensor, static_argnums=(1, 2))(key, leaf.shape, fmt))
+            continue
         fan_in = leaf.shape[-1]
         scale = 1.0 / np.sqrt(fan_in) if len(leaf.shape) >= 2 else 0.1
         make = jax.jit(lambda k, s=leaf.shape, sc=scale: (
             jax.random.normal(k, s, jnp.float32) * sc).astype(dtype))
-        out.append(make(jax.random.key(100 + i)))
+        out.append(make(key))
     return jax.tree.unflatten(tree, out)
 
 
 def random_cache(cfg, ctx: int, dtype, batch: int = 1):
     """A cache whose first ctx positions hold random K/V and random GDN state (never zeros)."""
-    c = M.init_cache(cfg, batch, ctx + 16, dtype)
+    c = M.init_cache(cfg, batch, ctx + 64, dtype)  # whole 64-token pages for the kernels
     k1, k2, k3, k4 = jax.random.split(jax.random.key(7), 4)
     return c._replace(
         k=jax.random.normal(k1, c.k.shape, dtype), v=jax.random.normal(k2, c.v.shape, dtype),
@@ -106,42 +181,20 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--contexts", default="1024,32768")
-    ap.add_argument("--prefill", default="8192")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batches", default="1", help="decode batch sizes, e.g. 1,2")
-    ap.add_argument("--out", default="bench_27b.json")
-    ap.add_argument("--preset", default=QWEN38_27B.name, help="model preset (tiny ones for a "
-                    "CPU smoke run)")
-    ap.add_argument("--skip-peaks", action="store_true")
-    ap.add_argument("--unroll", action="store_true", help="unroll the scan over blocks")
-    ap.add_argument("--paged", action="store_true", help="decode over the paged KV pool")
-    args = ap.parse_args()
-    cfg, dt = preset(args.preset), jnp.bfloat16
-    res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
-           "jax": jax.__version__, "python": platform.python_version(), "model": cfg.name,
-           "weights": "bf16 synthetic", "argv": sys.argv[1:]}
-    res["peaks"] = pk = ({"copy_bytes_per_s": 1.0, "bf16_flops_per_s": 1.0} if args.skip_peaks
-                         else peaks())
-    print(f"copy {pk['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
-          f"{pk['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
-    t0 = time.perf_counter()
-    params = random_params(cfg, dt)
-    jax.block_until_ready(params)
-    wbytes = nbytes(params) - (nbytes(params.get("mtp", {})) if "mtp" in params else 0)
-    res["weights_bytes_used"] = wbytes
-    print(f"params built in {time.perf_counter() - t0:.1f}s, {wbytes / 1e9:.1f} GB used per "
-          "token (MTP excluded)", flush=True)
+def decode_weight_bytes(params) -> int:
+    """Weight bytes one decode token reads: everything but the embedding table and MTP."""
+    return nbytes({k: v for k, v in params.items() if k not in ("embed_tokens", "mtp")})
+
+
+def run_decode(cfg, params, fmt, args, pk, res, dt):
+    wbytes = decode_weight_bytes(params)
+    res.setdefault("weights_bytes_per_token", {})[fmt] = wbytes
     fwd = M.jit_forward()
-    step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll)  # noqa: E731
-    res["unroll"] = args.unroll
-    res["paged"] = args.paged
+    step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll,  # noqa: E731
+                               kernels=args.kernels)
     state_bytes = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
         cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     kv_per_tok = cfg.num_blocks * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    res["decode"] = []
     runs = [(int(b), int(c)) for b in args.batches.split(",") for c in args.contexts.split(",")]
     for batch, ctx in runs:
         cache = (random_paged_cache if args.paged else random_cache)(cfg, ctx, dt, batch)
@@ -159,44 +212,121 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         t = float(np.median(times))
         moved = wbytes + batch * (ctx * kv_per_tok + state_bytes)
-        row = {"context": ctx, "batch": batch, "ms_per_step": t * 1e3,
-               "tokens_per_s": batch / t,
-               "bytes": moved, "fraction_of_copy_bw": moved / t / pk["copy_bytes_per_s"],
+        row = {"weights": fmt, "kernels": args.kernels, "context": ctx, "batch": batch,
+               "ms_per_step": t * 1e3, "tokens_per_s": batch / t, "bytes": moved,
+               "fraction_of_copy_bw": moved / t / pk["copy_bytes_per_s"],
+               "roofline_tokens_per_s": batch * pk["copy_bytes_per_s"] / moved,
                "first_call_s": compile_s}
         res["decode"].append(row)
-        print(f"decode C{batch} ctx {ctx:>6}: {t * 1e3:7.2f} ms/step {batch / t:6.1f} tok/s "
-              f"{row['fraction_of_copy_bw'] * 100:5.1f}% of copy BW (first call "
-              f"{compile_s:.1f}s)", flush=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        print(f"decode {fmt:>8} {args.kernels} C{batch} ctx {ctx:>6}: {t * 1e3:7.2f} ms/step "
+              f"{batch / t:6.1f} tok/s {row['fraction_of_copy_bw'] * 100:5.1f}% of roofline "
+              f"({row['roofline_tokens_per_s']:.0f} tok/s) first call {compile_s:.1f}s",
+              flush=True)
         del cache
-    res["prefill"] = []
-    n_params = wbytes / 2 - cfg.vocab_size * cfg.hidden_size  # embedding is a lookup, not a matmul
+
+
+def run_prefill(cfg, params, args, pk, res, dt):
+    fwd = M.jit_forward()
+    step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll,  # noqa: E731
+                               kernels=args.kernels)
+    n_params = decode_weight_bytes(params) / 2  # bf16: 2 bytes a parameter
     for T in [int(c) for c in args.prefill.split(",") if c]:
-        cache = M.init_cache(cfg, 1, T + 16, dt)
+        max_len = -(-T // 64) * 64  # whole 64-token tiles: the flash kernel's key tile
         toks = jax.random.randint(jax.random.key(5), (1, T), 0, cfg.vocab_size, jnp.int32)
-        fresh = lambda: M.init_cache(cfg, 1, T + 16, dt)  # noqa: E731
-        t0 = time.perf_counter()
-        out = step(params, toks, cache)
-        jax.block_until_ready(out)
-        compile_s = time.perf_counter() - t0
-        times = []
-        for _ in range(3):
-            c = fresh()
-            jax.block_until_ready(c)
+        fresh = lambda: M.init_cache(cfg, 1, max_len, dt)  # noqa: E731
+        try:
             t0 = time.perf_counter()
-            out = step(params, toks, c)
+            out = step(params, toks, fresh())
             jax.block_until_ready(out)
-            times.append(time.perf_counter() - t0)
+            compile_s = time.perf_counter() - t0
+            del out
+            times = []
+            for _ in range(args.prefill_reps):
+                c = fresh()
+                jax.block_until_ready(c)
+                t0 = time.perf_counter()
+                out = step(params, toks, c)
+                jax.block_until_ready(out)
+                times.append(time.perf_counter() - t0)
+                del out, c
+        except Exception as e:  # noqa: BLE001  (out of memory at 128K is a result too)
+            print(f"prefill {T}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            res["prefill"].append({"tokens": T, "kernels": args.kernels,
+                                   "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
         t = float(np.median(times))
         attn = cfg.num_blocks * 2 * 2 * (T * T / 2) * cfg.num_heads * cfg.head_dim
         flops = 2 * n_params * T + attn
-        row = {"tokens": T, "seconds": t, "tokens_per_s": T / t, "flops": flops,
-               "fraction_of_bf16_peak": flops / t / pk["bf16_flops_per_s"],
-               "first_call_s": compile_s}
+        row = {"tokens": T, "kernels": args.kernels, "seconds": t, "tokens_per_s": T / t,
+               "flops": flops, "fraction_of_bf16_peak": flops / t / pk["bf16_flops_per_s"],
+               "floor_seconds": flops / pk["bf16_flops_per_s"], "first_call_s": compile_s}
         res["prefill"].append(row)
-        print(f"prefill {T:>6}: {t:7.3f} s {T / t:8.0f} tok/s "
-              f"{row['fraction_of_bf16_peak'] * 100:5.1f}% of bf16 peak (first call "
-              f"{compile_s:.1f}s)", flush=True)
-        del out
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        print(f"prefill {args.kernels} {T:>6}: {t:7.3f} s {T / t:8.0f} tok/s "
+              f"{row['fraction_of_bf16_peak'] * 100:5.1f}% of bf16 peak (floor "
+              f"{row['floor_seconds']:.2f} s) first call {compile_s:.1f}s", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="1024,32768")
+    ap.add_argument("--prefill", default="8192")
+    ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batches", default="1", help="decode batch sizes, e.g. 1,2")
+    ap.add_argument("--weights", default="bf16", help="weight formats for decode, e.g. "
+                    "int4_g64,bf16 (prefill runs with bf16 weights)")
+    ap.add_argument("--kernels", default="xla", choices=["xla", "pallas"])
+    ap.add_argument("--out", default="bench_27b.json")
+    ap.add_argument("--preset", default=QWEN38_27B.name, help="model preset (tiny ones for a "
+                    "CPU smoke run)")
+    ap.add_argument("--skip-peaks", action="store_true")
+    ap.add_argument("--unroll", action="store_true", help="unroll the scan over blocks")
+    ap.add_argument("--paged", action="store_true", help="decode over the paged KV pool")
+    ap.add_argument("--null-gemv", action="store_true", help="replace the GEMV kernel by zeros "
+                    "(measures everything else in a decode step)")
+    args = ap.parse_args()
+    if args.null_gemv:
+        from engine.kernels import qgemv
+
+        def null(x, w, index=None, **_):
+            n = w.shape[0]
+            return jnp.zeros((*x.shape[:-1], n), x.dtype)
+        qgemv.qmatmul = null
+    cfg, dt = preset(args.preset), jnp.bfloat16
+    tp = {} if args.skip_peaks else torch_peaks()
+    res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
+           "jax": jax.__version__, "python": platform.python_version(), "model": cfg.name,
+           "weights": "synthetic", "argv": sys.argv[1:], "kernels": args.kernels,
+           "unroll": args.unroll, "paged": args.paged, "null_gemv": args.null_gemv,
+           "gemv": os.environ.get("NINFER_GEMV", "fma"),
+           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    pk = {"copy_bytes_per_s": 1.0, "bf16_flops_per_s": 1.0} if args.skip_peaks else peaks()
+    pk.update({f"jax_{k}": v for k, v in pk.items()})
+    if tp:  # the torch figures are the higher (stricter) ceilings: fractions use them
+        pk.update(tp)
+        pk["copy_bytes_per_s"] = max(pk["copy_bytes_per_s"], tp["torch_copy_bytes_per_s"])
+        pk["bf16_flops_per_s"] = max(pk["bf16_flops_per_s"], tp["torch_bf16_flops_per_s"])
+    res["peaks"] = pk
+    print(f"ceilings: copy {pk['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+          f"{pk['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s ({json.dumps(pk)})", flush=True)
+    res["decode"], res["prefill"] = [], []
+    fmts = [f for f in args.weights.split(",") if f]
+    if args.prefill and "bf16" not in fmts:
+        fmts.append("bf16")
+    for fmt in fmts:
+        t0 = time.perf_counter()
+        params = random_params(cfg, dt, fmt)
+        jax.block_until_ready(params)
+        print(f"{fmt} params built in {time.perf_counter() - t0:.1f}s, "
+              f"{decode_weight_bytes(params) / 1e9:.2f} GB read per decode step", flush=True)
+        if fmt in args.weights.split(","):
+            run_decode(cfg, params, fmt, args, pk, res, dt)
+        if fmt == "bf16":
+            run_prefill(cfg, params, args, pk, res, dt)
+        del params
+        Path(args.out).write_text(json.dumps(res, indent=2))
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res))
 

@@ -45,7 +45,7 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([rot, rest], axis=-1).astype(x.dtype)
 
 
-def kv_write_attend(kv, layer, q, k, v, positions, valid):
+def kv_write_attend(kv, layer, q, k, v, positions, valid, kernels: str = "xla"):
     """Write this step's K/V into the cache, then causal softmax attention over the cache.
 
     kv: (k_cache, v_cache), each [L, B, S, kv_heads, head_dim]; layer: int32 scalar (which L);
@@ -53,6 +53,8 @@ def kv_write_attend(kv, layer, q, k, v, positions, valid):
     positions; valid: [B, T] bool. Invalid steps are not written (their slot is out of range and
     dropped, as is anything at or past S). Query i of row b sees cache slots <= positions[b, i];
     slots past a row's position hold stale data from rolled-back steps and are never read.
+    kernels="pallas": prefill-sized T takes the flash kernel (engine/kernels/flash_prefill.py),
+    a decode step the paged-decode kernel over the cache viewed as 64-token pages.
     Returns (out [B, T, heads, head_dim] in q.dtype, new kv).
     """
     k_cache, v_cache = kv
@@ -62,10 +64,32 @@ def kv_write_attend(kv, layer, q, k, v, positions, valid):
     rows = jnp.arange(b)[:, None]
     k_cache = k_cache.at[layer, rows, slot].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[layer, rows, slot].set(v.astype(v_cache.dtype), mode="drop")
+    if kernels == "pallas":
+        out = _kernel_attend(k_cache, v_cache, layer, q, positions)
+        if out is not None:
+            return out, (k_cache, v_cache)
     keys = k_cache[layer].astype(jnp.float32)  # [B, S, kvh, hd]
     vals = v_cache[layer].astype(jnp.float32)
     visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
     return attend(q, keys, vals, visible), (k_cache, v_cache)
+
+
+def _kernel_attend(k_cache, v_cache, layer, q, positions):
+    """The Pallas path of `kv_write_attend` after the write, or None where no kernel fits."""
+    from engine.kernels import flash_prefill, paged_decode
+    from engine.paged_kv import KVPool
+
+    nl, b, s, kvh, hd = k_cache.shape
+    if flash_prefill.supported(k_cache, q):
+        return flash_prefill.flash_attend(k_cache, v_cache, layer, q, positions)
+    page = 64
+    if q.shape[1] == 1 and s % page == 0:
+        # [L, B, S, ...] is [L, B * S/64, 64, ...] pages; row b owns pages b*S/64 .. in order.
+        as_pages = lambda a: a.reshape(nl, b * (s // page), page, kvh, hd)  # noqa: E731
+        pool = KVPool(as_pages(k_cache), as_pages(v_cache), None, None)
+        table = jnp.arange(b * (s // page), dtype=jnp.int32).reshape(b, s // page)
+        return paged_decode.paged_attend(pool, table, layer, q, positions[:, 0])
+    return None
 
 
 def attend(q, keys, vals, visible):
@@ -88,22 +112,27 @@ def attend(q, keys, vals, visible):
 
 
 def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
-                    write_attend=kv_write_attend):
+                    write_attend=kv_write_attend, kernels: str = "xla"):
     """Gated attention token mixer. p: the layer's `self_attn` params; x: [B, T, H] (normed).
 
     q_proj rows are grouped per head as [q (head_dim) | gate (head_dim)]. `write_attend` is
-    `kv_write_attend` or `paged_kv.paged_write_attend`, matching the kind of `kv`. Returns
+    `kv_write_attend` or `paged_kv.paged_write_attend`, matching the kind of `kv`. kernels:
+    "xla" or "pallas" (passed to the projections and to `write_attend`). Returns
     (out [B, T, H], new kv).
     """
     b, t, _ = x.shape
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qg = linear(x, p["q_proj"]).reshape(b, t, nh, 2 * hd)
+    qg = linear(x, p["q_proj"], kernels).reshape(b, t, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nh * hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(linear(x, p["k_proj"]).reshape(b, t, kvh, hd), p["k_norm"], cfg.rms_norm_eps)
-    v = linear(x, p["v_proj"]).reshape(b, t, kvh, hd)
+    k = rms_norm(linear(x, p["k_proj"], kernels).reshape(b, t, kvh, hd), p["k_norm"],
+                 cfg.rms_norm_eps)
+    v = linear(x, p["v_proj"], kernels).reshape(b, t, kvh, hd)
     cos, sin = rope_tables(cfg, positions)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out, kv = write_attend(kv, layer, q, k, v, positions, valid)
+    if kernels == "xla":  # keep the plain call: write_attend may be any reference
+        out, kv = write_attend(kv, layer, q, k, v, positions, valid)
+    else:
+        out, kv = write_attend(kv, layer, q, k, v, positions, valid, kernels=kernels)
     out = out.reshape(b, t, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-    return linear(out, p["o_proj"]), kv
+    return linear(out, p["o_proj"], kernels), kv

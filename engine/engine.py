@@ -65,16 +65,25 @@ class GenerationRequest:
     first_token_at: float | None = None
     path: str = "root"
     cached_tokens: int = 0
+    # engine.constrain.Constraint (tool_choice, JSON format, thinking budget); None: no mask and
+    # no per-step cost. Owned by the engine thread once submitted.
+    constraint: object | None = None
 
 
-def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, *, n_vocab: int):
+def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, mask=None, *,
+                 n_vocab: int):
     """Sample one token per row; row b uses only fold_in(key_b, steps_b): batch-invariant.
 
     logits: [B, V] f32; key_data: [B, 2] uint32; steps: [B] int32. Ids >= n_vocab are padding
-    rows of the embedding with no token: masked out.
+    rows of the embedding with no token: masked out. mask: None or int32 [B, W] bitmasks (bit
+    id & 31 of word id >> 5 = allowed; an all-ones row leaves its logits bit-identical).
     """
     ids = jnp.arange(logits.shape[-1])
-    logits = jnp.where(ids[None, :] < n_vocab, logits, -jnp.inf)
+    allowed = ids[None, :] < n_vocab
+    if mask is not None:
+        word = jnp.take(mask, jnp.minimum(ids >> 5, mask.shape[1] - 1), axis=1)  # [B, V]
+        allowed = allowed & (((word >> (ids & 31)) & 1) == 1)
+    logits = jnp.where(allowed, logits, -jnp.inf)
     keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(
         key_data, steps)
     return sample(logits, temperature, top_k, top_p, keys)
@@ -104,6 +113,7 @@ class Engine:
         self._fwd = lambda p, t, c, n: fwd(p, cfg, t, c, lengths=n, last_only=True)
         self._sample = jax.jit(functools.partial(_sample_rows,
                                                  n_vocab=model.tokenizer.vocab_size))
+        self._mask_words = (model.tokenizer.vocab_size + 31) // 32  # bitmask row width
         self.mem = Memory(cfg, batch=max_concurrency, context_tokens=context_tokens,
                           capacity_tokens=capacity_tokens or context_tokens * max_concurrency,
                           kv_dtype=model.kv_dtype, conv_dtype=model.compute_dtype,
@@ -144,6 +154,23 @@ class Engine:
         """Drop every stored state of (principal, session) (asynchronous, like `forget`)."""
         self._inbox.put(("forget_session", principal, session))
 
+    def call(self, fn) -> "concurrent.futures.Future":
+        """Run `fn(self)` on the engine thread between steps (it may read and change `mem`);
+        returns a Future with its result. Used for checkpoint export and restore."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self))
+                except Exception as e:  # reported to the caller, never kills the loop
+                    fut.set_exception(e)
+
+        self._inbox.put(run)
+        return fut
+
     def warmup(self) -> float:
         """Compile the decode step, every prefill piece shape and the sampler; returns seconds."""
         t0 = time.monotonic()
@@ -157,6 +184,11 @@ class Engine:
                                                   jnp.zeros((self.B, size), jnp.int32),
                                                   self.mem.cache, zero)
         self._sample_batch(logits[:, 0], [None] * self.B)
+        # The masked sampler too (a constrained request would otherwise compile it first).
+        args = (np.zeros((self.B,), np.float32), np.zeros((self.B,), np.int32),
+                np.ones((self.B,), np.float32), np.zeros((self.B, 2), np.uint32),
+                np.zeros((self.B,), np.int32))
+        jax.block_until_ready(self._sample(logits[:, 0], *args, self._mask_rows()))
         jax.block_until_ready(self.mem.cache)
         return time.monotonic() - t0
 
@@ -193,7 +225,9 @@ class Engine:
             while True:
                 if item is None:
                     return False
-                if isinstance(item, tuple):  # ("forget" | "forget_session", principal, key)
+                if callable(item):  # a command from `call`: runs between steps
+                    item()
+                elif isinstance(item, tuple):  # ("forget" | "forget_session", principal, key)
                     getattr(self.mem, item[0])(item[1], item[2])
                 else:
                     self.sched.waiting.append(item)  # capacity was checked by submit()
@@ -241,33 +275,67 @@ class Engine:
         top_p = np.ones((self.B,), np.float32)
         keys = np.zeros((self.B, 2), np.uint32)
         steps = np.zeros((self.B,), np.int32)
+        mask, failed = None, []
         for b, seq in enumerate(rows):
             if seq is None:
                 continue
             sp = seq.payload.sampling
             temp[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
             keys[b], steps[b] = seq.payload.key_data, len(seq.output_ids)
-        return np.asarray(self._sample(logits, temp, top_k, top_p, keys, steps))
+            if seq.payload.constraint is not None:
+                # Host work for constrained rows only, while the device still runs the
+                # forward just dispatched; other rows keep all-ones rows (logits unchanged).
+                mask = self._mask_rows() if mask is None else mask
+                try:
+                    seq.payload.constraint.fill_mask(mask[b], self._remaining(seq))
+                except Exception:  # a failed constraint ends its own sequence only
+                    mask[b] = -1
+                    failed.append(b)
+        picked = np.array(self._sample(logits, temp, top_k, top_p, keys, steps, mask))
+        picked[failed] = -1  # _accept finishes these with "error"
+        return picked
+
+    def _mask_rows(self) -> np.ndarray:
+        return np.full((self.B, self._mask_words), -1, np.int32)
+
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens `seq` may still produce, the one being sampled included."""
+        done = len(seq.output_ids)
+        return min(seq.max_tokens - done, self.context_tokens - len(seq.prompt_ids) - done)
 
     def _accept(self, seq: Sequence, tok: int) -> None:
         req: GenerationRequest = seq.payload
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
+        con = req.constraint
+        if con is not None:
+            try:
+                if tok < 0:
+                    raise RuntimeError("the constraint failed to build its mask")
+                con.accept(tok)
+            except Exception as e:  # a failed constraint ends its own sequence only
+                self._finish(seq, "error", error=f"constraint: {type(e).__name__}")
+                return
         if tok in req.stop_ids:
             self._finish(seq, "stop")
             return
         seq.output_ids.append(tok)
         seq.emit(TokenEvent(tok))
         total = len(seq.prompt_ids) + len(seq.output_ids)
-        if len(seq.output_ids) >= seq.max_tokens or total >= self.context_tokens:
+        if con is not None and con.terminated:  # the grammar is complete: nothing may follow
+            self._finish(seq, "stop", last_fed=False)
+        elif len(seq.output_ids) >= seq.max_tokens or total >= self.context_tokens:
             self._finish(seq, "length")
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None,
+                last_fed: bool | None = None) -> None:
         req: GenerationRequest = seq.payload
         if reason in ("stop", "length") and seq.status.value == "decoding":
             # The state covers every token fed so far: all outputs when the last sampled token
-            # was a stop token (never fed), all but the last when the budget ran out.
-            fed = len(seq.prompt_ids) + len(seq.output_ids) - (reason == "length")
+            # was a stop token (never fed), all but the last when the budget ran out or the
+            # constraint ended the output on a token that was never fed.
+            last_fed = reason != "length" if last_fed is None else last_fed
+            fed = len(seq.prompt_ids) + len(seq.output_ids) - (not last_fed)
             self.mem.snapshot(seq, req.principal, fed, "response", one_off=req.session is None,
                               session=req.session)
         self.mem.end(seq)

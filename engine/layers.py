@@ -17,60 +17,73 @@ from engine.quant import linear
 GDN_RULES = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}
 
 
-def mlp(p, x):
+def mlp(p, x, kernels: str = "xla"):
     """SwiGLU: down(silu(gate(x)) * up(x)). x: [B, T, H]."""
-    return linear(jax.nn.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]),
-                  p["down_proj"])
+    return linear(jax.nn.silu(linear(x, p["gate_proj"], kernels))
+                  * linear(x, p["up_proj"], kernels), p["down_proj"], kernels)
 
 
-def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str):
+def _gdn_rule(mode: str, kernels: str, t: int):
+    """The gated delta rule for this call: decode-sized steps (T <= 16) take the recurrent
+    Pallas kernel when kernels="pallas" (same result as either reference rule)."""
+    if kernels == "pallas" and t <= 16:
+        from engine.kernels.gdn_decode import gdn_recurrent
+
+        return gdn_recurrent
+    return GDN_RULES[mode]
+
+
+def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
+              kernels: str = "xla"):
     """Gated DeltaNet token mixer. p: the layer's `linear_attn` params; x: [B, T, H] (normed).
 
     conv_state: [B, conv_dim, W-1]; rec_state: [B, Hv, Dk, Dv] fp32; lengths: [B] int32 valid
     steps per row; valid: [B, T] bool. Invalid steps get g = 0, beta = 0 so the recurrent state
-    skips them. Returns (out [B, T, H], conv_state, rec_state).
+    skips them. kernels: "xla" (references) or "pallas" (engine/kernels).
+    Returns (out [B, T, H], conv_state, rec_state).
     """
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv, conv_state = causal_conv1d(linear(x, p["in_proj_qkv"]), p["conv1d"], conv_state,
-                                    lengths)
+    qkv, conv_state = causal_conv1d(linear(x, p["in_proj_qkv"], kernels), p["conv1d"],
+                                    conv_state, lengths)
     qkv = jax.nn.silu(qkv)  # fp32 from here to the output norm
     q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
     q = l2_normalize(q.reshape(b, t, hk, dk))
     k = l2_normalize(k.reshape(b, t, hk, dk))
     v = v.reshape(b, t, hv, dv)
-    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]).astype(jnp.float32))
-    a = linear(x, p["in_proj_a"]).astype(jnp.float32)
+    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"], kernels).astype(jnp.float32))
+    a = linear(x, p["in_proj_a"], kernels).astype(jnp.float32)
     # A_log is float even in bf16 checkpoints: exp of a bf16 A_log loses the decay's precision.
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a + p["dt_bias"].astype(jnp.float32))
     g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
-    out, rec_state = GDN_RULES[mode](q, k, v, g, beta, rec_state)
-    z = linear(x, p["in_proj_z"]).reshape(b, t, hv, dv)
+    out, rec_state = _gdn_rule(mode, kernels, t)(q, k, v, g, beta, rec_state)
+    z = linear(x, p["in_proj_z"], kernels).reshape(b, t, hv, dv)
     out = gated_rms_norm(out, z, p["norm"], cfg.rms_norm_eps).astype(x.dtype)
-    return linear(out.reshape(b, t, hv * dv), p["out_proj"]), conv_state, rec_state
+    return linear(out.reshape(b, t, hv * dv), p["out_proj"], kernels), conv_state, rec_state
 
 
-def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str):
+def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
+              kernels: str = "xla"):
     """One GDN decoder layer (pre-norm residual mixer + MLP). x: [B, T, H].
     Returns (x, conv_state, rec_state)."""
     h, conv_state, rec_state = gdn_mixer(
         p["linear_attn"], cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
-        conv_state, rec_state, lengths, valid, mode)
+        conv_state, rec_state, lengths, valid, mode, kernels)
     x = x + h
-    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps))
+    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), kernels)
     return x, conv_state, rec_state
 
 
-def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid):
+def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid, kernels: str = "xla"):
     """One gated-attention decoder layer. x: [B, T, H]; kv: the contiguous (k, v) of
     `attention.kv_write_attend` or a `paged_kv.PagedKV`; layer/positions/valid as there.
     Returns (x, kv) with kv of the same kind."""
     write_attend = paged_write_attend if isinstance(kv, PagedKV) else kv_write_attend
     h, kv = attention_mixer(p["self_attn"], cfg,
                             rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
-                            kv, layer, positions, valid, write_attend)
+                            kv, layer, positions, valid, write_attend, kernels)
     x = x + h
-    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps))
+    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), kernels)
     return x, kv

@@ -15,7 +15,7 @@ import numpy as np
 
 from engine import model as M
 from engine.artifact import ArtifactError, open_artifact, write_artifact
-from engine.config import ModelConfig, preset
+from engine.config import ModelConfig
 from engine.quant import QTensor
 from engine.tokenizer import Tokenizer, build_qwen35_tokenizer_json
 
@@ -46,12 +46,14 @@ def embedded_path(state_dir: Path, name: str) -> Path:
 
 def build_embedded(name: str, out: Path) -> str:
     """Write the embedded model `name` to `out`; returns its sha256."""
-    from engine.tiny import tiny_tensors
+    from engine.tiny import EMBEDDED, embedded_config, embedded_tensors
 
-    cfg = preset(name)
+    if name not in EMBEDDED:
+        raise ArtifactError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
+    cfg = embedded_config(name)
     template = (TEMPLATE_DIR / "qwen3_5_chat.jinja").read_text()
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_artifact(out, cfg, tiny_tensors(cfg), tokenizer_json=build_qwen35_tokenizer_json(),
+    write_artifact(out, cfg, embedded_tensors(cfg), tokenizer_json=build_qwen35_tokenizer_json(),
                    chat_template=template,
                    source={"kind": "embedded", "description": f"engine.tiny:{name}"})
     return open_artifact(out, verify=True).sha256

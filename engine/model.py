@@ -17,13 +17,15 @@ from jax import lax
 
 from engine.cache import Cache, PagedCache, init_cache, init_paged_cache  # noqa: F401
 from engine.config import ConfigError, ModelConfig
+from engine.kernels import check_kernels
+from engine.kernels.stacked import select_layer, sub_layer
 from engine.layers import GDN_RULES, attention_layer, gdn_layer
 from engine.norms import rms_norm
 from engine.paged_kv import PagedKV
 from engine.params import ParamError, stack_params  # noqa: F401  (re-exported)
 from engine.quant import embedding_lookup, linear
 
-FORWARD_STATIC = ("cfg", "gdn_mode", "last_only", "unroll")
+FORWARD_STATIC = ("cfg", "gdn_mode", "last_only", "unroll", "kernels")
 
 
 def _steps(tokens, lengths):
@@ -42,51 +44,62 @@ def _embed(params, tokens):
 
 
 def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, mode,
-                unroll: bool):
+                unroll: bool, kernels: str = "xla"):
     """Scan the stacked blocks over x [B, T, H]; returns (x, cache with its attention KV, conv
     and rec updated). unroll=True unrolls both scans (same math, static weight slices, compile
     grows with depth). The carry holds the KV arrays only (the pool, or k and v); the block
     table is constant and closed over."""
     paged = isinstance(cache, PagedCache)
 
+    # kernels="pallas": the scans carry layer indices and the matrices stay stacked, read in
+    # place by the GEMV kernel through `Stacked` views (engine/kernels/stacked.py says why).
+    views = kernels == "pallas"
+
     def block(carry, xs):
         x, kv, conv, rec = carry
         p, i = xs
+        if views:
+            p = select_layer(blocks, i, 1)
 
         def gdn(x, layer_xs):
             lp, conv_l, rec_l = layer_xs
-            x, conv_l, rec_l = gdn_layer(lp, cfg, x, conv_l, rec_l, lengths, valid, mode)
+            if views:
+                lp = sub_layer(p["gdn"], lp)
+            x, conv_l, rec_l = gdn_layer(lp, cfg, x, conv_l, rec_l, lengths, valid, mode,
+                                         kernels)
             return x, (conv_l, rec_l)
 
-        x, (conv_i, rec_i) = lax.scan(gdn, x, (p["gdn"], conv[i], rec[i]), unroll=unroll)
+        gdn_xs = jnp.arange(cfg.gdn_per_block, dtype=jnp.int32) if views else p["gdn"]
+        x, (conv_i, rec_i) = lax.scan(gdn, x, (gdn_xs, conv[i], rec[i]), unroll=unroll)
         conv, rec = conv.at[i].set(conv_i), rec.at[i].set(rec_i)
         if paged:
             x, layer_kv = attention_layer(p["attn"], cfg, x, PagedKV(kv, cache.block_table), i,
-                                          positions, valid)
+                                          positions, valid, kernels)
             kv = layer_kv.pool
         else:
-            x, kv = attention_layer(p["attn"], cfg, x, kv, i, positions, valid)
+            x, kv = attention_layer(p["attn"], cfg, x, kv, i, positions, valid, kernels)
         return (x, kv, conv, rec), None
 
     kv = cache.pool if paged else (cache.k, cache.v)
-    xs = (blocks, jnp.arange(cfg.num_blocks, dtype=jnp.int32))
+    ids = jnp.arange(cfg.num_blocks, dtype=jnp.int32)
+    xs = (ids if views else blocks, ids)
     (x, kv, conv, rec), _ = lax.scan(block, (x, kv, cache.conv, cache.rec), xs, unroll=unroll)
     if paged:
         return x, cache._replace(pool=kv, conv=conv, rec=rec)
     return x, cache._replace(k=kv[0], v=kv[1], conv=conv, rec=rec)
 
 
-def _head(params, cfg: ModelConfig, h, lengths, last_only: bool):
+def _head(params, cfg: ModelConfig, h, lengths, last_only: bool, kernels: str = "xla"):
     """Logits fp32 [B, T, V], or [B, 1, V] at each row's last valid step when last_only."""
     if last_only:
         idx = jnp.maximum(lengths - 1, 0)[:, None, None]
         h = jnp.take_along_axis(h, idx, axis=1)
-    return linear(h, params["lm_head"]).astype(jnp.float32)
+    return linear(h, params["lm_head"], kernels).astype(jnp.float32)
 
 
 def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
             gdn_mode: str = "chunk", lengths=None, last_only: bool = False,
-            unroll: bool = False):
+            unroll: bool = False, kernels: str = "xla"):
     """Process T new tokens per row at each row's cache position (prefill T > 1, decode T = 1).
 
     params: `stack_params` tree; tokens: [B, T] int32; cache: `init_cache(cfg, B, max_len)` or
@@ -95,6 +108,9 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     lengths: optional [B] int32, valid tokens per row (right padding; a row with 0 is untouched).
     last_only: return logits only at each row's last valid token ([B, 1, V]), for long prefills.
     unroll: unroll the block scan (compile time then grows with depth; see engine/bench.py).
+    kernels: "xla" (the plain-jnp references) or "pallas" (engine/kernels: weight-only GEMV,
+    paged/flash attention and recurrent GDN kernels where the shapes fit; the Triton kernels on
+    a GPU, the Pallas interpreter elsewhere).
     Returns (logits fp32 [B, T, V], hidden [B, T, H] after the final norm (the MTP input),
     new cache with pos += lengths). Tokens past max_len (paged: past the block table, or on a
     page id < 0) are silently dropped from the KV cache: the caller must keep pos + T <= max_len
@@ -102,13 +118,14 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     """
     if gdn_mode not in GDN_RULES:
         raise ValueError(f"gdn_mode must be one of {sorted(GDN_RULES)}, got {gdn_mode!r}")
+    check_kernels(kernels)
     lengths, valid = _steps(tokens, lengths)
     positions = cache.pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     x = _embed(params, tokens)
     x, cache = _run_blocks(params["blocks"], cfg, x, cache, positions, lengths, valid, gdn_mode,
-                           unroll)
+                           unroll, kernels)
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    logits = _head(params, cfg, hidden, lengths, last_only)
+    logits = _head(params, cfg, hidden, lengths, last_only, kernels)
     return logits, hidden, cache._replace(pos=cache.pos + lengths)
 
 
@@ -152,7 +169,7 @@ def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCa
 
 
 def jit_forward():
-    """forward, jitted with cfg/gdn_mode/last_only static and the cache donated."""
+    """forward, jitted with cfg/gdn_mode/last_only/unroll/kernels static and the cache donated."""
     return jax.jit(forward, static_argnames=FORWARD_STATIC, donate_argnames=("cache",))
 
 

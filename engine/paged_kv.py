@@ -139,7 +139,7 @@ def _load(data, scale, layer, pages):
     return x.reshape(b, mp * p, *x.shape[3:])
 
 
-def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid):
+def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: str = "xla"):
     """The paged replacement of `attention.kv_write_attend` (same signature and result).
 
     kv: PagedKV (pool, table [B, max_pages] int32, slot_offset); layer: int32 scalar index into
@@ -148,8 +148,9 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid):
     i.e. page table[b, s // P], offset s % P (quantized for int8 pools). Invalid steps, slots past
     the table and negative page ids write nothing. The caller (allocator) guarantees every page a
     step writes is owned by that row alone: two rows writing one slot in one step is undefined.
-    Query t sees slots slot_offset..s of its own row. Returns (out [B, T, heads, head_dim] in
-    q.dtype, new PagedKV).
+    Query t sees slots slot_offset..s of its own row. kernels="pallas": a decode step (T = 1)
+    attends with the paged-decode kernel (engine/kernels/paged_decode.py), which reads only the
+    row's pages up to its position. Returns (out [B, T, heads, head_dim] in q.dtype, new PagedKV).
     """
     pool, table, off0 = kv
     n, p, mp = pool.num_pages, pool.page_size, table.shape[1]
@@ -161,6 +162,10 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid):
     k_data, k_scale = _store(pool.k, pool.k_scale, layer, page, slots % p, k)
     v_data, v_scale = _store(pool.v, pool.v_scale, layer, page, slots % p, v)
     pool = KVPool(k_data, v_data, k_scale, v_scale)
+    if kernels == "pallas" and q.shape[1] == 1:
+        from engine.kernels.paged_decode import paged_attend
+
+        return paged_attend(pool, table, layer, q, slots[:, 0], off0), kv._replace(pool=pool)
     # Table entries past a row's length may be anything (-1 included): clip so the gather stays
     # in range; those slots are masked below.
     pages = jnp.clip(table, 0, n - 1)

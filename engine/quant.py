@@ -195,12 +195,24 @@ def dequantize_np(qt: QTensor) -> np.ndarray:
 
 
 # ---- the matmul the model uses ----------------------------------------------------------------
-def linear(x: jax.Array, w) -> jax.Array:
+def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
     """x: [..., in] -> [..., out], with w: [out, in] (a dense array or a QTensor).
 
     A QTensor is dequantized to x.dtype first, then multiplied exactly like a dense weight: this is
-    the reference path that fused low-precision kernels must match.
+    the reference path that fused low-precision kernels must match. kernels="pallas" sends
+    decode-sized x (at most `qgemv.MAX_ROWS` rows) to the weight-only GEMV kernel
+    (engine/kernels/qgemv.py), which reads the stored format directly.
     """
+    if kernels == "pallas":
+        from engine.kernels import qgemv
+        from engine.kernels.stacked import Stacked
+
+        if isinstance(w, Stacked):  # a layer of a stacked weight (engine/kernels/stacked.py)
+            if qgemv.supported(x, w.w, int(w.index.shape[0])):
+                return qgemv.qmatmul(x, w.w, w.index)
+            w = w.materialize()
+        if qgemv.supported(x, w):
+            return qgemv.qmatmul(x, w)
     if isinstance(w, QTensor):
         w = dequantize(w, jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))

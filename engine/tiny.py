@@ -1,4 +1,8 @@
-"""The embedded default model: deterministic weights from integers, identical on every machine.
+"""The embedded models: deterministic weights from integers, identical on every machine.
+
+`tiny` is the default; `tiny-tools` is a test-only variant of it that starts tool calls often
+(see `tool_happy_tensors`), so that tests of tool_choice "none"/"required" mean something on a
+random model.
 
 Every weight is k * 2**-e with k an integer in [-128, 127] drawn from a counter-based hash
 (splitmix64 of a per-tensor seed and the element index) and e a per-tensor exponent. Such values
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import dataclasses
 from typing import Iterator
 
 import ml_dtypes
@@ -82,3 +87,41 @@ def tiny_tensors(cfg: ModelConfig = TINY) -> Iterator[tuple[str, np.ndarray]]:
         scale = np.float32(2.0 ** -_exponent_for_std(std))
         vals = hashed_ints(name, n).astype(np.float32) * scale  # exact: 8-bit integer x 2**-e
         yield name, vals.reshape(shape).astype(ml_dtypes.bfloat16)
+
+
+# ---- the tool-happy variant ------------------------------------------------------------------
+
+TOOL_CALL_ID = 248058   # <tool_call>
+TOOL_FEATURE = 0        # the hidden dimension that carries the constant feature
+TOOL_FEATURE_EMBED = 8.0    # that dimension of every token embedding
+TOOL_CALL_WEIGHT = 4.0      # that dimension's weight in the <tool_call> row of lm_head
+TINY_TOOLS = dataclasses.replace(TINY, name="tiny-tools")
+EMBEDDED = {"tiny": TINY, "tiny-tools": TINY_TOOLS}
+
+
+def embedded_config(name: str) -> ModelConfig:
+    """The config of an embedded model by name ("tiny", "tiny-tools"); KeyError if unknown."""
+    return EMBEDDED[name]
+
+
+def embedded_tensors(cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors of an embedded model: `tiny_tensors`, plus the tool boost for tiny-tools."""
+    return tool_happy_tensors(cfg) if cfg.name == TINY_TOOLS.name else tiny_tensors(cfg)
+
+
+def tool_happy_tensors(cfg: ModelConfig = TINY_TOOLS) -> Iterator[tuple[str, np.ndarray]]:
+    """`tiny` with a constant feature that raises the `<tool_call>` logit at every position.
+
+    Every token embedding is 8 in hidden dimension 0, so the residual stream carries a large,
+    slowly varying component there; after the final norm it is still large, and the lm_head row
+    of `<tool_call>` weighs it by 4. The call token then competes with the best ordinary
+    tokens: sampled at temperature 1 it comes within a few tokens in most turns, but rarely
+    first. Values stay exact in bf16 (small multiples of powers of two)."""
+    for name, arr in tiny_tensors(cfg):
+        if name == "embed_tokens":
+            arr = arr.copy()
+            arr[:, TOOL_FEATURE] = ml_dtypes.bfloat16(TOOL_FEATURE_EMBED)
+        elif name == "lm_head":
+            arr = arr.copy()
+            arr[TOOL_CALL_ID, TOOL_FEATURE] = ml_dtypes.bfloat16(TOOL_CALL_WEIGHT)
+        yield name, arr

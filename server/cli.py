@@ -68,6 +68,12 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                         state_slots=profile.state_slots,
                         host_state_bytes=profile.host_state_bytes)
         compile_s = engine.warmup()
+        from engine.constrain import ConstraintCompiler
+
+        rt.constraints = ConstraintCompiler(model.tokenizer)  # token tables: ~1-2 s, once
+        from server.checkpoints.setup import attach as attach_checkpoints
+
+        attach_checkpoints(rt, model, profile, engine, args)
         engine.start()
         rt.model, rt.engine = model, engine
         rt.obs.on_server_start(lane=profile.name, host=args.host_bound, port=args.port_bound,
@@ -86,7 +92,7 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
 def cmd_serve(args) -> int:
     t_start = time.monotonic()
     from lanes.profile import load_profile
-    from server.auth import KeyFileError, ensure_key_file
+    from server.auth import KeyFileError, ReloadingKeyRing, ensure_key_file
 
     profile = load_profile(args.lane)
     host = args.host or profile.host
@@ -108,10 +114,16 @@ def cmd_serve(args) -> int:
 
     from server.store import ResponseStore
 
-    rt = Runtime(keys=keys, max_output_tokens=profile.max_output_tokens,
+    rt = Runtime(keys=ReloadingKeyRing(key_file, keys), max_output_tokens=profile.max_output_tokens,
                  context_tokens=profile.context_tokens,
                  store=ResponseStore(args.state_dir / "responses.db"))
     rt.extra["profile"] = profile
+    from server.reasoning_seal import ReasoningSeal
+
+    rt.seal = ReasoningSeal.from_state_dir(args.state_dir)
+    from server.checkpoints import setup as checkpoint_setup
+
+    checkpoint_setup.open_store(rt, args)
     log_dir = args.state_dir / "logs"
     log_dir.mkdir(mode=0o700, exist_ok=True)
     rt.obs = Observability(Metrics(stats=lambda: engine_stats(rt.engine)),
@@ -123,7 +135,10 @@ def cmd_serve(args) -> int:
           file=sys.stderr, flush=True)
     threading.Thread(target=_load_in_background, args=(rt, profile, args, t_start),
                      daemon=True, name="ninfer-loader").start()
+    life = checkpoint_setup.serve_control(rt, app, args.state_dir)
     app.run(sock=sock, single_process=True, access_log=False, motd=False)
+    # SIGTERM, SIGINT or `ninfer ctl stop`: the listener is closed; save, report, exit.
+    life.stop_report()
     return 0
 
 
@@ -159,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dir", help="state directory (default $NINFER_STATE_DIR or "
                                        "~/.local/state/ninfer)")
     s.add_argument("--key-file", help="bearer key file (default <state-dir>/keys)")
+    from server.checkpoints.setup import add_arguments as add_checkpoint_arguments
+
+    add_checkpoint_arguments(s)
     t = sub.add_parser("test", help="run the test suite")
     t.add_argument("--slow", action="store_true", help="include the slow tier")
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to .ninfer",
@@ -172,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["convert"]:
         return cmd_convert(argv[1:])
+    if argv[:1] == ["ctl"]:
+        from server.ctl import main as ctl_main
+
+        return ctl_main(argv[1:], default_state_dir())
     if argv[:1] == ["omp-config"]:
         from server.omp_config import main as omp_config_main
 

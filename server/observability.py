@@ -28,7 +28,7 @@ __all__ = ["EVENTS", "OUTCOMES", "PATHS", "Metrics", "Observability", "RequestLo
 
 OUTCOMES = ("completed", "incomplete", "cancelled", "rejected_overloaded",
             "rejected_queue_timeout", "rejected_loading", "error", "bad_request", "unauthorized")
-PATHS = ("root", "continuation", "fork", "shared-prefix", "host-restored")
+PATHS = ("root", "continuation", "fork", "shared-prefix", "host-restored", "disk-restored")
 _FINISH_OUTCOME = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled",
                    "queue_timeout": "rejected_queue_timeout", "error": "error"}
 
@@ -169,6 +169,7 @@ class RequestTrace:
     t0: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     outcome: str | None = None         # set once, by the first on_request_* that ends it
+    checkpoint: str | None = None      # why a checkpoint was or was not restored (a reason)
 
     def mark_first_token(self) -> None:
         if self.first_token_at is None:
@@ -221,6 +222,11 @@ class Observability:
             self.model = model
         self._write("server_start", None, pid=os.getpid(), lane=lane, host=host, port=port,
                     **info)
+
+    def on_event(self, event: str, **fields) -> None:
+        """A server event outside any request (checkpoint saves, restores, the stop report):
+        ids, digests, counts and reasons only."""
+        self._write(event, None, **fields)
 
     def new_request(self, principal: str | None, request_id: str | None = None) -> RequestTrace:
         """Start the clock; logs nothing (a request rejected before validation never 'starts')."""
@@ -291,7 +297,8 @@ class Observability:
                       output_tokens=done.output_tokens, path=done.path if admitted else None,
                       queue_s=_r(done.queue_s), ttft_s=_r(ttft_s),
                       prefill_s=_r(done.prefill_s), decode_s=_r(done.decode_s),
-                      total_s=_r(total_s), decode_tokens_per_s=_r(tps), speculative=None)
+                      total_s=_r(total_s), decode_tokens_per_s=_r(tps), speculative=None,
+                      checkpoint=trace.checkpoint)
         if outcome == "rejected_queue_timeout":
             self._write("request_rejected", trace, status=503, code="request_queue_timeout",
                         **fields)

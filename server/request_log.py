@@ -19,7 +19,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 EVENTS = frozenset({"server_start", "request_start", "request_rejected", "request_done",
-                    "request_error"})
+                    "request_error", "server_stop", "checkpoint_saved", "checkpoint_refused",
+                    "checkpoint_skipped", "checkpoint_restore"})
 
 
 # ---- identity digests -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 from sanic import Request, Sanic, response
 
 from server import chains
+from server.checkpoints import http as ckpt_http
 from server.errors import APIError, invalid, not_found
 from server.request_model import parse_response_request
 
@@ -14,6 +15,8 @@ ENGINE_VERSION = "0.1.0"
 
 
 def register(app: Sanic, rt) -> None:
+    ckpt_http.register(app, rt)
+
     @app.get("/v1/ninfer/status")
     async def status(request: Request):
         m, profile = rt.model, rt.extra.get("profile")
@@ -57,6 +60,7 @@ def register(app: Sanic, rt) -> None:
         n = await asyncio.to_thread(rt.store.purge_session, principal, key)
         if rt.engine is not None:
             rt.engine.forget_session(principal, key)
+        await ckpt_http.session_purged(rt, principal, key)
         if n == 0:
             raise not_found(f"No session '{key}'.")
         return response.json({"object": "ninfer.session", "deleted": True, "responses": n})

@@ -69,6 +69,8 @@ class Memory:
         if snap.kind == "response" and snap.uses > 0:
             path = "fork"
         restored = "host-restored" if snap.image.tier is Tier.HOST else None
+        if snap.from_disk and snap.uses == 0:
+            restored = "disk-restored"
         snap.uses += 1
         if snap.image.tier is Tier.HOST:
             self.states.fetch(snap.image)
@@ -117,6 +119,11 @@ class Memory:
         self.index.add(snap)
         self._by_key[snap.key] = snap
         return True
+
+    def install(self, snap: Snapshot) -> None:
+        """Index a snapshot whose pages and image the caller placed (a checkpoint restore)."""
+        self.index.add(snap)
+        self._by_key[snap.key] = snap
 
     def end(self, seq) -> None:
         if getattr(seq, "table", None) is not None:

@@ -31,6 +31,7 @@ class Snapshot:
     image: object = None    # StateImage in the StatePool
     uses: int = 0           # requests that continued from it (the second one is a fork)
     session: str | None = None  # the prompt_cache_key of the response that produced it
+    from_disk: bool = False     # installed from a checkpoint (engine/runtime/checkpoint_io.py)
     key: str = field(init=False)
 
     def __post_init__(self):

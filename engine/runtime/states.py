@@ -175,6 +175,30 @@ class StatePool:
         self._counts["stores"] += 1
         return image
 
+    def load(self, conv: np.ndarray, rec: np.ndarray, *, key: str, num_tokens: int,
+             weight: float) -> StateImage:
+        """Store an image given as host arrays (read from a checkpoint) into a device slot,
+        evicting like `store`. conv [nb, G, C, K-1] conv dtype, rec [nb, G, Hv, Dk, Dv] fp32."""
+        self._check_mutable()
+        if key in self._by_key:
+            raise StatePoolError(f"an image with key {key!r} is already stored")
+        if (conv.shape != self.conv_shape or rec.shape != self.rec_shape
+                or conv.dtype != self.conv_dtype or rec.dtype != np.float32):
+            raise ValueError(f"image {conv.shape} {conv.dtype}, {rec.shape} {rec.dtype} does "
+                             f"not fit {self.conv_shape} {self.conv_dtype}, {self.rec_shape}")
+        if not self.can_store():
+            raise StatePoolError("every device slot holds a pinned image")
+        slot = self._take_slot()
+        self._conv, self._rec = sc.write_slot(self._conv, self._rec, jnp.asarray(conv),
+                                              jnp.asarray(rec), np.int32(slot))
+        image = StateImage(id=next(self._ids), key=key, num_tokens=num_tokens,
+                           weight=float(weight), slot=slot)
+        self._device[slot] = image
+        self._by_key[key] = image
+        self._touch(image)
+        self._counts["stores"] += 1
+        return image
+
     def restore(self, image: StateImage) -> tuple[jax.Array, jax.Array]:
         """The device image's (conv row [nb, G, C, K-1], rec row [nb, G, Hv, Dk, Dv]); write
         them into a batch row with `state_copy.write_row`. A host image must be fetched first."""

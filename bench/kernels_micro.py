@@ -1,0 +1,170 @@
+"""Micro-benchmark of the Pallas kernels at the qwen3.8-27b shapes on one GPU: achieved bytes/s
+of the weight-only GEMV (per format, per tile config, against XLA's dequantize + matmul), of
+paged decode attention and of the recurrent GDN step. Weights are stacks of 4 layers read in
+place through the layer index (as the model does), so the 60 MB L2 cannot hold them.
+
+  python bench/kernels_micro.py --out micro.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from bench.bench_27b import _random_qtensor  # noqa: E402
+from engine.kernels import qgemv  # noqa: E402
+from engine.kernels.gdn_decode import gdn_recurrent  # noqa: E402
+from engine.kernels.paged_decode import paged_attend  # noqa: E402
+from engine.kernels.stacked import Stacked  # noqa: E402
+from engine.paged_kv import KVPool  # noqa: E402
+from engine.quant import linear  # noqa: E402
+
+LAYERS = 4
+REPEAT = 8  # calls per layer inside one jit: amortizes the host dispatch
+CONTEXTS = (1024, 32768, 131072)
+FMTS = ("int4_g64", "bf16", "int8_row", "fp8_row")
+SHAPES = [(17408, 5120), (5120, 17408)]
+CONFIGS = [qgemv.GemvConfig(),
+           qgemv.GemvConfig(bn=16, bk=256, programs=2048, num_warps=4, num_stages=4),
+           qgemv.GemvConfig(dot=True),
+           qgemv.GemvConfig(dot=True, bn=32, bk=512, programs=1024),
+           qgemv.GemvConfig(dot=True, bn=64, bk=256, programs=1024, num_stages=4),
+           qgemv.GemvConfig(dot=True, bn=32, bk=1024, programs=512, num_warps=8)]
+
+
+def bench(fn, *args, reps=20):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def weights(fmt, n, k, key):
+    if fmt == "bf16":
+        return (jax.random.normal(key, (LAYERS, n, k), jnp.float32) * k ** -0.5).astype(
+            jnp.bfloat16)
+    return _random_qtensor(key, (LAYERS, n, k), fmt)
+
+
+def gemv_rows(res):
+    for fmt in FMTS:
+        for n, k in SHAPES:
+            w = weights(fmt, n, k, jax.random.key(n + k))
+            nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w))
+            for rows in (1, 2):
+                x = jax.random.normal(jax.random.key(1), (rows, k), jnp.bfloat16)
+                variants = {"xla": None}
+                variants.update({f"pallas{i}": c for i, c in enumerate(CONFIGS)})
+                for name, cfg in variants.items():
+                    def run(x, w, cfg=cfg):
+                        def body(i, acc):
+                            idx = jnp.reshape(i, (1,))
+                            if cfg is None:
+                                y = linear(x, Stacked(w, idx).materialize())
+                            else:
+                                y = qgemv.qmatmul(x, w, idx, config=cfg)
+                            return acc + y.astype(jnp.float32)
+                        return lax.fori_loop(0, LAYERS * REPEAT,
+                                             lambda i, a: body(i % LAYERS, a),
+                                             jnp.zeros((rows, n), jnp.float32))
+                    try:
+                        t = bench(jax.jit(run), x, w, reps=5) / (LAYERS * REPEAT)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"gemv {fmt} {n}x{k} M{rows} {name}: {type(e).__name__} "
+                              f"{str(e)[:400]}", flush=True)
+                        continue
+                    bw = nbytes / LAYERS / t
+                    res["gemv"].append({"fmt": fmt, "n": n, "k": k, "rows": rows, "impl": name,
+                                        "config": None if cfg is None else cfg.__dict__,
+                                        "us": t * 1e6, "bytes_per_s": bw})
+                    print(f"gemv {fmt:>8} {n:>5}x{k:<5} M{rows} {name:>8}: {t * 1e6:8.1f} us "
+                          f"{bw / 1e12:5.2f} TB/s", flush=True)
+            del w
+
+
+def attention_rows(res):
+    kvh, hd, nh, page = 4, 256, 24, 64
+    for kv_dtype in ("bfloat16", "int8"):
+        for b in (1, 2):
+            for ctx in CONTEXTS:
+                mp = ctx // page
+                shape = (1, b * mp, page, kvh, hd)
+                if kv_dtype == "int8":
+                    k = jax.random.randint(jax.random.key(0), shape, -127, 128).astype(jnp.int8)
+                    sc = jnp.full(shape[:-1], 0.01, jnp.float32)
+                    pool = KVPool(k, k, sc, sc)
+                else:
+                    k = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
+                    pool = KVPool(k, k, None, None)
+                table = jnp.arange(b * mp, dtype=jnp.int32).reshape(b, mp)
+                q = jax.random.normal(jax.random.key(1), (b, 1, nh, hd), jnp.bfloat16)
+                last = jnp.full((b,), ctx - 1, jnp.int32)
+                f = jax.jit(lambda p, t, q, s: paged_attend(p, t, jnp.int32(0), q, s))
+                t = bench(f, pool, table, q, last)
+                # K and V (the same buffer here, read twice as in the model) plus scales.
+                nbytes = 2 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(pool)[:1])
+                if kv_dtype == "int8":
+                    nbytes += 2 * pool.k_scale.size * 4
+                res["paged_decode"].append({"kv": kv_dtype, "batch": b, "context": ctx,
+                                            "us": t * 1e6, "bytes_per_s": nbytes / t})
+                print(f"paged decode {kv_dtype:>8} B{b} ctx {ctx:>6}: {t * 1e6:8.1f} us "
+                      f"{nbytes / t / 1e12:5.2f} TB/s", flush=True)
+                del pool, k
+
+
+def gdn_rows(res):
+    for b in (1, 2):
+        key = jax.random.split(jax.random.key(0), 6)
+        q = jax.random.normal(key[0], (b, 1, 16, 128)) * 0.08
+        k = jax.random.normal(key[1], (b, 1, 16, 128)) * 0.08
+        v = jax.random.normal(key[2], (b, 1, 48, 128))
+        g = -jax.random.uniform(key[3], (b, 1, 48))
+        beta = jax.random.uniform(key[4], (b, 1, 48))
+        s = jax.random.normal(key[5], (b, 48, 128, 128))
+        for name, fn in (("pallas", gdn_recurrent),
+                         ("xla", __import__("engine.gdn", fromlist=["x"]).
+                          recurrent_gated_delta_rule)):
+            t = bench(jax.jit(fn), q, k, v, g, beta, s)
+            nbytes = 2 * s.size * 4
+            res["gdn_decode"].append({"impl": name, "batch": b, "us": t * 1e6,
+                                      "bytes_per_s": nbytes / t})
+            print(f"gdn step {name:>6} B{b}: {t * 1e6:8.1f} us {nbytes / t / 1e12:5.2f} TB/s",
+                  flush=True)
+
+
+def main():
+    global SHAPES, CONFIGS, CONTEXTS, FMTS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
+    ap.add_argument("--out", default="micro.json")
+    ap.add_argument("--only", default="gemv,attention,gdn")
+    ap.add_argument("--fmts", default=",".join(FMTS))
+    args = ap.parse_args()
+    FMTS = tuple(args.fmts.split(","))
+    if args.smoke:
+        SHAPES, CONFIGS, CONTEXTS = [(64, 256)], CONFIGS[:2], (128,)
+    res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
+           "jax": jax.__version__, "gemv": [], "paged_decode": [], "gdn_decode": []}
+    parts = args.only.split(",")
+    for name, fn in (("gdn", gdn_rows), ("attention", attention_rows), ("gemv", gemv_rows)):
+        if name in parts:
+            fn(res)
+            Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Charts of a bench_27b result against its roofline and the goals (PNG, matplotlib).
+
+  python bench/plot_27b.py docs/benchmarks/bench_27b_v3_pallas.json \
+      --peer docs/benchmarks/peer_hf_fla_v3.json --out docs/benchmarks/bench_27b_v3.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("result")
+    ap.add_argument("--peer")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    res = json.loads(Path(args.result).read_text())
+    peer = json.loads(Path(args.peer).read_text()) if args.peer else None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    rows = res["decode"]
+    labels = [f"{r['weights'].replace('_g64', '')}\nC{r['batch']} {r['context'] // 1024}K"
+              for r in rows]
+    x = range(len(rows))
+    ax1.bar(x, [r["roofline_tokens_per_s"] for r in rows], color="#ddd", label="HBM roofline")
+    ax1.bar(x, [r["tokens_per_s"] for r in rows], color="#3a7", label="measured (aggregate)")
+    if peer:
+        for r in peer["runs"]:
+            if r["context"] in (1024, 32768):
+                ax1.axhline(r["decode_tokens_per_s"], color="#c44", ls=":", lw=1)
+        ax1.plot([], [], color="#c44", ls=":", label="peer HF+fla C1 (1K, 32K)")
+    ax1.axhline(240, color="#333", ls="--", lw=1, label="goal int4 C1 240 tok/s")
+    ax1.set_xticks(list(x), labels, fontsize=7)
+    ax1.set_ylabel("tokens/s")
+    ax1.set_title(f"decode, kernels={res['kernels']}, {res['device']}")
+    ax1.legend(fontsize=7)
+    pre = [r for r in res["prefill"] if "seconds" in r]
+    px = range(len(pre))
+    ax2.bar(px, [r["seconds"] for r in pre], color="#37a", label="measured")
+    ax2.bar(px, [r["floor_seconds"] for r in pre], color="#ddd", width=0.4,
+            label="FLOP floor at measured bf16 rate")
+    goals = {8192: 0.7, 131072: 22.0}
+    for i, r in enumerate(pre):
+        if r["tokens"] in goals:
+            ax2.plot([i - 0.4, i + 0.4], [goals[r["tokens"]]] * 2, color="#333", ls="--")
+    if peer:
+        for r in peer["runs"]:
+            for i, p in enumerate(pre):
+                if p["tokens"] == r["context"]:
+                    ax2.plot([i - 0.4, i + 0.4], [r["prefill_s"]] * 2, color="#c44", ls=":")
+    ax2.plot([], [], color="#333", ls="--", label="goal")
+    ax2.plot([], [], color="#c44", ls=":", label="peer HF+fla")
+    ax2.set_xticks(list(px), [f"{r['tokens'] // 1024}K" for r in pre])
+    ax2.set_yscale("log")
+    ax2.set_ylabel("seconds")
+    ax2.set_title("prefill (bf16 weights)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Pallas kernels (Triton backend), each beside a pure-JAX reference with the same signature.
+
+The model picks the implementation with `kernels="xla"` (the plain-jnp references, the default)
+or `kernels="pallas"`. Every kernel wrapper takes `interpret=None`:
+None runs the Pallas interpreter on a non-GPU backend (how the CPU tests check the kernels) and
+the compiled Triton kernel on a GPU. Triton, not Mosaic GPU: Triton Pallas calls survive
+`jax.export` across JAX versions (REFERENCE section 9).
+
+Modules (kernel; reference):
+- `qgemv`: weight-only GEMV for decode, int4_g64 / int8_row / fp8_row / dense; `quant.linear`.
+- `paged_decode`: paged attention decode over bf16/f32/int8 KV; the gather in `paged_kv`.
+- `gdn_decode`: gated delta rule step(s) with the state in and out;
+  `gdn.recurrent_gated_delta_rule`.
+- `flash_prefill`: causal GQA attention over the contiguous cache; `attention.attend`.
+- `stacked`: layer views of stacked weights, so the GEMV reads a layer in place.
+"""
+from __future__ import annotations
+
+import jax
+
+KERNEL_CHOICES = ("xla", "pallas")
+
+
+def check_kernels(kernels: str) -> str:
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    return kernels
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """None -> interpret everywhere but on a GPU backend."""
+    if interpret is None:
+        return jax.default_backend() != "gpu"
+    return bool(interpret)
+
+
+def triton_params(num_warps: int, num_stages: int):
+    """The Triton compiler parameters under either JAX spelling (0.10 and 0.11 both have
+    `pallas.triton.CompilerParams`; older ones called it TritonCompilerParams)."""
+    from jax.experimental.pallas import triton as plt
+
+    cls = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams")
+    return cls(num_warps=num_warps, num_stages=num_stages)

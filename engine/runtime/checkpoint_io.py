@@ -1,0 +1,204 @@
+"""A stored state (Snapshot) out of the runtime and back in, bit for bit.
+
+Both directions run on the engine thread: it owns the device pool, whose arrays are donated at
+every step, so no other thread may read them. Everything else (hashing, files) happens elsewhere.
+
+An export is the snapshot's tokens, its recurrent-state image (host copies of conv and rec) and
+its KV pages as raw bytes. A page's bytes are, for each pool array in the order k, v[, k_scale,
+v_scale], that array's [L, page_size, ...] slice of the page, C order. Slots past the state's
+last token (the tail of a partial last page) are written as zeros: they are masked by position,
+and zeroing them makes the bytes a function of the state alone, so pages are content-addressed.
+
+Full pages are immutable while any table holds them (writers copy a shared page first and never
+write below their own length), so a full page's digest stays valid as long as a live snapshot
+that was exported holds it: `PageDigests` remembers those and an export skips reading them.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.runtime.pages import PageTable, pages_for
+from engine.runtime.prefix import Snapshot, token_key
+from engine.runtime.retention import Role, retention_score
+
+
+@dataclass(eq=False)
+class SnapshotExport:
+    """What a checkpoint needs of one stored state. `pages[i]` is None when `digests[i]` was
+    already known (the page is on disk); the saver fills in the other digests after hashing."""
+    principal: str
+    session: str | None
+    tokens: np.ndarray               # int32 [n]
+    page_size: int
+    pages: list[bytes | None]        # one per page of the state, pages_for(n, page_size)
+    digests: list[str | None]
+    conv: np.ndarray                 # [nb, G, C, K-1] conv dtype
+    rec: np.ndarray                  # [nb, G, Hv, Dk, Dv] fp32
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class _Known:
+    owner: Snapshot
+    export: SnapshotExport
+    index: int
+
+
+@dataclass
+class PageDigests:
+    """Device page id -> the export that hashed it, valid while that snapshot is live."""
+    by_page: dict[int, _Known] = field(default_factory=dict)
+
+    def lookup(self, mem, page_id: int) -> str | None:
+        k = self.by_page.get(page_id)
+        if k is None:
+            return None
+        live = mem._by_key.get(k.owner.key) is k.owner and k.owner.pages is not None
+        if not live or page_id not in k.owner.pages.pages:
+            del self.by_page[page_id]
+            return None
+        return k.export.digests[k.index]
+
+    def remember(self, snap: Snapshot, export: SnapshotExport) -> None:
+        for i, pid in enumerate(snap.pages.pages):
+            if (i + 1) * export.page_size <= export.num_tokens:  # full pages only
+                self.by_page[pid] = _Known(snap, export, i)
+
+
+def page_spec(pool) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each array's slice of one page: [L, page_size, ...]."""
+    out = []
+    for a in _arrays(pool):
+        out.append(((a.shape[0],) + tuple(a.shape[2:]), np.dtype(a.dtype)))
+    return out
+
+
+def page_nbytes(pool) -> int:
+    return sum(int(np.prod(s)) * d.itemsize for s, d in page_spec(pool))
+
+
+def _arrays(pool):
+    return [a for a in (pool.k, pool.v, pool.k_scale, pool.v_scale) if a is not None]
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())  # pad page lists to powers of two: few compiles
+
+
+@jax.jit
+def _gather(arrays, ids):
+    return [a[:, ids] for a in arrays]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter(arrays, ids, data):
+    return [a.at[:, ids].set(d, mode="drop") for a, d in zip(arrays, data)]
+
+
+def _replace_arrays(pool, arrays):
+    names = [n for n in ("k", "v", "k_scale", "v_scale") if getattr(pool, n) is not None]
+    return pool._replace(**dict(zip(names, arrays)))
+
+
+def export_snapshot(mem, snap: Snapshot, digests: PageDigests | None = None,
+                    session: str | None = None) -> SnapshotExport:
+    """Host copies of `snap`'s state and of the pages whose digest is not known yet."""
+    n, ps = snap.num_tokens, mem.page_size
+    ids = list(snap.pages.pages)[:pages_for(n, ps)]
+    known = [digests.lookup(mem, p) if digests is not None and (i + 1) * ps <= n else None
+             for i, p in enumerate(ids)]
+    need = [i for i, d in enumerate(known) if d is None]
+    pages: list[bytes | None] = [None] * len(ids)
+    if need:
+        sel = np.zeros((_bucket(len(need)),), np.int32)
+        sel[:len(need)] = [ids[i] for i in need]
+        got = [np.asarray(x) for x in jax.device_get(_gather(_arrays(mem.cache.pool),
+                                                               jnp.asarray(sel)))]
+        for j, i in enumerate(need):
+            parts = []
+            for a in got:
+                page = np.ascontiguousarray(a[:, j])  # [L, page_size, ...]
+                used = n - i * ps
+                if used < ps:
+                    page = page.copy()
+                    page[:, used:] = 0
+                parts.append(page.tobytes())
+            pages[i] = b"".join(parts)
+    conv, rec = mem.states.read(snap.image)
+    exp = SnapshotExport(snap.principal, session if session is not None else snap.session,
+                         np.array(snap.tokens, np.int32), ps, pages, known, conv, rec)
+    if digests is not None:
+        digests.remember(snap, exp)
+    return exp
+
+
+def split_page(pool, data: bytes) -> list[np.ndarray]:
+    """A page's bytes back into its arrays' [L, page_size, ...] slices; ValueError on size."""
+    spec = page_spec(pool)
+    if len(data) != sum(int(np.prod(s)) * d.itemsize for s, d in spec):
+        raise ValueError(f"page of {len(data)} bytes, the pool's pages have "
+                         f"{page_nbytes(pool)}")
+    out, off = [], 0
+    for shape, dt in spec:
+        size = int(np.prod(shape)) * dt.itemsize
+        out.append(np.frombuffer(data, dt, count=int(np.prod(shape)), offset=off).reshape(shape))
+        off += size
+    return out
+
+
+def import_snapshot(mem, principal: str, session: str | None, tokens, pages: list[bytes],
+                    conv: np.ndarray, rec: np.ndarray, digests: PageDigests | None = None,
+                    page_digests: list[str] | None = None) -> Snapshot | None:
+    """Install a state read from disk as a stored snapshot of `principal`; the next request
+    whose prompt extends `tokens` continues from it (path "disk-restored"). Returns None when
+    the runtime has no room (pages or state slots held by running sequences)."""
+    tokens = np.asarray(tokens, np.int32)
+    n = int(tokens.shape[0])
+    if len(pages) != pages_for(n, mem.page_size) or n == 0:
+        raise ValueError(f"{len(pages)} pages for {n} tokens")
+    existing = mem.index.get(principal, token_key(principal, tokens))
+    if existing is not None:
+        return existing
+    while not mem.alloc.can_allocate(len(pages)):
+        if not mem._evict_one():
+            return None
+    if not mem.states.can_store():
+        return None
+    table = PageTable(mem.alloc)
+    table.append(n)  # fresh pages, no copies: the table was empty
+    ids = np.full((_bucket(len(pages)),), mem.alloc.num_pages, np.int32)  # pad: dropped
+    ids[:len(pages)] = table.pages
+    cols = list(zip(*[split_page(mem.cache.pool, p) for p in pages]))
+    data = []
+    for col in cols:
+        stacked = np.stack(col, axis=1)  # [L, pages, page_size, ...]
+        pad = np.zeros((stacked.shape[0], ids.shape[0] - stacked.shape[1]) + stacked.shape[2:],
+                       stacked.dtype)
+        data.append(jnp.asarray(np.concatenate([stacked, pad], axis=1)))
+    arrays = _scatter(_arrays(mem.cache.pool), jnp.asarray(ids), data)
+    mem.cache = mem.cache._replace(pool=_replace_arrays(mem.cache.pool, arrays))
+    snap = Snapshot(principal, tokens, "response", session=session)
+    snap.from_disk = True
+    snap.image = mem.states.load(conv, rec, key=snap.key, num_tokens=n,
+                                 weight=retention_score(Role.SESSION_HEAD, _now()))
+    snap.pages = table
+    mem.install(snap)
+    if digests is not None and page_digests is not None:
+        exp = SnapshotExport(principal, session, tokens, mem.page_size, [None] * len(pages),
+                             list(page_digests), conv, rec)
+        digests.remember(snap, exp)
+    return snap
+
+
+def _now() -> float:
+    import time
+
+    return time.time()

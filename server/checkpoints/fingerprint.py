@@ -1,0 +1,56 @@
+"""The runtime fingerprint: everything that must be equal for a saved state to be reused.
+
+A restored state must be bit-identical to what this runtime would have computed, so the
+fingerprint binds the weights (artifact sha256), the code that computes (a digest of the engine
+sources and the JAX/XLA versions and platform), the serving profile (its canonical hash, plus
+the fields that shape the state spelled out for the log), and the speculative settings. Any
+difference makes a checkpoint `incompatible`: it is kept (a rollback can still use it) but not
+restored.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+SCHEMA = 1
+_ENGINE_DIR = Path(__file__).resolve().parents[2] / "engine"
+
+
+def engine_build_id(root: Path = _ENGINE_DIR) -> str:
+    """sha256 over the engine's Python sources (relative path, NUL, bytes, in path order)."""
+    h = hashlib.sha256(b"ninfer/engine-build/v1\0")
+    for p in sorted(root.rglob("*.py")):
+        if "__pycache__" in p.parts:
+            continue
+        h.update(p.relative_to(root).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def runtime_fingerprint(model, profile, engine) -> dict:
+    import jax
+    import jaxlib
+
+    return {
+        "checkpoint_schema": SCHEMA,
+        "artifact_sha256": model.sha256,
+        "model_config": model.cfg.canonical_hash(),
+        "engine_build": engine_build_id(),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "platform": jax.default_backend(),
+        "profile_sha256": profile.canonical_hash(),
+        "compute_dtype": profile.compute_dtype,
+        "kv_dtype": profile.kv_dtype,
+        "kv_capacity_tokens": profile.kv_capacity_tokens,
+        "context_tokens": profile.context_tokens,
+        "max_concurrency": profile.max_concurrency,
+        "prefill_chunk": profile.prefill_chunk,
+        "page_size": engine.mem.page_size,
+        "speculative": None,  # {backend, draft_window} once speculative decoding lands
+    }
+
+
+def fingerprint_digest(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True, separators=(",", ":")).encode()
+                          ).hexdigest()

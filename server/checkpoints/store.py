@@ -1,0 +1,351 @@
+"""The on-disk checkpoint store (format and protocol: docs/checkpoints.md).
+
+    <root>/secret                               master secret for origin tags (0600)
+    <root>/pages/<aa>/<sha256>                  KV pages, content-addressed, shared
+    <root>/sessions/<ns>/current                name of the current generation
+    <root>/sessions/<ns>/generations/<gen>/     tokens.bin state.bin manifest.json manifest.mac
+    <root>/sessions/<ns>/.staging-<gen>/        a generation being written
+    <root>/quarantine/<ns16>-<gen>-<reason>/    generations that failed verification
+
+Publish: new pages (each new-file, fsync, rename, dir fsync), then the staging directory's
+payloads, manifest (last: it lists every file's size and sha256), its tag, a directory fsync,
+one rename into `generations/`, and an atomic replace of `current`. A crash at any point leaves
+the previous generation current and whole; a generation directory is never partial.
+
+Single writer: the store holds an exclusive flock on <root>/lock while open, and one in-process
+lock serialises saves, loads, deletions and page collection (so a collected page is never one a
+generation being written or read refers to).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from server.checkpoints import quota
+from server.checkpoints.files import (Faults, fsync_dir, mkdir_synced, publish_file,
+                                      publish_files, read_file, write_new)
+from server.checkpoints.fingerprint import SCHEMA, fingerprint_digest
+from server.checkpoints.tags import (load_master_secret, manifest_tag, principal_digest,
+                                     principal_key, session_namespace, tag_ok)
+
+STEPS = ("staging_created", "pages_written", "payload_written", "manifest_written",
+         "mac_written", "staging_synced", "renamed", "current_replaced", "pruned")
+LOAD_STATES = ("available", "missing", "incompatible", "corrupt")
+
+
+class StoreBusy(RuntimeError):
+    """Another process holds this checkpoint root."""
+
+
+@dataclass
+class SaveInput:
+    """One state to save. `pages[i]` is None when `digests[i]` names a page already on disk;
+    on success the store fills in every digest (in place)."""
+    tokens: np.ndarray            # int32 [n]
+    page_size: int
+    pages: list
+    digests: list
+    state: bytes                  # the recurrent-state image: conv bytes then rec bytes
+    head_response_id: str | None = None
+
+
+@dataclass
+class SaveResult:
+    status: str                   # saved | refused
+    reason: str | None = None
+    generation: str | None = None
+    bytes_written: int = 0
+    pages_written: int = 0
+    pages_reused: int = 0
+    evicted: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LoadResult:
+    state: str                    # one of LOAD_STATES
+    reason: str
+    generation: str | None = None
+    tokens: np.ndarray | None = None
+    pages: list | None = None
+    page_digests: list | None = None
+    state_bytes: bytes | None = None
+    head_response_id: str | None = None
+    bytes_read: int = 0
+
+
+class _Corrupt(Exception):
+    def __init__(self, reason: str, bad_page: str | None = None):
+        super().__init__(reason)
+        self.reason, self.bad_page = reason, bad_page
+
+
+class CheckpointStore:
+    def __init__(self, root: Path, *, quota_bytes: int, faults: Faults | None = None):
+        self.root = Path(root)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.pages_dir = self.root / "pages"
+        self.sessions_dir = self.root / "sessions"
+        self.quarantine_dir = self.root / "quarantine"
+        for d in (self.pages_dir, self.sessions_dir, self.quarantine_dir):
+            d.mkdir(mode=0o700, exist_ok=True)
+        self._lockf = open(self.root / "lock", "a+")
+        try:
+            fcntl.flock(self._lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lockf.close()
+            raise StoreBusy(f"{self.root} is in use by another process") from None
+        self._master = load_master_secret(self.root / "secret")
+        self.quota_bytes = quota_bytes
+        self.faults = faults or Faults()
+        self._lock = threading.RLock()
+        self._last_ms = 0
+        with self._lock:
+            quota.remove_staging(self)  # no save is in progress: leftovers are abandoned
+
+    def close(self) -> None:
+        self._lockf.close()
+
+    # ---- names ---------------------------------------------------------------------------
+    def session_dir(self, principal: str, session: str) -> Path:
+        return self.sessions_dir / session_namespace(principal, session)
+
+    def page_path(self, digest: str) -> Path:
+        return self.pages_dir / digest[:2] / digest
+
+    def _new_generation_name(self) -> str:
+        self._last_ms = max(int(time.time() * 1000), self._last_ms + 1)
+        return f"{self._last_ms:013d}"
+
+    # ---- save ----------------------------------------------------------------------------
+    def save(self, principal: str, session: str, inp: SaveInput, fingerprint: dict, *,
+             live: frozenset = frozenset(), on_step=None) -> SaveResult:
+        """Publish a new generation of (principal, session); refuses (never raises) on a full
+        quota, a disk error or a page it was told is on disk but is not."""
+        step = on_step or (lambda name: None)
+        ns = session_namespace(principal, session)
+        digests = list(inp.digests)
+        new_pages: dict[str, bytes] = {}
+        for i, data in enumerate(inp.pages):
+            if data is not None:
+                digests[i] = hashlib.sha256(data).hexdigest()
+        tokens = np.ascontiguousarray(inp.tokens, dtype="<i4").tobytes()
+        with self._lock:
+            sizes = []
+            for i, d in enumerate(digests):
+                if inp.pages[i] is not None:
+                    sizes.append(len(inp.pages[i]))
+                    if not self.page_path(d).exists():
+                        new_pages[d] = inp.pages[i]
+                elif d is None or not self.page_path(d).exists():
+                    return SaveResult("refused", "page_missing")
+                else:
+                    sizes.append(self.page_path(d).stat().st_size)
+            need = sum(len(b) for b in new_pages.values()) + len(tokens) + len(inp.state) + 8192
+            try:
+                evicted = quota.make_room(self, need, keep=ns, live=live,
+                                          fp_digest=fingerprint_digest(fingerprint))
+            except quota.QuotaExceeded:
+                return SaveResult("refused", "quota")
+            gen = self._new_generation_name()
+            staging = self.sessions_dir / ns / f".staging-{gen}"
+            try:
+                manifest = self._manifest(principal, ns, gen, fingerprint, inp, tokens,
+                                          digests, sizes, new_pages)
+                self._publish(principal, staging, gen, new_pages, tokens, inp.state, manifest,
+                              step)
+            except OSError as e:
+                shutil.rmtree(staging, ignore_errors=True)
+                return SaveResult("refused", errno.errorcode.get(e.errno, "io_error").lower())
+            quota.prune_superseded(self, ns, gen)
+            step("pruned")
+            inp.digests[:] = digests
+            written = sum(len(b) for b in new_pages.values()) + len(tokens) + len(inp.state)
+            return SaveResult("saved", None, gen, written, len(new_pages),
+                              len(digests) - len(new_pages), evicted)
+
+    def _publish(self, principal, staging: Path, gen: str, new_pages: dict, tokens: bytes,
+                 state: bytes, manifest: bytes, step) -> None:
+        """The publish protocol (module docstring); `step(name)` after each step."""
+        sdir = staging.parent
+        mkdir_synced(sdir / "generations")
+        staging.mkdir(mode=0o700)
+        fsync_dir(sdir)
+        step("staging_created")
+        for d in {self.page_path(d).parent for d in new_pages}:
+            mkdir_synced(d)
+        publish_files([(self.page_path(d), data) for d, data in new_pages.items()], self.faults)
+        step("pages_written")
+        write_new(staging / "tokens.bin", tokens, self.faults)
+        write_new(staging / "state.bin", state, self.faults)
+        step("payload_written")
+        write_new(staging / "manifest.json", manifest, self.faults)
+        step("manifest_written")
+        tag = manifest_tag(principal_key(self._master, principal), manifest)
+        write_new(staging / "manifest.mac", (tag + "\n").encode(), self.faults)
+        step("mac_written")
+        fsync_dir(staging)
+        step("staging_synced")
+        os.rename(staging, sdir / "generations" / gen)
+        fsync_dir(sdir / "generations")
+        step("renamed")
+        publish_file(sdir / "current", (gen + "\n").encode())
+        step("current_replaced")
+
+    def _manifest(self, principal, ns, gen, fingerprint, inp, tokens, digests, sizes,
+                  new_pages) -> bytes:
+        files = [{"path": "tokens.bin", "bytes": len(tokens),
+                  "sha256": hashlib.sha256(tokens).hexdigest()},
+                 {"path": "state.bin", "bytes": len(inp.state),
+                  "sha256": hashlib.sha256(inp.state).hexdigest()}]
+        body = {
+            "type": "ninfer.checkpoint", "schema": SCHEMA,
+            "principal": principal_digest(principal), "session": ns, "generation": gen,
+            "created_at": round(time.time(), 3),
+            "fingerprint": fingerprint, "fingerprint_sha256": fingerprint_digest(fingerprint),
+            "head_response_id": inp.head_response_id,
+            "frontier_tokens": int(len(tokens) // 4), "page_size": inp.page_size,
+            "files": files,
+            "pages": [{"sha256": d, "bytes": s} for d, s in zip(digests, sizes)],
+            "payload_bytes": sum(f["bytes"] for f in files) + sum(sizes),
+            "bytes_written": sum(len(b) for b in new_pages.values()) + len(tokens)
+            + len(inp.state),
+            "pages_written": len(new_pages),
+        }
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    # ---- load ----------------------------------------------------------------------------
+    def load(self, principal: str, session: str, fingerprint: dict,
+             prompt_ids=None) -> LoadResult:
+        """The newest generation of (principal, session) made by this runtime whose tokens
+        are a strict prefix of `prompt_ids` (any, if None), verified end to end. A generation
+        failing verification is quarantined and reported `corrupt`."""
+        ns = session_namespace(principal, session)
+        sdir = self.sessions_dir / ns
+        fp = fingerprint_digest(fingerprint)
+        prompt = None if prompt_ids is None else np.asarray(prompt_ids, np.int32)
+        with self._lock:
+            order = quota.generations_newest_first(sdir)
+            if not order:
+                return LoadResult("missing", "no_checkpoint")
+            seen_other_fp = not_prefix = False
+            for gen in order:
+                gdir = sdir / "generations" / gen
+                try:
+                    res = self._load_generation(principal, ns, gdir, fp, prompt)
+                except _Corrupt as c:
+                    self.quarantine(sdir, gen, c.reason, c.bad_page)
+                    return LoadResult("corrupt", c.reason, gen)
+                if res == "incompatible":
+                    seen_other_fp = True
+                elif res == "not_prefix":
+                    not_prefix = True
+                else:
+                    os.utime(gdir)  # last use, for the quota's eviction order
+                    return res
+            if seen_other_fp and not not_prefix:
+                return LoadResult("incompatible", "fingerprint_mismatch")
+            return LoadResult("missing", "not_prefix" if not_prefix else "no_checkpoint")
+
+    def _load_generation(self, principal, ns, gdir: Path, fp: str, prompt):
+        try:
+            mbytes = read_file(gdir / "manifest.json")
+            tag = read_file(gdir / "manifest.mac").decode("ascii", "replace")
+        except FileNotFoundError:
+            raise _Corrupt("manifest_missing") from None
+        if not tag_ok(principal_key(self._master, principal), mbytes, tag):
+            raise _Corrupt("tag_invalid")
+        try:
+            m = json.loads(mbytes)
+            if (m["type"] != "ninfer.checkpoint" or m["principal"] != principal_digest(principal)
+                    or m["session"] != ns or m["generation"] != gdir.name):
+                raise _Corrupt("owner_mismatch")
+            if m["fingerprint_sha256"] != fp:
+                return "incompatible"
+            files = {f["path"]: f for f in m["files"]}
+            tokens_b = self._verified(gdir / "tokens.bin", files["tokens.bin"])
+            tokens = np.frombuffer(tokens_b, "<i4").astype(np.int32)
+            n = tokens.shape[0]
+            if n != m["frontier_tokens"] or len(m["pages"]) != -(-n // m["page_size"]):
+                raise _Corrupt("manifest_inconsistent")
+            if prompt is not None and not (n < prompt.shape[0]
+                                           and np.array_equal(prompt[:n], tokens)):
+                return "not_prefix"
+            state = self._verified(gdir / "state.bin", files["state.bin"])
+            pages = []
+            for p in m["pages"]:
+                path = self.page_path(p["sha256"])
+                pages.append(self._verified(path, p, bad_page=p["sha256"]))
+        except (KeyError, TypeError, ValueError):
+            raise _Corrupt("manifest_invalid") from None
+        return LoadResult("available", "restored", gdir.name, tokens, pages,
+                          [p["sha256"] for p in m["pages"]], state, m["head_response_id"],
+                          len(tokens_b) + len(state) + sum(len(p) for p in pages))
+
+    @staticmethod
+    def _verified(path: Path, entry: dict, bad_page: str | None = None) -> bytes:
+        try:
+            data = read_file(path)
+        except FileNotFoundError:
+            raise _Corrupt(f"missing:{path.name[:16]}", None) from None
+        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise _Corrupt(f"hash_mismatch:{path.name[:16]}", bad_page)
+        return data
+
+    def quarantine(self, sdir: Path, gen: str, reason: str, bad_page: str | None = None) -> None:
+        """Move a generation that failed verification out of the way (kept for inspection,
+        first to go under quota pressure); a page whose bytes are wrong is deleted so the next
+        save writes it again."""
+        src = sdir / "generations" / gen
+        dst = self.quarantine_dir / f"{sdir.name[:16]}-{gen}-{reason.split(':')[0]}"
+        if src.exists():
+            os.rename(src, dst)
+            fsync_dir(src.parent)
+            fsync_dir(self.quarantine_dir)
+        if bad_page is not None:
+            self.page_path(bad_page).unlink(missing_ok=True)
+        quota.repoint_current(sdir)
+
+    # ---- deletion --------------------------------------------------------------------------
+    def purge(self, principal: str, session: str) -> int:
+        """Delete every generation of the session and the pages no one else references."""
+        sdir = self.sessions_dir / session_namespace(principal, session)
+        with self._lock:
+            n = len(quota.generations_newest_first(sdir))
+            if sdir.exists():
+                shutil.rmtree(sdir)
+                fsync_dir(self.sessions_dir)
+            quota.collect_pages(self)
+            return n
+
+    def drop_response(self, principal: str, session: str, response_id: str) -> int:
+        """Delete the generations whose state follows `response_id` (it was deleted)."""
+        sdir = self.sessions_dir / session_namespace(principal, session)
+        with self._lock:
+            gone = 0
+            for gen in quota.generations_newest_first(sdir):
+                m = quota.read_manifest(sdir / "generations" / gen)
+                if m is not None and m.get("head_response_id") == response_id:
+                    shutil.rmtree(sdir / "generations" / gen)
+                    gone += 1
+            if gone:
+                fsync_dir(sdir / "generations")
+                quota.repoint_current(sdir)
+                quota.collect_pages(self)
+            return gone
+
+    def stats(self) -> dict:
+        with self._lock:
+            return quota.usage_stats(self)

@@ -1,0 +1,38 @@
+"""Helpers shared by the kernel tests (tests/test_kernels_*.py): normwise error, bounds per
+dtype, and the check that a kernel lowers to Triton for CUDA (runs on a CPU-only machine)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+
+# ||out - ref|| / ||ref|| bounds by compute dtype (METHOD.md: fp32 far under 1e-3; bf16
+# operands 1e-3..1e-2).
+BOUNDS = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def rel_err(got, want) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    assert np.isfinite(got).all(), "kernel output has NaN/inf"
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def assert_close(got, want, dtype) -> None:
+    err = rel_err(got, want)
+    assert err < BOUNDS[jnp.dtype(dtype).name], f"normwise error {err:.3g} ({jnp.dtype(dtype)})"
+
+
+def lowers_for_cuda(fn, *args) -> str:
+    """Export `fn` (a kernel call with interpret=False) for CUDA: this runs the Pallas -> Triton
+    lowering, so unsupported primitives or block shapes fail here, without a GPU."""
+    exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    text = exp.mlir_module()
+    assert "__gpu$xla.gpu.triton" in text
+    return text
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
