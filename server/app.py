@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import secrets
+import sys
 from dataclasses import dataclass, field
 
 from sanic import Request, Sanic, response
@@ -22,7 +22,7 @@ from server.auth import KeyRing
 from server.store import InvalidCursor, ResponseStore
 from server.errors import APIError, invalid, not_found, unauthorized
 from server.observability import Metrics, Observability, RequestTrace
-from server.request_model import ResponseRequest, parse_response_request
+from server.request_model import ResponseRequest, json_body, parse_response_request
 from server.output_items import OutputAssembler
 from server.reasoning_seal import ReasoningSeal
 from server.response_objects import EventStream, ResponseState, new_id
@@ -45,6 +45,8 @@ class Runtime:
     obs: Observability = field(default_factory=lambda: Observability(Metrics()))
     inflight: dict = field(default_factory=dict)  # response id -> _InFlight
     constraints: object | None = None  # engine.constrain.ConstraintCompiler, built at load
+    # (max responses per principal, max age in seconds): applied at start and then hourly
+    retention: tuple = (None, None)
     seal: ReasoningSeal = field(default_factory=lambda: ReasoningSeal(secrets.token_bytes(32)))
 
 
@@ -97,6 +99,11 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
             rt.obs.on_request_rejected(_trace(request, rt.obs), status, None)
         return APIError(status, message, type=kind).to_response()
 
+    @app.before_server_start
+    async def start_retention(app_, _loop):
+        if rt.store is not None and any(rt.retention):
+            app_.add_task(_retention_loop(rt), name="ninfer-retention")
+
     @app.get("/health")
     async def health(request):
         if rt.engine is None:
@@ -130,10 +137,7 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
     @app.post("/v1/responses")
     async def create_response(request: Request):
         trace = request.ctx.trace = rt.obs.new_request(request.ctx.principal, new_id("resp"))
-        try:
-            body = json.loads(request.body or b"null")
-        except (ValueError, UnicodeDecodeError):
-            raise invalid("the request body is not valid JSON")
+        body = json_body(request.body)
         req = parse_response_request(body)
         m = _require_model(rt)
         if req.model != m.model_id:
@@ -219,6 +223,20 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
         return response.json(page)
 
     return app
+
+
+RETENTION_INTERVAL_S = 3600.0
+
+
+async def _retention_loop(rt: Runtime) -> None:
+    """The store's retention limits, applied at start and then every hour (off the loop)."""
+    max_responses, max_age_s = rt.retention
+    while True:
+        n = await asyncio.to_thread(rt.store.prune, max_responses, max_age_s)
+        if n:
+            print(f"ninfer: retention removed {n} stored responses", file=sys.stderr,
+                  flush=True)
+        await asyncio.sleep(RETENTION_INTERVAL_S)
 
 
 def _trace(request: Request, obs: Observability) -> RequestTrace:

@@ -15,7 +15,8 @@ from sanic import Request, response
 
 from server.errors import APIError, invalid
 from server.request_model import (Reasoning, ResponseRequest, _EFFORTS, _number,
-                                  _text_format, _tool_choice, _tools, content_text)
+                                  _text_format, _tool_choice, _tools, common_fields,
+                                  content_text, json_body)
 from server.response_objects import new_id
 
 _KNOWN = {"model", "messages", "stream", "stream_options", "max_tokens",
@@ -63,20 +64,9 @@ def _messages(body: dict) -> list[dict]:
 
 
 def parse_chat_request(body) -> ResponseRequest:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise invalid(f"unknown parameter '{unknown[0]}'", param=unknown[0],
-                      code="unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("'model' is required and must be a string", param="model")
+    model, stream = common_fields(body, _KNOWN)
     if body.get("n", 1) != 1:
         raise invalid("only n = 1 is supported", param="n")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise invalid("'stream' must be a boolean", param="stream")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
         raise invalid("'max_completion_tokens' must be a positive integer",
@@ -133,15 +123,12 @@ def _usage(state) -> dict:
 
 
 def register(app, rt, generate) -> None:
-    """`generate(request, req, trace)` runs a parsed request on the engine and returns
-    (state, stream) where stream is an async iterator of op batches (see server/app.py)."""
+    """`generate(request, req)` puts a parsed request on the engine and returns its run
+    (server/app.py `_Run`: `.state`, `await .complete(send)`, `.close()`)."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            body = json.loads(request.body or b"null")
-        except (ValueError, UnicodeDecodeError):
-            raise invalid("the request body is not valid JSON")
+        body = json_body(request.body)
         req = parse_chat_request(body)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         cid, created = new_id("chatcmpl"), int(time.time())

@@ -118,6 +118,8 @@ def cmd_serve(args) -> int:
                  context_tokens=profile.context_tokens,
                  store=ResponseStore(args.state_dir / "responses.db"))
     rt.extra["profile"] = profile
+    rt.retention = (args.retain_responses or None,
+                    args.retain_days * 86400.0 if args.retain_days else None)
     from server.reasoning_seal import ReasoningSeal
 
     rt.seal = ReasoningSeal.from_state_dir(args.state_dir)
@@ -174,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dir", help="state directory (default $NINFER_STATE_DIR or "
                                        "~/.local/state/ninfer)")
     s.add_argument("--key-file", help="bearer key file (default <state-dir>/keys)")
+    s.add_argument("--retain-days", type=float, default=90.0,
+                   help="delete stored responses older than this (default 90; 0 = keep)")
+    s.add_argument("--retain-responses", type=int, default=200_000,
+                   help="keep at most this many responses per principal, the newest "
+                        "(default 200000; 0 = no limit)")
     from server.checkpoints.setup import add_arguments as add_checkpoint_arguments
 
     add_checkpoint_arguments(s)
@@ -182,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to .ninfer",
                    add_help=False)
     sub.add_parser("omp-config", help="write the Oh My Pi client config for this server",
+                   add_help=False)
+    sub.add_parser("ctl", help="control a running server: status | save | drain | stop",
                    add_help=False)
     return p
 

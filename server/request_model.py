@@ -326,10 +326,20 @@ def _reasoning(body: dict) -> Reasoning:
     return Reasoning(effort=effort or ("medium" if summary else None), summary=summary)
 
 
-def parse_response_request(body) -> ResponseRequest:
+def json_body(raw: bytes | None):
+    """The request body as JSON; a 400 in the API's format when it is not."""
+    try:
+        return json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError):
+        raise invalid("the request body is not valid JSON") from None
+
+
+def common_fields(body, known: set) -> tuple[str, bool]:
+    """Checks every create request shares: a JSON object of known fields, a model, a stream
+    flag. Returns (model, stream)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
+    unknown = sorted(set(body) - known)
     if unknown:
         raise invalid(f"unknown parameter '{unknown[0]}'", param=unknown[0],
                       code="unknown_parameter")
@@ -339,6 +349,11 @@ def parse_response_request(body) -> ResponseRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("'stream' must be a boolean", param="stream")
+    return model, stream
+
+
+def parse_response_request(body) -> ResponseRequest:
+    model, stream = common_fields(body, _KNOWN)
     store = body.get("store", True)
     if not isinstance(store, bool):
         raise invalid("'store' must be a boolean", param="store")

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 from sanic import Request, Sanic, response
 
 from server import chains
 from server.checkpoints import http as ckpt_http
-from server.errors import APIError, invalid, not_found
-from server.request_model import parse_response_request
+from server.errors import APIError, not_found
+from server.request_model import json_body, parse_response_request
 
 ENGINE_VERSION = "0.1.0"
 
@@ -39,10 +38,7 @@ def register(app: Sanic, rt) -> None:
 
     @app.post("/v1/responses/input_tokens")
     async def input_tokens(request: Request):
-        try:
-            body = json.loads(request.body or b"null")
-        except (ValueError, UnicodeDecodeError):
-            raise invalid("the request body is not valid JSON")
+        body = json_body(request.body)
         if isinstance(body, dict):
             body = {"stream": False, **body}
         req = parse_response_request(body)

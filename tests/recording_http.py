@@ -45,11 +45,14 @@ class RecordingServer:
     streams the answer back; `complete_turns` then rewrites a terminal `response.incomplete`
     into `response.completed` (OMP drops an incomplete turn from its context, which keeps it
     from ever chaining with previous_response_id; the tiny model always ends incomplete).
+    `rewrite(n, body) -> body` may change the JSON body of the n-th forwarded request (from 0)
+    before it goes upstream; `requests` keeps what the client sent.
     """
     upstream: str | None = None
     status: int = 500
     retry_after: int | None = None  # the decoy's Retry-After header, if any
     complete_turns: bool = False
+    rewrite: object = None
     requests: list[Recorded] = field(default_factory=list)
 
     def __post_init__(self):
@@ -94,8 +97,12 @@ class RecordingServer:
     def _forward(self, handler, rec: Recorded) -> None:
         headers = {k: v for k, v in handler.headers.items()
                    if k.lower() not in ("host", "content-length", "connection", "accept-encoding")}
+        content = rec.body
+        if self.rewrite is not None and content:
+            n = sum(1 for r in self.requests if r.body) - 1
+            content = json.dumps(self.rewrite(n, json.loads(content))).encode()
         with httpx.stream(handler.command, self.upstream + handler.path, headers=headers,
-                          content=rec.body, timeout=600) as r:
+                          content=content, timeout=600) as r:
             rec.status = r.status_code
             handler.send_response(r.status_code)
             for k, v in r.headers.items():

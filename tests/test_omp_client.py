@@ -200,6 +200,46 @@ def test_a_new_omp_process_resumes_the_session_from_the_cache(server, make_clien
     assert done[0]["cached_tokens"] == cached
 
 
+def test_omp_runs_a_tool_the_model_called_and_chains_its_output(server, make_client,
+                                                                 tmp_path):
+    """The model calls OMP's own `read` tool; OMP runs it and sends the function_call_output
+    chained by previous_response_id, and the turn completes. The proxy asks the server for the
+    call (tool_choice names `read` on the first request, with room for a whole call): the tiny
+    model's text is random, so the call comes from constrained decoding, OMP's tool runs for
+    real."""
+    def force_read(n, body):
+        if n == 0:
+            body = dict(body, tool_choice={"type": "function", "name": "read"},
+                        max_output_tokens=64)
+        return body
+
+    proxy = RecordingServer(upstream=server.base_url, complete_turns=True, rewrite=force_read)
+    try:
+        omp = make_client([Provider("ninfer", proxy.api_url, server.key)], stateful=True)
+        with omp.rpc(*SHORT_SYSTEM) as rpc:
+            rpc.wait_for("ready", timeout=30)
+            frames = rpc.prompt("Read the readme.")
+    finally:
+        proxy.stop()
+    first, second, *rest = proxy.requests
+    out = [e["item"] for e in first.events() if e["type"] == "response.output_item.done"]
+    calls = [i for i in out if i["type"] == "function_call"]
+    assert calls and calls[0]["name"] == "read", out
+    assert json.loads(calls[0]["arguments"]).keys() >= {"path"}
+    body = second.json()
+    assert body["previous_response_id"] == first.events()[0]["response"]["id"]
+    outputs = [i for i in body["input"] if i.get("type") == "function_call_output"]
+    assert [o["call_id"] for o in outputs] == [calls[0]["call_id"]]
+    assert second.status == 200
+    usage = second.events()[-1]["response"]["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] > 0
+    tool_results = [f for f in frames if f.get("type") == "tool_execution_end"]
+    assert tool_results and tool_results[0]["toolName"] == "read", \
+        [f.get("type") for f in frames]
+    assert last_assistant(frames)["stopReason"] == "stop"
+    assert rest == [] or all(r.json().get("previous_response_id") for r in rest)
+
+
 @pytest.mark.parametrize("down", [
     "port closed",
     "answers 503",

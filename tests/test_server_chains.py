@@ -144,6 +144,27 @@ def test_chains_survive_a_restart(state_dir):
         second.stop()
 
 
+def test_retention_limit_applies_at_start(tmp_path, embedded_models_dir):
+    (tmp_path / "models").symlink_to(embedded_models_dir)
+    (tmp_path / "keys").write_text("alice nk-alice-0123456789abcdef\n")
+    (tmp_path / "keys").chmod(0o600)
+    first = start_server(tmp_path)
+    try:
+        a = client(first)
+        old, new = ask(a, "One."), ask(a, "Two.")
+    finally:
+        first.stop()
+    second = start_server(tmp_path, "--retain-responses", "1")
+    try:
+        a = client(second)
+        assert a.responses.retrieve(new.id).id == new.id
+        with pytest.raises(openai.NotFoundError):
+            a.responses.retrieve(old.id)
+    finally:
+        second.stop()
+    assert "retention removed 1 stored responses" in "".join(second.log)
+
+
 def test_status_input_tokens_and_session_purge(server):
     import httpx
 
