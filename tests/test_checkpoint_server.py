@@ -257,7 +257,12 @@ def test_s4_s5_profile_change_is_incompatible_then_rollback_restores_and_enospc(
         b = ask(srv, "bob", "Still there?", n=4)  # serving continues
         assert b["status"] in ("completed", "incomplete")
         assert any(e["reason"] == "enospc" for e in events(w, "checkpoint_refused"))
+        assert len(os.listdir(sdir / "generations")) == 2
+        assert not [n for n in os.listdir(sdir) if n.startswith(".staging")]
+        # purging the session removes its checkpoints and the pages only it referenced
+        r = httpx.delete(srv.api_url + f"/ninfer/sessions/{SESSION}",
+                         headers={"Authorization": f"Bearer {key_of('alice')}"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert not sdir.exists()
     finally:
         kill(srv, signal.SIGTERM)
-    assert len(os.listdir(sdir / "generations")) == 2
-    assert not [n for n in os.listdir(sdir) if n.startswith(".staging")]

@@ -258,6 +258,12 @@ def test_purge_and_response_delete_remove_content(store):
     assert store.drop_response("alice", "s", "resp_other") == 0
     assert store.drop_response("alice", "s", a.head_response_id) == 1
     assert store.load("alice", "s", FP_A, prompt_after(a)).state == "missing"
-    assert store.purge("alice", "t") == 1
+    gen = store.save("alice", "t", make_input(300, seed=3), FP_A).generation
+    tokens = store.session_dir("alice", "t") / "generations" / gen / "tokens.bin"
+    tokens.write_bytes(b"\0" + tokens.read_bytes()[1:])
+    assert store.load("alice", "t", FP_A, None).state == "corrupt"  # now in quarantine
+    assert len(os.listdir(store.quarantine_dir)) == 1
+    assert store.purge("alice", "t") == 0  # its only generation was quarantined
     assert not store.session_dir("alice", "t").exists()
+    assert os.listdir(store.quarantine_dir) == []  # the quarantined copy went too
     assert quota.usage_stats(store)["pages"] == 0  # nothing references any page

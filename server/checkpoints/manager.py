@@ -150,6 +150,8 @@ class Checkpointer:
                 return res.reason
             snap = self._install(principal, session, res)
             reason = "restored" if snap is not None else "no_room"
+            if snap is None:  # running sequences hold the room: a later request retries
+                self._resident.discard(k)
             if snap is not None:
                 self.counts["restored"] += 1
                 with self._mu:

@@ -327,6 +327,9 @@ class CheckpointStore:
             if sdir.exists():
                 shutil.rmtree(sdir)
                 fsync_dir(self.sessions_dir)
+            for name in os.listdir(self.quarantine_dir):  # quarantined copies hold it too
+                if name.startswith(sdir.name[:16] + "-"):
+                    shutil.rmtree(self.quarantine_dir / name)
             quota.collect_pages(self)
             return n
 
@@ -340,6 +343,11 @@ class CheckpointStore:
                 if m is not None and m.get("head_response_id") == response_id:
                     shutil.rmtree(sdir / "generations" / gen)
                     gone += 1
+            for name in os.listdir(self.quarantine_dir):
+                m = quota.read_manifest(self.quarantine_dir / name)
+                if name.startswith(sdir.name[:16] + "-") and (
+                        m is None or m.get("head_response_id") == response_id):
+                    shutil.rmtree(self.quarantine_dir / name)  # unreadable: may hold it
             if gone:
                 fsync_dir(sdir / "generations")
                 quota.repoint_current(sdir)
