@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import secrets
 from pathlib import Path
 
@@ -34,22 +33,13 @@ class ReasoningSeal:
 
     @classmethod
     def from_state_dir(cls, state_dir: Path) -> "ReasoningSeal":
+        """The key in <state>/secrets/reasoning.key: created 0600 on first use, refused when
+        its mode is looser or its size wrong."""
+        from server.checkpoints.tags import load_master_secret
+
         d = Path(state_dir) / "secrets"
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = d / "reasoning.key"
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            if path.stat().st_mode & 0o077:
-                raise RuntimeError(f"{path} is readable by group or others; chmod 600 it")
-            return cls(path.read_bytes())
-        key = secrets.token_bytes(32)
-        try:
-            os.write(fd, key)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return cls(key)
+        return cls(load_master_secret(d / "reasoning.key"))
 
     def seal(self, principal: str, ids: list[int]) -> str:
         nonce = secrets.token_bytes(12)
