@@ -9,6 +9,7 @@ shared system prefix) continues from it and computes only its new tokens.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import secrets
 import queue
@@ -154,11 +155,9 @@ class Engine:
         """Drop every stored state of (principal, session) (asynchronous, like `forget`)."""
         self._inbox.put(("forget_session", principal, session))
 
-    def call(self, fn) -> "concurrent.futures.Future":
+    def call(self, fn) -> concurrent.futures.Future:
         """Run `fn(self)` on the engine thread between steps (it may read and change `mem`);
         returns a Future with its result. Used for checkpoint export and restore."""
-        import concurrent.futures
-
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def run():
