@@ -168,3 +168,20 @@ def l2_normalize(x, eps: float = 1e-6):
     """x * rsqrt(sum(x^2) + eps) over the last axis in fp32 (the FLA/HF form, eps inside)."""
     x = x.astype(jnp.float32)
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def select_rule(mode: str, kernels: str, t: int):
+    """The gated delta rule for a call of T steps: `mode` ("chunk" or "recurrent") names the
+    reference; kernels="pallas" swaps in the Pallas kernels (same signature and result):
+    decode-sized steps (T <= 16) the recurrent one (engine/kernels/gdn_decode.py), longer chunked
+    calls the chunked prefill one (engine/kernels/gdn_prefill.py). Imported lazily: the kernels
+    import this module for their references."""
+    if kernels == "pallas" and t <= 16:
+        from engine.kernels.gdn_decode import gdn_recurrent
+
+        return gdn_recurrent
+    if kernels == "pallas" and mode == "chunk":
+        from engine.kernels.gdn_prefill import gdn_chunk
+
+        return gdn_chunk
+    return {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}[mode]

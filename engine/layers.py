@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from engine.attention import attention_mixer, kv_write_attend
 from engine.config import ModelConfig
 from engine.gdn import (causal_conv1d, chunk_gated_delta_rule, l2_normalize,
-                        recurrent_gated_delta_rule)
+                        recurrent_gated_delta_rule, select_rule)
 from engine.norms import gated_rms_norm, rms_norm
 from engine.paged_kv import PagedKV, paged_write_attend
 from engine.quant import linear
@@ -24,13 +24,10 @@ def mlp(p, x, kernels: str = "xla"):
 
 
 def _gdn_rule(mode: str, kernels: str, t: int):
-    """The gated delta rule for this call: decode-sized steps (T <= 16) take the recurrent
-    Pallas kernel when kernels="pallas" (same result as either reference rule)."""
-    if kernels == "pallas" and t <= 16:
-        from engine.kernels.gdn_decode import gdn_recurrent
-
-        return gdn_recurrent
-    return GDN_RULES[mode]
+    """The gated delta rule for this call (engine/gdn.py `select_rule`): the references, or
+    with kernels="pallas" the recurrent kernel for decode-sized steps and the chunked prefill
+    kernel for longer chunked calls."""
+    return select_rule(mode, kernels, t)
 
 
 def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,

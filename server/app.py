@@ -261,7 +261,8 @@ async def _constraint(rt: Runtime, m: LoadedModel, req: ResponseRequest, max_tok
     call under tool_choice none, a call (valid for its schema) under required or a named
     function, schema-valid JSON for text.format, and `</think>` forced at the thinking budget."""
     thinking = req.reasoning.thinking
-    needs = thinking or req.tool_choice != "auto" or req.text_format.get("type") != "text"
+    needs = (thinking or req.tool_choice != "auto" or req.text_format.get("type") != "text"
+             or (not req.parallel_tool_calls and req.tools))
     if not needs:
         return None
     if rt.constraints is None:  # a runtime built without the loader (tests): build it once
@@ -279,7 +280,8 @@ async def _constraint(rt: Runtime, m: LoadedModel, req: ResponseRequest, max_tok
     try:
         return await asyncio.to_thread(
             rt.constraints.compile, tools=list(req.tools), tool_choice=req.tool_choice,
-            text_format=req.text_format, thinking=thinking, thinking_budget=budget)
+            text_format=req.text_format, thinking=thinking, thinking_budget=budget,
+            parallel_tool_calls=req.parallel_tool_calls)
     except ConstraintError as e:
         param = "text.format" if req.text_format.get("type") != "text" else "tool_choice"
         raise invalid(f"this request cannot be constrained: {e}", param=param) from None
@@ -403,7 +405,8 @@ class _Run:
             store=req.store, prompt_cache_key=req.prompt_cache_key,
             input_tokens=len(prompt.ids), tools=[dict(t) for t in req.tools],
             tool_choice=req.tool_choice, text_format=req.text_format,
-            reasoning={"effort": req.reasoning.effort, "summary": req.reasoning.summary})
+            reasoning={"effort": req.reasoning.effort, "summary": req.reasoning.summary},
+            parallel_tool_calls=req.parallel_tool_calls)
         end = m.tokenizer.think_end_id
 
         def seal() -> str:  # the reasoning's tokens: all output ids through </think>

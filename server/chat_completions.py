@@ -16,7 +16,7 @@ from sanic import Request, response
 from server.errors import APIError, invalid
 from server.request_model import (Reasoning, ResponseRequest, _EFFORTS, _number,
                                   _text_format, _tool_choice, _tools, common_fields,
-                                  content_text, json_body)
+                                  content_text, json_body, parallel_calls)
 from server.response_objects import new_id
 
 _KNOWN = {"model", "messages", "stream", "stream_options", "max_tokens",
@@ -63,10 +63,19 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+# Accepted only at their neutral value: anything else would be silently wrong.
+_NEUTRAL = {"stop": (None, [], ""), "logprobs": (None, False), "top_logprobs": (None, 0),
+            "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+            "n": (None, 1)}
+
+
 def parse_chat_request(body) -> ResponseRequest:
     model, stream = common_fields(body, _KNOWN)
-    if body.get("n", 1) != 1:
-        raise invalid("only n = 1 is supported", param="n")
+    for name, neutral in _NEUTRAL.items():
+        if name in body and not any(body[name] == x and type(body[name]) is type(x)
+                                    for x in neutral):
+            raise invalid(f"'{name}' is not supported by this server (only its default)",
+                          param=name, code="unsupported_parameter")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
         raise invalid("'max_completion_tokens' must be a positive integer",
@@ -99,7 +108,8 @@ def parse_chat_request(body) -> ResponseRequest:
         previous_response_id=None, prompt_cache_key=None, tools=tools,
         tool_choice=_tool_choice({"tool_choice": tc}, tools),
         text_format=_text_format({"text": {"format": rf}} if rf is not None else {}),
-        reasoning=Reasoning(effort=effort), seed=seed)
+        reasoning=Reasoning(effort=effort), seed=seed,
+        parallel_tool_calls=parallel_calls(body))
 
 
 def _chat_tool_calls(items: list[dict]) -> list[dict]:

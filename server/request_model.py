@@ -22,12 +22,12 @@ _TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_t
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _SUMMARIES = (None, "auto", "concise", "detailed")
 # Accepted and ignored: they change nothing in a local, single-model deployment.
-_IGNORED = {"metadata", "user", "service_tier", "truncation", "parallel_tool_calls",
+_IGNORED = {"metadata", "user", "service_tier", "truncation",
             "prompt_cache_retention", "safety_identifier", "background",
             "top_logprobs", "stream_options", "prompt_cache_key", "store"}
 _KNOWN = _IGNORED | {"model", "input", "instructions", "stream", "max_output_tokens",
                      "temperature", "top_p", "previous_response_id", "tools", "tool_choice",
-                     "text", "reasoning", "include", "seed"}
+                     "text", "reasoning", "include", "seed", "parallel_tool_calls"}
 _INCLUDES = {"reasoning.encrypted_content", "message.output_text.logprobs"}
 
 # Size limits (the body as a whole is capped by the HTTP layer at MAX_BODY_BYTES).
@@ -67,6 +67,7 @@ class ResponseRequest:
     reasoning: Reasoning = Reasoning()
     include: tuple = ()
     seed: int | None = None
+    parallel_tool_calls: bool = True  # False: at most one call (enforced by the constraint)
 
     @property
     def input_messages(self) -> tuple[dict, ...]:
@@ -352,6 +353,15 @@ def common_fields(body, known: set) -> tuple[str, bool]:
     return model, stream
 
 
+def parallel_calls(body: dict) -> bool:
+    v = body.get("parallel_tool_calls", True)
+    if v is None:
+        return True
+    if not isinstance(v, bool):
+        raise invalid("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    return v
+
+
 def parse_response_request(body) -> ResponseRequest:
     model, stream = common_fields(body, _KNOWN)
     store = body.get("store", True)
@@ -398,4 +408,5 @@ def parse_response_request(body) -> ResponseRequest:
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
         store=store, previous_response_id=prev, prompt_cache_key=pck, metadata=metadata,
         tools=tools, tool_choice=_tool_choice(body, tools), text_format=_text_format(body),
-        reasoning=_reasoning(body), include=tuple(include), seed=seed)
+        reasoning=_reasoning(body), include=tuple(include), seed=seed,
+        parallel_tool_calls=parallel_calls(body))

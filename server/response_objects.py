@@ -45,6 +45,7 @@ class ResponseState:
     tool_choice: object = "auto"
     text_format: dict = field(default_factory=lambda: {"type": "text"})
     reasoning: dict = field(default_factory=lambda: {"effort": None, "summary": None})
+    parallel_tool_calls: bool = True
     items: list = field(default_factory=list)       # output items (the assembler's list)
     output_ids: list[int] = field(default_factory=list)  # the model's tokens, for the store
 
@@ -70,7 +71,8 @@ class ResponseState:
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "model": self.model,
             "output": [dict(it) for it in self.items] if done else [],
-            "parallel_tool_calls": True, "previous_response_id": self.previous_response_id,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "previous_response_id": self.previous_response_id,
             "prompt_cache_key": self.prompt_cache_key,
             "reasoning": self.reasoning, "store": self.store,
             "temperature": self.temperature, "top_p": self.top_p,

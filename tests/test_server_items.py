@@ -206,6 +206,10 @@ def test_chat_completions_stateless(server):
     assert text == r.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 12
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    for name, value in (("stop", ["\n"]), ("logprobs", True), ("presence_penalty", 0.5)):
+        bad = post(server, "/chat/completions", {"model": "tiny", name: value,
+                                                 "messages": [{"role": "user", "content": "x"}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == name, bad.text
     bad = post(server, "/chat/completions", {"model": "tiny", "messages": [], "n": 1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
     bad = post(server, "/chat/completions", {"model": "tiny", "n": 2,

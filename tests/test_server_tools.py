@@ -72,6 +72,16 @@ def test_required_and_named_calls_validate(client, choice):
             assert call.call_id.startswith("call_") and call.status == "completed"
 
 
+def test_parallel_tool_calls_false_allows_one_call(client):
+    for i in range(3):
+        r = ask(client, i, tool_choice="required", parallel_tool_calls=False,
+                max_output_tokens=64)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert r.status == "completed" and len(calls) == 1, r.output
+        assert r.parallel_tool_calls is False
+        assert client.responses.retrieve(r.id).parallel_tool_calls is False
+
+
 def test_json_schema_outputs_complete_and_validate(client):
     for i in range(N):
         for strict in (True, False):

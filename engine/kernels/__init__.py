@@ -11,6 +11,8 @@ Modules (kernel; reference):
 - `paged_decode`: paged attention decode over bf16/f32/int8 KV; the gather in `paged_kv`.
 - `gdn_decode`: gated delta rule step(s) with the state in and out;
   `gdn.recurrent_gated_delta_rule`.
+- `gdn_prefill`: chunked (WY/UT) gated delta rule for prefill, state in and out;
+  `gdn.chunk_gated_delta_rule`.
 - `flash_prefill`: causal GQA attention over the contiguous cache; `attention.attend`.
 - `stacked`: layer views of stacked weights, so the GEMV reads a layer in place.
 """
