@@ -432,6 +432,10 @@ class _Run:
                     prompt) -> "_Run":
         """Check the context budget, submit, and wait for the first event: a request rejected
         before its first token gets a plain HTTP error."""
+        if rt.extra.get("draining"):  # `ninfer ctl drain` or a graceful stop under way
+            raise APIError(503, "The server is draining for a stop or restart; retry shortly.",
+                           type="server_error", code="server_draining",
+                           headers={"Retry-After": "5"})
         budget = rt.context_tokens - len(prompt.ids)
         if budget < 1:
             raise invalid(f"This model's maximum context length is {rt.context_tokens} tokens; "

@@ -221,6 +221,19 @@ def test_s3_continues_exactly_after_the_graceful_stop_and_ctl(world):
                             text=True, timeout=60)
         assert st.returncode == 0, st.stderr
         assert json.loads(st.stdout)["state"] == "serving"
+        drain = subprocess.run(ctl[:4] + ["drain"] + ctl[4:], cwd=REPO, capture_output=True,
+                               text=True, timeout=120)
+        assert drain.returncode == 0, drain.stderr
+        assert json.loads(drain.stdout)["drained"] is True
+        refused = httpx.post(srv.api_url + "/responses", timeout=60,
+                             json={"model": "tiny", "input": "x", "prompt_cache_key": SESSION},
+                             headers={"Authorization": f"Bearer {key_of('alice')}"})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "server_draining"
+        assert refused.headers["Retry-After"] == "5"
+        kept = httpx.get(srv.api_url + f"/responses/{a3['id']}", timeout=60,
+                         headers={"Authorization": f"Bearer {key_of('alice')}"})
+        assert kept.status_code == 200  # reads still work while draining
         stop = subprocess.run(ctl[:4] + ["stop"] + ctl[4:], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
         assert stop.returncode == 0, stop.stderr
