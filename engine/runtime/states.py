@@ -167,13 +167,7 @@ class StatePool:
         slot = self._take_slot()
         self._conv, self._rec = sc.snapshot_to_slot(self._conv, self._rec, cache_conv, cache_rec,
                                                     np.int32(batch_row), np.int32(slot))
-        image = StateImage(id=next(self._ids), key=key, num_tokens=num_tokens,
-                           weight=float(weight), slot=slot)
-        self._device[slot] = image
-        self._by_key[key] = image
-        self._touch(image)
-        self._counts["stores"] += 1
-        return image
+        return self._register(key, num_tokens, weight, slot)
 
     def load(self, conv: np.ndarray, rec: np.ndarray, *, key: str, num_tokens: int,
              weight: float) -> StateImage:
@@ -191,6 +185,10 @@ class StatePool:
         slot = self._take_slot()
         self._conv, self._rec = sc.write_slot(self._conv, self._rec, jnp.asarray(conv),
                                               jnp.asarray(rec), np.int32(slot))
+        return self._register(key, num_tokens, weight, slot)
+
+    def _register(self, key: str, num_tokens: int, weight: float, slot: int) -> StateImage:
+        """Book a freshly written device slot as the image stored under `key`."""
         image = StateImage(id=next(self._ids), key=key, num_tokens=num_tokens,
                            weight=float(weight), slot=slot)
         self._device[slot] = image

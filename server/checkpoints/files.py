@@ -46,14 +46,7 @@ def write_new(path: Path, data: bytes, faults: Faults | None = None) -> None:
 def publish_file(path: Path, data: bytes, faults: Faults | None = None) -> None:
     """Write `path` atomically: a temporary name in the same directory, fsync, rename over
     `path`, fsync the directory. A crash leaves the old file or the new one, never a mix."""
-    tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
-    try:
-        write_new(tmp, data, faults)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    publish_files([(path, data)], faults)
 
 
 def publish_files(items, faults: Faults | None = None) -> None:
