@@ -94,8 +94,11 @@ class Engine:
     def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int,
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
                  capacity_tokens: int | None = None, state_slots: int = 8,
-                 host_state_bytes: int = 0, before_evict=None):
+                 host_state_bytes: int = 0, before_evict=None, kernels: str = "xla"):
+        from engine.kernels import check_kernels
+
         self.model = model
+        self.kernels = check_kernels(kernels)  # "xla" | "pallas": the forward's implementation
         self.context_tokens = context_tokens
         self.max_queue = max_queue
         self.sched = Scheduler(max_concurrency=max_concurrency, max_queue=max_queue,
@@ -111,7 +114,8 @@ class Engine:
         cfg = model.cfg
         fwd = M.jit_forward()
         # Logits only at each row's last valid position: a prefill chunk never builds [T, V].
-        self._fwd = lambda p, t, c, n: fwd(p, cfg, t, c, lengths=n, last_only=True)
+        self._fwd = lambda p, t, c, n: fwd(p, cfg, t, c, lengths=n, last_only=True,
+                                           kernels=kernels)
         self._sample = jax.jit(functools.partial(_sample_rows,
                                                  n_vocab=model.tokenizer.vocab_size))
         self._mask_words = (model.tokenizer.vocab_size + 31) // 32  # bitmask row width

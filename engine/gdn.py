@@ -10,6 +10,8 @@ A step with g = 0 and beta = 0 leaves S unchanged: that is how padding and ragge
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -174,14 +176,18 @@ def select_rule(mode: str, kernels: str, t: int):
     """The gated delta rule for a call of T steps: `mode` ("chunk" or "recurrent") names the
     reference; kernels="pallas" swaps in the Pallas kernels (same signature and result):
     decode-sized steps (T <= 16) the recurrent one (engine/kernels/gdn_decode.py), longer chunked
-    calls the chunked prefill one (engine/kernels/gdn_prefill.py). Imported lazily: the kernels
-    import this module for their references."""
+    calls the chunked prefill one (engine/kernels/gdn_prefill.py) only when
+    NINFER_GDN_PREFILL=pallas: on the H200 it is 7x slower than the XLA reference (prefill of 8K
+    tokens 9.1 s against 1.28 s, docs/benchmarks/README.md v4), so prefill keeps the reference
+    until the kernel is reworked. Imported lazily: the kernels import this module for their
+    references."""
     if kernels == "pallas" and t <= 16:
         from engine.kernels.gdn_decode import gdn_recurrent
 
         return gdn_recurrent
-    if kernels == "pallas" and mode == "chunk":
-        from engine.kernels.gdn_prefill import gdn_chunk
+    if (kernels == "pallas" and mode == "chunk"
+            and os.environ.get("NINFER_GDN_PREFILL", "xla") == "pallas"):
+        from engine.kernels.gdn_prefill import gdn_chunk_bf16_operands
 
-        return gdn_chunk
+        return gdn_chunk_bf16_operands
     return {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}[mode]

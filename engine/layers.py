@@ -55,7 +55,12 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a + p["dt_bias"].astype(jnp.float32))
     g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
-    out, rec_state = _gdn_rule(mode, kernels, t)(q, k, v, g, beta, rec_state)
+    rule = _gdn_rule(mode, kernels, t)
+    if x.dtype == jnp.bfloat16 and getattr(rule, "bf16_operands", False):
+        # The Pallas chunked kernel's dots take bf16 operands with fp32 sums (as FLA's chunked
+        # kernels do): fp32 operands make Triton emulate IEEE fp32 dots without tensor cores.
+        q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
+    out, rec_state = rule(q, k, v, g, beta, rec_state)
     z = linear(x, p["in_proj_z"], kernels).reshape(b, t, hv, dv)
     out = gated_rms_norm(out, z, p["norm"], cfg.rms_norm_eps).astype(x.dtype)
     return linear(out.reshape(b, t, hv * dv), p["out_proj"], kernels), conv_state, rec_state

@@ -77,17 +77,64 @@ def _to_device(value, dtype):
     if isinstance(value, QTensor):
         return jax.device_put(value)
     arr = np.asarray(value)
+    if arr.dtype == np.dtype(dtype):  # already in the compute dtype (bf16 stored, bf16 served):
+        return jax.device_put(arr)    # no host round trip through fp32 (same bits either way)
     return jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 else arr, dtype=dtype)
 
 
 def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "float32",
-               expected_sha256: str | None = None) -> LoadedModel:
-    art = open_artifact(path, expected_sha256=expected_sha256, verify=True)
-    if art.tokenizer_json is None or art.chat_template is None:
-        raise ArtifactError(f"{path}: the artifact carries no tokenizer or chat template")
-    dt = _DTYPES[compute_dtype]
-    flat = {name: _to_device(art.load(name), dt) for name in art.tensor_names}
+               expected_sha256: str | None = None, timings: dict | None = None) -> LoadedModel:
+    """Load an artifact onto the device. Every byte is verified (each part's sha256, and the
+    file's against `expected_sha256` when given) before this returns: the verification pass
+    runs on a second thread while the tensors are copied to the device, so a load costs about
+    max(hash, copy) instead of their sum; on a mismatch the copies are dropped and it raises.
+    `timings` (optional dict) receives open_s, to_device_s, verify_wait_s and stack_s."""
+    import concurrent.futures
+    import time
+
+    t0 = time.monotonic()
+    art = open_artifact(path, verify=False)  # header, directory and table checks only
+    t_open = time.monotonic()
+
+    def verify():
+        t = time.monotonic()
+        art.verify()
+        if expected_sha256 is not None and art.sha256 != expected_sha256.lower():
+            raise ArtifactError(f"{path}: sha256 is {art.sha256}, not the expected "
+                                f"{expected_sha256}")
+        return time.monotonic() - t
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ninfer-verify")
+    check = pool.submit(verify)
+    try:
+        if art.tokenizer_json is None or art.chat_template is None:
+            raise ArtifactError(f"{path}: the artifact carries no tokenizer or chat template")
+        dt = _DTYPES[compute_dtype]
+        flat = {}
+        for name in art.tensor_names:
+            if check.done() and check.exception() is not None:
+                break  # corrupt: stop copying, raise below
+            flat[name] = _to_device(art.load(name), dt)
+        jax.block_until_ready(flat)
+        t_dev = time.monotonic()
+        verify_s = check.result()  # raises ArtifactError if any byte differs
+        t_ver = time.monotonic()
+    except BaseException:
+        flat = None
+        check.cancel()
+        pool.shutdown(wait=True)
+        art.close()
+        raise
+    pool.shutdown(wait=True)
     params = M.stack_params(flat, art.config)
+    del flat
+    jax.block_until_ready(params)
+    t_end = time.monotonic()
+    if timings is not None:
+        timings.update(open_s=round(t_open - t0, 3), to_device_s=round(t_dev - t_open, 3),
+                       verify_s=round(verify_s, 3), verify_wait_s=round(t_ver - t_dev, 3),
+                       stack_s=round(t_end - t_ver, 3),
+                       artifact_bytes=art._size)
     return LoadedModel(cfg=art.config, params=params, tokenizer=Tokenizer(art.tokenizer_json),
                        chat_template=art.chat_template, sha256=art.sha256, path=Path(path),
                        compute_dtype=dt, kv_dtype=_KV_DTYPES[kv_dtype])

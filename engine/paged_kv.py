@@ -150,7 +150,9 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: s
     step writes is owned by that row alone: two rows writing one slot in one step is undefined.
     Query t sees slots slot_offset..s of its own row. kernels="pallas": a decode step (T = 1)
     attends with the paged-decode kernel (engine/kernels/paged_decode.py), which reads only the
-    row's pages up to its position. Returns (out [B, T, heads, head_dim] in q.dtype, new PagedKV).
+    row's pages up to its position; a prefill chunk (T > 1) with the paged-prefill kernel
+    (engine/kernels/paged_prefill.py; shapes it cannot tile keep the gather).
+    Returns (out [B, T, heads, head_dim] in q.dtype, new PagedKV).
     """
     pool, table, off0 = kv
     n, p, mp = pool.num_pages, pool.page_size, table.shape[1]
@@ -166,6 +168,12 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: s
         from engine.kernels.paged_decode import paged_attend
 
         return paged_attend(pool, table, layer, q, slots[:, 0], off0), kv._replace(pool=pool)
+    if kernels == "pallas":
+        from engine.kernels import paged_prefill
+
+        if paged_prefill.supported(pool, q):
+            return (paged_prefill.paged_prefill_attend(pool, table, layer, q, slots, off0),
+                    kv._replace(pool=pool))
     # Table entries past a row's length may be anything (-1 included): clip so the gather stays
     # in range; those slots are masked below.
     pages = jnp.clip(table, 0, n - 1)

@@ -12,6 +12,10 @@ PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 _DTYPES = {"float32", "bfloat16"}
 _KV_DTYPES = {"float32", "bfloat16", "int8"}
+# Fields a profile TOML may leave out, and their defaults. A field left at its default is also
+# left out of the canonical hash, so adding such a field never changes the hash (or the
+# checkpoint fingerprint) of an existing profile; any other value is hashed.
+OPTIONAL_DEFAULTS = {"kernels": "xla"}
 
 
 class ProfileError(ValueError):
@@ -37,6 +41,9 @@ class LaneProfile:
     host_state_bytes: int
     host: str
     port: int
+    # "xla" (plain-jnp forward) or "pallas" (engine/kernels; the Triton kernels on a GPU, the
+    # Pallas interpreter elsewhere): engine.kernels.KERNEL_CHOICES
+    kernels: str = "xla"
 
     def __post_init__(self):
         def need(cond, msg):
@@ -60,6 +67,10 @@ class LaneProfile:
         need(self.prefill_chunk & (self.prefill_chunk - 1) == 0,
              "prefill_chunk must be a power of two")
         need(0 < self.port < 65536, "port must be in 1..65535")
+        from engine.kernels import KERNEL_CHOICES
+
+        need(self.kernels in KERNEL_CHOICES,
+             f"kernels must be one of {list(KERNEL_CHOICES)}, got {self.kernels!r}")
         need(len(self.model_sha256) == 64 or self.model_sha256 == "PENDING",
              "model_sha256 must be a 64-hex sha256")
 
@@ -67,7 +78,10 @@ class LaneProfile:
         return dataclasses.asdict(self)
 
     def canonical_hash(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        """sha256 of the profile as canonical JSON; optional fields at their defaults omitted."""
+        d = {k: v for k, v in self.to_dict().items()
+             if not (k in OPTIONAL_DEFAULTS and v == OPTIONAL_DEFAULTS[k])}
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
 
@@ -84,7 +98,8 @@ def load_profile(name_or_path: str) -> LaneProfile:
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"{path}: not valid TOML: {e}") from None
     fields = {f.name for f in dataclasses.fields(LaneProfile)}
-    if set(data) != fields:
+    required = fields - set(OPTIONAL_DEFAULTS)
+    if not required <= set(data) <= fields:
         raise ProfileError(f"{path}: unknown fields {sorted(set(data) - fields)}, "
-                           f"missing fields {sorted(fields - set(data))}")
+                           f"missing fields {sorted(required - set(data))}")
     return LaneProfile(**data)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import socket
 import sys
@@ -50,6 +51,7 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
     from engine.engine import Engine
     from engine.loader import ensure_embedded, load_model
 
+    phases = {"boot_s": round(time.monotonic() - t_start, 3)}  # start -> this thread
     try:
         model_arg = args.model or profile.model
         if model_arg.startswith("embedded:"):
@@ -57,29 +59,45 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                                    profile.model_sha256)
             expected = profile.model_sha256
         else:
-            path, expected = Path(model_arg), None
+            # The lane's own artifact must be the one its profile pins (fail closed); an
+            # artifact named on the command line is the operator's choice and is only hashed.
+            pinned = args.model is None and profile.model_sha256 != "PENDING"
+            path, expected = Path(model_arg), (profile.model_sha256 if pinned else None)
+        load = {}
+        t = time.monotonic()
         model = load_model(path, compute_dtype=profile.compute_dtype,
-                           kv_dtype=profile.kv_dtype, expected_sha256=expected)
+                           kv_dtype=profile.kv_dtype, expected_sha256=expected, timings=load)
+        phases["load_s"] = round(time.monotonic() - t, 3)
+        phases.update({f"load_{k}": v for k, v in load.items()})
+        t = time.monotonic()
         engine = Engine(model, context_tokens=profile.context_tokens,
                         prefill_chunk=profile.prefill_chunk,
                         max_concurrency=profile.max_concurrency, max_queue=profile.max_queue,
                         queue_timeout_s=profile.queue_timeout_s,
                         capacity_tokens=profile.kv_capacity_tokens,
                         state_slots=profile.state_slots,
-                        host_state_bytes=profile.host_state_bytes)
+                        host_state_bytes=profile.host_state_bytes, kernels=profile.kernels)
+        phases["engine_init_s"] = round(time.monotonic() - t, 3)
         compile_s = engine.warmup()
+        phases["compile_s"] = round(compile_s, 3)
+        t = time.monotonic()
         from engine.constrain import ConstraintCompiler
 
         rt.constraints = ConstraintCompiler(model.tokenizer)  # token tables: ~1-2 s, once
+        phases["constraints_s"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
         from server.checkpoints.setup import attach as attach_checkpoints
 
         attach_checkpoints(rt, model, profile, engine, args)
+        phases["checkpoints_attach_s"] = round(time.monotonic() - t, 3)
         engine.start()
         rt.model, rt.engine = model, engine
         rt.obs.on_server_start(lane=profile.name, host=args.host_bound, port=args.port_bound,
                                model=model.model_id, model_sha256=model.sha256,
                                compile_s=round(compile_s, 3),
-                               ready_s=round(time.monotonic() - t_start, 3))
+                               ready_s=round(time.monotonic() - t_start, 3),
+                               kernels=profile.kernels, startup_phases=phases)
+        print(f"ninfer: startup phases: {json.dumps(phases)}", file=sys.stderr, flush=True)
         print(f"ninfer: ready: model {model.model_id} sha256 {model.sha256[:16]}... "
               f"(compile {compile_s:.1f}s, ready {time.monotonic() - t_start:.1f}s after start)",
               file=sys.stderr, flush=True)

@@ -36,3 +36,15 @@ def lowers_for_cuda(fn, *args) -> str:
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+def random_pool(rng, kv_dtype, layers, pages, page, kvh, hd):
+    """A KV pool of random K/V (bf16/f32, or int8 codes with per-token scales)."""
+    from engine.paged_kv import KVPool, quantize_kv
+
+    k = rng.standard_normal((layers, pages, page, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((layers, pages, page, kvh, hd)).astype(np.float32)
+    if kv_dtype == "int8":
+        (kc, ks), (vc, vs) = quantize_kv(jnp.asarray(k)), quantize_kv(jnp.asarray(v))
+        return KVPool(kc, vc, ks, vs)
+    return KVPool(jnp.asarray(k, kv_dtype), jnp.asarray(v, kv_dtype), None, None)

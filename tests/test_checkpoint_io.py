@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.runtime.checkpoint_io import PageDigests, export_snapshot, import_snapshot
+from engine.runtime.checkpoint_io import (PageDigests, StagedPages, _chunks, export_snapshot,
+                                          import_snapshot, page_spec, stage_pages)
 from engine.runtime.prefix import token_key
 from tests.test_engine_reuse import make_engine, meaningful, perturbed, run, turn
 
@@ -37,6 +38,13 @@ def test_export_import_is_bit_exact_and_continues_identically(tiny_model, engine
     exp = engine.call(lambda e: export_snapshot(e.mem, snap_in(e, "alice", fed), digests,
                                                 session="s")).result()
     assert exp.num_tokens == len(fed) > 64 and all(p is not None for p in exp.pages)
+    # the partial last page's slots past the frontier are zeros in every array (so a page's
+    # bytes are a function of the state), and the full pages are not all zeros
+    spec = engine.call(lambda e: page_spec(e.mem.cache.pool)).result()
+    used = len(fed) - (len(exp.pages) - 1) * 64
+    staged = stage_pages(spec, exp.pages)
+    for a in staged.arrays:
+        assert not a[-1][:, used:].any() and a[0].any()
     # drop alice's state, then install it from the exported bytes
     engine.call(lambda e: e.mem.forget("alice", token_key("alice", fed))).result()
     assert snapshot_of(engine, "alice", fed) is None
@@ -102,3 +110,29 @@ def test_eviction_saves_an_unsaved_session_head_and_restore_installs_it(tiny_mod
         engine.mem.before_evict = None
         ck._jobs.put(None)
         store.close()
+
+
+def test_staging_layout_and_power_of_two_chunks():
+    """No engine: StagedPages' per-page views concatenate to the page's bytes, stage_pages
+    copies pages into the same layout, and the scatter runs cover n pages exactly."""
+    for n in (1, 2, 5, 64, 1025, 2048):
+        runs = _chunks(n)
+        assert runs[0][0] == 0 and runs[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+        assert all((e - s) & (e - s - 1) == 0 for s, e in runs)  # powers of two
+        assert len(runs) == bin(n).count("1")
+    spec = [((2, 4, 3), np.dtype(np.float32)), ((2, 4, 3), np.dtype(np.float32)),
+            ((2, 4), np.dtype(np.float16))]
+    page_bytes = 2 * 96 + 16
+    rng = np.random.default_rng(0)
+    pages = [rng.integers(0, 256, page_bytes, np.uint8).tobytes() for _ in range(3)]
+    staged = stage_pages(spec, pages)
+    assert [a.shape for a in staged.arrays] == [(3, 2, 4, 3), (3, 2, 4, 3), (3, 2, 4)]
+    for i, p in enumerate(pages):
+        assert b"".join(bytes(v) for v in staged.views(i)) == p
+        assert staged.arrays[1][i].tobytes() == p[96:192]
+    made = StagedPages.layout(spec)(3, page_bytes)
+    assert made is not None and len(made[1]) == 3
+    assert StagedPages.layout(spec)(3, page_bytes + 1) is None
+    with pytest.raises(ValueError):
+        stage_pages(spec, [b"x" * 7])

@@ -3,6 +3,7 @@ step (in a child process that holds only the store), verification (flipped bytes
 manifests, another principal's tag), fingerprints, quota eviction order, ENOSPC, deletion."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -267,3 +268,182 @@ def test_purge_and_response_delete_remove_content(store):
     assert not store.session_dir("alice", "t").exists()
     assert os.listdir(store.quarantine_dir) == []  # the quarantined copy went too
     assert quota.usage_stats(store)["pages"] == 0  # nothing references any page
+
+
+# ---- the parallel save and load paths -----------------------------------------------------
+
+@pytest.mark.parametrize("flip", [[0], [3], [4], [1, 3]])
+def test_parallel_verification_quarantines_any_flipped_page(store, flip):
+    """Pages are read and verified concurrently: one flipped byte in any page (or in several)
+    still fails the whole load, names the first bad page in page order, quarantines the
+    generation and deletes every page whose bytes are wrong (and only those)."""
+    inp = make_input(300)  # 5 pages, the last one partial
+    gen = store.save("alice", "s", inp, FP_A).generation
+    for i in flip:
+        path = store.page_path(inp.digests[i])
+        data = bytearray(path.read_bytes())
+        data[(i * 97) % len(data)] ^= 0x80
+        path.write_bytes(bytes(data))
+    got = store.load("alice", "s", FP_A, prompt_after(inp))
+    assert (got.state, got.generation, got.pages) == ("corrupt", gen, None)
+    assert got.reason == f"hash_mismatch:{inp.digests[flip[0]][:16]}"
+    assert len(os.listdir(store.quarantine_dir)) == 1
+    for i, d in enumerate(inp.digests):
+        assert store.page_path(d).exists() == (i not in flip)
+    # the next save rewrites exactly the deleted pages, and restores
+    r = store.save("alice", "s", make_input(300), FP_A)
+    assert (r.status, r.pages_written) == ("saved", len(flip))
+    assert store.load("alice", "s", FP_A, prompt_after(inp)).pages == inp.pages
+
+
+def test_a_truncated_or_missing_page_fails_the_load(store):
+    inp = make_input(300)
+    store.save("alice", "s", inp, FP_A)
+    store.page_path(inp.digests[1]).write_bytes(b"short")
+    got = store.load("alice", "s", FP_A, prompt_after(inp))
+    assert (got.state, got.reason) == ("corrupt", f"hash_mismatch:{inp.digests[1][:16]}")
+    inp = make_input(300, seed=4)
+    store.save("alice", "t", inp, FP_A)
+    store.page_path(inp.digests[2]).unlink()
+    got = store.load("alice", "t", FP_A, prompt_after(inp))
+    assert (got.state, got.reason) == ("corrupt", f"missing:{inp.digests[2][:16]}")
+
+
+def test_state_in_parts_and_page_buffers_are_written_as_one(store):
+    """The state may come as several buffers (conv, rec) and pages as memoryviews or arrays:
+    the files hold their bytes back to back, exactly as if they had been joined."""
+    inp = make_input(300)
+    joined = inp.state
+    parts = SaveInput(inp.tokens, PAGE, [np.frombuffer(p, np.uint8) if i % 2 else memoryview(p)
+                                         for i, p in enumerate(inp.pages)],
+                      [None] * 5, [joined[:1000], np.frombuffer(joined[1000:], np.uint8)],
+                      inp.head_response_id)
+    r = store.save("alice", "s", parts, FP_A)
+    assert r.status == "saved" and r.bytes_written == 5 * 1024 + 300 * 4 + len(joined)
+    got = store.load("alice", "s", FP_A, prompt_after(inp))
+    assert got.state == "available" and got.state_bytes == joined and got.pages == inp.pages
+    assert store.save("alice", "t", inp, FP_A).pages_reused == 5  # the same pages
+    assert inp.digests == parts.digests
+    assert store.load("alice", "t", FP_A, prompt_after(inp)).page_digests == parts.digests
+
+
+def test_load_into_a_page_layout(store):
+    """page_layout: each page read straight into the caller's buffers (split as the engine's
+    arrays are), verified; a layout for another page size falls back to the default."""
+    inp = make_input(300)
+    store.save("alice", "s", inp, FP_A)
+    made = []
+
+    def layout(n, page_bytes):
+        if page_bytes != 1024:
+            return None
+        bufs = [np.zeros((n, 256), np.uint8), np.zeros((n, 768), np.uint8)]
+        made.append(bufs)
+        return "handle", [[memoryview(bufs[0][i]), memoryview(bufs[1][i])] for i in range(n)]
+
+    got = store.load("alice", "s", FP_A, prompt_after(inp), page_layout=layout)
+    assert got.state == "available" and got.staged == "handle" and len(made) == 1
+    k, v = made[0]
+    assert [k[i].tobytes() + v[i].tobytes() for i in range(5)] == inp.pages
+    assert got.state_bytes == inp.state
+    other = store.load("alice", "s", FP_A, prompt_after(inp), page_layout=lambda n, b: None)
+    assert other.staged is None and other.pages == inp.pages
+    # a flipped byte is found in the split layout too
+    path = store.page_path(inp.digests[3])
+    data = bytearray(path.read_bytes())
+    data[1000] ^= 1  # in the second buffer of the page
+    path.write_bytes(bytes(data))
+    got = store.load("alice", "s", FP_A, prompt_after(inp), page_layout=layout)
+    assert (got.state, got.reason) == ("corrupt", f"hash_mismatch:{inp.digests[3][:16]}")
+
+
+def test_a_failed_page_write_among_many_refuses_and_leaves_nothing(tmp_path, monkeypatch):
+    """Pages are written on the pool: when one write fails, every other task still ends
+    before the staging directory is removed; the save is refused, no temporary file is left,
+    the previous generation stays current, and the next save works."""
+    from server.checkpoints import files
+
+    store = CheckpointStore(tmp_path / "ck", quota_bytes=1 << 30, io_threads=4)
+    try:
+        old = make_input(300, seed=1)
+        store.save("alice", "s", old, FP_A)
+        real, calls = files.write_new, []
+
+        def flaky(path, data, faults=None):
+            calls.append(path)
+            if len(calls) == 6:
+                raise OSError(errno.EIO, "injected")
+            return real(path, data, faults)
+
+        monkeypatch.setattr(files, "write_new", flaky)
+        r = store.save("alice", "s", make_input(1000, seed=2), FP_A)
+        assert (r.status, r.reason) == ("refused", "eio") and len(calls) > 6
+        monkeypatch.setattr(files, "write_new", real)
+        sdir = store.session_dir("alice", "s")
+        assert not [n for n in os.listdir(sdir) if n.startswith(".")]
+        assert not [n for d in os.listdir(store.pages_dir)
+                    for n in os.listdir(store.pages_dir / d) if n.startswith(".tmp-")]
+        got = store.load("alice", "s", FP_A, prompt_after(old))
+        assert got.state == "available" and got.pages == old.pages
+        new = make_input(1000, seed=2)
+        assert store.save("alice", "s", new, FP_A).status == "saved"
+        assert store.load("alice", "s", FP_A, prompt_after(new)).pages == new.pages
+    finally:
+        store.close()
+
+
+_CHILD_MID_PAGES = r"""
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from server.checkpoints import files, store as store_mod
+from server.checkpoints.store import CheckpointStore
+from tests.test_checkpoint_store import FP_A, make_input
+store = CheckpointStore(Path({root!r}), quota_bytes=1 << 30, io_threads=4)
+if {setup!r}:
+    assert store.save("alice", "s", make_input(300, seed=1), FP_A).status == "saved"
+    sys.exit(0)
+real, n = files.write_new, [0]
+def write_new(path, data, faults=None):
+    n[0] += 1
+    if n[0] == {kill_at!r}:  # other page writes are in flight on the pool
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, data, faults)
+files.write_new = store_mod.write_new = write_new  # page files, then tokens/state too
+store.save("alice", "s", make_input(2000, seed=2), FP_A)
+sys.exit(5)
+"""
+
+
+@pytest.mark.parametrize("kill_at", [3, 20, 33])
+def test_sigkill_while_pages_are_written_in_parallel_leaves_nothing_visible(tmp_path, kill_at):
+    """A crash in the middle of the concurrent page writes (before any manifest exists): the
+    new generation is invisible, the previous one current and whole, and the store's next
+    open removes the staging directory; stray page temporaries are collected, never read."""
+    root = tmp_path / "ck"
+
+    def child(setup):
+        return subprocess.run([sys.executable, "-c", _CHILD_MID_PAGES.format(
+            repo=str(REPO), root=str(root), setup=setup, kill_at=kill_at)],
+            cwd=REPO, capture_output=True, text=True)
+
+    assert child(True).returncode == 0
+    p = child(False)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    store = CheckpointStore(root, quota_bytes=1 << 30)
+    try:
+        sdir = store.session_dir("alice", "s")
+        assert not [n for n in os.listdir(sdir) if n.startswith(".staging")]
+        assert quota.generations_newest_first(sdir) and len(
+            quota.generations_newest_first(sdir)) == 1
+        new = make_input(2000, seed=2)
+        assert store.load("alice", "s", FP_A, prompt_after(new)).reason == "not_prefix"
+        old = make_input(300, seed=1)
+        got = store.load("alice", "s", FP_A, prompt_after(old))
+        assert got.state == "available" and got.pages == old.pages
+        assert store.save("alice", "s", new, FP_A).status == "saved"
+        assert store.load("alice", "s", FP_A, prompt_after(new)).pages == new.pages
+        assert not [n for d in os.listdir(store.pages_dir)
+                    for n in os.listdir(store.pages_dir / d) if n.startswith(".tmp-")]
+    finally:
+        store.close()

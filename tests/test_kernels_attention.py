@@ -8,21 +8,11 @@ import pytest
 
 from engine.kernels.flash_prefill import flash_attend, flash_attend_ref
 from engine.kernels.paged_decode import paged_attend, paged_attend_ref
-from engine.paged_kv import KVPool, quantize_kv
-from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
-
-
-def _pool(rng, kv_dtype, layers, pages, page, kvh, hd):
-    k = rng.standard_normal((layers, pages, page, kvh, hd)).astype(np.float32)
-    v = rng.standard_normal((layers, pages, page, kvh, hd)).astype(np.float32)
-    if kv_dtype == "int8":
-        (kc, ks), (vc, vs) = quantize_kv(jnp.asarray(k)), quantize_kv(jnp.asarray(v))
-        return KVPool(kc, vc, ks, vs)
-    return KVPool(jnp.asarray(k, kv_dtype), jnp.asarray(v, kv_dtype), None, None)
+from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, random_pool
 
 
 def _paged_case(rng, kv_dtype, batch, layers=2, pages=24, page=16, kvh=2, hd=32, nh=6, mp=6):
-    pool = _pool(rng, kv_dtype, layers, pages, page, kvh, hd)
+    pool = random_pool(rng, kv_dtype, layers, pages, page, kvh, hd)
     table = jnp.asarray(rng.permutation(pages)[:batch * mp].reshape(batch, mp), jnp.int32)
     qdt = jnp.float32 if kv_dtype == "float32" else jnp.bfloat16
     q = jnp.asarray(rng.standard_normal((batch, 1, nh, hd)), qdt)

@@ -56,9 +56,13 @@ def test_gdn_chunk_matches_recurrent_oracle_and_carries_state():
     assert_close(s2, rs, jnp.float32)
 
 
-def test_chunk_len_and_selection():
+def test_chunk_len_and_selection(monkeypatch):
     assert [chunk_len(t) for t in (1, 3, 16, 17, 63, 64, 1000)] == [16, 16, 16, 32, 64, 64, 64]
-    assert gdn.select_rule("chunk", "pallas", 512) is gdn_chunk
+    # the kernel is opt-in until it beats the reference on the GPU (v4: 7x slower)
+    assert gdn.select_rule("chunk", "pallas", 512) is gdn.chunk_gated_delta_rule
+    monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
+    rule = gdn.select_rule("chunk", "pallas", 512)
+    assert rule.bf16_operands and rule.__module__ == gdn_chunk.__module__
     assert gdn.select_rule("chunk", "pallas", 1) is gdn_recurrent
     assert gdn.select_rule("chunk", "xla", 512) is gdn.chunk_gated_delta_rule
     assert gdn.select_rule("recurrent", "pallas", 512) is gdn.recurrent_gated_delta_rule
@@ -99,3 +103,41 @@ def test_model_prefill_pallas_equals_xla():
            for k in ("xla", "pallas")}
     assert_close(got["pallas"][0], got["xla"][0], jnp.float32)
     assert_close(got["pallas"][2].rec, got["xla"][2].rec, jnp.float32)
+
+
+def test_bf16_model_hands_the_kernel_bf16_operands(monkeypatch):
+    """A bf16 model's GDN mixer gives the chunked kernel bf16 q, k, v (tensor-core dots); an
+    fp32 model keeps fp32 operands (IEEE dots, the tests' precision)."""
+    from engine import layers
+    from engine.config import TEST_SMALL as cfg
+    from engine.params import random_flat_params
+
+    monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
+    seen = []
+    real = gdn.select_rule
+
+    def spy(mode, kernels, t):
+        rule = real(mode, kernels, t)
+        if not getattr(rule, "bf16_operands", False):
+            return rule
+
+        def wrapped(q, k, v, *rest):
+            seen.append((q.dtype, k.dtype, v.dtype))
+            return rule(q, k, v, *rest)
+        wrapped.bf16_operands = True
+        return wrapped
+    monkeypatch.setattr(layers, "select_rule", spy)
+    flat = random_flat_params(cfg)
+    pre = "layers.0.linear_attn."
+    conv_dim = 2 * cfg.key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    b, t = 1, 20
+    for dtype in (jnp.bfloat16, jnp.float32):
+        p = {k[len(pre):]: jnp.asarray(v, dtype) for k, v in flat.items() if k.startswith(pre)}
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((b, t, cfg.hidden_size)), dtype)
+        conv = jnp.zeros((b, conv_dim, cfg.linear_conv_kernel - 1), dtype)
+        rec = jnp.zeros((b, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                         cfg.linear_value_head_dim), jnp.float32)
+        out, _, state = layers.gdn_mixer(p, cfg, x, conv, rec, jnp.array([t], jnp.int32),
+                                         jnp.ones((b, t), bool), "chunk", "pallas")
+        assert out.shape == (b, t, cfg.hidden_size) and bool(jnp.isfinite(state).all())
+        assert seen[-1] == (jnp.dtype(dtype),) * 3

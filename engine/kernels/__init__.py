@@ -9,6 +9,8 @@ the compiled Triton kernel on a GPU. Triton, not Mosaic GPU: Triton Pallas calls
 Modules (kernel; reference):
 - `qgemv`: weight-only GEMV for decode, int4_g64 / int8_row / fp8_row / dense; `quant.linear`.
 - `paged_decode`: paged attention decode over bf16/f32/int8 KV; the gather in `paged_kv`.
+- `paged_prefill`: paged attention for a prefill chunk (T > 1) over bf16/f32/int8 KV, GQA
+  heads packed into the tile rows; the gather in `paged_kv`.
 - `gdn_decode`: gated delta rule step(s) with the state in and out;
   `gdn.recurrent_gated_delta_rule`.
 - `gdn_prefill`: chunked (WY/UT) gated delta rule for prefill, state in and out;

@@ -23,6 +23,7 @@ Triton dot), so the final state is exact.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +162,16 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
         input_output_aliases={5: 1}, interpret=interpret, compiler_params=params,
         name="gdn_chunk_scan")(q, k, g, u, w, initial_state.astype(f32))
     return out[:, :t], state
+
+
+def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
+                            scale: float | None = None):
+    """`gdn_chunk` as the model's prefill rule (`gdn.select_rule`): it carries the mark that
+    tells a bf16 model's GDN mixer to hand it bf16 q, k, v (engine/layers.py).
+    NINFER_GDN_PREFILL_BV sets the scan's value-column tile (default 64: B x Hv x V/64
+    programs, 96 for the 27B at B = 1; a benchmarking switch until the GPU sweep picks one)."""
+    bv = int(os.environ.get("NINFER_GDN_PREFILL_BV", "64"))
+    return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv)
+
+
+gdn_chunk_bf16_operands.bf16_operands = True

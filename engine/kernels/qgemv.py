@@ -12,6 +12,9 @@ bytes, no copy) and x as its even/odd inputs [M, 2, K/64, 32], so a tile [bn, gb
 whole groups: low nibbles meet even inputs, high nibbles odd ones, and the group scale multiplies
 each group's partial sum once.
 
+On a GPU, int4_g64 weights go to the CUDA op of engine/kernels/cuda_ops.py (same signature
+and result, one logic op per code where this kernel is instruction-bound) when it builds there.
+
 `qmatmul(x, w)` has `quant.linear`'s signature and result (fp32 accumulation, output in x.dtype);
 `qmatmul_ref` is `quant.linear` itself. Shapes the kernel cannot tile, and M > MAX_ROWS (prefill:
 compute-bound, better served by a dequantize + matmul), fall back to the reference.
@@ -226,6 +229,13 @@ def qmatmul(x, w, index=None, *, interpret: bool | None = None,
     order of the fp32 sums (and bf16 rounding of the weights, which the reference does and the
     kernel does not)."""
     nlead = 0 if index is None else int(index.shape[0])
+    if (config is None and isinstance(w, QTensor) and w.fmt == INT4_G64
+            and not resolve_interpret(interpret)):
+        from engine.kernels import cuda_ops  # int4 on a GPU: the CUDA op where it builds
+
+        if (cuda_ops.supported(x, w, nlead) and cuda_ops.worthwhile(w)
+                and cuda_ops.available()):
+            return cuda_ops.int4_gemv(x, w, index)
     if not supported(x, w, nlead):
         if index is not None:
             from engine.kernels.stacked import Stacked

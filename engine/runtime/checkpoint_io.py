@@ -9,6 +9,14 @@ v_scale], that array's [L, page_size, ...] slice of the page, C order. Slots pas
 last token (the tail of a partial last page) are written as zeros: they are masked by position,
 and zeroing them makes the bytes a function of the state alone, so pages are content-addressed.
 
+Import without extra copies: `StagedPages` holds, per pool array, one host array [n_pages, L,
+page_size, ...] (page-major, so every page's slice of it is contiguous). The checkpoint store
+reads each page file straight into its slices (`StagedPages.layout`, one readv per page), or
+`stage_pages` copies pages given as buffers into it once; either happens off the engine thread.
+`StagedPages.to_device` starts the host-to-device transfer off the engine thread too; the
+engine thread then only scatters: in power-of-two runs of pages (few compiled shapes, and no
+padding pages to build, transfer or drop).
+
 Full pages are immutable while any table holds them (writers copy a shared page first and never
 write below their own length), so a full page's digest stays valid as long as a live snapshot
 that was exported holds it: `PageDigests` remembers those and an export skips reading them.
@@ -35,7 +43,7 @@ class SnapshotExport:
     session: str | None
     tokens: np.ndarray               # int32 [n]
     page_size: int
-    pages: list[bytes | None]        # one per page of the state, pages_for(n, page_size)
+    pages: list                      # one buffer (or None) per page, pages_for(n, page_size)
     digests: list[str | None]
     conv: np.ndarray                 # [nb, G, C, K-1] conv dtype
     rec: np.ndarray                  # [nb, G, Hv, Dk, Dv] fp32
@@ -93,14 +101,76 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())  # pad page lists to powers of two: few compiles
 
 
+def _chunks(n: int) -> list[tuple[int, int]]:
+    """[start, stop) runs of n pages, each a power of two long, largest first."""
+    out, start = [], 0
+    for bit in reversed(range(max(n, 1).bit_length())):
+        if n & (1 << bit):
+            out.append((start, start + (1 << bit)))
+            start += 1 << bit
+    return out
+
+
 @jax.jit
 def _gather(arrays, ids):
-    return [a[:, ids] for a in arrays]
+    # page-major on the device: each page's slice of each array arrives contiguous
+    return [jnp.moveaxis(a[:, ids], 1, 0) for a in arrays]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _scatter(arrays, ids, data):
-    return [a.at[:, ids].set(d, mode="drop") for a, d in zip(arrays, data)]
+    # data: page-major [pages, L, page_size, ...] per array, as StagedPages holds it
+    return [a.at[:, ids].set(jnp.moveaxis(d, 0, 1)) for a, d in zip(arrays, data)]
+
+
+class StagedPages:
+    """Host buffers for n pages in the scatter's layout: per pool array, [n, L, page_size,
+    ...] C order. `views(i)` are page i's slices in page-byte order (k, v[, k_scale,
+    v_scale]): concatenated they are exactly the page's bytes."""
+
+    def __init__(self, spec, n: int):
+        self.spec, self.n = spec, n
+        self.page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in spec)
+        # raw bytes (a dtype such as bfloat16 may not export a buffer): typed views below
+        self._raw = [np.empty((n, int(np.prod(s)) * d.itemsize), np.uint8) for s, d in spec]
+        self.arrays = [r.view(d).reshape((n,) + tuple(s)) for r, (s, d) in zip(self._raw, spec)]
+        self.device_chunks = None  # per power-of-two run: its arrays on the device
+
+    def views(self, i: int) -> list[memoryview]:
+        return [memoryview(r[i]) for r in self._raw]
+
+    def to_device(self) -> "StagedPages":
+        """Start the host-to-device transfer of every run now (any thread: the pool is not
+        touched), so the engine thread only scatters."""
+        self.device_chunks = [[jax.device_put(a[start:stop]) for a in self.arrays]
+                              for start, stop in _chunks(self.n)]
+        return self
+
+    @classmethod
+    def layout(cls, spec):
+        """For CheckpointStore.load(page_layout=...): (staged, per-page views) for n pages of
+        `page_bytes`, or None when that is not this runtime's page size."""
+        def make(n: int, page_bytes: int):
+            if page_bytes != sum(int(np.prod(s)) * d.itemsize for s, d in spec):
+                return None
+            staged = cls(spec, n)
+            return staged, [staged.views(i) for i in range(n)]
+        return make
+
+
+def stage_pages(spec, pages) -> StagedPages:
+    """Pages given as buffers (bytes, memoryviews), copied once into a StagedPages."""
+    staged = StagedPages(spec, len(pages))
+    for i, data in enumerate(pages):
+        src = memoryview(data).cast("B")
+        if src.nbytes != staged.page_bytes:
+            raise ValueError(f"page of {src.nbytes} bytes, the pool's pages have "
+                             f"{staged.page_bytes}")
+        off = 0
+        for dst in staged.views(i):
+            dst[:] = src[off:off + dst.nbytes]
+            off += dst.nbytes
+    return staged
 
 
 def _replace_arrays(pool, arrays):
@@ -120,18 +190,23 @@ def export_snapshot(mem, snap: Snapshot, digests: PageDigests | None = None,
     if need:
         sel = np.zeros((_bucket(len(need)),), np.int32)
         sel[:len(need)] = [ids[i] for i in need]
-        got = [np.asarray(x) for x in jax.device_get(_gather(_arrays(mem.cache.pool),
-                                                               jnp.asarray(sel)))]
+        got = [np.asarray(x)[:len(need)] for x in jax.device_get(
+            _gather(_arrays(mem.cache.pool), jnp.asarray(sel)))]  # [pages, L, page_size, ...]
+        # one buffer, one row per page: each array's page-major block copied in once (no
+        # per-page tobytes or join); the tail of a partial last page zeroed in place
+        packed = np.empty((len(need), sum(a[0].nbytes for a in got)), np.uint8)
+        off = 0
+        for a in got:
+            size = a[0].nbytes
+            dst = packed[:, off:off + size]
+            dst[...] = np.ascontiguousarray(a).reshape(len(need), -1).view(np.uint8)
+            used = n - need[-1] * ps
+            if used < ps:  # only the state's last page can be partial
+                tail = dst[-1].view(a.dtype).reshape(a.shape[1:])
+                tail[:, used:] = 0
+            off += size
         for j, i in enumerate(need):
-            parts = []
-            for a in got:
-                page = np.ascontiguousarray(a[:, j])  # [L, page_size, ...]
-                used = n - i * ps
-                if used < ps:
-                    page = page.copy()
-                    page[:, used:] = 0
-                parts.append(page.tobytes())
-            pages[i] = b"".join(parts)
+            pages[i] = memoryview(packed[j])
     conv, rec = mem.states.read(snap.image)
     exp = SnapshotExport(snap.principal, session if session is not None else snap.session,
                          np.array(snap.tokens, np.int32), ps, pages, known, conv, rec)
@@ -154,36 +229,40 @@ def split_page(pool, data: bytes) -> list[np.ndarray]:
     return out
 
 
-def import_snapshot(mem, principal: str, session: str | None, tokens, pages: list[bytes],
+def import_snapshot(mem, principal: str, session: str | None, tokens, pages,
                     conv: np.ndarray, rec: np.ndarray, digests: PageDigests | None = None,
                     page_digests: list[str] | None = None) -> Snapshot | None:
     """Install a state read from disk as a stored snapshot of `principal`; the next request
-    whose prompt extends `tokens` continues from it (path "disk-restored"). Returns None when
-    the runtime has no room (pages or state slots held by running sequences)."""
+    whose prompt extends `tokens` continues from it (path "disk-restored"). `pages`: a
+    StagedPages (staged off the engine thread; no host copy here) or a list of page buffers.
+    Returns None when the runtime has no room (pages or state slots held by running
+    sequences)."""
     tokens = np.asarray(tokens, np.int32)
     n = int(tokens.shape[0])
-    if len(pages) != pages_for(n, mem.page_size) or n == 0:
-        raise ValueError(f"{len(pages)} pages for {n} tokens")
+    n_pages = pages.n if isinstance(pages, StagedPages) else len(pages)
+    if n_pages != pages_for(n, mem.page_size) or n == 0:
+        raise ValueError(f"{n_pages} pages for {n} tokens")
     existing = mem.index.get(principal, token_key(principal, tokens))
     if existing is not None:
         return existing
-    while not mem.alloc.can_allocate(len(pages)):
+    spec = page_spec(mem.cache.pool)
+    staged = pages if isinstance(pages, StagedPages) else stage_pages(spec, pages)
+    if [(tuple(s), d.itemsize) for s, d in staged.spec] != [(tuple(s), d.itemsize)
+                                                             for s, d in spec]:
+        raise ValueError("staged pages do not match the pool's page layout")
+    while not mem.alloc.can_allocate(n_pages):
         if not mem._evict_one():
             return None
     if not mem.states.can_store():
         return None
     table = PageTable(mem.alloc)
     table.append(n)  # fresh pages, no copies: the table was empty
-    ids = np.full((_bucket(len(pages)),), mem.alloc.num_pages, np.int32)  # pad: dropped
-    ids[:len(pages)] = table.pages
-    cols = list(zip(*[split_page(mem.cache.pool, p) for p in pages]))
-    data = []
-    for col in cols:
-        stacked = np.stack(col, axis=1)  # [L, pages, page_size, ...]
-        pad = np.zeros((stacked.shape[0], ids.shape[0] - stacked.shape[1]) + stacked.shape[2:],
-                       stacked.dtype)
-        data.append(jnp.asarray(np.concatenate([stacked, pad], axis=1)))
-    arrays = _scatter(_arrays(mem.cache.pool), jnp.asarray(ids), data)
+    page_ids = np.asarray(table.pages, np.int32)
+    arrays = _arrays(mem.cache.pool)
+    for k, (start, stop) in enumerate(_chunks(n_pages)):  # power-of-two runs: no padding
+        data = (staged.device_chunks[k] if staged.device_chunks is not None
+                else [jnp.asarray(a[start:stop]) for a in staged.arrays])
+        arrays = _scatter(arrays, jnp.asarray(page_ids[start:stop]), data)
     mem.cache = mem.cache._replace(pool=_replace_arrays(mem.cache.pool, arrays))
     snap = Snapshot(principal, tokens, "response", session=session)
     snap.from_disk = True
@@ -192,7 +271,7 @@ def import_snapshot(mem, principal: str, session: str | None, tokens, pages: lis
     snap.pages = table
     mem.install(snap)
     if digests is not None and page_digests is not None:
-        exp = SnapshotExport(principal, session, tokens, mem.page_size, [None] * len(pages),
+        exp = SnapshotExport(principal, session, tokens, mem.page_size, [None] * n_pages,
                              list(page_digests), conv, rec)
         digests.remember(snap, exp)
     return snap

@@ -1,5 +1,12 @@
 """Durable file primitives for the checkpoint store: every write is new-file, fsync, rename,
-fsync of the directory. Fault injection for tests lives here and only here."""
+fsync of the directory. Fault injection for tests lives here and only here.
+
+Payloads are any buffers (bytes, memoryview, C-contiguous numpy arrays) or sequences of them
+(written back to back, never concatenated). Many files are written from a thread pool: the
+write and fsync syscalls release the GIL, and concurrent fsyncs let the filesystem batch its
+journal commits; a file still becomes visible under its final name only after its own fsync,
+and every directory touched is fsync'd once after all renames.
+"""
 from __future__ import annotations
 
 import errno
@@ -20,6 +27,37 @@ class Faults:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def as_parts(data) -> list[memoryview]:
+    """A payload as a list of flat byte views (no copies): one buffer or a sequence of them."""
+    parts = data if isinstance(data, (list, tuple)) else [data]
+    out = []
+    for p in parts:
+        v = memoryview(p)
+        if not v.c_contiguous:
+            raise ValueError("checkpoint payloads must be C-contiguous buffers")
+        out.append(v.cast("B") if v.format != "B" or v.ndim != 1 else v)
+    return out
+
+
+def nbytes(data) -> int:
+    return sum(v.nbytes for v in as_parts(data))
+
+
+def wait_all(futures) -> list:
+    """The futures' results in order, after every one finished; the first error is raised
+    only then (so no task is still writing when the caller cleans up)."""
+    first, out = None, []
+    for f in futures:
+        try:
+            out.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            out.append(None)
+            first = first or e
+    if first is not None:
+        raise first
+    return out
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -28,42 +66,60 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_new(path: Path, data: bytes, faults: Faults | None = None) -> None:
-    """Create `path` (it must not exist), write `data`, fsync. The caller fsyncs the dir."""
+def fsync_dirs(paths, pool=None) -> None:
+    paths = sorted(set(paths))
+    if pool is None or len(paths) < 2:
+        for d in paths:
+            fsync_dir(d)
+    else:
+        wait_all([pool.submit(fsync_dir, d) for d in paths])
+
+
+def write_new(path: Path, data, faults: Faults | None = None) -> None:
+    """Create `path` (it must not exist), write `data` (a buffer or a sequence of buffers),
+    fsync. The caller fsyncs the dir."""
     if faults is not None:
         faults.check_write()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        for view in as_parts(data):
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def publish_file(path: Path, data: bytes, faults: Faults | None = None) -> None:
+def publish_file(path: Path, data, faults: Faults | None = None) -> None:
     """Write `path` atomically: a temporary name in the same directory, fsync, rename over
     `path`, fsync the directory. A crash leaves the old file or the new one, never a mix."""
     publish_files([(path, data)], faults)
 
 
-def publish_files(items, faults: Faults | None = None) -> None:
+def _publish_one(path: Path, data, faults) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
+    try:
+        write_new(tmp, data, faults)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def publish_files(items, faults: Faults | None = None, pool=None) -> None:
     """`publish_file` for many new files: each is written and fsync'd under a temporary name
-    and renamed, then every directory touched is fsync'd once (not once per file)."""
-    dirs = set()
-    for path, data in items:
-        tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
-        try:
-            write_new(tmp, data, faults)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        dirs.add(path.parent)
-    for d in sorted(dirs):
-        fsync_dir(d)
+    and only then renamed (on `pool`'s threads when given, concurrently); after all of them,
+    every directory touched is fsync'd once (not once per file). On an error the first one
+    is raised after every task ended; files already renamed stay (content-addressed pages:
+    unreferenced, collected later)."""
+    items = list(items)
+    if pool is None or len(items) < 2:
+        for path, data in items:
+            _publish_one(path, data, faults)
+    else:
+        wait_all([pool.submit(_publish_one, path, data, faults) for path, data in items])
+    fsync_dirs({path.parent for path, _ in items}, pool)
 
 
 def mkdir_synced(path: Path) -> None:
@@ -71,6 +127,16 @@ def mkdir_synced(path: Path) -> None:
         return
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     fsync_dir(path.parent)
+
+
+def mkdirs_synced(paths, pool=None) -> None:
+    """Create the missing directories among `paths`, then fsync each parent once."""
+    parents = set()
+    for p in paths:
+        if not p.is_dir():
+            p.mkdir(mode=0o700, parents=True, exist_ok=True)
+            parents.add(p.parent)
+    fsync_dirs(parents, pool)
 
 
 def read_file(path: Path) -> bytes:
@@ -82,6 +148,30 @@ def read_file(path: Path) -> bytes:
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def read_into(path: Path, views) -> bool:
+    """Fill `views` (one buffer or a list, in order) with the whole of `path` (no symlinks).
+    False when the file's size is not exactly their total (nothing is trusted then);
+    FileNotFoundError when it is absent."""
+    views = [memoryview(v).cast("B") for v in (views if isinstance(views, list) else [views])]
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size != sum(v.nbytes for v in views):
+            return False
+        views = [v for v in views if v.nbytes]
+        while views:  # one readv for all of a page's slices (short reads resume)
+            n = os.readv(fd, views)
+            if n == 0:
+                return False  # shrank under us
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
+        return os.read(fd, 1) == b""  # grew under us: not the file the size check saw
+    finally:
+        os.close(fd)
 
 
 def tree_bytes(path: Path) -> int:

@@ -45,6 +45,7 @@ class Checkpointer:
         self._log_fn = log
         self.engine = None
         self._digests = None
+        self._spec = None  # the pool's page layout (engine/runtime/checkpoint_io.page_spec)
         self._heads: dict[tuple[str, str], Head] = {}
         self._resident: set[tuple[str, str]] = set()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
@@ -140,7 +141,8 @@ class Checkpointer:
             if k in self._resident:
                 return None
             t0 = time.monotonic()
-            res = self.store.load(principal, session, self.fingerprint, prompt_ids)
+            res = self.store.load(principal, session, self.fingerprint, prompt_ids,
+                                  page_layout=self._page_layout())
             self._resident.add(k)
             ns = session_namespace(principal, session)[:16]
             if res.state != "available":
@@ -161,6 +163,16 @@ class Checkpointer:
                       read_bytes=res.bytes_read, seconds=round(time.monotonic() - t0, 6))
             return reason
 
+    def _page_layout(self):
+        """Pages are read straight into the engine's staging layout (no host copy on the
+        engine thread); the pool's page shapes are asked of the engine thread once."""
+        from engine.runtime.checkpoint_io import StagedPages, page_spec
+
+        if self._spec is None:
+            self._spec = self.engine.call(
+                lambda e: page_spec(e.mem.cache.pool)).result(timeout=EXPORT_TIMEOUT_S)
+        return StagedPages.layout(self._spec)
+
     def _install(self, principal, session, res):
         from engine.runtime.checkpoint_io import import_snapshot
 
@@ -170,8 +182,11 @@ class Checkpointer:
             np.prod(mem.states.conv_shape))).reshape(mem.states.conv_shape)
         rec = np.frombuffer(res.state_bytes, np.float32, offset=conv_n).reshape(
             mem.states.rec_shape)
+        pages = res.pages
+        if res.staged is not None:  # transferred here: the engine thread only scatters
+            pages = res.staged.to_device()
         fut = self.engine.call(lambda e: import_snapshot(
-            e.mem, principal, session, res.tokens, res.pages, conv, rec, self._digests,
+            e.mem, principal, session, res.tokens, pages, conv, rec, self._digests,
             res.page_digests))
         return fut.result(timeout=EXPORT_TIMEOUT_S)
 
@@ -231,8 +246,10 @@ class Checkpointer:
                 if exp is None:
                     return {"status": "nothing_to_save", "generation": None}
             t0 = time.monotonic()
-            inp = SaveInput(exp.tokens, exp.page_size, exp.pages, exp.digests,
-                            exp.conv.tobytes() + exp.rec.tobytes(), head.response_id)
+            image = [np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # no copies, no join
+                     for a in (exp.conv, exp.rec)]
+            inp = SaveInput(exp.tokens, exp.page_size, exp.pages, exp.digests, image,
+                            head.response_id)
             live = frozenset(session_namespace(p, s) for p, s in list(self._resident))
             res: SaveResult = self.store.save(principal, session, inp, self.fingerprint,
                                               live=live)

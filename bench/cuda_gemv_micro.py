@@ -1,0 +1,103 @@
+"""The CUDA int4_g64 GEMV (engine/kernels/cuda_ops.py) against the Pallas one, at every matrix
+shape of a qwen3.8-27b decode step, on one GPU: achieved bytes/s of int4 codes + scales over the
+measured copy bandwidth, per rows of x (M) and rows per warp (R). Weights are stacks of 4 layers
+read in place through the layer index (the model's access), so the 60 MB L2 cannot hold them.
+Also checks each CUDA result against the reference (`quant.linear`) before timing it.
+
+  python bench/cuda_gemv_micro.py --out cuda_gemv_micro.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+from bench.bench_27b import _random_qtensor, torch_peaks  # noqa: E402
+from bench.kernels_micro import LAYERS, REPEAT, bench  # noqa: E402
+from engine.kernels import cuda_ops, qgemv  # noqa: E402
+from engine.kernels.stacked import Stacked  # noqa: E402
+from engine.quant import linear  # noqa: E402
+
+# (name, N, K) of one decode step's matrices (GDN layers x48, attention x16, lm_head x1)
+SHAPES = [("gdn in_proj_qkv", 10240, 5120), ("gdn in_proj_z", 6144, 5120),
+          ("gdn out_proj", 5120, 6144), ("mlp gate/up", 17408, 5120),
+          ("mlp down", 5120, 17408), ("attn q(+gate)", 12288, 5120), ("attn k/v", 1024, 5120),
+          ("attn o_proj", 5120, 6144), ("gdn in_proj_b/a", 48, 5120), ("lm_head", 248320, 5120)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4")
+    ap.add_argument("--rpw", default="2,4", help="rows per warp of the FMA kernel")
+    ap.add_argument("--stages", default="4,6,8,12", help="copy stages of the MMA kernel")
+    ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
+    ap.add_argument("--out", default="cuda_gemv_micro.json")
+    args = ap.parse_args()
+    peaks = torch_peaks()
+    res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
+           "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
+           "peaks": peaks, "cuda_available": cuda_ops.available(),
+           "why_unavailable": cuda_ops.why_unavailable(), "rows": []}
+    copy = peaks.get("torch_copy_bytes_per_s", 1.0)
+    print(f"copy {copy / 1e12:.2f} TB/s; CUDA op available: {res['cuda_available']} "
+          f"{res['why_unavailable']}", flush=True)
+    picks = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+    for name, n, k in picks:
+        layers = LAYERS if n * k < 1e9 else 1
+        w = _random_qtensor(jax.random.key(n + k), (layers, n, k), "int4_g64")
+        nbytes = (w.data.size + w.scale.size * 4) / layers
+        for m in [int(r) for r in args.rows.split(",")]:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            ref = linear(x, Stacked(w, jnp.array([layers - 1], jnp.int32)).materialize())
+            variants = {"pallas": None}
+            variants.update({f"fma_r{r}": ("fma", int(r)) for r in args.rpw.split(",") if r})
+            variants.update({f"mma_s{u}": ("mma", int(u)) for u in args.stages.split(",") if u})
+            for impl, rpw in variants.items():
+                if rpw is not None and not res["cuda_available"]:
+                    continue
+
+                def one(x, w, idx, rpw=rpw):
+                    if rpw is None:
+                        return qgemv.qmatmul(x, w, idx, config=qgemv.default_config(w, m))
+                    if rpw[0] == "fma":
+                        return cuda_ops.int4_gemv(x, w, idx, variant="fma", rows_per_warp=rpw[1])
+                    return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1])
+
+                def run(x, w, one=one):
+                    def body(i, acc):
+                        return acc + one(x, w, jnp.reshape(i % layers, (1,))).astype(
+                            jnp.float32)
+                    return lax.fori_loop(0, layers * REPEAT, body,
+                                         jnp.zeros((m, n), jnp.float32))
+                try:
+                    got = jax.jit(one)(x, w, jnp.array([layers - 1], jnp.int32))
+                    err = float(jnp.linalg.norm((got - ref).astype(jnp.float32))
+                                / jnp.linalg.norm(ref.astype(jnp.float32)))
+                    t = bench(jax.jit(run), x, w, reps=7) / (layers * REPEAT)
+                except Exception as e:  # noqa: BLE001  (an unsupported M x R is a result)
+                    print(f"{name:>16} {n:>6}x{k:<5} M{m} {impl:>8}: {type(e).__name__} "
+                          f"{str(e)[:200]}", flush=True)
+                    continue
+                row = {"matrix": name, "n": n, "k": k, "rows": m, "impl": impl, "us": t * 1e6,
+                       "bytes_per_s": nbytes / t, "fraction_of_copy": nbytes / t / copy,
+                       "rel_err_vs_reference": err}
+                res["rows"].append(row)
+                print(f"{name:>16} {n:>6}x{k:<5} M{m} {impl:>8}: {t * 1e6:8.1f} us "
+                      f"{nbytes / t / 1e12:5.2f} TB/s ({row['fraction_of_copy'] * 100:4.0f}% of "
+                      f"copy) err {err:.1e}", flush=True)
+                Path(args.out).write_text(json.dumps(res, indent=2))
+        del w
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

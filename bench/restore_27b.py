@@ -1,0 +1,482 @@
+"""The headline measurement through real server processes: after a restart, TTFT of a long
+session restored from its durable checkpoint vs the same transcript re-prefilled cold, and
+restart-to-ready (process start -> the server answers a generation) cold and with the persistent
+JAX compilation cache warm.
+
+    # on one H200 (everything, artifact included, in one command; ~17 GB artifact in --work-dir)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 bench/restore_27b.py \
+        --work-dir /tmp/r27 --out restore_27b.json
+    # the same script end to end on a CPU with the tiny shapes and a short transcript
+    .venv/bin/python bench/restore_27b.py --preset tiny --tokens 2048 --prefill-chunk 256 \
+        --kernels xla --work-dir /tmp/r27cpu --out /tmp/r27cpu.json
+
+Phases: (a) a synthetic-weight `.ninfer` artifact of the preset (bench/synth_artifact.py; kept
+between runs, with its sha256 in a sidecar JSON); a lane profile TOML written into the work
+dir. (b) server 1 on a fresh state dir (cold compilation cache): restart-to-ready. (c) owner
+sends the transcript (one user message of ~--tokens tokens) with a prompt_cache_key; the
+checkpoint is flushed (POST /v1/ninfer/checkpoints waits for the save); graceful stop (SIGTERM)
+and its stop report. (d) server 2 on the same state dir: restart-to-ready warm. (e) owner
+continues with a short turn (previous_response_id): TTFT restored (request log: path
+`disk-restored`, the restore's bytes and seconds). (f) another principal sends the same
+transcript + answer + turn: TTFT of a cold re-prefill. (g) table + JSON (--out).
+
+The bench process never imports JAX (the servers own the GPU). Startup phases are taken from
+the servers' `startup phases:` line (server/cli.py): boot, artifact open / copy to device /
+verification (overlapped) / stacking, engine init (KV pool), compile, constraint tables,
+checkpoint attach.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.serverproc import start_server  # noqa: E402
+
+OWNER, COLD, PROBE = ("nk-owner-0123456789abcdef", "nk-cold-0123456789abcdef",
+                      "nk-probe-0123456789abcdef")
+SESSION = "restore-bench"
+TURN = "Continue: summarise the last three steps in one line."
+
+T_START = time.monotonic()
+
+
+class OutOfTime(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T_START:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- the transcript ---------------------------------------------------------------------------
+_WORDS = ("parse tree vector merge cache queue graph token shard index lambda socket buffer "
+          "thread kernel branch commit review patch schema table route handler config result "
+          "error retry stream batch layer model weight tensor page state save restore").split()
+_FILES = ("server/app.py engine/engine.py engine/runtime/memory.py tests/test_store.py "
+          "lanes/profile.py bench/restore.py docs/checkpoints.md").split()
+
+
+def _line(rng, i: int) -> str:
+    k = int(rng.integers(0, 4))
+    w = " ".join(rng.choice(_WORDS, int(rng.integers(4, 10))))
+    f = _FILES[int(rng.integers(0, len(_FILES)))]
+    if k == 0:
+        return f"$ grep -n {rng.choice(_WORDS)} {f}  # step {i}"
+    if k == 1:
+        return f"{f}:{int(rng.integers(1, 900))}:    {rng.choice(_WORDS)}_{i} = {w.replace(' ', '_')}()"
+    if k == 2:
+        return f"assistant: I will {w} in {f} and rerun the tests ({i})."
+    return f"tool result {i}: {int(rng.integers(0, 99))} passed, {w}"
+
+
+def transcript(tokenizer, n_tokens: int, seed: int = 7) -> tuple[str, int]:
+    """Agent-session-like text (shell commands, file lines, tool results) of exactly about
+    n_tokens tokens under `tokenizer` (within a line); returns (text, its token count)."""
+    rng = np.random.default_rng(seed)
+    lines, i = [], 0
+    sample = "\n".join(_line(rng, j) for j in range(200))
+    per_line = len(tokenizer.encode(sample)) / 200
+    rng = np.random.default_rng(seed)
+    lines = [_line(rng, j) for j in range(int(n_tokens / per_line * 0.98))]
+    i = len(lines)
+    text = "\n".join(lines)
+    count = len(tokenizer.encode(text))
+    while count < n_tokens:
+        more = [_line(rng, i + j) for j in range(max(1, int((n_tokens - count) / per_line)))]
+        i += len(more)
+        lines += more
+        text = "\n".join(lines)
+        count = len(tokenizer.encode(text))
+    while count > n_tokens and len(lines) > 1:
+        lines.pop()
+        text = "\n".join(lines)
+        count = len(tokenizer.encode(text))
+    return text, count
+
+
+# ---- HTTP -------------------------------------------------------------------------------------
+def post_stream(srv, key: str, body: dict, timeout: float) -> dict:
+    """A streamed /v1/responses request; returns {response, client_ttft_s, client_total_s}."""
+    t0 = time.monotonic()
+    first = None
+    last = None
+    with httpx.stream("POST", srv.api_url + "/responses", json={**body, "stream": True},
+                      timeout=httpx.Timeout(timeout, connect=10),
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            ev = json.loads(line[6:])
+            if first is None and str(ev.get("type", "")).endswith(".delta"):
+                first = time.monotonic() - t0
+            if ev.get("type") in ("response.completed", "response.incomplete",
+                                  "response.failed"):
+                last = ev["response"]
+    if last is None:
+        raise RuntimeError("the stream ended without a response")
+    return {"response": last, "client_ttft_s": None if first is None else round(first, 3),
+            "client_total_s": round(time.monotonic() - t0, 3)}
+
+
+def post_json(srv, key: str, path: str, body: dict, timeout: float) -> dict:
+    r = httpx.post(srv.api_url + path, json=body, timeout=timeout,
+                   headers={"Authorization": f"Bearer {key}"})
+    r.raise_for_status()
+    return r.json()
+
+
+def records(state: Path) -> list[dict]:
+    p = state / "logs" / "requests.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def phases_of(srv) -> dict | None:
+    for line in srv.log:
+        if "startup phases:" in line:
+            return json.loads(line.split("startup phases:", 1)[1])
+    return None
+
+
+# ---- one server lifetime ----------------------------------------------------------------------
+def start_and_probe(state: Path, extra: list[str], timeout: float, model_id: str | None):
+    """Start a server; returns (srv, {health_s, generate_s, phases, ...}) timed from Popen."""
+    t0 = time.monotonic()
+    srv = start_server(state, *extra, timeout=timeout, principal="owner")
+    t_health = time.monotonic() - t0
+    if model_id is None:
+        model_id = post_json_get(srv, PROBE, "/models")["data"][0]["id"]
+    probe = post_stream(srv, PROBE, {"model": model_id, "input": "Hi", "max_output_tokens": 1,
+                                     "temperature": 0, "store": False}, timeout)
+    t_gen = time.monotonic() - t0
+    info = {"ready_health_s": round(t_health, 3), "ready_generate_s": round(t_gen, 3),
+            "probe_ttft_s": probe["client_ttft_s"], "startup_phases": phases_of(srv),
+            "model_id": model_id}
+    return srv, info
+
+
+def post_json_get(srv, key: str, path: str) -> dict:
+    r = httpx.get(srv.api_url + path, timeout=30, headers={"Authorization": f"Bearer {key}"})
+    r.raise_for_status()
+    return r.json()
+
+
+def stop_server(srv, timeout: float = 120.0) -> dict:
+    t0 = time.monotonic()
+    if srv.proc.poll() is None:
+        srv.proc.send_signal(signal.SIGTERM)
+        try:
+            srv.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            srv.proc.kill()
+            srv.proc.wait()
+    return {"stop_s": round(time.monotonic() - t0, 3), "returncode": srv.proc.returncode}
+
+
+def done_record(state: Path, request_id: str) -> dict:
+    for _ in range(50):
+        for r in records(state):
+            if r.get("event") in ("request_done", "request_error") and \
+                    r.get("request_id") == request_id:
+                return r
+        time.sleep(0.1)
+    return {}
+
+
+# ---- artifact and profile ---------------------------------------------------------------------
+def ensure_artifact(work: Path, preset: str, fmt: str, timeout: float) -> dict:
+    art = work / "models" / f"{preset}-{fmt}.ninfer"
+    side = art.with_suffix(".json")
+    if art.exists() and side.exists():
+        info = json.loads(side.read_text())
+        if info.get("bytes") == art.stat().st_size:
+            log(f"artifact present: {art} ({info['bytes'] / 1e9:.2f} GB, sha256 "
+                f"{info['sha256'][:16]}...), reused")
+            return {**info, "reused": True}
+    art.parent.mkdir(parents=True, exist_ok=True)
+    log(f"writing the synthetic artifact {art} ...")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "synth_artifact.py"), "--out",
+                          str(art), "--preset", preset, "--format", fmt, "--json"],
+                         cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    if out.returncode != 0:
+        raise RuntimeError(f"synth_artifact failed:\n{out.stderr[-3000:]}")
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    info["process_s"] = round(time.monotonic() - t0, 3)
+    side.write_text(json.dumps(info, indent=1) + "\n")
+    log(f"artifact written: {info['bytes'] / 1e9:.2f} GB in {info['seconds']:.1f}s "
+        f"(process {info['process_s']:.1f}s), sha256 {info['sha256']}")
+    return {**info, "reused": False}
+
+
+def write_profile(work: Path, art: dict, a) -> tuple[Path, dict]:
+    context = -(-(a.tokens + a.room) // 64) * 64
+    prof = {
+        "name": f"bench-{a.preset}", "device": a.device, "model": art["path"],
+        "model_sha256": art["sha256"], "compute_dtype": a.compute, "kv_dtype": a.kv,
+        "context_tokens": context, "max_concurrency": a.concurrency,
+        "prefill_chunk": a.prefill_chunk, "max_output_tokens": 4096, "max_queue": 4,
+        "queue_timeout_s": 900.0, "kv_capacity_tokens": context * a.concurrency,
+        "state_slots": a.state_slots, "host_state_bytes": 0, "host": "127.0.0.1",
+        "port": 18089, "kernels": a.kernels,
+    }
+
+    def val(v):
+        return json.dumps(v) if isinstance(v, str) else repr(v)
+
+    path = work / "bench-lane.toml"
+    path.write_text("# written by bench/restore_27b.py\n" +
+                    "".join(f"{k} = {val(v)}\n" for k, v in prof.items()))
+    return path, prof
+
+
+def gpu_name() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,"
+                              "noheader"], capture_output=True, text=True, timeout=20)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+# ---- main -------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work-dir", default="/tmp/ninfer-restore-bench")
+    ap.add_argument("--out", default=None, help="write the results JSON here")
+    ap.add_argument("--preset", default="qwen3.8-27b")
+    ap.add_argument("--format", default="int4_g64", choices=("int4_g64", "bf16"))
+    ap.add_argument("--tokens", type=int, default=131072, help="transcript tokens")
+    ap.add_argument("--room", type=int, default=4096,
+                    help="context beyond the transcript (template, answer, turn)")
+    ap.add_argument("--max-output", type=int, default=8)
+    ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--kernels", default="pallas", help="the profile's kernels (xla, pallas)")
+    ap.add_argument("--compute", default="bfloat16")
+    ap.add_argument("--kv", default="bfloat16")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="max_concurrency (>1 pads every prefill step to that many rows)")
+    ap.add_argument("--state-slots", type=int, default=4)
+    ap.add_argument("--device", default=None, help="profile device label (default: gpu/cpu)")
+    ap.add_argument("--checkpoint-quota", default="40G")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="give up (and stop the servers) past this many seconds")
+    a = ap.parse_args(argv)
+    deadline = T_START + a.budget_s
+    gpu = gpu_name()
+    a.device = a.device or ("gpu" if gpu else "cpu")
+
+    def left(margin: float = 5.0) -> float:
+        s = deadline - time.monotonic() - margin
+        if s <= 0:
+            raise OutOfTime(f"over the {a.budget_s:.0f}s budget")
+        return s
+
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "gpu": gpu,
+                    "python": platform.python_version()},
+        "jax": _version("jax"), "jaxlib": _version("jaxlib"),
+        "env": {k: os.environ[k] for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX_PLATFORMS",
+                                          "XLA_FLAGS") if k in os.environ},
+        "args": vars(a),
+    }
+    srv = None
+    try:
+        free = shutil.disk_usage(work).free
+        log(f"work dir {work}: {free / 1e9:.1f} GB free")
+        result["artifact"] = art = ensure_artifact(work, a.preset, a.format, left())
+        profile_path, prof = write_profile(work, art, a)
+        result["profile"] = {**prof, "path": str(profile_path)}
+
+        from engine.tokenizer import Tokenizer, build_qwen35_tokenizer_json
+
+        tok = Tokenizer(build_qwen35_tokenizer_json())
+        t0 = time.monotonic()
+        text, n_text = transcript(tok, a.tokens - 64)  # leave room for the chat template
+        result["transcript"] = {"tokens": n_text, "chars": len(text),
+                                "build_s": round(time.monotonic() - t0, 3)}
+        log(f"transcript: {n_text} tokens, {len(text)} chars")
+
+        state = work / "state"
+        shutil.rmtree(state, ignore_errors=True)
+        state.mkdir(parents=True, mode=0o700)
+        (state / "keys").write_text(f"owner {OWNER}\ncold {COLD}\nprobe {PROBE}\n")
+        (state / "keys").chmod(0o600)
+        os.environ.pop("NINFER_JAX_CACHE", None)  # the cache lives in the state dir: cold at first
+        os.environ.setdefault("SANIC_RESPONSE_TIMEOUT", "3600")
+        extra = ["--lane", str(profile_path), "--checkpoints", "on", "--checkpoint-autosave",
+                 "on", "--checkpoint-quota", a.checkpoint_quota]
+
+        # (b) server 1: cold start
+        log("server 1: starting (cold compilation cache)")
+        srv, s1 = start_and_probe(state, extra, left(), None)
+        model_id = s1["model_id"]
+        result["server1"] = s1
+        log(f"server 1 ready: health {s1['ready_health_s']}s, generate {s1['ready_generate_s']}s;"
+            f" phases {s1['startup_phases']}")
+
+        # (c) the long session, checkpointed, then a graceful stop
+        log(f"owner: the {n_text}-token transcript (prompt_cache_key {SESSION!r})")
+        first = post_stream(srv, OWNER, {"model": model_id, "input": text,
+                                         "max_output_tokens": a.max_output, "temperature": 0,
+                                         "prompt_cache_key": SESSION}, left())
+        r1 = first["response"]
+        d1 = done_record(state, r1["id"])
+        log(f"  first prefill: ttft {d1.get('ttft_s')}s (client {first['client_ttft_s']}s), "
+            f"prompt {r1['usage']['input_tokens']} tokens")
+        t0 = time.monotonic()
+        saved = post_json(srv, OWNER, "/ninfer/checkpoints", {"prompt_cache_key": SESSION},
+                          left())
+        flush_s = time.monotonic() - t0
+        log(f"  checkpoint flush: {flush_s:.1f}s -> {json.dumps(saved)[:300]}")
+        stop1 = stop_server(srv, min(left(), 180))
+        srv = None
+        report = state / "stop_report.json"
+        result["session"] = {
+            "prompt_tokens": r1["usage"]["input_tokens"],
+            "first_prefill": {"ttft_s": d1.get("ttft_s"), "client_ttft_s": first["client_ttft_s"],
+                              "prefill_s": d1.get("prefill_s"), "path": d1.get("path"),
+                              "computed_tokens": d1.get("computed_tokens")},
+            "flush": {"seconds": round(flush_s, 3), "response": saved},
+            "stop": stop1,
+            "stop_report": json.loads(report.read_text()) if report.exists() else None,
+        }
+        saves = [r for r in records(state) if r["event"] == "checkpoint_saved"]
+        result["session"]["checkpoint_saves"] = saves
+        log(f"server 1 stopped in {stop1['stop_s']}s; saves: "
+            f"{[(s.get('written_bytes'), s.get('seconds')) for s in saves]}")
+
+        # (d) server 2: warm start
+        log("server 2: starting (same state dir, compilation cache warm)")
+        srv, s2 = start_and_probe(state, extra, left(), model_id)
+        result["server2"] = s2
+        log(f"server 2 ready: health {s2['ready_health_s']}s, generate {s2['ready_generate_s']}s;"
+            f" phases {s2['startup_phases']}")
+
+        # (e) continue the session: restored from disk
+        n_before = len(records(state))
+        second = post_stream(srv, OWNER, {"model": model_id, "input": TURN,
+                                          "previous_response_id": r1["id"],
+                                          "max_output_tokens": a.max_output, "temperature": 0,
+                                          "prompt_cache_key": SESSION}, left())
+        r2 = second["response"]
+        d2 = done_record(state, r2["id"])
+        restores = [r for r in records(state)[n_before:] if r["event"] == "checkpoint_restore"]
+        log(f"  restored turn: ttft {d2.get('ttft_s')}s (client {second['client_ttft_s']}s), "
+            f"path {d2.get('path')}, computed {d2.get('computed_tokens')} tokens; "
+            f"restore {[(x.get('state'), x.get('read_bytes'), x.get('seconds')) for x in restores]}")
+        post_json(srv, OWNER, "/ninfer/checkpoints", {"prompt_cache_key": SESSION}, left())
+
+        # (f) the same transcript, another principal: cold re-prefill
+        cold = post_stream(srv, COLD, {"model": model_id, "max_output_tokens": a.max_output,
+                                       "temperature": 0, "input": [
+                                           {"role": "user", "content": text},
+                                           {"role": "assistant", "content": r1["output_text"]},
+                                           {"role": "user", "content": TURN}]}, left())
+        rc = cold["response"]
+        dc = done_record(state, rc["id"])
+        log(f"  cold re-prefill: ttft {dc.get('ttft_s')}s (client {cold['client_ttft_s']}s), "
+            f"path {dc.get('path')}, computed {dc.get('computed_tokens')} tokens")
+        stop2 = stop_server(srv, min(left(0), 120))
+        srv = None
+        rs = next((x for x in restores if x.get("state") == "available"), {})
+        result["restored"] = {"ttft_s": d2.get("ttft_s"), "client_ttft_s": second["client_ttft_s"],
+                              "path": d2.get("path"), "checkpoint": d2.get("checkpoint"),
+                              "prompt_tokens": d2.get("prompt_tokens"),
+                              "cached_tokens": d2.get("cached_tokens"),
+                              "computed_tokens": d2.get("computed_tokens"),
+                              "restore_events": restores,
+                              "restore_bytes": rs.get("read_bytes"),
+                              "restore_s": rs.get("seconds")}
+        result["cold"] = {"ttft_s": dc.get("ttft_s"), "client_ttft_s": cold["client_ttft_s"],
+                          "path": dc.get("path"), "prompt_tokens": dc.get("prompt_tokens"),
+                          "computed_tokens": dc.get("computed_tokens"),
+                          "prefill_s": dc.get("prefill_s")}
+        result["server2"]["stop"] = stop2
+        ttft_r, ttft_c = d2.get("ttft_s"), dc.get("ttft_s")
+        result["summary"] = {
+            "prompt_tokens": r1["usage"]["input_tokens"],
+            "ttft_restored_s": ttft_r, "ttft_cold_reprefill_s": ttft_c,
+            "ratio_reprefill_over_restore": (round(ttft_c / ttft_r, 2)
+                                             if ttft_r and ttft_c else None),
+            "restore_path": d2.get("path"),
+            "restore_bytes": rs.get("read_bytes"), "restore_s": rs.get("seconds"),
+            "restart_to_ready_cold_s": s1["ready_generate_s"],
+            "restart_to_ready_warm_s": s2["ready_generate_s"],
+            "health_ready_cold_s": s1["ready_health_s"],
+            "health_ready_warm_s": s2["ready_health_s"],
+            "compile_cold_s": (s1["startup_phases"] or {}).get("compile_s"),
+            "compile_warm_s": (s2["startup_phases"] or {}).get("compile_s"),
+            "load_warm_s": (s2["startup_phases"] or {}).get("load_s"),
+            "artifact_write_s": art.get("seconds") if not art.get("reused") else None,
+            "total_s": round(time.monotonic() - T_START, 1),
+        }
+        ok = d2.get("path") == "disk-restored"
+        result["ok"] = ok
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        log(f"FAILED: {result['error']}")
+        if srv is not None:
+            result["server_log_tail"] = "".join(srv.log[-60:])
+        ok = False
+    finally:
+        if srv is not None:
+            stop_server(srv, 30)
+    if "summary" in result:
+        print_table(result["summary"])
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        log(f"wrote {a.out}")
+    return 0 if ok else 1
+
+
+def print_table(s: dict) -> None:
+    rows = [
+        ("prompt tokens", s["prompt_tokens"]),
+        ("TTFT restored from disk (s)", s["ttft_restored_s"]),
+        ("  restore path", s["restore_path"]),
+        ("  restore bytes / s", f"{s['restore_bytes']} / {s['restore_s']}"),
+        ("TTFT cold re-prefill (s)", s["ttft_cold_reprefill_s"]),
+        ("ratio re-prefill / restore", s["ratio_reprefill_over_restore"]),
+        ("restart-to-ready cold (s)", s["restart_to_ready_cold_s"]),
+        ("  of which compile (s)", s["compile_cold_s"]),
+        ("restart-to-ready warm cache (s)", s["restart_to_ready_warm_s"]),
+        ("  of which compile / load (s)", f"{s['compile_warm_s']} / {s['load_warm_s']}"),
+        ("artifact write (s)", s["artifact_write_s"]),
+        ("whole run (s)", s["total_s"]),
+    ]
+    w = max(len(r[0]) for r in rows)
+    print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,554 @@
+// Weight-only int4 (group 64) GEMV for decode, as an XLA FFI custom call on CUDA.
+//
+// y[m, n] = sum_k x[m, k] * (code[n, k] - 8) * scale[n, k / 64]      (fp32 accumulation)
+//
+// The weight is the converter's int4_g64 layout: uint8 [*lead, N, K/2], byte j of a row holding
+// the codes of inputs 2j (low nibble) and 2j+1 (high nibble), +8 offset; scales fp32
+// [*lead, N, K/64]. `lead` stack dims (a scanned model's layers) are indexed by the int32
+// operand `index`, read on the device, so the kernel reads one layer of the stack in place.
+//
+// Why a CUDA kernel: the Pallas/Triton version tops out near 1.1 TB/s of int4 bytes because its
+// unpack-and-FMA loop is instruction-bound. Here every 32-bit word of codes is 8 consecutive
+// inputs (nibble i = input +i), and a nibble becomes an exact float without an int->float
+// conversion and without a shift for five of the eight positions: OR-ing the masked word into
+// the mantissa of 2^23 gives 2^23 + q * 16^p for the nibble at position p <= 4, and subtracting
+// 2^23 + 8 * 16^p gives (q - 8) * 16^p exactly. The 16^p factor is taken out once per chunk by
+// keeping one accumulator per position. Nibbles 5..7 reuse positions 2..4 after one shift.
+// Cost per code: one LOP3, one FADD, one FFMA per row of x (+ a shift per 8 codes).
+//
+// Work split: one warp owns R output rows; each lane reads 16-byte chunks (32 codes, half a
+// group) c = lane, lane + 32, ... of all R rows, U chunks per row ahead, so R * U 16-byte loads
+// are in flight per lane before any arithmetic. The R rows share each x load.
+//
+// x comes permuted (by the caller, a tiny XLA transpose): [M, K/1024, 4 words, 2 halves, 32
+// lanes, 4], i.e. the 4 inputs that lane l needs for half h of word w of its chunk in iteration
+// i are contiguous with those of lanes l +- 1. Read in the plain [M, K] layout, a warp's float4
+// load touches 32 cache lines (lanes 128 bytes apart) and the L1 wavefronts, not the HBM,
+// bound the kernel; permuted, each warp-wide load is 512 contiguous bytes. The lanes' sums
+// are reduced with shuffles in a fixed order: the result of a row does not depend on M, on the
+// other rows or on the launch (batch-invariant, deterministic).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kWarps = 4;  // warps per block
+constexpr uint32_t kMagic = 0x4B000000u;  // the bits of 2^23 in fp32
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  // Weights are read once per step and never fit in L2: keep them out of L1 so x stays there.
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float code(uint32_t v, uint32_t mask, float off) {
+  return __uint_as_float((v & mask) | kMagic) - off;
+}
+
+template <typename OT>
+__device__ __forceinline__ OT to_out(float v);
+template <>
+__device__ __forceinline__ float to_out<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// One 32-bit word of codes (inputs k .. k+7) of one row, against M rows of x.
+template <int M>
+__device__ __forceinline__ void word(uint32_t v, const float4 (&xa)[M], const float4 (&xb)[M],
+                                     float (&acc)[M][5]) {
+  constexpr float o0 = 8388608.0f + 8.0f, o1 = 8388608.0f + 128.0f,
+                  o2 = 8388608.0f + 2048.0f, o3 = 8388608.0f + 32768.0f,
+                  o4 = 8388608.0f + 524288.0f;
+  const uint32_t s = v >> 12;  // nibbles 5, 6, 7 at positions 2, 3, 4
+  const float c0 = code(v, 0xFu, o0), c1 = code(v, 0xF0u, o1), c2 = code(v, 0xF00u, o2),
+              c3 = code(v, 0xF000u, o3), c4 = code(v, 0xF0000u, o4),
+              c5 = code(s, 0xF00u, o2), c6 = code(s, 0xF000u, o3), c7 = code(s, 0xF0000u, o4);
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    acc[m][0] = fmaf(c0, xa[m].x, acc[m][0]);
+    acc[m][1] = fmaf(c1, xa[m].y, acc[m][1]);
+    acc[m][2] = fmaf(c2, xa[m].z, acc[m][2]);
+    acc[m][3] = fmaf(c3, xa[m].w, acc[m][3]);
+    acc[m][4] = fmaf(c4, xb[m].x, acc[m][4]);
+    acc[m][2] = fmaf(c5, xb[m].y, acc[m][2]);
+    acc[m][3] = fmaf(c6, xb[m].z, acc[m][3]);
+    acc[m][4] = fmaf(c7, xb[m].w, acc[m][4]);
+  }
+}
+
+template <int M, int R, int U, typename OT>
+__global__ void __launch_bounds__(kWarps * 32)
+    int4_gemv(const float4* __restrict__ x, const uint4* __restrict__ w,
+              const float* __restrict__ scale, const int32_t* __restrict__ index,
+              OT* __restrict__ y, int n, int k, int nlead, int64_t l0, int64_t l1, int64_t l2) {
+  int64_t layer = 0;
+  if (nlead > 0) layer += static_cast<int64_t>(index[0]) * l0;
+  if (nlead > 1) layer += static_cast<int64_t>(index[1]) * l1;
+  if (nlead > 2) layer += static_cast<int64_t>(index[2]) * l2;
+  const int chunks = k >> 5;  // 16-byte chunks (32 codes) per row
+  const int64_t x_row = static_cast<int64_t>((k + 1023) >> 10) * 256;  // float4s per x row
+  const int groups = k >> 6;
+  const uint4* wl = w + layer * n * chunks;
+  const float* sl = scale + layer * n * groups;
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
+  if (row0 >= n) return;
+
+  float tot[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) tot[m][r] = 0.0f;
+
+  for (int c0 = 0; c0 < chunks; c0 += 32 * U) {
+    uint4 q[R][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * 32 + lane;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = min(row0 + r, n - 1);  // rows past n compute a copy, never stored
+        q[r][u] = c < chunks ? load_stream(wl + static_cast<int64_t>(row) * chunks + c)
+                             : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * 32 + lane;
+      if (c >= chunks) break;
+      float acc[R][M][5];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int p = 0; p < 5; ++p) acc[r][m][p] = 0.0f;
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+        float4 xa[M], xb[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float4* xp = x + m * x_row + ((c >> 5) * 8 + wi * 2) * 32 + lane;
+          xa[m] = __ldg(xp);
+          xb[m] = __ldg(xp + 32);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint32_t v = wi == 0 ? q[r][u].x : wi == 1 ? q[r][u].y : wi == 2 ? q[r][u].z
+                                                                               : q[r][u].w;
+          word<M>(v, xa, xb, acc[r]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = min(row0 + r, n - 1);
+        const float s = __ldg(sl + static_cast<int64_t>(row) * groups + (c >> 1));
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float part = acc[r][m][0] + acc[r][m][1] * (1.0f / 16.0f) +
+                             acc[r][m][2] * (1.0f / 256.0f) + acc[r][m][3] * (1.0f / 4096.0f) +
+                             acc[r][m][4] * (1.0f / 65536.0f);
+          tot[m][r] = fmaf(part, s, tot[m][r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = tot[m][r];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+      tot[m][r] = v;
+    }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r < n) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) y[static_cast<int64_t>(m) * n + row0 + r] = to_out<OT>(tot[m][r]);
+      }
+    }
+  }
+}
+
+
+// ---- Tensor-core variant (bf16 x) -------------------------------------------------------
+//
+// For bf16 activations the FMA kernel above is instruction-bound: three instructions per code
+// and one more per extra row of x. Here the dot products run on the tensor cores: per group of
+// 64 inputs, a warp multiplies a [16 rows x 64] tile of weights by x [64 x 8 columns] (the
+// M <= 8 rows of x, zero-padded) with four m16n8k16 bf16 MMAs accumulating in fp32. The A
+// operand is made from the codes with one shift and one logic op per two codes: the mask
+// 0x000F000F picks nibbles e and e + 4 of a 32-bit word into the two halves of a register and
+// OR-ing 0x43004300 turns each into the bf16 128 + q, exact. The MMA sums x * (128 + q); the
+// caller supplies corr = 136 * sum(x) per (group, column), so that per group
+//   sum x * (q - 8) = mma - corr        (exact products, fp32 sums; the cancellation costs a
+// few of fp32's 24 bits), which is then scaled by the row's group scale in fp32.
+//
+// Any permutation of the 64 inputs of a group gives the same sum as long as A and B agree, so
+// each lane keeps its own contiguous 16 codes (an 8-byte load) and the caller permutes x
+// instead: lane (g, t) holds, for MMA j of a group, x[g][16 t + o] for o in
+// (8 (j / 2) + 2 (j % 2)) + {0, 4, 1, 5}: xp is [G, 8 columns, 4 t, 16] bf16, 32 contiguous
+// bytes per lane, so a warp's x load is 1 KB contiguous.
+//
+// A block of 8 warps owns 16 output rows; warp w takes groups w, w + 8, ... (the 8 warps read
+// adjacent 32-byte pieces of the same rows), loads U groups ahead while it computes the
+// previous U (two register buffers), and the warps' partial sums are added in shared memory in
+// warp order: no atomics, the same order whatever M is (batch-invariant, deterministic).
+constexpr int kMmaWarps = 8;
+
+__device__ __forceinline__ uint32_t pair(uint32_t w, int e) {
+  return ((w >> (4 * e)) & 0x000F000Fu) | 0x43004300u;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// Shared memory of one warp's stage: U groups, each 16 rows x 32 bytes of codes (32 uint4,
+// row-major) followed by the 16 rows' scales (4 uint4).
+constexpr int kMmaU = 2;
+constexpr int kGroupVec = 36;
+
+template <int S>
+constexpr int mma_smem_bytes() {
+  return kMmaWarps * S * kMmaU * kGroupVec * 16;
+}
+
+template <int S, typename OT>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    int4_gemv_mma(const uint4* __restrict__ xp, const float2* __restrict__ corr,
+                  const uint4* __restrict__ w, const float* __restrict__ scale,
+                  const int32_t* __restrict__ index, OT* __restrict__ y, int n, int k, int m,
+                  int nlead, int64_t l0, int64_t l1, int64_t l2) {
+  extern __shared__ uint4 smem[];
+  __shared__ float4 red[kMmaWarps][32];
+  int64_t layer = 0;
+  if (nlead > 0) layer += static_cast<int64_t>(index[0]) * l0;
+  if (nlead > 1) layer += static_cast<int64_t>(index[1]) * l1;
+  if (nlead > 2) layer += static_cast<int64_t>(index[2]) * l2;
+  const int groups = k >> 6;
+  const int per_row = k >> 5;  // 16-byte pieces per row
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  uint4* mine = smem + warp * S * kMmaU * kGroupVec;
+  // Copy roles: lane l copies half (l & 1) of row (l >> 1)'s 32 bytes of a group; lanes 0..15
+  // copy the scale of row l.
+  const int crow = min(row0 + (lane >> 1), n - 1);
+  const uint4* wsrc = w + (layer * n + crow) * per_row + (lane & 1);
+  const int srow = min(row0 + (lane & 15), n - 1);
+  const float* ssrc = scale + (layer * n + srow) * groups;
+  const int count = warp < groups ? (groups - warp + kMmaWarps - 1) / kMmaWarps : 0;
+  const int stages = (count + kMmaU - 1) / kMmaU;
+  const bool has_x = g < m;
+
+  auto issue = [&](int st) {  // copy this warp's stage st (groups st * U ..) into its slot
+    uint4* dst = mine + (st % S) * kMmaU * kGroupVec;
+#pragma unroll
+    for (int u = 0; u < kMmaU; ++u) {
+      const int i = st * kMmaU + u;
+      if (st < stages && i < count) {
+        const int grp = warp + kMmaWarps * i;
+        cp_async16(dst + u * kGroupVec + lane, wsrc + grp * 2);
+        if (lane < 16)
+          cp_async4(reinterpret_cast<float*>(dst + u * kGroupVec + 32) + lane, ssrc + grp);
+      }
+    }
+    cp_async_commit();  // an empty group past the end keeps the wait count uniform
+  };
+
+  float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) issue(st);
+  for (int st = 0; st < stages; ++st) {
+    issue(st + S - 1);
+    cp_async_wait<S - 1>();
+    __syncwarp();
+    const uint4* src = mine + (st % S) * kMmaU * kGroupVec;
+#pragma unroll
+    for (int u = 0; u < kMmaU; ++u) {
+      const int i = st * kMmaU + u;
+      if (i >= count) break;
+      const int grp = warp + kMmaWarps * i;
+      const uint2* q = reinterpret_cast<const uint2*>(src + u * kGroupVec);
+      const uint2 qa = q[g * 4 + t], qb = q[(g + 8) * 4 + t];
+      const float* sc = reinterpret_cast<const float*>(src + u * kGroupVec + 32);
+      const float sa = sc[g], sb = sc[g + 8];
+      uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
+      if (has_x) {
+        const uint4* p = xp + ((static_cast<int64_t>(grp) * 8 + g) * 4 + t) * 2;
+        x0 = __ldg(p);
+        x1 = __ldg(p + 1);
+      }
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_bf16(d, pair(qa.x, 0), pair(qb.x, 0), pair(qa.x, 1), pair(qb.x, 1), x0.x, x0.y);
+      mma_bf16(d, pair(qa.x, 2), pair(qb.x, 2), pair(qa.x, 3), pair(qb.x, 3), x0.z, x0.w);
+      mma_bf16(d, pair(qa.y, 0), pair(qb.y, 0), pair(qa.y, 1), pair(qb.y, 1), x1.x, x1.y);
+      mma_bf16(d, pair(qa.y, 2), pair(qb.y, 2), pair(qa.y, 3), pair(qb.y, 3), x1.z, x1.w);
+      const float2 c = __ldg(corr + grp * 4 + t);  // columns 2t, 2t + 1
+      tot[0] = fmaf(sa, d[0] - c.x, tot[0]);
+      tot[1] = fmaf(sa, d[1] - c.y, tot[1]);
+      tot[2] = fmaf(sb, d[2] - c.x, tot[2]);
+      tot[3] = fmaf(sb, d[3] - c.y, tot[3]);
+    }
+    __syncwarp();  // the slot is refilled by the next issue
+  }
+  cp_async_wait<0>();
+  red[warp][lane] = make_float4(tot[0], tot[1], tot[2], tot[3]);
+  __syncthreads();
+  if (warp == 0) {
+    float4 s = red[0][lane];
+#pragma unroll
+    for (int v = 1; v < kMmaWarps; ++v) {
+      const float4 o = red[v][lane];
+      s.x += o.x;
+      s.y += o.y;
+      s.z += o.z;
+      s.w += o.w;
+    }
+    const int ra = row0 + g, rb = ra + 8, c0 = 2 * t, c1 = 2 * t + 1;
+    if (ra < n) {
+      if (c0 < m) y[static_cast<int64_t>(c0) * n + ra] = to_out<OT>(s.x);
+      if (c1 < m) y[static_cast<int64_t>(c1) * n + ra] = to_out<OT>(s.y);
+    }
+    if (rb < n) {
+      if (c0 < m) y[static_cast<int64_t>(c0) * n + rb] = to_out<OT>(s.z);
+      if (c1 < m) y[static_cast<int64_t>(c1) * n + rb] = to_out<OT>(s.w);
+    }
+  }
+}
+
+template <int S, typename OT>
+cudaError_t launch_mma(cudaStream_t stream, int blocks, const uint4* x4, const float2* c2,
+                       const uint4* w4, const float* scale, const int32_t* index, void* y,
+                       int n, int k, int m, int nlead, const int64_t (&l)[3]) {
+  constexpr int bytes = mma_smem_bytes<S>();
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      int4_gemv_mma<S, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (attr != cudaSuccess) return attr;
+  int4_gemv_mma<S, OT><<<blocks, kMmaWarps * 32, bytes, stream>>>(
+      x4, c2, w4, scale, index, static_cast<OT*>(y), n, k, m, nlead, l[0], l[1], l[2]);
+  return cudaGetLastError();
+}
+
+struct Launch {
+  const float4* x;
+  const uint4* w;
+  const float* scale;
+  const int32_t* index;
+  void* y;
+  int n, k, nlead;
+  int64_t l[3];
+};
+
+template <int M, int R, typename OT>
+cudaError_t launch(cudaStream_t stream, const Launch& a) {
+  constexpr int U = R == 1 ? 8 : R == 2 ? 4 : 2;  // 128 bytes of weights in flight per lane
+  const int rows_per_block = kWarps * R;
+  const int blocks = (a.n + rows_per_block - 1) / rows_per_block;
+  int4_gemv<M, R, U, OT><<<blocks, kWarps * 32, 0, stream>>>(
+      a.x, a.w, a.scale, a.index, static_cast<OT*>(a.y), a.n, a.k, a.nlead, a.l[0], a.l[1],
+      a.l[2]);
+  return cudaGetLastError();
+}
+
+template <int M, typename OT>
+cudaError_t by_rows(cudaStream_t stream, const Launch& a, int rows_per_warp) {
+  switch (rows_per_warp) {
+    // More rows per warp only where the registers allow it without spilling.
+    case 1: return launch<M, 1, OT>(stream, a);
+    case 2:
+      if constexpr (M <= 4) return launch<M, 2, OT>(stream, a);
+      return cudaErrorInvalidValue;
+    case 4:
+      if constexpr (M <= 2) return launch<M, 4, OT>(stream, a);
+      return cudaErrorInvalidValue;
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename OT>
+cudaError_t by_m(cudaStream_t stream, const Launch& a, int m, int rows_per_warp) {
+  switch (m) {
+    case 1: return by_rows<1, OT>(stream, a, rows_per_warp);
+    case 2: return by_rows<2, OT>(stream, a, rows_per_warp);
+    case 3: return by_rows<3, OT>(stream, a, rows_per_warp);
+    case 4: return by_rows<4, OT>(stream, a, rows_per_warp);
+    case 5: return by_rows<5, OT>(stream, a, rows_per_warp);
+    case 6: return by_rows<6, OT>(stream, a, rows_per_warp);
+    case 7: return by_rows<7, OT>(stream, a, rows_per_warp);
+    case 8: return by_rows<8, OT>(stream, a, rows_per_warp);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+ffi::Error Int4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> index,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t rows_per_warp) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(),
+             yd = y->dimensions();
+  const int64_t nlead = static_cast<int64_t>(wd.size()) - 2;
+  if (nlead < 0 || nlead > 3) return ffi::Error::InvalidArgument("int4_gemv: w rank 2..5");
+  const int64_t n = wd[nlead], k = wd[nlead + 1] * 2;
+  if (xd.size() != 6 || xd[1] != (k + 1023) / 1024 || xd[2] != 4 || xd[3] != 2 || xd[4] != 32 ||
+      xd[5] != 4)
+    return ffi::Error::InvalidArgument("int4_gemv: x must be permuted [M, K/1024, 4, 2, 32, 4]");
+  const int64_t m = xd[0];
+  if (m < 1 || m > 8) return ffi::Error::InvalidArgument("int4_gemv: M must be 1..8");
+  if (k % 64 != 0)
+    return ffi::Error::InvalidArgument("int4_gemv: w must be [*lead, N, K/2] with K % 64 == 0");
+  if (static_cast<int64_t>(sd.size()) != nlead + 2 || sd[nlead] != n || sd[nlead + 1] != k / 64)
+    return ffi::Error::InvalidArgument("int4_gemv: scale must be [*lead, N, K/64]");
+  for (int64_t d = 0; d < nlead; ++d)
+    if (sd[d] != wd[d]) return ffi::Error::InvalidArgument("int4_gemv: scale stack dims");
+  if (index.element_count() < static_cast<size_t>(nlead))
+    return ffi::Error::InvalidArgument("int4_gemv: index needs one entry per stack dim");
+  if (yd.size() != 2 || yd[0] != m || yd[1] != n)
+    return ffi::Error::InvalidArgument("int4_gemv: y must be [M, N]");
+  if (n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31))
+    return ffi::Error::InvalidArgument("int4_gemv: N and K must fit in int32");
+  Launch a{reinterpret_cast<const float4*>(x.typed_data()), reinterpret_cast<const uint4*>(w.typed_data()), scale.typed_data(),
+           index.typed_data(), y->untyped_data(), static_cast<int>(n), static_cast<int>(k),
+           static_cast<int>(nlead), {0, 0, 0}};
+  // Layer multipliers: layer = sum index[d] * prod(wd[d+1 .. nlead-1]).
+  for (int64_t d = 0; d < nlead; ++d) {
+    int64_t mult = 1;
+    for (int64_t e = d + 1; e < nlead; ++e) mult *= wd[e];
+    a.l[d] = mult;
+  }
+  cudaError_t err;
+  switch (y->element_type()) {
+    case ffi::DataType::F32:
+      err = by_m<float>(stream, a, static_cast<int>(m), static_cast<int>(rows_per_warp));
+      break;
+    case ffi::DataType::BF16:
+      err = by_m<__nv_bfloat16>(stream, a, static_cast<int>(m), static_cast<int>(rows_per_warp));
+      break;
+    default:
+      return ffi::Error::InvalidArgument("int4_gemv: y must be f32 or bf16");
+  }
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
+                           ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::U8> w,
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> index,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t stages) {
+  const auto xd = xp.dimensions(), cd = corr.dimensions(), wd = w.dimensions(),
+             sd = scale.dimensions(), yd = y->dimensions();
+  const int64_t nlead = static_cast<int64_t>(wd.size()) - 2;
+  if (nlead < 0 || nlead > 3) return ffi::Error::InvalidArgument("int4_gemv_mma: w rank 2..5");
+  const int64_t n = wd[nlead], k = wd[nlead + 1] * 2, groups = k / 64;
+  if (k % 64 != 0) return ffi::Error::InvalidArgument("int4_gemv_mma: K % 64 != 0");
+  if (xd.size() != 4 || xd[0] != groups || xd[1] != 8 || xd[2] != 4 || xd[3] != 16)
+    return ffi::Error::InvalidArgument("int4_gemv_mma: xp must be [K/64, 8, 4, 16]");
+  if (cd.size() != 2 || cd[0] != groups || cd[1] != 8)
+    return ffi::Error::InvalidArgument("int4_gemv_mma: corr must be [K/64, 8]");
+  if (static_cast<int64_t>(sd.size()) != nlead + 2 || sd[nlead] != n || sd[nlead + 1] != groups)
+    return ffi::Error::InvalidArgument("int4_gemv_mma: scale must be [*lead, N, K/64]");
+  for (int64_t d = 0; d < nlead; ++d)
+    if (sd[d] != wd[d]) return ffi::Error::InvalidArgument("int4_gemv_mma: scale stack dims");
+  if (index.element_count() < static_cast<size_t>(nlead))
+    return ffi::Error::InvalidArgument("int4_gemv_mma: index needs one entry per stack dim");
+  if (yd.size() != 2 || yd[1] != n || yd[0] < 1 || yd[0] > 8)
+    return ffi::Error::InvalidArgument("int4_gemv_mma: y must be [M <= 8, N]");
+  if (n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31))
+    return ffi::Error::InvalidArgument("int4_gemv_mma: N and K must fit in int32");
+  int64_t l[3] = {0, 0, 0};
+  for (int64_t d = 0; d < nlead; ++d) {
+    int64_t mult = 1;
+    for (int64_t e = d + 1; e < nlead; ++e) mult *= wd[e];
+    l[d] = mult;
+  }
+  const int blocks = static_cast<int>((n + 15) / 16);
+  const auto* x4 = reinterpret_cast<const uint4*>(xp.typed_data());
+  const auto* c2 = reinterpret_cast<const float2*>(corr.typed_data());
+  const auto* w4 = reinterpret_cast<const uint4*>(w.typed_data());
+  const int m = static_cast<int>(yd[0]);
+  const bool bf16 = y->element_type() == ffi::DataType::BF16;
+  if (!bf16 && y->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("int4_gemv_mma: y must be f32 or bf16");
+  const int ni = static_cast<int>(n), ki = static_cast<int>(k), li = static_cast<int>(nlead);
+  void* yp = y->untyped_data();
+  cudaError_t err;
+  switch (stages) {
+#define NINFER_MMA_CASE(S)                                                                    \
+  case S:                                                                                     \
+    err = bf16 ? launch_mma<S, __nv_bfloat16>(stream, blocks, x4, c2, w4, scale.typed_data(), \
+                                              index.typed_data(), yp, ni, ki, m, li, l)       \
+               : launch_mma<S, float>(stream, blocks, x4, c2, w4, scale.typed_data(),         \
+                                      index.typed_data(), yp, ni, ki, m, li, l);              \
+    break;
+    NINFER_MMA_CASE(4)
+    NINFER_MMA_CASE(6)
+    NINFER_MMA_CASE(8)
+    NINFER_MMA_CASE(12)
+#undef NINFER_MMA_CASE
+    default:
+      return ffi::Error::InvalidArgument("int4_gemv_mma: stages must be 4, 6, 8 or 12");
+  }
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Gemv, Int4GemvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("rows_per_warp"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvMma, Int4GemvMmaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("stages"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,212 @@
+"""CUDA ops called through the XLA FFI, for what the Pallas kernels cannot reach.
+
+`int4_gemv` (engine/kernels/cuda/int4_gemv.cu): the int4_g64 weight-only GEMV of decode. The
+Triton version is instruction-bound near 1.1 TB/s (docs/benchmarks/README.md, v3); the CUDA one
+dequantizes with one logic op per code. Same signature and result as `qgemv.qmatmul` for int4
+weights (x [..., K], a QTensor or a stack of them read at `index`), checked against the same
+reference (`quant.linear`) by the GPU tests.
+
+The shared library is compiled from the source on first use with the machine's `nvcc` for the
+GPU's own architecture, into a cache keyed by the source, the FFI headers, the compiler and the
+architecture (`NINFER_CUDA_CACHE`, default ~/.cache/ninfer/cuda), and published atomically, so
+concurrent processes never load a half-written file. No GPU, no nvcc, or a failed build: the op
+is unavailable and callers use the Pallas kernel (`available()` says which, and why).
+`NINFER_INT4_GEMV=pallas` turns the CUDA op off for a process (benchmarking switch).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.quant import GROUP, INT4_G64, QTensor
+
+log = logging.getLogger("ninfer.cuda_ops")
+
+SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
+INT4_SOURCE = SOURCE_DIR / "int4_gemv.cu"
+INT4_TARGET = "ninfer_int4_gemv"
+INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
+# Within a group of 64 inputs, lane t of the MMA kernel multiplies its 16 codes in this order
+# (see the kernel's comment): x is permuted to match.
+_MMA_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15])
+MAX_ROWS = 8
+_why_not: list[str] = []
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NINFER_CUDA_CACHE")
+                or Path.home() / ".cache" / "ninfer" / "cuda")
+
+
+def _nvcc() -> str | None:
+    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and Path(cand).is_file():
+            return cand
+    return None
+
+
+def _arch() -> str | None:
+    """The first GPU's compute capability as nvcc spells it ("90"), or None."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+    cc = getattr(dev, "compute_capability", None)
+    return cc.replace(".", "") if cc else None
+
+
+def library_path(source: Path, arch: str, nvcc: str) -> Path:
+    """Where the build of `source` for `arch` lives: named by a digest of everything that
+    goes into it."""
+    h = hashlib.sha256()
+    h.update(source.read_bytes())
+    inc = Path(jax.ffi.include_dir())
+    for hdr in sorted((inc / "xla" / "ffi" / "api").glob("*.h")):
+        h.update(hdr.read_bytes())
+    ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    h.update(ver.encode())
+    h.update(arch.encode())
+    return cache_dir() / f"{source.stem}-sm{arch}-{h.hexdigest()[:16]}.so"
+
+
+def build(source: Path, arch: str, nvcc: str) -> Path:
+    """Compile `source` into the cache (nothing to do when it is there). Returns the path."""
+    out = library_path(source, arch, nvcc)
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        cmd = [nvcc, "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}",
+               f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr[-2000:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)  # atomic: a reader sees the old state or the whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def _load_int4() -> bool:
+    if jax.default_backend() != "gpu":
+        _why_not.append("no GPU backend")
+        return False
+    nvcc, arch = _nvcc(), _arch()
+    if nvcc is None or arch is None:
+        _why_not.append("no nvcc" if nvcc is None else "unknown GPU architecture")
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(INT4_SOURCE, arch, nvcc)))
+        jax.ffi.register_ffi_target(INT4_TARGET, jax.ffi.pycapsule(lib.NinferInt4Gemv),
+                                    platform="CUDA")
+        jax.ffi.register_ffi_target(INT4_MMA_TARGET,
+                                    jax.ffi.pycapsule(lib.NinferInt4GemvMma), platform="CUDA")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _why_not.append(f"build or load failed: {e}")
+        log.warning("CUDA int4 GEMV unavailable, using the Pallas kernel: %s", e)
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether `int4_gemv` can run here (GPU backend, library built and registered)."""
+    if os.environ.get("NINFER_INT4_GEMV", "cuda") == "pallas":
+        return False
+    return _load_int4()
+
+
+def why_unavailable() -> str:
+    if os.environ.get("NINFER_INT4_GEMV", "cuda") == "pallas":
+        return "NINFER_INT4_GEMV=pallas"
+    return "; ".join(_why_not) or ""
+
+
+def supported(x, w, lead: int = 0) -> bool:
+    """Shapes the op takes: M = prod(x.shape[:-1]) in 1..8, an int4_g64 QTensor of rank
+    lead + 2 (lead <= 3), K a multiple of 64. `worthwhile` says where it is also faster."""
+    m = int(np.prod(x.shape[:-1], dtype=np.int64))
+    return (isinstance(w, QTensor) and w.fmt == INT4_G64 and 1 <= m <= MAX_ROWS
+            and 0 <= lead <= 3 and jnp.ndim(w.data) == lead + 2
+            and x.shape[-1] % GROUP == 0 and x.shape[-1] == w.shape[1])
+
+
+def worthwhile(w) -> bool:
+    return w.shape[0] >= MIN_ROWS
+
+
+def default_rows_per_warp(m: int) -> int:
+    env = os.environ.get("NINFER_INT4_ROWS")
+    if env:
+        return int(env)
+    return 2 if m <= 4 else 1
+
+
+# Measured on the H200 (docs/benchmarks/README.md, v4): below this many output rows the
+# kernels' blocks cannot fill the GPU and the Pallas kernel (which splits K) is as fast or
+# faster; the FMA kernel is the faster one for one or two rows of x, the tensor-core one
+# from three rows on (its cost does not grow with M).
+MIN_ROWS = 2048
+FMA_MAX_M = 2
+
+
+def default_variant(x) -> str:
+    """"fma" (fp32 FMAs, exact dequantization; any x dtype) for M <= FMA_MAX_M or fp32 x,
+    "mma" (bf16 tensor cores) for bf16 x with more rows. Both are batch-invariant on their own;
+    an engine runs its decode step at a fixed batch, so it always uses the same one."""
+    env = os.environ.get("NINFER_INT4_KERNEL")
+    if env:
+        return env
+    m = int(np.prod(x.shape[:-1], dtype=np.int64))
+    return "mma" if x.dtype == jnp.bfloat16 and m > FMA_MAX_M else "fma"
+
+
+def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
+              variant: str | None = None, stages: int | None = None):
+    """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
+    stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
+    variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
+    "fma": fp32 kernel. rows_per_warp (fma) / stages (mma: copy pipeline depth, 4/6/8/12):
+    tile parameters."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    m = int(np.prod(lead, dtype=np.int64))
+    n = w.shape[0]
+    idx = (jnp.zeros((1,), jnp.int32) if index is None
+           else jnp.asarray(index, jnp.int32).reshape(-1))
+    out_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
+    variant = variant or default_variant(x)
+    if variant == "mma":
+        g = k // GROUP
+        xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))
+        xg = xb.reshape(8, g, 4, 16)[..., _MMA_ORDER].transpose(1, 0, 2, 3)  # [G, 8, 4, 16]
+        corr = 136.0 * xb.astype(jnp.float32).reshape(8, g, GROUP).sum(-1).T  # [G, 8]
+        call = jax.ffi.ffi_call(INT4_MMA_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
+        y = call(xg, corr, w.data, w.scale.astype(jnp.float32), idx,
+                 stages=np.int64(stages or int(os.environ.get("NINFER_INT4_STAGES", "4"))))
+        return y.astype(x.dtype).reshape(*lead, n)
+    xf = x.reshape(m, k).astype(jnp.float32)
+    kp = -(-k // 1024) * 1024  # whole 1024-input iterations (32 lanes x 32 codes)
+    xf = jnp.pad(xf, ((0, 0), (0, kp - k)))
+    # [M, K/1024, lane, word, half, 4] -> [M, K/1024, word, half, lane, 4]: warp-wide loads
+    # of x are contiguous (see the kernel's comment)
+    xf = xf.reshape(m, kp // 1024, 32, 4, 2, 4).transpose(0, 1, 3, 4, 2, 5)
+    rpw = rows_per_warp or default_rows_per_warp(m)
+    call = jax.ffi.ffi_call(INT4_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
+    y = call(xf, w.data, w.scale.astype(jnp.float32), idx, rows_per_warp=np.int64(rpw))
+    return y.astype(x.dtype).reshape(*lead, n)

@@ -1,0 +1,30 @@
+"""Run a real Engine to completion in a test: one greedy request, its tokens and its end."""
+from __future__ import annotations
+
+import queue
+
+
+def greedy_tokens(model, ids, n: int, **engine_kw):
+    """Start an Engine on `model` (engine_kw: its options), generate n greedy tokens after the
+    prompt `ids`, stop it. Returns (tokens, the DoneEvent)."""
+    from engine.engine import DoneEvent, Engine, GenerationRequest, TokenEvent
+    from engine.sampling import SamplingParams
+
+    kw = dict(context_tokens=256, prefill_chunk=16, max_concurrency=1, max_queue=2)
+    kw.update(engine_kw)
+    eng = Engine(model, **kw)
+    eng.start()
+    try:
+        q: queue.Queue = queue.Queue()
+        eng.submit(GenerationRequest(prompt_ids=list(ids),
+                                     sampling=SamplingParams(temperature=0.0), max_tokens=n,
+                                     stop_ids=frozenset(), emit=q.put))
+        toks = []
+        while True:
+            ev = q.get(timeout=300)
+            if isinstance(ev, TokenEvent):
+                toks.append(ev.token_id)
+            elif isinstance(ev, DoneEvent):
+                return toks, ev
+    finally:
+        eng.stop()

@@ -1,0 +1,166 @@
+"""The CUDA int4_g64 GEMV (engine/kernels/cuda_ops.py, XLA FFI) against the reference
+`quant.linear`. It runs only on a GPU (-m gpu); on the CPU the tests check that it lowers to
+its FFI call for CUDA and that `qmatmul` keeps using the Pallas kernel here."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from engine.kernels import cuda_ops, qgemv
+from engine.kernels.stacked import Stacked
+from engine.quant import linear, quantize
+from tests.kernel_checks import assert_close, on_gpu
+
+
+def _qtensor(n, k, seed, lead=()):
+    rng = np.random.default_rng(seed)
+    mats = [quantize((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32), "int4_g64")
+            for _ in range(int(np.prod(lead, dtype=np.int64)))]
+    data = np.stack([q.data for q in mats]).reshape(*lead, n, k // 2)
+    scale = np.stack([q.scale for q in mats]).reshape(*lead, n, k // 64)
+    return type(mats[0])(jnp.asarray(data), jnp.asarray(scale), "int4_g64", (n, k))
+
+
+@pytest.mark.parametrize("variant,target", [("mma", cuda_ops.INT4_MMA_TARGET),
+                                            ("fma", cuda_ops.INT4_TARGET)])
+def test_lowers_to_its_ffi_call_for_cuda(variant, target):
+    w = _qtensor(64, 128, 0, lead=(2,))
+    x = jnp.ones((1, 128), jnp.bfloat16)
+    exp = export.export(
+        jax.jit(lambda x, w, i: cuda_ops.int4_gemv(x, w, i, variant=variant)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
+        x, w, jnp.array([1], jnp.int32))
+    assert target in exp.mlir_module()
+    assert exp.out_avals[0].shape == (1, 64) and exp.out_avals[0].dtype == jnp.bfloat16
+
+
+def test_variant_choice():
+    one, three = jnp.ones((1, 128), jnp.bfloat16), jnp.ones((3, 128), jnp.bfloat16)
+    assert cuda_ops.default_variant(one) == "fma" and cuda_ops.default_variant(three) == "mma"
+    assert cuda_ops.default_variant(three.astype(jnp.float32)) == "fma"
+    assert not cuda_ops.worthwhile(_qtensor(64, 128, 0)) and cuda_ops.MIN_ROWS > 64
+
+
+def test_cpu_uses_the_pallas_kernel():
+    if on_gpu():
+        pytest.skip("CPU behaviour")
+    assert not cuda_ops.available() and "no GPU" in cuda_ops.why_unavailable()
+    w = _qtensor(32, 128, 1)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 128)), jnp.float32)
+    assert_close(qgemv.qmatmul(x, w), linear(x, w), jnp.float32)
+
+
+def test_supported_shapes():
+    w = _qtensor(32, 128, 3)
+    assert cuda_ops.supported(jnp.ones((1, 128)), w)
+    assert cuda_ops.supported(jnp.ones((2, 4, 128)), w)      # M = 8
+    assert not cuda_ops.supported(jnp.ones((9, 128)), w)     # M > 8
+    assert not cuda_ops.supported(jnp.ones((1, 128)), w, lead=1)
+
+
+MMA_CASES = [  # (M, N, K, copy stages)
+    (1, 37, 64, 4), (1, 4096, 5120, 6), (2, 4096, 5120, 12), (3, 1000, 17408, 8),
+    (4, 999, 6144, 4), (5, 517, 192, 6), (8, 2048, 5120, 6), (7, 300, 1024, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,stages", MMA_CASES)
+def test_tensor_core_variant_matches_reference_on_gpu(m, n, k, stages):
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(n, k, m * n + k)
+    x = jnp.asarray(np.random.default_rng(k + m).standard_normal((m, k)) + 0.5, jnp.bfloat16)
+    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", stages=stages))(x, w)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    with jax.default_matmul_precision("highest"):
+        ref = linear(x.astype(jnp.float32), w)  # exact products of the same bf16 x and codes
+    from tests.kernel_checks import rel_err
+
+    assert rel_err(got, ref) < 4e-3  # the bf16 rounding of the output, not of the products
+
+
+GPU_CASES = [  # (M, N, K, x dtype, rows per warp)
+    (1, 37, 64, jnp.float32, 1), (1, 4096, 5120, jnp.bfloat16, 2), (2, 4096, 5120,
+                                                                     jnp.bfloat16, 2),
+    (1, 1000, 17408, jnp.float32, 4), (2, 999, 6144, jnp.float32, 4),
+    (3, 517, 192, jnp.bfloat16, 2), (4, 2048, 5120, jnp.float32, 2),
+    (5, 300, 1024, jnp.bfloat16, 1), (8, 256, 5120, jnp.float32, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,dtype,rpw", GPU_CASES)
+def test_matches_reference_on_gpu(m, n, k, dtype, rpw):
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(n, k, m + n + k)
+    x = jnp.asarray(np.random.default_rng(k).standard_normal((m, k)), dtype)
+    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, rows_per_warp=rpw, variant="fma"))(
+        x, w)
+    assert got.shape == (m, n) and got.dtype == dtype
+    with jax.default_matmul_precision("highest"):  # no TF32 in the fp32 reference
+        ref = linear(x.astype(jnp.float32), w)  # the kernel dequantizes exactly
+    assert_close(got, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["mma", "fma"])
+@pytest.mark.parametrize("lead,index", [((3,), (2,)), ((2, 3), (1, 2))])
+def test_reads_a_layer_of_a_stack_on_gpu(lead, index, variant):
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(512, 1024, 7, lead=lead)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 1024)), jnp.bfloat16)
+    idx = jnp.asarray(index, jnp.int32)
+    got = jax.jit(lambda x, w, i: cuda_ops.int4_gemv(x, w, i, variant=variant))(x, w, idx)
+    with jax.default_matmul_precision("highest"):
+        want = linear(x.astype(jnp.float32), Stacked(w, idx).materialize())
+    assert_close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_qmatmul_sends_large_int4_matrices_to_cuda_on_gpu(monkeypatch):
+    """qmatmul's dispatch: N >= MIN_ROWS goes to the CUDA op, smaller N to Pallas."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    calls = []
+    real = cuda_ops.int4_gemv
+    monkeypatch.setattr(cuda_ops, "int4_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((1, 1024)), jnp.bfloat16)
+    big = _qtensor(cuda_ops.MIN_ROWS, 1024, 12, lead=(2,))
+    idx = jnp.array([1], jnp.int32)
+    got = qgemv.qmatmul(x, big, idx)
+    assert calls == [1]
+    with jax.default_matmul_precision("highest"):
+        want = linear(x.astype(jnp.float32), Stacked(big, idx).materialize())
+    assert_close(got, want, jnp.bfloat16)
+    qgemv.qmatmul(x, _qtensor(64, 1024, 13))
+    assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["mma", "fma"])
+def test_batch_invariant_and_deterministic_on_gpu(variant):
+    """A row's result is bitwise the same whatever the other rows of x and however many."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(3000, 5120, 9)
+    rng = np.random.default_rng(10)
+    x2 = jnp.asarray(rng.standard_normal((2, 5120)), jnp.bfloat16)
+    one = np.asarray(cuda_ops.int4_gemv(x2[:1], w, variant=variant), np.float32)
+    two = np.asarray(cuda_ops.int4_gemv(x2, w, variant=variant), np.float32)
+    again = np.asarray(cuda_ops.int4_gemv(x2, w, variant=variant), np.float32)
+    four = np.asarray(cuda_ops.int4_gemv(jnp.concatenate([x2, x2[::-1]]), w, variant=variant,
+                                         rows_per_warp=1), np.float32)
+    assert np.array_equal(one[0], two[0]) and np.array_equal(two, again)
+    assert np.array_equal(four[0], two[0]) and np.array_equal(four[3], two[0])
+
+
+@pytest.mark.gpu
+def test_bad_rows_per_warp_is_an_error_on_gpu():
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(64, 128, 11)
+    with pytest.raises(Exception, match="invalid argument|int4_gemv"):
+        jax.block_until_ready(cuda_ops.int4_gemv(jnp.ones((8, 128), jnp.float32), w,
+                                                 rows_per_warp=4))
+    with pytest.raises(Exception, match="invalid argument|int4_gemv"):
+        jax.block_until_ready(cuda_ops.int4_gemv(jnp.ones((1, 128), jnp.bfloat16), w,
+                                                 stages=3))
