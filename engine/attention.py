@@ -15,7 +15,7 @@ from jax import lax
 
 from engine.config import ModelConfig
 from engine.norms import rms_norm
-from engine.quant import linear
+from engine.quant import linear, linear_multi
 
 _HI = lax.Precision.HIGHEST
 
@@ -122,12 +122,12 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
     """
     b, t, _ = x.shape
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qg = linear(x, p["q_proj"], kernels).reshape(b, t, nh, 2 * hd)
+    qg, k, v = linear_multi(x, [p["q_proj"], p["k_proj"], p["v_proj"]], kernels)
+    qg = qg.reshape(b, t, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nh * hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(linear(x, p["k_proj"], kernels).reshape(b, t, kvh, hd), p["k_norm"],
-                 cfg.rms_norm_eps)
-    v = linear(x, p["v_proj"], kernels).reshape(b, t, kvh, hd)
+    k = rms_norm(k.reshape(b, t, kvh, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = v.reshape(b, t, kvh, hd)
     cos, sin = rope_tables(cfg, positions)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kernels == "xla":  # keep the plain call: write_attend may be any reference

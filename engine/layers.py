@@ -12,15 +12,15 @@ from engine.gdn import (causal_conv1d, chunk_gated_delta_rule, l2_normalize,
                         recurrent_gated_delta_rule, select_rule)
 from engine.norms import gated_rms_norm, rms_norm
 from engine.paged_kv import PagedKV, paged_write_attend
-from engine.quant import linear
+from engine.quant import linear, linear_multi
 
 GDN_RULES = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}
 
 
 def mlp(p, x, kernels: str = "xla"):
     """SwiGLU: down(silu(gate(x)) * up(x)). x: [B, T, H]."""
-    return linear(jax.nn.silu(linear(x, p["gate_proj"], kernels))
-                  * linear(x, p["up_proj"], kernels), p["down_proj"], kernels)
+    gate, up = linear_multi(x, [p["gate_proj"], p["up_proj"]], kernels)
+    return linear(jax.nn.silu(gate) * up, p["down_proj"], kernels)
 
 
 def _gdn_rule(mode: str, kernels: str, t: int):
@@ -42,15 +42,16 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv, conv_state = causal_conv1d(linear(x, p["in_proj_qkv"], kernels), p["conv1d"],
-                                    conv_state, lengths)
+    qkv, z, b_in, a_in = linear_multi(
+        x, [p["in_proj_qkv"], p["in_proj_z"], p["in_proj_b"], p["in_proj_a"]], kernels)
+    qkv, conv_state = causal_conv1d(qkv, p["conv1d"], conv_state, lengths)
     qkv = jax.nn.silu(qkv)  # fp32 from here to the output norm
     q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
     q = l2_normalize(q.reshape(b, t, hk, dk))
     k = l2_normalize(k.reshape(b, t, hk, dk))
     v = v.reshape(b, t, hv, dv)
-    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"], kernels).astype(jnp.float32))
-    a = linear(x, p["in_proj_a"], kernels).astype(jnp.float32)
+    beta = jax.nn.sigmoid(b_in.astype(jnp.float32))
+    a = a_in.astype(jnp.float32)
     # A_log is float even in bf16 checkpoints: exp of a bf16 A_log loses the decay's precision.
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a + p["dt_bias"].astype(jnp.float32))
@@ -61,7 +62,7 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
         # kernels do): fp32 operands make Triton emulate IEEE fp32 dots without tensor cores.
         q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
     out, rec_state = rule(q, k, v, g, beta, rec_state)
-    z = linear(x, p["in_proj_z"], kernels).reshape(b, t, hv, dv)
+    z = z.reshape(b, t, hv, dv)
     out = gated_rms_norm(out, z, p["norm"], cfg.rms_norm_eps).astype(x.dtype)
     return linear(out.reshape(b, t, hv * dv), p["out_proj"], kernels), conv_state, rec_state
 

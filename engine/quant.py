@@ -30,6 +30,8 @@ to the leaves only; `lax.scan` slices them off again, so `linear` sees [out, in]
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 import jax
@@ -216,6 +218,29 @@ def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
     if isinstance(w, QTensor):
         w = dequantize(w, jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+
+
+def linear_multi(x: jax.Array, ws, kernels: str = "xla") -> list:
+    """[linear(x, w, kernels) for w in ws]: a layer's projections of one input. With
+    kernels="pallas" on a GPU, int4_g64 weights (layer views of one stack, or plain QTensors)
+    go to the CUDA GEMV in one launch that prepares x once (engine/kernels/cuda_ops.py
+    `int4_gemv_multi`: the same result per projection as separate calls).
+    NINFER_INT4_FUSE=off keeps separate calls (benchmarking switch)."""
+    ws = list(ws)
+    if kernels == "pallas" and len(ws) > 1 and os.environ.get("NINFER_INT4_FUSE") != "off":
+        from engine.kernels import cuda_ops
+        from engine.kernels.stacked import Stacked
+
+        views = all(isinstance(w, Stacked) for w in ws)
+        mats = [w.w for w in ws] if views else ws
+        lead = int(ws[0].index.shape[0]) if views else 0
+        if ((views or not any(isinstance(w, Stacked) for w in ws))
+                and len(ws) <= cuda_ops.MAX_MATS
+                and all(cuda_ops.supported(x, w, lead) for w in mats)
+                and sum(w.shape[0] for w in mats) >= cuda_ops.MIN_ROWS
+                and cuda_ops.available()):
+            return cuda_ops.int4_gemv_multi(x, mats, ws[0].index if views else None)
+    return [linear(x, w, kernels) for w in ws]
 
 
 def embedding_lookup(table, ids: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -164,3 +164,48 @@ def test_bad_rows_per_warp_is_an_error_on_gpu():
     with pytest.raises(Exception, match="invalid argument|int4_gemv"):
         jax.block_until_ready(cuda_ops.int4_gemv(jnp.ones((1, 128), jnp.bfloat16), w,
                                                  stages=3))
+
+
+def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
+    """A layer's projections of one x: one FFI call with a (codes, scales) pair per weight for
+    CUDA; on the CPU `linear_multi` is exactly the separate `linear` calls."""
+    from engine.quant import linear_multi
+
+    ws = [_qtensor(n, 128, n, lead=(2,)) for n in (64, 48, 32)]
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 128)), jnp.bfloat16)
+    idx = jnp.array([1], jnp.int32)
+    exp = export.export(
+        jax.jit(lambda x, a, b, c, i: cuda_ops.int4_gemv_multi(x, [a, b, c], i)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_TARGET)])(
+        x, *ws, idx)
+    text = exp.mlir_module()
+    assert text.count(f"@{cuda_ops.INT4_TARGET}(") == 1
+    assert [a.shape for a in exp.out_avals] == [(2, 64), (2, 48), (2, 32)]
+    views = [Stacked(w, idx) for w in ws]
+    got = linear_multi(x, views, "pallas")
+    for g, w in zip(got, ws):
+        np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                      np.asarray(qgemv.qmatmul(x, w, idx), np.float32))
+    with pytest.raises(ValueError, match="1..4"):
+        cuda_ops.int4_gemv_multi(x, ws + ws, idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fma", "mma"])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_multi_is_bitwise_the_separate_calls_on_gpu(variant, m):
+    """qkv/z/b/a-like: four weights of one stack, different N (one not a multiple of 16),
+    one launch; each output is bit for bit the single-weight call's."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    ws = [_qtensor(n, 1024, 20 + n, lead=(2, 3)) for n in (1040, 600, 48, 8)]
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 1024)), jnp.bfloat16)
+    idx = jnp.array([1, 2], jnp.int32)
+    got = jax.jit(lambda x, ws, i: cuda_ops.int4_gemv_multi(x, ws, i, variant=variant))(
+        x, ws, idx)
+    for g, w in zip(got, ws):
+        one = cuda_ops.int4_gemv(x, w, idx, variant=variant)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(one, np.float32))
+        with jax.default_matmul_precision("highest"):
+            want = linear(x.astype(jnp.float32), Stacked(w, idx).materialize())
+        assert_close(g, want, jnp.bfloat16)

@@ -41,6 +41,7 @@ INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 # (see the kernel's comment): x is permuted to match.
 _MMA_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15])
 MAX_ROWS = 8
+MAX_MATS = 4  # weights one call can take (the kernel's kMaxMats)
 _why_not: list[str] = []
 
 
@@ -184,12 +185,26 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "fma": fp32 kernel. rows_per_warp (fma) / stages (mma: copy pipeline depth, 4/6/8/12):
     tile parameters."""
+    return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
+                           stages=stages)[0]
+
+
+def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
+                    variant: str | None = None, stages: int | None = None):
+    """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
+    projections of one input), in one launch with one preparation of x. Returns the list of
+    [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
+    sum does not depend on the other rows)."""
+    if not 1 <= len(ws) <= MAX_MATS:
+        raise ValueError(f"int4_gemv_multi takes 1..{MAX_MATS} weights, got {len(ws)}")
     lead, k = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
-    n = w.shape[0]
+    ns = [w.shape[0] for w in ws]
+    n = sum(ns)
     idx = (jnp.zeros((1,), jnp.int32) if index is None
            else jnp.asarray(index, jnp.int32).reshape(-1))
     out_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
+    pairs = [a for w in ws for a in (w.data, w.scale.astype(jnp.float32))]
     variant = variant or default_variant(x)
     if variant == "mma":
         g = k // GROUP
@@ -197,16 +212,21 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
         xg = xb.reshape(8, g, 4, 16)[..., _MMA_ORDER].transpose(1, 0, 2, 3)  # [G, 8, 4, 16]
         corr = 136.0 * xb.astype(jnp.float32).reshape(8, g, GROUP).sum(-1).T  # [G, 8]
         call = jax.ffi.ffi_call(INT4_MMA_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
-        y = call(xg, corr, w.data, w.scale.astype(jnp.float32), idx,
+        y = call(xg, corr, idx, *pairs,
                  stages=np.int64(stages or int(os.environ.get("NINFER_INT4_STAGES", "4"))))
-        return y.astype(x.dtype).reshape(*lead, n)
-    xf = x.reshape(m, k).astype(jnp.float32)
-    kp = -(-k // 1024) * 1024  # whole 1024-input iterations (32 lanes x 32 codes)
-    xf = jnp.pad(xf, ((0, 0), (0, kp - k)))
-    # [M, K/1024, lane, word, half, 4] -> [M, K/1024, word, half, lane, 4]: warp-wide loads
-    # of x are contiguous (see the kernel's comment)
-    xf = xf.reshape(m, kp // 1024, 32, 4, 2, 4).transpose(0, 1, 3, 4, 2, 5)
-    rpw = rows_per_warp or default_rows_per_warp(m)
-    call = jax.ffi.ffi_call(INT4_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
-    y = call(xf, w.data, w.scale.astype(jnp.float32), idx, rows_per_warp=np.int64(rpw))
-    return y.astype(x.dtype).reshape(*lead, n)
+    else:
+        xf = x.reshape(m, k).astype(jnp.float32)
+        kp = -(-k // 1024) * 1024  # whole 1024-input iterations (32 lanes x 32 codes)
+        xf = jnp.pad(xf, ((0, 0), (0, kp - k)))
+        # [M, K/1024, lane, word, half, 4] -> [M, K/1024, word, half, lane, 4]: warp-wide
+        # loads of x are contiguous (see the kernel's comment)
+        xf = xf.reshape(m, kp // 1024, 32, 4, 2, 4).transpose(0, 1, 3, 4, 2, 5)
+        rpw = rows_per_warp or default_rows_per_warp(m)
+        call = jax.ffi.ffi_call(INT4_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
+        y = call(xf, idx, *pairs, rows_per_warp=np.int64(rpw))
+    y = y.astype(x.dtype)
+    outs, at = [], 0
+    for nj in ns:
+        outs.append(y[:, at:at + nj].reshape(*lead, nj))
+        at += nj
+    return outs

@@ -30,7 +30,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -87,23 +89,71 @@ __device__ __forceinline__ void word(uint32_t v, const float4 (&xa)[M], const fl
   }
 }
 
+// The weights one call multiplies x by: one matrix, or several sharing x and K (a layer's
+// projections of the same input: q/k/v, qkv/z/b/a, gate/up) whose outputs are concatenated
+// along N, so one launch (and one preparation of x) serves them all. Each has the same stack
+// dims, read at the same layer index.
+constexpr int kMaxMats = 4;
+
+struct Mats {
+  const uint8_t* w[kMaxMats];  // [*lead, n_j, K/2] codes
+  const float* s[kMaxMats];    // [*lead, n_j, K/64] scales
+  int start[kMaxMats + 1];     // first output row of each; start[count] = N in all
+  int count;
+  int nlead;
+  int64_t l[3];                // layer = sum index[d] * l[d]
+};
+
+__device__ __forceinline__ int64_t layer_of(const Mats& mt, const int32_t* index) {
+  int64_t layer = 0;
+  if (mt.nlead > 0) layer += static_cast<int64_t>(index[0]) * mt.l[0];
+  if (mt.nlead > 1) layer += static_cast<int64_t>(index[1]) * mt.l[1];
+  if (mt.nlead > 2) layer += static_cast<int64_t>(index[2]) * mt.l[2];
+  return layer;
+}
+
+// Output row `row` (< N) -> the start of its codes and of its scales.
+__device__ __forceinline__ void row_ptrs(const Mats& mt, int row, int64_t layer, int k,
+                                         const uint8_t*& wrow, const float*& srow) {
+  // Selects with constant indices only: indexing the (parameter-space) struct with a runtime
+  // index would copy it to local memory.
+  const uint8_t* w = mt.w[0];
+  const float* sc = mt.s[0];
+  int lo = mt.start[0], hi = mt.start[1];
+#pragma unroll
+  for (int i = 1; i < kMaxMats; ++i) {
+    if (i < mt.count && row >= mt.start[i]) {
+      w = mt.w[i];
+      sc = mt.s[i];
+      lo = mt.start[i];
+      hi = mt.start[i + 1];
+    }
+  }
+  const int64_t r = layer * (hi - lo) + (row - lo);
+  wrow = w + r * (k >> 1);
+  srow = sc + r * (k >> 6);
+}
+
 template <int M, int R, int U, typename OT>
 __global__ void __launch_bounds__(kWarps * 32)
-    int4_gemv(const float4* __restrict__ x, const uint4* __restrict__ w,
-              const float* __restrict__ scale, const int32_t* __restrict__ index,
-              OT* __restrict__ y, int n, int k, int nlead, int64_t l0, int64_t l1, int64_t l2) {
-  int64_t layer = 0;
-  if (nlead > 0) layer += static_cast<int64_t>(index[0]) * l0;
-  if (nlead > 1) layer += static_cast<int64_t>(index[1]) * l1;
-  if (nlead > 2) layer += static_cast<int64_t>(index[2]) * l2;
+    int4_gemv(const float4* __restrict__ x, const __grid_constant__ Mats mt,
+              const int32_t* __restrict__ index,
+              OT* __restrict__ y, int k) {
+  const int n = mt.start[mt.count];
+  const int64_t layer = layer_of(mt, index);
   const int chunks = k >> 5;  // 16-byte chunks (32 codes) per row
   const int64_t x_row = static_cast<int64_t>((k + 1023) >> 10) * 256;  // float4s per x row
-  const int groups = k >> 6;
-  const uint4* wl = w + layer * n * chunks;
-  const float* sl = scale + layer * n * groups;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
   if (row0 >= n) return;
+  const uint4* wr[R];
+  const float* sr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {  // rows past n compute a copy of the last row, never stored
+    const uint8_t* wrow;
+    row_ptrs(mt, min(row0 + r, n - 1), layer, k, wrow, sr[r]);
+    wr[r] = reinterpret_cast<const uint4*>(wrow);
+  }
 
   float tot[M][R];
 #pragma unroll
@@ -117,11 +167,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * 32 + lane;
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = min(row0 + r, n - 1);  // rows past n compute a copy, never stored
-        q[r][u] = c < chunks ? load_stream(wl + static_cast<int64_t>(row) * chunks + c)
-                             : make_uint4(0, 0, 0, 0);
-      }
+      for (int r = 0; r < R; ++r)
+        q[r][u] = c < chunks ? load_stream(wr[r] + c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -152,8 +199,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int row = min(row0 + r, n - 1);
-        const float s = __ldg(sl + static_cast<int64_t>(row) * groups + (c >> 1));
+        const float s = __ldg(sr[r] + (c >> 1));
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           const float part = acc[r][m][0] + acc[r][m][1] * (1.0f / 16.0f) +
@@ -253,27 +299,25 @@ constexpr int mma_smem_bytes() {
 template <int S, typename OT>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     int4_gemv_mma(const uint4* __restrict__ xp, const float2* __restrict__ corr,
-                  const uint4* __restrict__ w, const float* __restrict__ scale,
-                  const int32_t* __restrict__ index, OT* __restrict__ y, int n, int k, int m,
-                  int nlead, int64_t l0, int64_t l1, int64_t l2) {
+                  const __grid_constant__ Mats mt,
+                  const int32_t* __restrict__ index, OT* __restrict__ y, int k, int m) {
   extern __shared__ uint4 smem[];
   __shared__ float4 red[kMmaWarps][32];
-  int64_t layer = 0;
-  if (nlead > 0) layer += static_cast<int64_t>(index[0]) * l0;
-  if (nlead > 1) layer += static_cast<int64_t>(index[1]) * l1;
-  if (nlead > 2) layer += static_cast<int64_t>(index[2]) * l2;
+  const int n = mt.start[mt.count];
+  const int64_t layer = layer_of(mt, index);
   const int groups = k >> 6;
-  const int per_row = k >> 5;  // 16-byte pieces per row
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
   uint4* mine = smem + warp * S * kMmaU * kGroupVec;
   // Copy roles: lane l copies half (l & 1) of row (l >> 1)'s 32 bytes of a group; lanes 0..15
   // copy the scale of row l.
-  const int crow = min(row0 + (lane >> 1), n - 1);
-  const uint4* wsrc = w + (layer * n + crow) * per_row + (lane & 1);
-  const int srow = min(row0 + (lane & 15), n - 1);
-  const float* ssrc = scale + (layer * n + srow) * groups;
+  const uint8_t* wrow;
+  const float* ssrc;
+  const float* unused;
+  row_ptrs(mt, min(row0 + (lane >> 1), n - 1), layer, k, wrow, unused);
+  const uint4* wsrc = reinterpret_cast<const uint4*>(wrow) + (lane & 1);
+  row_ptrs(mt, min(row0 + (lane & 15), n - 1), layer, k, wrow, ssrc);
   const int count = warp < groups ? (groups - warp + kMmaWarps - 1) / kMmaWarps : 0;
   const int stages = (count + kMmaU - 1) / kMmaU;
   const bool has_x = g < m;
@@ -356,25 +400,22 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 
 template <int S, typename OT>
 cudaError_t launch_mma(cudaStream_t stream, int blocks, const uint4* x4, const float2* c2,
-                       const uint4* w4, const float* scale, const int32_t* index, void* y,
-                       int n, int k, int m, int nlead, const int64_t (&l)[3]) {
+                       const Mats& mt, const int32_t* index, void* y, int k, int m) {
   constexpr int bytes = mma_smem_bytes<S>();
   static const cudaError_t attr = cudaFuncSetAttribute(
       int4_gemv_mma<S, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (attr != cudaSuccess) return attr;
   int4_gemv_mma<S, OT><<<blocks, kMmaWarps * 32, bytes, stream>>>(
-      x4, c2, w4, scale, index, static_cast<OT*>(y), n, k, m, nlead, l[0], l[1], l[2]);
+      x4, c2, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
 }
 
 struct Launch {
   const float4* x;
-  const uint4* w;
-  const float* scale;
+  Mats mt;
   const int32_t* index;
   void* y;
-  int n, k, nlead;
-  int64_t l[3];
+  int n, k;
 };
 
 template <int M, int R, typename OT>
@@ -382,9 +423,8 @@ cudaError_t launch(cudaStream_t stream, const Launch& a) {
   constexpr int U = R == 1 ? 8 : R == 2 ? 4 : 2;  // 128 bytes of weights in flight per lane
   const int rows_per_block = kWarps * R;
   const int blocks = (a.n + rows_per_block - 1) / rows_per_block;
-  int4_gemv<M, R, U, OT><<<blocks, kWarps * 32, 0, stream>>>(
-      a.x, a.w, a.scale, a.index, static_cast<OT*>(a.y), a.n, a.k, a.nlead, a.l[0], a.l[1],
-      a.l[2]);
+  int4_gemv<M, R, U, OT><<<blocks, kWarps * 32, 0, stream>>>(a.x, a.mt, a.index,
+                                                               static_cast<OT*>(a.y), a.k);
   return cudaGetLastError();
 }
 
@@ -418,40 +458,72 @@ cudaError_t by_m(cudaStream_t stream, const Launch& a, int m, int rows_per_warp)
   }
 }
 
-ffi::Error Int4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> index,
+// The weights of a call: pairs (codes, scales) in `rest`, all with the same stack dims and K.
+// Fills `mt`; returns an error message or nullptr.
+const char* decode_mats(const ffi::RemainingArgs& rest, const ffi::Buffer<ffi::S32>& index,
+                        Mats& mt, int64_t& k_out) {
+  if (rest.size() < 2 || rest.size() % 2 != 0 || rest.size() > 2 * kMaxMats)
+    return "int4_gemv: weights come as 1..4 (codes, scales) pairs";
+  int64_t nlead = -1, k = -1, rows = 0;
+  std::vector<int64_t> lead;
+  mt.count = static_cast<int>(rest.size() / 2);
+  for (int j = 0; j < mt.count; ++j) {
+    auto w = rest.get<ffi::Buffer<ffi::U8>>(2 * j);
+    auto sc = rest.get<ffi::Buffer<ffi::F32>>(2 * j + 1);
+    if (w.has_error() || sc.has_error()) return "int4_gemv: codes must be u8, scales f32";
+    const auto wd = w->dimensions(), sd = sc->dimensions();
+    const int64_t nl = static_cast<int64_t>(wd.size()) - 2;
+    if (nl < 0 || nl > 3) return "int4_gemv: codes must be [*lead (<= 3 dims), N, K/2]";
+    const int64_t kj = wd[nl + 1] * 2;
+    if (j == 0) {
+      nlead = nl;
+      k = kj;
+      lead.assign(wd.begin(), wd.begin() + nl);
+    } else if (nl != nlead || kj != k || !std::equal(lead.begin(), lead.end(), wd.begin())) {
+      return "int4_gemv: all weights of a call need the same stack dims and K";
+    }
+    if (k % 64 != 0) return "int4_gemv: K must be a multiple of 64";
+    if (static_cast<int64_t>(sd.size()) != nl + 2 || sd[nl] != wd[nl] || sd[nl + 1] != k / 64 ||
+        !std::equal(lead.begin(), lead.end(), sd.begin()))
+      return "int4_gemv: scales must be [*lead, N, K/64]";
+    mt.w[j] = w->typed_data();
+    mt.s[j] = sc->typed_data();
+    mt.start[j] = static_cast<int>(rows);
+    rows += wd[nl];
+  }
+  if (rows >= (int64_t{1} << 31) || k >= (int64_t{1} << 31))
+    return "int4_gemv: N and K must fit in int32";
+  mt.start[mt.count] = static_cast<int>(rows);
+  mt.nlead = static_cast<int>(nlead);
+  if (index.element_count() < static_cast<size_t>(nlead))
+    return "int4_gemv: index needs one entry per stack dim";
+  for (int64_t d = 0; d < 3; ++d) {
+    int64_t mult = 1;
+    for (int64_t e = d + 1; e < nlead; ++e) mult *= lead[e];
+    mt.l[d] = d < nlead ? mult : 0;
+  }
+  k_out = k;
+  return nullptr;
+}
+
+ffi::Error Int4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
+                        ffi::Buffer<ffi::S32> index, ffi::RemainingArgs rest,
                         ffi::Result<ffi::AnyBuffer> y, int64_t rows_per_warp) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(),
-             yd = y->dimensions();
-  const int64_t nlead = static_cast<int64_t>(wd.size()) - 2;
-  if (nlead < 0 || nlead > 3) return ffi::Error::InvalidArgument("int4_gemv: w rank 2..5");
-  const int64_t n = wd[nlead], k = wd[nlead + 1] * 2;
+  Launch a{reinterpret_cast<const float4*>(x.typed_data()), {}, index.typed_data(),
+           y->untyped_data(), 0, 0};
+  int64_t k = 0;
+  if (const char* bad = decode_mats(rest, index, a.mt, k)) return ffi::Error::InvalidArgument(bad);
+  const int64_t n = a.mt.start[a.mt.count];
+  const auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 6 || xd[1] != (k + 1023) / 1024 || xd[2] != 4 || xd[3] != 2 || xd[4] != 32 ||
       xd[5] != 4)
     return ffi::Error::InvalidArgument("int4_gemv: x must be permuted [M, K/1024, 4, 2, 32, 4]");
   const int64_t m = xd[0];
   if (m < 1 || m > 8) return ffi::Error::InvalidArgument("int4_gemv: M must be 1..8");
-  if (k % 64 != 0)
-    return ffi::Error::InvalidArgument("int4_gemv: w must be [*lead, N, K/2] with K % 64 == 0");
-  if (static_cast<int64_t>(sd.size()) != nlead + 2 || sd[nlead] != n || sd[nlead + 1] != k / 64)
-    return ffi::Error::InvalidArgument("int4_gemv: scale must be [*lead, N, K/64]");
-  for (int64_t d = 0; d < nlead; ++d)
-    if (sd[d] != wd[d]) return ffi::Error::InvalidArgument("int4_gemv: scale stack dims");
-  if (index.element_count() < static_cast<size_t>(nlead))
-    return ffi::Error::InvalidArgument("int4_gemv: index needs one entry per stack dim");
   if (yd.size() != 2 || yd[0] != m || yd[1] != n)
     return ffi::Error::InvalidArgument("int4_gemv: y must be [M, N]");
-  if (n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31))
-    return ffi::Error::InvalidArgument("int4_gemv: N and K must fit in int32");
-  Launch a{reinterpret_cast<const float4*>(x.typed_data()), reinterpret_cast<const uint4*>(w.typed_data()), scale.typed_data(),
-           index.typed_data(), y->untyped_data(), static_cast<int>(n), static_cast<int>(k),
-           static_cast<int>(nlead), {0, 0, 0}};
-  // Layer multipliers: layer = sum index[d] * prod(wd[d+1 .. nlead-1]).
-  for (int64_t d = 0; d < nlead; ++d) {
-    int64_t mult = 1;
-    for (int64_t e = d + 1; e < nlead; ++e) mult *= wd[e];
-    a.l[d] = mult;
-  }
+  a.n = static_cast<int>(n);
+  a.k = static_cast<int>(k);
   cudaError_t err;
   switch (y->element_type()) {
     case ffi::DataType::F32:
@@ -468,53 +540,36 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffe
 }
 
 ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
-                           ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::U8> w,
-                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> index,
-                           ffi::Result<ffi::AnyBuffer> y, int64_t stages) {
-  const auto xd = xp.dimensions(), cd = corr.dimensions(), wd = w.dimensions(),
-             sd = scale.dimensions(), yd = y->dimensions();
-  const int64_t nlead = static_cast<int64_t>(wd.size()) - 2;
-  if (nlead < 0 || nlead > 3) return ffi::Error::InvalidArgument("int4_gemv_mma: w rank 2..5");
-  const int64_t n = wd[nlead], k = wd[nlead + 1] * 2, groups = k / 64;
-  if (k % 64 != 0) return ffi::Error::InvalidArgument("int4_gemv_mma: K % 64 != 0");
+                           ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
+                           ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
+                           int64_t stages) {
+  Mats mt{};
+  int64_t k = 0;
+  if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
+  const int64_t n = mt.start[mt.count], groups = k / 64;
+  const auto xd = xp.dimensions(), cd = corr.dimensions(), yd = y->dimensions();
   if (xd.size() != 4 || xd[0] != groups || xd[1] != 8 || xd[2] != 4 || xd[3] != 16)
     return ffi::Error::InvalidArgument("int4_gemv_mma: xp must be [K/64, 8, 4, 16]");
   if (cd.size() != 2 || cd[0] != groups || cd[1] != 8)
     return ffi::Error::InvalidArgument("int4_gemv_mma: corr must be [K/64, 8]");
-  if (static_cast<int64_t>(sd.size()) != nlead + 2 || sd[nlead] != n || sd[nlead + 1] != groups)
-    return ffi::Error::InvalidArgument("int4_gemv_mma: scale must be [*lead, N, K/64]");
-  for (int64_t d = 0; d < nlead; ++d)
-    if (sd[d] != wd[d]) return ffi::Error::InvalidArgument("int4_gemv_mma: scale stack dims");
-  if (index.element_count() < static_cast<size_t>(nlead))
-    return ffi::Error::InvalidArgument("int4_gemv_mma: index needs one entry per stack dim");
   if (yd.size() != 2 || yd[1] != n || yd[0] < 1 || yd[0] > 8)
     return ffi::Error::InvalidArgument("int4_gemv_mma: y must be [M <= 8, N]");
-  if (n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31))
-    return ffi::Error::InvalidArgument("int4_gemv_mma: N and K must fit in int32");
-  int64_t l[3] = {0, 0, 0};
-  for (int64_t d = 0; d < nlead; ++d) {
-    int64_t mult = 1;
-    for (int64_t e = d + 1; e < nlead; ++e) mult *= wd[e];
-    l[d] = mult;
-  }
   const int blocks = static_cast<int>((n + 15) / 16);
   const auto* x4 = reinterpret_cast<const uint4*>(xp.typed_data());
   const auto* c2 = reinterpret_cast<const float2*>(corr.typed_data());
-  const auto* w4 = reinterpret_cast<const uint4*>(w.typed_data());
-  const int m = static_cast<int>(yd[0]);
+  const int m = static_cast<int>(yd[0]), ki = static_cast<int>(k);
   const bool bf16 = y->element_type() == ffi::DataType::BF16;
   if (!bf16 && y->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("int4_gemv_mma: y must be f32 or bf16");
-  const int ni = static_cast<int>(n), ki = static_cast<int>(k), li = static_cast<int>(nlead);
   void* yp = y->untyped_data();
   cudaError_t err;
   switch (stages) {
 #define NINFER_MMA_CASE(S)                                                                    \
   case S:                                                                                     \
-    err = bf16 ? launch_mma<S, __nv_bfloat16>(stream, blocks, x4, c2, w4, scale.typed_data(), \
-                                              index.typed_data(), yp, ni, ki, m, li, l)       \
-               : launch_mma<S, float>(stream, blocks, x4, c2, w4, scale.typed_data(),         \
-                                      index.typed_data(), yp, ni, ki, m, li, l);              \
+    err = bf16 ? launch_mma<S, __nv_bfloat16>(stream, blocks, x4, c2, mt, index.typed_data(), \
+                                              yp, ki, m)                                      \
+               : launch_mma<S, float>(stream, blocks, x4, c2, mt, index.typed_data(), yp, ki, \
+                                      m);                                                     \
     break;
     NINFER_MMA_CASE(4)
     NINFER_MMA_CASE(6)
@@ -534,9 +589,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Gemv, Int4GemvImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("rows_per_warp"),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -546,9 +600,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvMma, Int4GemvMmaImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("stages"),
                               {ffi::Traits::kCmdBufferCompatible});

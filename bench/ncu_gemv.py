@@ -1,0 +1,57 @@
+"""A small driver for profiling the int4 GEMV kernels with Nsight Compute on the GPU machine:
+one lm_head-sized int4_g64 matrix (248320 x 5120, 0.7 GB: far past the L2), each kernel
+variant called a few times, plus a plain device copy of the same bytes for comparison.
+
+    ncu --clock-control none --kernel-name regex:'int4_gemv|qgemv|copy|convert' \
+        --launch-skip 0 --launch-count 40 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+        --section SchedulerStats --section WarpStateStats --csv \
+        python3 bench/ncu_gemv.py > ncu_gemv.csv
+
+(--clock-control none: leave the clocks alone, METHOD.md.) Without ncu it prints each
+variant's time and bytes/s, so it doubles as a quick check.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.bench_27b import _random_qtensor  # noqa: E402
+from engine.kernels import cuda_ops, qgemv  # noqa: E402
+
+N, K, REPS = 248320, 5120, 3
+
+
+def main() -> None:
+    w = _random_qtensor(jax.random.key(0), (N, K), "int4_g64")
+    nbytes = w.data.size + w.scale.size * 4
+    x = jax.random.normal(jax.random.key(1), (1, K), jnp.bfloat16)
+    variants = {
+        "pallas": jax.jit(lambda x, w: qgemv.qmatmul(x, w, config=qgemv.default_config(w, 1))),
+        "fma_r2": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="fma",
+                                                          rows_per_warp=2)),
+        "mma_s4": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", stages=4)),
+        "copy": jax.jit(lambda x, w: w.data + jnp.uint8(1)),
+    }
+    for name, fn in variants.items():
+        if name != "pallas" and name != "copy" and not cuda_ops.available():
+            print(f"{name}: CUDA op unavailable ({cuda_ops.why_unavailable()})")
+            continue
+        jax.block_until_ready(fn(x, w))
+        t0 = time.perf_counter()
+        for _ in range(REPS):
+            out = fn(x, w)
+        jax.block_until_ready(out)
+        t = (time.perf_counter() - t0) / REPS
+        moved = 2 * w.data.size if name == "copy" else nbytes
+        print(f"{name:>8}: {t * 1e6:8.1f} us  {moved / t / 1e12:5.2f} TB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
