@@ -195,7 +195,8 @@ def run_decode(cfg, params, fmt, args, pk, res, dt):
     state_bytes = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
         cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     kv_per_tok = cfg.num_blocks * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    runs = [(int(b), int(c)) for b in args.batches.split(",") for c in args.contexts.split(",")]
+    runs = [(int(b), int(c)) for b in args.batches.split(",") for c in args.contexts.split(",")
+            if b and c]
     for batch, ctx in runs:
         cache = (random_paged_cache if args.paged else random_cache)(cfg, ctx, dt, batch)
         tok = jnp.ones((batch, 1), jnp.int32)
