@@ -140,8 +140,49 @@ class Metrics:
         self.request_seconds = Histogram(
             f"{ns}_request_seconds", "Request arrival to its end.",
             buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=r)
+        # Durable checkpoints (server/checkpoints): fed by the manager's events (on_event).
+        self.ckpt_saves = Counter(f"{ns}_checkpoint_saves", "Checkpoint saves by outcome.",
+                                  ["outcome"], registry=r)
+        self.ckpt_save_bytes = Counter(f"{ns}_checkpoint_save_bytes",
+                                       "Bytes written by checkpoint saves.", registry=r)
+        self.ckpt_restores = Counter(f"{ns}_checkpoint_restores",
+                                     "Checkpoint restore attempts by outcome (restored, "
+                                     "no_room, missing, incompatible, corrupt).", ["outcome"],
+                                     registry=r)
+        self.ckpt_restore_bytes = Counter(f"{ns}_checkpoint_restore_bytes",
+                                          "Bytes read and verified by restores.", registry=r)
+        io_buckets = (.01, .025, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64)
+        self.ckpt_save_seconds = Histogram(f"{ns}_checkpoint_save_seconds",
+                                           "Duration of a checkpoint save (hash, write, "
+                                           "publish).", buckets=io_buckets, registry=r)
+        self.ckpt_restore_seconds = Histogram(f"{ns}_checkpoint_restore_seconds",
+                                              "Duration of a restore (read, verify, install).",
+                                              buckets=io_buckets, registry=r)
+        for o in ("saved", "refused"):
+            self.ckpt_saves.labels(o)
+        for o in ("restored", "no_room", "missing", "incompatible", "corrupt"):
+            self.ckpt_restores.labels(o)
         if stats is not None:
             r.register(_PoolCollector(stats, ns))
+
+    def checkpoint_event(self, event: str, fields: dict) -> None:
+        """Count a checkpoint manager event (server/checkpoints/manager.py)."""
+        if event == "checkpoint_saved":
+            self.ckpt_saves.labels("saved").inc()
+            self.ckpt_save_bytes.inc(int(fields.get("written_bytes") or 0))
+            if fields.get("seconds") is not None:
+                self.ckpt_save_seconds.observe(float(fields["seconds"]))
+        elif event == "checkpoint_refused":
+            self.ckpt_saves.labels("refused").inc()
+        elif event == "checkpoint_restore":
+            state, reason = fields.get("state"), fields.get("reason")
+            outcome = reason if state == "available" else state
+            if outcome in ("restored", "no_room", "missing", "incompatible", "corrupt"):
+                self.ckpt_restores.labels(outcome).inc()
+            if state == "available" and reason == "restored":
+                self.ckpt_restore_bytes.inc(int(fields.get("read_bytes") or 0))
+                if fields.get("seconds") is not None:
+                    self.ckpt_restore_seconds.observe(float(fields["seconds"]))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -226,6 +267,8 @@ class Observability:
     def on_event(self, event: str, **fields) -> None:
         """A server event outside any request (checkpoint saves, restores, the stop report):
         ids, digests, counts and reasons only."""
+        if event.startswith("checkpoint_"):
+            self.metrics.checkpoint_event(event, fields)
         self._write(event, None, **fields)
 
     def new_request(self, principal: str | None, request_id: str | None = None) -> RequestTrace:

@@ -191,6 +191,13 @@ def test_s2_true_cold_restore_corruption_and_graceful_stop(world):
         assert len(os.listdir(w.dir / "checkpoints" / "quarantine")) == 1
         d2 = ask(srv, "dave", TURNS[2], prev=d1)
         w.r.update(a2=a2)
+        metrics = httpx.get(srv.base_url + "/metrics", timeout=60,
+                            headers={"Authorization": f"Bearer {key_of('alice')}"}).text
+        restored = [e for e in events(w, "checkpoint_restore") if e["reason"] == "restored"]
+        assert len(restored) == 2  # alice and dave; carol's is corrupt
+        assert 'ninfer_checkpoint_restores_total{outcome="restored"} 2.0' in metrics
+        assert 'ninfer_checkpoint_restores_total{outcome="corrupt"} 1.0' in metrics
+        assert "ninfer_checkpoint_restore_bytes_total 0.0" not in metrics
     finally:
         kill(srv, signal.SIGTERM)
     assert srv.proc.returncode == 0

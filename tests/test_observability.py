@@ -92,6 +92,37 @@ def test_counts_move_by_the_right_amounts():
     assert value(s, "ninfer_request_seconds_count") == 5
 
 
+def test_checkpoint_events_move_their_metrics(tmp_path):
+    m = Metrics()
+    obs = Observability(m, RequestLog(tmp_path / "requests.jsonl"))
+    before = scrape(m)
+    assert value(before, "ninfer_checkpoint_saves_total", outcome="saved") == 0
+    obs.on_event("checkpoint_saved", session_ns="ab" * 8, generation="g1", trigger="save",
+                 frontier_tokens=640, written_bytes=4096, pages_written=1, pages_reused=9,
+                 evicted=0, seconds=0.2)
+    obs.on_event("checkpoint_refused", session_ns="ab" * 8, reason="quota", trigger="save")
+    obs.on_event("checkpoint_restore", session_ns="ab" * 8, state="available",
+                 reason="restored", generation="g1", restored_tokens=640, read_bytes=8192,
+                 seconds=1.5)
+    obs.on_event("checkpoint_restore", session_ns="cd" * 8, state="corrupt",
+                 reason="hash_mismatch", generation="g2")
+    obs.on_event("checkpoint_restore", session_ns="ef" * 8, state="missing",
+                 reason="no_checkpoint", generation=None)
+    after = scrape(m)
+    assert value(after, "ninfer_checkpoint_saves_total", outcome="saved") == 1
+    assert value(after, "ninfer_checkpoint_saves_total", outcome="refused") == 1
+    assert value(after, "ninfer_checkpoint_save_bytes_total") == 4096
+    assert value(after, "ninfer_checkpoint_save_seconds_count") == 1
+    for outcome, n in (("restored", 1), ("corrupt", 1), ("missing", 1), ("no_room", 0),
+                       ("incompatible", 0)):
+        assert value(after, "ninfer_checkpoint_restores_total", outcome=outcome) == n
+    assert value(after, "ninfer_checkpoint_restore_bytes_total") == 8192
+    assert value(after, "ninfer_checkpoint_restore_seconds_bucket", le="2.0") == 1
+    assert value(after, "ninfer_checkpoint_restore_seconds_bucket", le="1.0") == 0
+    lines = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert [x["event"] for x in lines].count("checkpoint_restore") == 3  # still logged
+
+
 def test_a_trace_finishes_once():
     m = Metrics()
     obs = Observability(m)
