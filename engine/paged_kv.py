@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.attention import attend
 from engine.config import ModelConfig
 
 PAGE_SIZE = 64  # tokens per page; docs/ARCHITECTURE.md "Paged KV" says why 64
@@ -174,14 +173,65 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: s
         if paged_prefill.supported(pool, q):
             return (paged_prefill.paged_prefill_attend(pool, table, layer, q, slots, off0),
                     kv._replace(pool=pool))
-    # Table entries past a row's length may be anything (-1 included): clip so the gather stays
-    # in range; those slots are masked below.
-    pages = jnp.clip(table, 0, n - 1)
-    keys = _load(pool.k, pool.k_scale, layer, pages)
-    vals = _load(pool.v, pool.v_scale, layer, pages)
-    s = jnp.arange(mp * p)[None, None, :]
-    visible = (s >= off0) & (s <= slots[:, :, None])  # [B, T, max_pages * P]
-    return attend(q, keys, vals, visible), kv._replace(pool=pool)
+    return attend_blocks(pool, table, layer, q, slots, valid, off0), kv._replace(pool=pool)
+
+
+BLOCK_PAGES = 16  # pages per step of `attend_blocks` (1024 slots at P = 64)
+
+
+def _load_pages(data, scale, layer, pages):
+    """`_load` as one gather over (layer, page): inside a loop, `data[layer][pages]` would
+    have XLA copy the whole layer of the pool on every trip."""
+    x = data[layer, pages]  # [B, n, P, kvh, hd]
+    x = x.astype(jnp.float32) if scale is None else dequantize_kv(x, scale[layer, pages])
+    b, n, p = x.shape[:3]
+    return x.reshape(b, n * p, *x.shape[3:])
+
+
+def attend_blocks(pool: KVPool, table, layer, q, slots, valid, slot_offset=0):
+    """`attention.attend` over the rows' pages (query t of row b sees slots
+    slot_offset..slots[b, t]), walked in blocks of BLOCK_PAGES pages with an online softmax
+    and a trip count set at run time by the furthest slot any valid query sees: the cost
+    follows the live length, not the table width (a 32K-slot table no longer costs 32K slots
+    per step). Masked slots score the same finite floor as `attend`; a block that a row cannot
+    see changes nothing of that row's sums (its correction factor is exp(0) = 1 and its terms
+    exp(floor - max) = 0), so a row's result does not depend on the other rows' lengths.
+    Returns [B, T, heads, head_dim] in q.dtype."""
+    n, p, mp = pool.num_pages, pool.page_size, table.shape[1]
+    bp = min(BLOCK_PAGES, mp)
+    blocks = -(-mp // bp)
+    # Entries past a row's length may be anything (-1 included): clipped, and masked below.
+    tab = jnp.clip(jnp.pad(table, ((0, 0), (0, blocks * bp - mp))), 0, n - 1)
+    b, t, nh, hd = q.shape
+    kvh = pool.k.shape[3]
+    qg = q.astype(jnp.float32).reshape(b, t, kvh, nh // kvh, hd)
+    floor = jnp.finfo(jnp.float32).min
+    last = jnp.max(jnp.where(valid, slots, 0))
+    trips = jnp.clip(last // (bp * p) + 1, 1, blocks)
+
+    def step(i, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(tab, i * bp, bp, axis=1)     # [B, bp]
+        keys = _load_pages(pool.k, pool.k_scale, layer, pages)             # [B, bp * P, ...]
+        vals = _load_pages(pool.v, pool.v_scale, layer, pages)
+        s = i * bp * p + jnp.arange(bp * p)[None, None, :]
+        visible = (s >= slot_offset) & (s <= slots[:, :, None])          # [B, T, bp * P]
+        sc = jnp.einsum("btgrd,bsgd->bgrts", qg, keys,
+                        precision=jax.lax.Precision.HIGHEST) * hd ** -0.5
+        sc = jnp.where(visible[:, None, None], sc, floor)
+        m_new = jnp.maximum(m, sc.max(-1))
+        corr = jnp.exp(m - m_new)
+        e = jnp.exp(sc - m_new[..., None])
+        acc = acc * corr[..., None] + jnp.einsum("bgrts,bsgd->bgrtd", e, vals,
+                                                 precision=jax.lax.Precision.HIGHEST)
+        return m_new, l * corr + e.sum(-1), acc
+
+    shape = (b, kvh, nh // kvh, t)
+    init = (jnp.full(shape, floor, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, hd), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, trips, step, init)
+    out = acc / l[..., None]                                  # l >= 1: the max term is exp(0)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, hd).astype(q.dtype)
 
 
 def _copy_pages(pool: KVPool, src, dst) -> KVPool:

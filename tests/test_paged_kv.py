@@ -22,7 +22,7 @@ P = 16           # page size of the exactness tests: several pages per row at th
 MAX_PAGES = 8    # 8 x 16 = 128 slots = MAX_LEN, so both paths attend over the same slot count
 MAX_LEN = MAX_PAGES * P
 NUM_PAGES = 24
-TOL = 1e-6
+TOL = 4e-6  # fp32: the paged path sums its softmax blockwise (online), the contiguous one at once
 FWD, MTP = jit_forward(), jit_mtp_forward()
 
 
