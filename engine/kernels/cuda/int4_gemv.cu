@@ -7,6 +7,10 @@
 // [*lead, N, K/64]. `lead` stack dims (a scanned model's layers) are indexed by the int32
 // operand `index`, read on the device, so the kernel reads one layer of the stack in place.
 //
+// Two kernels: `int4_gemv` (fp32 FMAs, any M, the faster one for M <= 2) and `int4_gemv_mma`
+// (bf16 tensor cores, cost flat in M; below). Measured on the H200 in docs/benchmarks/README.md
+// (v4): both stop near 2.1 TB/s on the large matrices, against 4.2 TB/s for a copy.
+//
 // Why a CUDA kernel: the Pallas/Triton version tops out near 1.1 TB/s of int4 bytes because its
 // unpack-and-FMA loop is instruction-bound. Here every 32-bit word of codes is 8 consecutive
 // inputs (nibble i = input +i), and a nibble becomes an exact float without an int->float
@@ -251,9 +255,15 @@ __global__ void __launch_bounds__(kWarps * 32)
 // bytes per lane, so a warp's x load is 1 KB contiguous.
 //
 // A block of 8 warps owns 16 output rows; warp w takes groups w, w + 8, ... (the 8 warps read
-// adjacent 32-byte pieces of the same rows), loads U groups ahead while it computes the
-// previous U (two register buffers), and the warps' partial sums are added in shared memory in
-// warp order: no atomics, the same order whatever M is (batch-invariant, deterministic).
+// adjacent 32-byte pieces of the same rows). Each warp streams its groups' codes and scales into
+// its own shared-memory ring with cp.async, S stages of kMmaU groups (S - 1 stages in flight
+// while it computes one; `stages` attribute, 4 by default: deeper rings measured no faster).
+// The warps' partial sums are added in shared memory in warp order: no atomics, the same order
+// whatever M is (batch-invariant, deterministic).
+//
+// Several weights sharing x (a layer's projections of one input) are one call: `Mats` lists
+// them, their outputs concatenated along N; each row finds its weight, so a 16-row tile may
+// straddle two of them.
 constexpr int kMmaWarps = 8;
 
 __device__ __forceinline__ uint32_t pair(uint32_t w, int e) {
