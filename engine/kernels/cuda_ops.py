@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -104,8 +105,16 @@ def build(source: Path, arch: str, nvcc: str) -> Path:
     return out
 
 
-@functools.cache
+_LOCK = threading.Lock()
+
+
 def _load_int4() -> bool:
+    with _LOCK:  # one build and one registration per process, whichever thread traces first
+        return _load_int4_locked()
+
+
+@functools.cache
+def _load_int4_locked() -> bool:
     if jax.default_backend() != "gpu":
         _why_not.append("no GPU backend")
         return False
