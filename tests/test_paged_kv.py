@@ -286,3 +286,40 @@ def test_paged_write_skips_invalid_steps_and_unowned_slots():
         np.testing.assert_array_equal(new.k_scale[1, page, off], scale[b, t])
     # Row 0 step 2 (pos 4 -> table entry -1) and row 1 step 1 (invalid) wrote nothing.
     assert not new.k[~mask].any() and (new.k_scale[~mask] == 1.0).all()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_attend_blocks_matches_one_softmax_and_ignores_other_rows(kv_dtype):
+    """The blocked online softmax against one softmax over the gathered slots (`attend`), with
+    rows of very different lengths, slot_offset > 0 and a step that sees nothing; a row's result
+    is bitwise the same beside a short or a long neighbour."""
+    from engine.attention import attend
+    from engine.paged_kv import BLOCK_PAGES, _load, attend_blocks
+    from tests.kernel_checks import random_pool
+
+    rng = np.random.default_rng(5)
+    p, mp, kvh, hd, nh = 16, 3 * BLOCK_PAGES + 5, 2, 32, 4
+    pool = random_pool(rng, kv_dtype, 2, 2 * mp, p, kvh, hd)
+    table = jnp.asarray(rng.permutation(2 * mp).reshape(2, mp).astype(np.int32))
+    q = jnp.asarray(rng.standard_normal((2, 3, nh, hd)), jnp.float32)
+
+    def run(slots, valid, off):
+        slots, valid = jnp.asarray(slots, jnp.int32), jnp.asarray(valid)
+        got = attend_blocks(pool, table, 1, q, slots, valid, off)
+        keys, vals = (_load(a, s, 1, table) for a, s in ((pool.k, pool.k_scale),
+                                                         (pool.v, pool.v_scale)))
+        s = jnp.arange(mp * p)[None, None, :]
+        want = attend(q, keys, vals, (s >= off) & (s <= slots[:, :, None]))
+        return np.asarray(got), np.asarray(want)
+
+    long_row, short_row = [mp * p - 3, mp * p - 2, mp * p - 1], [40, 41, 42]
+    for off in (0, 5):
+        got, want = run([long_row, short_row], [[True] * 3] * 2, off)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+        beside_short, _ = run([short_row, short_row], [[True] * 3] * 2, off)
+        np.testing.assert_array_equal(got[1], beside_short[1])  # same row, other neighbour
+    # a step below slot_offset sees nothing: finite garbage, not NaN; its row's others agree
+    got, want = run([[2, 41, 42], short_row], [[True] * 3] * 2, 5)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=2e-5, atol=2e-5)
