@@ -131,9 +131,11 @@ def _store(data, scale, layer, page, off, x):
 
 
 def _load(data, scale, layer, pages):
-    """The row's pages of one layer as fp32 [B, max_pages * P, kvh, hd]. pages: [B, max_pages]."""
-    x = data[layer][pages]  # [B, max_pages, P, kvh, hd]
-    x = x.astype(jnp.float32) if scale is None else dequantize_kv(x, scale[layer][pages])
+    """The row's pages of one layer as fp32 [B, n * P, kvh, hd]. pages: [B, n]. One gather
+    over (layer, page): inside a loop, `data[layer][pages]` would have XLA copy the whole layer
+    of the pool on every trip."""
+    x = data[layer, pages]  # [B, n, P, kvh, hd]
+    x = x.astype(jnp.float32) if scale is None else dequantize_kv(x, scale[layer, pages])
     b, mp, p = x.shape[:3]
     return x.reshape(b, mp * p, *x.shape[3:])
 
@@ -179,15 +181,6 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: s
 BLOCK_PAGES = 16  # pages per step of `attend_blocks` (1024 slots at P = 64)
 
 
-def _load_pages(data, scale, layer, pages):
-    """`_load` as one gather over (layer, page): inside a loop, `data[layer][pages]` would
-    have XLA copy the whole layer of the pool on every trip."""
-    x = data[layer, pages]  # [B, n, P, kvh, hd]
-    x = x.astype(jnp.float32) if scale is None else dequantize_kv(x, scale[layer, pages])
-    b, n, p = x.shape[:3]
-    return x.reshape(b, n * p, *x.shape[3:])
-
-
 def attend_blocks(pool: KVPool, table, layer, q, slots, valid, slot_offset=0):
     """`attention.attend` over the rows' pages (query t of row b sees slots
     slot_offset..slots[b, t]), walked in blocks of BLOCK_PAGES pages with an online softmax
@@ -212,8 +205,8 @@ def attend_blocks(pool: KVPool, table, layer, q, slots, valid, slot_offset=0):
     def step(i, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tab, i * bp, bp, axis=1)     # [B, bp]
-        keys = _load_pages(pool.k, pool.k_scale, layer, pages)             # [B, bp * P, ...]
-        vals = _load_pages(pool.v, pool.v_scale, layer, pages)
+        keys = _load(pool.k, pool.k_scale, layer, pages)             # [B, bp * P, ...]
+        vals = _load(pool.v, pool.v_scale, layer, pages)
         s = i * bp * p + jnp.arange(bp * p)[None, None, :]
         visible = (s >= slot_offset) & (s <= slots[:, :, None])          # [B, T, bp * P]
         sc = jnp.einsum("btgrd,bsgd->bgrts", qg, keys,

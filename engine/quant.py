@@ -234,11 +234,8 @@ def linear_multi(x: jax.Array, ws, kernels: str = "xla") -> list:
         views = all(isinstance(w, Stacked) for w in ws)
         mats = [w.w for w in ws] if views else ws
         lead = int(ws[0].index.shape[0]) if views else 0
-        if ((views or not any(isinstance(w, Stacked) for w in ws))
-                and len(ws) <= cuda_ops.MAX_MATS
-                and all(cuda_ops.supported(x, w, lead) for w in mats)
-                and sum(w.shape[0] for w in mats) >= cuda_ops.MIN_ROWS
-                and cuda_ops.available()):
+        if (views or not any(isinstance(w, Stacked) for w in ws)) and cuda_ops.takes(
+                x, mats, lead):
             return cuda_ops.int4_gemv_multi(x, mats, ws[0].index if views else None)
     return [linear(x, w, kernels) for w in ws]
 

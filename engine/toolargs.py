@@ -106,13 +106,14 @@ def _declared_types(schema: dict) -> set[str] | None:
         members = [m for m in map(_allowed_types, schema["allOf"]) if m is not None]
         return set.intersection(*members) if members else None
     if isinstance(schema.get("enum"), list):
-        return {_json_type(v) for v in schema["enum"]}
+        return {json_type(v) for v in schema["enum"]}
     if "const" in schema:
-        return {_json_type(schema["const"])}
+        return {json_type(schema["const"])}
     return None
 
 
-def _json_type(v) -> str:
+def json_type(v) -> str:
+    """The JSON Schema type name of a decoded JSON value."""
     if v is None:
         return "null"
     if isinstance(v, bool):

@@ -52,10 +52,8 @@ def _request(model, text, sampling, max_tokens=64, stop=True):
 PROMPTS = ["def fibonacci(n):\n    ", "The history of the printing press begins"]
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
-                                      SamplingParams(temperature=0.8, top_p=0.9, seed=1234)],
-                         ids=["greedy", "seeded"])
-def test_two_sequences_together_equal_each_alone(model, engine, sampling):
+def alone_and_together(model, engine, sampling) -> tuple[list, list]:
+    """PROMPTS' 64-token continuations run one after another, then all submitted at once."""
     alone = []
     for text in PROMPTS:
         req, c = _request(model, text, sampling, stop=False)
@@ -64,7 +62,14 @@ def test_two_sequences_together_equal_each_alone(model, engine, sampling):
     reqs = [_request(model, text, sampling, stop=False) for text in PROMPTS]
     for req, _ in reqs:
         engine.submit(req)
-    together = [c.result()[0] for _, c in reqs]
+    return alone, [c.result()[0] for _, c in reqs]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
+                                      SamplingParams(temperature=0.8, top_p=0.9, seed=1234)],
+                         ids=["greedy", "seeded"])
+def test_two_sequences_together_equal_each_alone(model, engine, sampling):
+    alone, together = alone_and_together(model, engine, sampling)
     assert together == alone
     for toks in alone:
         assert len(toks) == 64 and len(set(toks)) >= 16

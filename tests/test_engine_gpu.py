@@ -10,7 +10,7 @@ import pytest
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from tests.kernel_checks import on_gpu
-from tests.test_engine_batching import PROMPTS, _request
+from tests.test_engine_batching import alone_and_together
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +29,7 @@ def test_two_sequences_together_equal_each_alone_on_gpu(bf16_model, kernels):
                  max_queue=4, kernels=kernels)
     eng.start()
     try:
-        greedy = SamplingParams(temperature=0.0)
-        alone = []
-        for text in PROMPTS:
-            req, c = _request(bf16_model, text, greedy, stop=False)
-            eng.submit(req)
-            alone.append(c.result()[0])
-        reqs = [_request(bf16_model, text, greedy, stop=False) for text in PROMPTS]
-        for req, _ in reqs:
-            eng.submit(req)
-        together = [c.result()[0] for _, c in reqs]
+        alone, together = alone_and_together(bf16_model, eng, SamplingParams(temperature=0.0))
         assert together == alone
         for toks in alone:
             assert len(toks) == 64 and len(set(toks)) >= 8  # not a collapsed continuation

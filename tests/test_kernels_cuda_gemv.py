@@ -42,7 +42,8 @@ def test_variant_choice():
     one, three = jnp.ones((1, 128), jnp.bfloat16), jnp.ones((3, 128), jnp.bfloat16)
     assert cuda_ops.default_variant(one) == "fma" and cuda_ops.default_variant(three) == "mma"
     assert cuda_ops.default_variant(three.astype(jnp.float32)) == "fma"
-    assert not cuda_ops.worthwhile(_qtensor(64, 128, 0)) and cuda_ops.MIN_ROWS > 64
+    assert not cuda_ops.worthwhile([_qtensor(64, 128, 0)]) and cuda_ops.MIN_ROWS > 64
+    assert cuda_ops.worthwhile([_qtensor(64, 128, 0)] * (cuda_ops.MIN_ROWS // 64))
 
 
 def test_cpu_uses_the_pallas_kernel():

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 
+from engine.toolargs import json_type
+
 TOOL_CALL_ID = 248058
 TOOL_CALL_END_ID = 248059
 EXCLUDED_IN_RAW = ("</parameter>", "<parameter=")
@@ -172,15 +174,5 @@ def _types(schema: dict) -> set[str] | None:
             return None if None in members else set().union(*members)
     values = _enum(schema)
     if values:
-        return {_json_type(v) for v in values}
+        return {json_type(v) for v in values}
     return None
-
-
-def _json_type(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, (int, float)):
-        return "integer" if isinstance(v, int) else "number"
-    return {str: "string", dict: "object"}.get(type(v), "array")

@@ -157,8 +157,17 @@ def supported(x, w, lead: int = 0) -> bool:
             and x.shape[-1] % GROUP == 0 and x.shape[-1] == w.shape[1])
 
 
-def worthwhile(w) -> bool:
-    return w.shape[0] >= MIN_ROWS
+def worthwhile(mats) -> bool:
+    """Whether weights with these many output rows in all are worth the CUDA op (MIN_ROWS)."""
+    return sum(w.shape[0] for w in mats) >= MIN_ROWS
+
+
+def takes(x, mats, lead: int = 0) -> bool:
+    """The one decision `qgemv.qmatmul` and `quant.linear_multi` share: x @ each of `mats`
+    (int4_g64, `lead` stack dims) runs here, in one launch: shapes supported, enough rows to
+    be faster, and the op built on this machine."""
+    return (1 <= len(mats) <= MAX_MATS and all(supported(x, w, lead) for w in mats)
+            and worthwhile(mats) and available())
 
 
 def default_rows_per_warp(m: int) -> int:

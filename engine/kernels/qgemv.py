@@ -233,8 +233,7 @@ def qmatmul(x, w, index=None, *, interpret: bool | None = None,
             and not resolve_interpret(interpret)):
         from engine.kernels import cuda_ops  # int4 on a GPU: the CUDA op where it builds
 
-        if (cuda_ops.supported(x, w, nlead) and cuda_ops.worthwhile(w)
-                and cuda_ops.available()):
+        if cuda_ops.takes(x, [w], nlead):
             return cuda_ops.int4_gemv(x, w, index)
     if not supported(x, w, nlead):
         if index is not None:
