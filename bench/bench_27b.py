@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -218,6 +219,9 @@ def run_decode(cfg, params, fmt, args, pk, res, dt):
                "fraction_of_copy_bw": moved / t / pk["copy_bytes_per_s"],
                "roofline_tokens_per_s": batch * pk["copy_bytes_per_s"] / moved,
                "first_call_s": compile_s}
+        if args.profile:
+            row["profile"] = profile_steps(lambda c: step(params, tok, c), cache, args.profile,
+                                           batch, ctx)
         res["decode"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=2))
         print(f"decode {fmt:>8} {args.kernels} C{batch} ctx {ctx:>6}: {t * 1e3:7.2f} ms/step "
@@ -225,6 +229,22 @@ def run_decode(cfg, params, fmt, args, pk, res, dt):
               f"({row['roofline_tokens_per_s']:.0f} tok/s) first call {compile_s:.1f}s",
               flush=True)
         del cache
+
+
+def profile_steps(step, cache, n: int, batch: int, ctx: int) -> dict:
+    """Trace n decode steps and sum the GPU time by kernel (bench/profile_summary.py)."""
+    from bench import profile_summary
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(n):
+                cache = cache._replace(pos=jnp.full((batch,), ctx, jnp.int32))
+                logits, _, cache = step(cache)
+                jax.block_until_ready(logits)
+        summary = profile_summary.summarize(profile_summary.newest_xplane(d), steps=n)
+    print(profile_summary.table(summary), flush=True)
+    summary["by_kernel"] = summary["by_kernel"][:40]
+    return summary
 
 
 def run_prefill(cfg, params, args, pk, res, dt):
@@ -285,6 +305,8 @@ def main() -> None:
     ap.add_argument("--skip-peaks", action="store_true")
     ap.add_argument("--unroll", action="store_true", help="unroll the scan over blocks")
     ap.add_argument("--paged", action="store_true", help="decode over the paged KV pool")
+    ap.add_argument("--profile", type=int, default=0, help="after timing, trace this many "
+                    "decode steps and print the GPU time by kernel")
     ap.add_argument("--null-gemv", action="store_true", help="replace the GEMV kernel by zeros "
                     "(measures everything else in a decode step)")
     args = ap.parse_args()

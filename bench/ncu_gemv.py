@@ -2,7 +2,7 @@
 one lm_head-sized int4_g64 matrix (248320 x 5120, 0.7 GB: far past the L2), each kernel
 variant called a few times, plus a plain device copy of the same bytes for comparison.
 
-    ncu --clock-control none --kernel-name regex:'int4_gemv|qgemv|copy|convert' \
+    ncu --clock-control none --kernel-name regex:'int4_gemv' \
         --launch-skip 0 --launch-count 40 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section SchedulerStats --section WarpStateStats --csv \

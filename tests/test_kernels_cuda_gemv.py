@@ -164,7 +164,7 @@ def test_bad_rows_per_warp_is_an_error_on_gpu():
                                                  rows_per_warp=4))
     with pytest.raises(Exception, match="invalid argument|int4_gemv"):
         jax.block_until_ready(cuda_ops.int4_gemv(jnp.ones((1, 128), jnp.bfloat16), w,
-                                                 stages=3))
+                                                 variant="mma", stages=3))
 
 
 def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():

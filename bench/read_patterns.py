@@ -1,0 +1,190 @@
+"""How fast can one GPU *read* HBM, for each way a decode GEMV might walk its weights?
+
+The int4 GEMV kernels (engine/kernels/cuda/int4_gemv.cu) stop near 2.1 TB/s of weight bytes
+while a device copy moves 4.2 TB/s (read + write counted). This isolates the memory side:
+kernels that only read a 1 GiB buffer and fold it into a checksum, no arithmetic to speak of,
+each with one access pattern:
+
+- ``stream``: every thread walks the whole buffer with a grid-wide stride (a copy's pattern).
+- ``rows R U``: the GEMV pattern: a row-major [N, row_bytes] matrix, a warp owns R rows,
+  lane l reads 16-byte chunks l, l + 32, ... of each, U chunks a row in flight.
+- ``tiles``: a block owns ``rows_per_block`` consecutive rows (one contiguous span) and its
+  threads read the span front to back, 16 bytes each, in lockstep.
+
+with the cache hints the kernels use (``.nc.L1::no_allocate``) or none, and an L2 prefetch hint.
+Run on the GPU machine (CuPy from the image):
+
+    python3 bench/read_patterns.py --out read_patterns.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import cupy as cp
+
+SRC = r"""
+#define LOAD(p) load(p)
+template <int HINT>
+__device__ __forceinline__ uint4 load(const uint4* p) {
+  uint4 v;
+  if (HINT == 0) {
+    v = *p;
+  } else if (HINT == 1) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  }
+  return v;
+}
+
+__device__ __forceinline__ unsigned fold(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
+
+template <int HINT, int U>
+__device__ void stream(const uint4* buf, long long n16, unsigned* out) {
+  long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  unsigned acc = 0;
+  for (; i + (U - 1) * stride < n16; i += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = load<HINT>(buf + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= fold(v[u]);
+  }
+  for (; i < n16; i += stride) acc ^= fold(load<HINT>(buf + i));
+  if (acc == 0x12345678u) out[0] = acc;
+}
+
+// [n_rows, row16] uint4s; warp w owns rows w*R .. w*R+R-1.
+template <int HINT, int R, int U>
+__device__ void rows(const uint4* buf, int n_rows, int row16, unsigned* out) {
+  int lane = threadIdx.x & 31;
+  int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+  if (row0 >= n_rows) return;
+  unsigned acc = 0;
+  for (int c0 = 0; c0 < row16; c0 += 32 * U) {
+    uint4 v[R][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        int c = c0 + u * 32 + lane;
+        int row = min(row0 + r, n_rows - 1);
+        v[r][u] = c < row16 ? load<HINT>(buf + (long long)row * row16 + c) : make_uint4(0,0,0,0);
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc ^= fold(v[r][u]);
+  }
+  if (acc == 0x12345678u) out[0] = acc;
+}
+
+// block b reads span [b * span16, (b + 1) * span16) front to back.
+template <int HINT, int U>
+__device__ void tiles(const uint4* buf, long long n16, int span16, unsigned* out) {
+  long long base = (long long)blockIdx.x * span16;
+  unsigned acc = 0;
+  for (int c0 = threadIdx.x; c0 < span16; c0 += U * blockDim.x) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      long long c = base + c0 + u * blockDim.x;
+      v[u] = (c0 + u * blockDim.x < span16 && c < n16) ? load<HINT>(buf + c) : make_uint4(0,0,0,0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= fold(v[u]);
+  }
+  if (acc == 0x12345678u) out[0] = acc;
+}
+
+extern "C" {
+#define STREAM(H, U) __global__ void stream_h##H##_u##U(const uint4* b, long long n, unsigned* o) { stream<H, U>(b, n, o); }
+STREAM(0, 4) STREAM(1, 4) STREAM(2, 4) STREAM(1, 8)
+#define ROWS(H, R, U) __global__ void rows_h##H##_r##R##_u##U(const uint4* b, int n, int r16, unsigned* o) { rows<H, R, U>(b, n, r16, o); }
+ROWS(0, 1, 4) ROWS(1, 1, 4) ROWS(2, 1, 4) ROWS(1, 2, 4) ROWS(1, 2, 2) ROWS(1, 4, 2) ROWS(1, 1, 8) ROWS(2, 2, 4)
+#define TILES(H, U) __global__ void tiles_h##H##_u##U(const uint4* b, long long n, int s16, unsigned* o) { tiles<H, U>(b, n, s16, o); }
+TILES(1, 2) TILES(1, 4) TILES(2, 4) TILES(1, 8)
+}
+"""
+
+
+def timeit(fn, reps: int = 10) -> float:
+    fn()
+    cp.cuda.Device().synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--row-bytes", default="2560,8704", help="K/2 of the int4 matrices: "
+                    "5120 (hidden) and 17408 (MLP) inputs")
+    ap.add_argument("--out", default="read_patterns.json")
+    args = ap.parse_args()
+    mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=None)
+    n_bytes = int(args.gib * (1 << 30)) // 65536 * 65536
+    buf = cp.random.randint(0, 2 ** 31, size=n_bytes // 4, dtype=cp.int32)
+    out = cp.zeros(4, cp.uint32)
+    n16 = n_bytes // 16
+    dev = cp.cuda.Device()
+    sms = dev.attributes["MultiProcessorCount"]
+    res = {"date": time.strftime("%Y-%m-%d"), "device": cp.cuda.runtime.getDeviceProperties(0)[
+        "name"].decode(), "bytes": n_bytes, "sms": sms, "rows": []}
+
+    dst = cp.empty_like(buf)
+    t = timeit(lambda: cp.copyto(dst, buf))
+    res["copy_read_plus_write_TBps"] = 2 * n_bytes / t / 1e12
+    print(f"{'cupy copy (read+write counted)':>40}: {t * 1e6:8.1f} us "
+          f"{2 * n_bytes / t / 1e12:5.2f} TB/s", flush=True)
+    del dst
+
+    def report(name, fn):
+        t = timeit(fn)
+        bw = n_bytes / t / 1e12
+        res["rows"].append({"kernel": name, "us": t * 1e6, "read_TBps": bw})
+        print(f"{name:>40}: {t * 1e6:8.1f} us {bw:5.2f} TB/s", flush=True)
+
+    for name in ("stream_h0_u4", "stream_h1_u4", "stream_h2_u4", "stream_h1_u8"):
+        k = mod.get_function(name)
+        for blocks_per_sm in (4, 8, 16):
+            grid = sms * blocks_per_sm
+            report(f"{name} grid {blocks_per_sm}/SM",
+                   lambda k=k, g=grid: k((g,), (256,), (buf, cp.int64(n16), out)))
+    for rb in [int(r) for r in args.row_bytes.split(",")]:
+        row16 = rb // 16
+        n_rows = n16 // row16
+        for name in ("rows_h0_r1_u4", "rows_h1_r1_u4", "rows_h2_r1_u4", "rows_h1_r2_u4",
+                     "rows_h1_r2_u2", "rows_h1_r4_u2", "rows_h1_r1_u8", "rows_h2_r2_u4"):
+            r = int(name.split("_r")[1].split("_")[0])
+            k = mod.get_function(name)
+            for warps in (4, 8):
+                grid = -(-n_rows // (warps * r))
+                report(f"{name} row {rb}B {warps} warps",
+                       lambda k=k, g=grid, w=warps: k((g,), (32 * w,),
+                                                      (buf, cp.int32(n_rows), cp.int32(row16),
+                                                       out)))
+        for name in ("tiles_h1_u2", "tiles_h1_u4", "tiles_h2_u4", "tiles_h1_u8"):
+            k = mod.get_function(name)
+            for rows_per_block in (8, 32):
+                span16 = rows_per_block * row16
+                grid = -(-n16 // span16)
+                report(f"{name} row {rb}B {rows_per_block} rows/block",
+                       lambda k=k, g=grid, s=span16: k((g,), (256,),
+                                                       (buf, cp.int64(n16), cp.int32(s), out)))
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
