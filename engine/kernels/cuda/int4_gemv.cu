@@ -56,8 +56,20 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ float code(uint32_t v, uint32_t mask, float off) {
-  return __uint_as_float((v & mask) | kMagic) - off;
+// (a & MASK) | MAGIC in one LOP3. Written as C, the compiler emits an AND and an OR: a SASS
+// LOP3 takes one immediate, so both constants cannot ride in one instruction unless one of
+// them sits in a register, which it then hoists out of the loop. One logic op a code instead
+// of two: the kernels below are issue-bound (ncu, docs/benchmarks/README.md v5).
+template <uint32_t MASK, uint32_t MAGIC>
+__device__ __forceinline__ uint32_t and_or(uint32_t a) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(MAGIC));
+  return d;
+}
+
+template <uint32_t MASK>
+__device__ __forceinline__ float code(uint32_t v, float off) {
+  return __uint_as_float(and_or<MASK, kMagic>(v)) - off;
 }
 
 template <typename OT>
@@ -77,9 +89,9 @@ __device__ __forceinline__ void word(uint32_t v, const float4 (&xa)[M], const fl
                   o2 = 8388608.0f + 2048.0f, o3 = 8388608.0f + 32768.0f,
                   o4 = 8388608.0f + 524288.0f;
   const uint32_t s = v >> 12;  // nibbles 5, 6, 7 at positions 2, 3, 4
-  const float c0 = code(v, 0xFu, o0), c1 = code(v, 0xF0u, o1), c2 = code(v, 0xF00u, o2),
-              c3 = code(v, 0xF000u, o3), c4 = code(v, 0xF0000u, o4),
-              c5 = code(s, 0xF00u, o2), c6 = code(s, 0xF000u, o3), c7 = code(s, 0xF0000u, o4);
+  const float c0 = code<0xFu>(v, o0), c1 = code<0xF0u>(v, o1), c2 = code<0xF00u>(v, o2),
+              c3 = code<0xF000u>(v, o3), c4 = code<0xF0000u>(v, o4),
+              c5 = code<0xF00u>(s, o2), c6 = code<0xF000u>(s, o3), c7 = code<0xF0000u>(s, o4);
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     acc[m][0] = fmaf(c0, xa[m].x, acc[m][0]);
@@ -267,7 +279,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 constexpr int kMmaWarps = 8;
 
 __device__ __forceinline__ uint32_t pair(uint32_t w, int e) {
-  return ((w >> (4 * e)) & 0x000F000Fu) | 0x43004300u;
+  return and_or<0x000F000Fu, 0x43004300u>(w >> (4 * e));
 }
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -279,14 +291,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+// dst: a shared-memory address (__cvta_generic_to_shared), computed once by the caller.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
 }
 
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src));
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
@@ -319,68 +330,82 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
-  uint4* mine = smem + warp * S * kMmaU * kGroupVec;
+  // Everything a stage needs is an offset from a base fixed here: the loop below spends its
+  // instructions on codes, not on addresses (the kernel is issue-bound).
   // Copy roles: lane l copies half (l & 1) of row (l >> 1)'s 32 bytes of a group; lanes 0..15
-  // copy the scale of row l.
+  // copy the scale of row l. The warp's i-th group is group warp + 8 i.
   const uint8_t* wrow;
   const float* ssrc;
   const float* unused;
   row_ptrs(mt, min(row0 + (lane >> 1), n - 1), layer, k, wrow, unused);
-  const uint4* wsrc = reinterpret_cast<const uint4*>(wrow) + (lane & 1);
+  const uint4* wsrc = reinterpret_cast<const uint4*>(wrow) + (lane & 1) + 2 * warp;
   row_ptrs(mt, min(row0 + (lane & 15), n - 1), layer, k, wrow, ssrc);
+  ssrc += warp;
+  const bool scale_lane = lane < 16;
+  constexpr unsigned kGroupBytes = kGroupVec * 16, kStageBytes = kMmaU * kGroupBytes;
+  const uint4* mine = smem + warp * S * kMmaU * kGroupVec;
+  const unsigned mine_s = static_cast<unsigned>(__cvta_generic_to_shared(mine));
   const int count = warp < groups ? (groups - warp + kMmaWarps - 1) / kMmaWarps : 0;
-  const int stages = (count + kMmaU - 1) / kMmaU;
   const bool has_x = g < m;
+  const uint4* xsrc = xp + ((static_cast<int64_t>(warp) * 8 + g) * 4 + t) * 2;  // + 512 i
+  const float2* csrc = corr + warp * 4 + t;                                     // + 32 i
 
-  auto issue = [&](int st) {  // copy this warp's stage st (groups st * U ..) into its slot
-    uint4* dst = mine + (st % S) * kMmaU * kGroupVec;
+  // The copy side walks ahead of the compute side by S - 1 stages; both keep running pointers
+  // (64-bit address arithmetic from a group index costs four instructions a pointer).
+  int next = 0;  // the next group to copy
+  unsigned slot = 0;  // byte offset of the next stage's slot in `mine`
+  const uint4* wn = wsrc;
+  const float* sn = ssrc;
+  auto issue = [&]() {
+    const unsigned dst = mine_s + slot;
 #pragma unroll
     for (int u = 0; u < kMmaU; ++u) {
-      const int i = st * kMmaU + u;
-      if (st < stages && i < count) {
-        const int grp = warp + kMmaWarps * i;
-        cp_async16(dst + u * kGroupVec + lane, wsrc + grp * 2);
-        if (lane < 16)
-          cp_async4(reinterpret_cast<float*>(dst + u * kGroupVec + 32) + lane, ssrc + grp);
+      if (next + u < count) {
+        cp_async16(dst + u * kGroupBytes + lane * 16, wn + 16 * u);
+        if (scale_lane) cp_async4(dst + u * kGroupBytes + 512 + lane * 4, sn + 8 * u);
       }
     }
     cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    next += kMmaU;
+    wn += 16 * kMmaU;
+    sn += 8 * kMmaU;
+    slot = slot + kStageBytes == S * kStageBytes ? 0 : slot + kStageBytes;
   };
 
   float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int st = 0; st < S - 1; ++st) issue(st);
-  for (int st = 0; st < stages; ++st) {
-    issue(st + S - 1);
+  for (int st = 0; st < S - 1; ++st) issue();
+  const uint4* src = mine;
+  for (int i0 = 0; i0 < count; i0 += kMmaU) {
+    issue();
     cp_async_wait<S - 1>();
     __syncwarp();
-    const uint4* src = mine + (st % S) * kMmaU * kGroupVec;
 #pragma unroll
     for (int u = 0; u < kMmaU; ++u) {
-      const int i = st * kMmaU + u;
-      if (i >= count) break;
-      const int grp = warp + kMmaWarps * i;
+      if (i0 + u >= count) break;
       const uint2* q = reinterpret_cast<const uint2*>(src + u * kGroupVec);
       const uint2 qa = q[g * 4 + t], qb = q[(g + 8) * 4 + t];
       const float* sc = reinterpret_cast<const float*>(src + u * kGroupVec + 32);
       const float sa = sc[g], sb = sc[g + 8];
       uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
       if (has_x) {
-        const uint4* p = xp + ((static_cast<int64_t>(grp) * 8 + g) * 4 + t) * 2;
-        x0 = __ldg(p);
-        x1 = __ldg(p + 1);
+        x0 = __ldg(xsrc + 512 * u);
+        x1 = __ldg(xsrc + 512 * u + 1);
       }
       float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       mma_bf16(d, pair(qa.x, 0), pair(qb.x, 0), pair(qa.x, 1), pair(qb.x, 1), x0.x, x0.y);
       mma_bf16(d, pair(qa.x, 2), pair(qb.x, 2), pair(qa.x, 3), pair(qb.x, 3), x0.z, x0.w);
       mma_bf16(d, pair(qa.y, 0), pair(qb.y, 0), pair(qa.y, 1), pair(qb.y, 1), x1.x, x1.y);
       mma_bf16(d, pair(qa.y, 2), pair(qb.y, 2), pair(qa.y, 3), pair(qb.y, 3), x1.z, x1.w);
-      const float2 c = __ldg(corr + grp * 4 + t);  // columns 2t, 2t + 1
+      const float2 c = __ldg(csrc + 32 * u);  // columns 2t, 2t + 1
       tot[0] = fmaf(sa, d[0] - c.x, tot[0]);
       tot[1] = fmaf(sa, d[1] - c.y, tot[1]);
       tot[2] = fmaf(sb, d[2] - c.x, tot[2]);
       tot[3] = fmaf(sb, d[3] - c.y, tot[3]);
     }
+    xsrc += 512 * kMmaU;
+    csrc += 32 * kMmaU;
+    src = src + kMmaU * kGroupVec == mine + S * kMmaU * kGroupVec ? mine : src + kMmaU * kGroupVec;
     __syncwarp();  // the slot is refilled by the next issue
   }
   cp_async_wait<0>();
