@@ -39,9 +39,9 @@ def test_lowers_to_its_ffi_call_for_cuda(variant, target):
 
 
 def test_variant_choice():
-    one, three = jnp.ones((1, 128), jnp.bfloat16), jnp.ones((3, 128), jnp.bfloat16)
-    assert cuda_ops.default_variant(one) == "fma" and cuda_ops.default_variant(three) == "mma"
-    assert cuda_ops.default_variant(three.astype(jnp.float32)) == "fma"
+    one, two = jnp.ones((1, 128), jnp.bfloat16), jnp.ones((2, 128), jnp.bfloat16)
+    assert cuda_ops.default_variant(one) == "fma" and cuda_ops.default_variant(two) == "mma"
+    assert cuda_ops.default_variant(two.astype(jnp.float32)) == "fma"
     assert not cuda_ops.worthwhile([_qtensor(64, 128, 0)]) and cuda_ops.MIN_ROWS > 64
     assert cuda_ops.worthwhile([_qtensor(64, 128, 0)] * (cuda_ops.MIN_ROWS // 64))
 
@@ -176,7 +176,8 @@ def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 128)), jnp.bfloat16)
     idx = jnp.array([1], jnp.int32)
     exp = export.export(
-        jax.jit(lambda x, a, b, c, i: cuda_ops.int4_gemv_multi(x, [a, b, c], i)),
+        jax.jit(lambda x, a, b, c, i: cuda_ops.int4_gemv_multi(x, [a, b, c], i,
+                                                               variant="fma")),
         platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_TARGET)])(
         x, *ws, idx)

@@ -177,12 +177,13 @@ def default_rows_per_warp(m: int) -> int:
     return 2 if m <= 4 else 1
 
 
-# Measured on the H200 (docs/benchmarks/README.md, v4): below this many output rows the
+# Measured on the H200 (docs/benchmarks/README.md, v4 and v6): below this many output rows the
 # kernels' blocks cannot fill the GPU and the Pallas kernel (which splits K) is as fast or
-# faster; the FMA kernel is the faster one for one or two rows of x, the tensor-core one
-# from three rows on (its cost does not grow with M).
+# faster; the FMA kernel is the faster one for one row of x (a whole C1 decode step: 90.7 vs
+# 86.7 tok/s), the tensor-core one from two rows on (its cost does not grow with M; C2:
+# 163.7 vs 148.7 tok/s).
 MIN_ROWS = 2048
-FMA_MAX_M = 2
+FMA_MAX_M = 1
 
 
 def default_variant(x) -> str:
