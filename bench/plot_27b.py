@@ -19,6 +19,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("result")
     ap.add_argument("--peer")
+    ap.add_argument("--prefill-from", help="take the prefill rows from this result instead (a "
+                    "decode-only run charted beside the last prefill run)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     res = json.loads(Path(args.result).read_text())
@@ -40,7 +42,8 @@ def main():
     ax1.set_ylabel("tokens/s")
     ax1.set_title(f"decode, kernels={res['kernels']}, {res['device']}")
     ax1.legend(fontsize=7)
-    pre = [r for r in res["prefill"] if "seconds" in r]
+    pre_res = json.loads(Path(args.prefill_from).read_text()) if args.prefill_from else res
+    pre = [r for r in pre_res["prefill"] if "seconds" in r]
     px = range(len(pre))
     ax2.bar(px, [r["seconds"] for r in pre], color="#37a", label="measured")
     ax2.bar(px, [r["floor_seconds"] for r in pre], color="#ddd", width=0.4,
@@ -59,7 +62,8 @@ def main():
     ax2.set_xticks(list(px), [f"{r['tokens'] // 1024}K" for r in pre])
     ax2.set_yscale("log")
     ax2.set_ylabel("seconds")
-    ax2.set_title("prefill (bf16 weights)")
+    ax2.set_title("prefill (bf16 weights)" + (f", from {Path(args.prefill_from).name}"
+                                               if args.prefill_from else ""))
     ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
