@@ -231,20 +231,29 @@ def run_decode(cfg, params, fmt, args, pk, res, dt):
         del cache
 
 
-def profile_steps(step, cache, n: int, batch: int, ctx: int) -> dict:
-    """Trace n decode steps and sum the GPU time by kernel (bench/profile_summary.py)."""
+def profiled(run, n: int) -> dict:
+    """Trace `run()` n times and sum the GPU time by kernel (bench/profile_summary.py)."""
     from bench import profile_summary
 
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(n):
-                cache = cache._replace(pos=jnp.full((batch,), ctx, jnp.int32))
-                logits, _, cache = step(cache)
-                jax.block_until_ready(logits)
+                run()
         summary = profile_summary.summarize(profile_summary.newest_xplane(d), steps=n)
     print(profile_summary.table(summary), flush=True)
     summary["by_kernel"] = summary["by_kernel"][:40]
     return summary
+
+
+def profile_steps(step, cache, n: int, batch: int, ctx: int) -> dict:
+    """Trace n decode steps at context ctx."""
+    box = [cache]
+
+    def run():
+        box[0] = box[0]._replace(pos=jnp.full((batch,), ctx, jnp.int32))
+        logits, _, box[0] = step(box[0])
+        jax.block_until_ready(logits)
+    return profiled(run, n)
 
 
 def run_prefill(cfg, params, args, pk, res, dt):
@@ -282,6 +291,9 @@ def run_prefill(cfg, params, args, pk, res, dt):
         row = {"tokens": T, "kernels": args.kernels, "seconds": t, "tokens_per_s": T / t,
                "flops": flops, "fraction_of_bf16_peak": flops / t / pk["bf16_flops_per_s"],
                "floor_seconds": flops / pk["bf16_flops_per_s"], "first_call_s": compile_s}
+        if args.profile:
+            row["profile"] = profiled(
+                lambda: jax.block_until_ready(step(params, toks, fresh())), 1)
         res["prefill"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=2))
         print(f"prefill {args.kernels} {T:>6}: {t:7.3f} s {T / t:8.0f} tok/s "
@@ -306,7 +318,7 @@ def main() -> None:
     ap.add_argument("--unroll", action="store_true", help="unroll the scan over blocks")
     ap.add_argument("--paged", action="store_true", help="decode over the paged KV pool")
     ap.add_argument("--profile", type=int, default=0, help="after timing, trace this many "
-                    "decode steps and print the GPU time by kernel")
+                    "decode steps (and one prefill) and print the GPU time by kernel")
     ap.add_argument("--null-gemv", action="store_true", help="replace the GEMV kernel by zeros "
                     "(measures everything else in a decode step)")
     args = ap.parse_args()

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Everything the GPU-performance issue measures, in one device call, each part under its own
+# time limit so that one slow part cannot take the others' results with it (carry .whl):
+#
+#   TAG=v7 bash bench/h200_session.sh                  # all parts
+#   TAG=v7 bash bench/h200_session.sh tests decode     # some, in the order given
+#
+# Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
+# (27B int4 C1/C2 at 1K/32K/128K), profile (one decode step and one 8K prefill by kernel),
+# prefill (8K/32K/128K, bf16), restore (server-level 128K restore vs re-prefill and restart).
+# Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
+set -uo pipefail
+OUT="${OUT:-$PWD/out}"
+TAG="${TAG:-run}"
+mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
+export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv,noheader
+
+run() {  # run <seconds> <log> <command...>: the tail of the log is what the caller sees
+  local limit=$1 log=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$log" 2>&1
+  echo "== $(basename "$log") rc=$? $((SECONDS - t0))s"
+}
+
+B27="python3 bench/bench_27b.py --paged --kernels pallas"
+for part in "${@:-tests gemv decode profile prefill restore}"; do
+  for p in $part; do
+    case $p in
+      tests)
+        run 300 "$OUT/gpu_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_*.py tests/test_engine_gpu.py
+        tail -n 2 "$OUT/gpu_tests_$TAG.log" ;;
+      gemv)
+        run 150 "$OUT/gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 --rpw 2 \
+          --stages 4 --shapes 3,4,0,9 --out "$OUT/cuda_gemv_micro_$TAG.json"
+        grep -E 'lm_head|gate' "$OUT/gemv_$TAG.log" ;;
+      decode)
+        run 240 "$OUT/decode_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \
+          --contexts 1024,32768,131072 --prefill "" --steps 10 --out "$OUT/bench_27b_$TAG.json"
+        grep -E 'ceilings|decode' "$OUT/decode_$TAG.log" | cut -c1-160 ;;
+      profile)
+        run 200 "$OUT/profile_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1 \
+          --contexts 1024 --prefill 8192 --prefill-reps 1 --steps 5 --profile 2 \
+          --out "$OUT/profile_$TAG.json"
+        grep -E -A8 'per step' "$OUT/profile_$TAG.log" | cut -c1-150 ;;
+      prefill)
+        run 300 "$OUT/prefill_$TAG.log" $B27 --weights bf16 --contexts "" \
+          --prefill 8192,32768,131072 --prefill-reps 1 --out "$OUT/prefill_$TAG.json"
+        grep -E 'prefill' "$OUT/prefill_$TAG.log" | cut -c1-160 ;;
+      restore)
+        OUT="$OUT" BUDGET_S="${RESTORE_BUDGET_S:-540}" run 600 "$OUT/restore_$TAG.log" \
+          bash bench/h200_restore.sh ${RESTORE_ARGS:-}
+        tail -n 16 "$OUT/restore_$TAG.log" ;;
+      *) echo "unknown part $p" ;;
+    esac
+  done
+done
