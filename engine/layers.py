@@ -3,6 +3,8 @@ residual wrapper shared by GDN and attention layers. Parameters are nested dicts
 canonical names (`linear_attn.in_proj_qkv` -> p["linear_attn"]["in_proj_qkv"])."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -40,10 +42,26 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
     Returns (out [B, T, H], conv_state, rec_state).
     """
     b, t, _ = x.shape
-    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qkv, z, b_in, a_in = linear_multi(
         x, [p["in_proj_qkv"], p["in_proj_z"], p["in_proj_b"], p["in_proj_a"]], kernels)
+    core = gdn_core
+    if kernels == "pallas" and t == 1 and fused_decode_enabled():
+        from engine.kernels.gdn_decode_fused import gdn_decode_fused as core
+    out, conv_state, rec_state = core(p, cfg, qkv, z, b_in, a_in, conv_state, rec_state,
+                                      lengths, valid, mode, kernels, x.dtype)
+    return linear(out.reshape(b, t, -1), p["out_proj"], kernels), conv_state, rec_state
+
+
+def gdn_core(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths, valid,
+             mode: str, kernels: str, out_dtype):
+    """The GDN mixer between its input projections and out_proj: causal conv + SiLU, q/k L2
+    norms, the gates, the gated delta rule, the gated output norm. qkv [B, T, conv_dim], z
+    [B, T, Hv*Dv], b_in/a_in [B, T, Hv] as the projections give them. Returns (out [B, T, Hv,
+    Dv] out_dtype, conv_state, rec_state). The reference of the fused decode kernel
+    (engine/kernels/gdn_decode_fused.py)."""
+    b, t, _ = qkv.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qkv, conv_state = causal_conv1d(qkv, p["conv1d"], conv_state, lengths)
     qkv = jax.nn.silu(qkv)  # fp32 from here to the output norm
     q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
@@ -57,14 +75,21 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
         a + p["dt_bias"].astype(jnp.float32))
     g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
     rule = _gdn_rule(mode, kernels, t)
-    if x.dtype == jnp.bfloat16 and getattr(rule, "bf16_operands", False):
+    if out_dtype == jnp.bfloat16 and getattr(rule, "bf16_operands", False):
         # The Pallas chunked kernel's dots take bf16 operands with fp32 sums (as FLA's chunked
         # kernels do): fp32 operands make Triton emulate IEEE fp32 dots without tensor cores.
         q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
     out, rec_state = rule(q, k, v, g, beta, rec_state)
     z = z.reshape(b, t, hv, dv)
-    out = gated_rms_norm(out, z, p["norm"], cfg.rms_norm_eps).astype(x.dtype)
-    return linear(out.reshape(b, t, hv * dv), p["out_proj"], kernels), conv_state, rec_state
+    out = gated_rms_norm(out, z, p["norm"], cfg.rms_norm_eps).astype(out_dtype)
+    return out, conv_state, rec_state
+
+
+def fused_decode_enabled() -> bool:
+    """NINFER_GDN_FUSED=1 runs a decode step's `gdn_core` as one Pallas kernel. Off by default
+    until measured on the GPU (docs/benchmarks/README.md): checked against `gdn_core` in the
+    interpreter and lowered for CUDA in CI, not yet timed."""
+    return os.environ.get("NINFER_GDN_FUSED", "0") == "1"
 
 
 def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,

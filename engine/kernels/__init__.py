@@ -13,6 +13,9 @@ Modules (kernel; reference):
   heads packed into the tile rows; the gather in `paged_kv`.
 - `gdn_decode`: gated delta rule step(s) with the state in and out;
   `gdn.recurrent_gated_delta_rule`.
+- `gdn_decode_fused`: a GDN layer's whole decode step after its projections (conv, norms,
+  gates, recurrent step, gated norm) in one kernel, opt-in (NINFER_GDN_FUSED=1) until timed;
+  `layers.gdn_core`.
 - `gdn_prefill`: chunked (WY/UT) gated delta rule for prefill, state in and out;
   `gdn.chunk_gated_delta_rule`.
 - `flash_prefill`: causal GQA attention over the contiguous cache; `attention.attend`.

@@ -1,0 +1,118 @@
+"""A GDN layer's decode step between its input projections and out_proj, as one kernel.
+
+On the H200 a decode step of the 27B model runs ~1,800 kernels, ~1,550 of them small XLA
+fusions that together take ~3 ms of an 11 ms step (docs/benchmarks/README.md, v5 profile).
+Each GDN layer spends about a dozen of them on the work after its projections: the causal conv
+and its state shift, SiLU, the q/k L2 norms, the gates, the recurrent step, the gated RMSNorm.
+Here all of it is one Pallas call per layer: program (row, value head) reads its q/k (key head
+h // r) and v channels with their conv windows, applies the conv, SiLU and norms in registers,
+steps its [Dk, Dv] state once and writes the normed, gated output head.
+
+Decode only (T == 1): the reference for any T is `engine.layers.gdn_core`, which this matches
+(same signature and result; `gdn_decode_fused_ref` names it for the tests). The conv state is
+not aliased: the r value-head programs of a key head all read its q/k window, and the first of
+them writes the shifted one, so the new state goes to a fresh buffer (B x conv_dim x (W - 1),
+a few hundred KB). The recurrent state is aliased: each program owns its head.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from engine.config import ModelConfig
+from engine.kernels import resolve_interpret, triton_params
+from engine.layers import gdn_core
+
+gdn_decode_fused_ref = gdn_core
+
+
+def _silu(x):
+    return x / (1.0 + jnp.exp(-x))
+
+
+def _kernel(len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref,
+            s_ref, o_ref, cso_ref, so_ref, *, r, dk, dv, key_dim, width, eps, scale):
+    b, h = pl.program_id(0), pl.program_id(1)
+    valid = len_ref[b] > 0
+
+    def conv(ch0, n):
+        """SiLU(causal conv) of channels [ch0, ch0 + n) for this row, and a function that
+        writes their shifted window (the new conv state)."""
+        cols = pl.ds(ch0, n)
+        x = qkv_ref[b, cols].astype(jnp.float32)
+        win = [cs_ref[b, cols, i].astype(jnp.float32) for i in range(width - 1)]
+        y = x * w_ref[cols, width - 1].astype(jnp.float32)
+        for i in range(width - 1):
+            y = y + win[i] * w_ref[cols, i].astype(jnp.float32)
+
+        def write():
+            shifted = win[1:] + [x]
+            for i in range(width - 1):
+                cso_ref[b, cols, i] = jnp.where(valid, shifted[i], win[i]).astype(
+                    cso_ref.dtype)
+        return _silu(y), write
+
+    hk = h // r
+    q, write_q = conv(hk * dk, dk)
+    k, write_k = conv(key_dim + hk * dk, dk)
+    v, write_v = conv(2 * key_dim + h * dv, dv)
+    write_v()
+
+    @pl.when(h % r == 0)  # the first value head of a key head writes the key head's window
+    def _():
+        write_q()
+        write_k()
+
+    q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
+    k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+    beta = 1.0 / (1.0 + jnp.exp(-b_ref[b, h].astype(jnp.float32)))
+    a = a_ref[b, h].astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)
+    softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
+    g = -jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus
+    g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+
+    state = s_ref[b, h, :, :] * jnp.exp(g)                                  # [Dk, Dv] fp32
+    pred = jnp.sum(state * k[:, None], axis=0)                              # [Dv]
+    state = state + k[:, None] * ((v - pred) * beta)[None, :]
+    so_ref[b, h, :, :] = state
+    out = jnp.sum(state * q[:, None], axis=0)                               # [Dv]
+
+    zc = pl.ds(h * dv, dv)
+    out = out * lax.rsqrt(jnp.mean(out * out) + eps)
+    out = out * nw_ref[:].astype(jnp.float32) * _silu(z_ref[b, zc].astype(jnp.float32))
+    o_ref[b, zc] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "kernels", "out_dtype",
+                                             "interpret", "num_warps"))
+def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths,
+                     valid, mode: str, kernels: str, out_dtype, *, interpret: bool | None = None,
+                     num_warps: int = 4):
+    """`engine.layers.gdn_core` for T == 1 as one Pallas kernel; same arguments and result
+    (mode/kernels are accepted for the signature: one step is the recurrent rule either way)."""
+    del mode, kernels, valid  # T == 1: a row is valid iff its length is > 0
+    interpret = resolve_interpret(interpret)
+    bsz, t, conv_dim = qkv.shape
+    if t != 1:
+        raise ValueError(f"gdn_decode_fused takes one step (T == 1), got T = {t}")
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    width = cfg.linear_conv_kernel
+    kern = functools.partial(_kernel, r=hv // hk, dk=dk, dv=dv, key_dim=cfg.key_dim,
+                             width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5)
+    out, conv_state, rec_state = pl.pallas_call(
+        kern, grid=(bsz, hv),
+        out_shape=(jax.ShapeDtypeStruct((bsz, hv * dv), out_dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                   jax.ShapeDtypeStruct(rec_state.shape, jnp.float32)),
+        input_output_aliases={10: 2}, interpret=interpret,
+        compiler_params=None if interpret else triton_params(num_warps, 1),
+        name="gdn_decode_fused")(
+            lengths.astype(jnp.int32), qkv[:, 0], z[:, 0], b_in[:, 0], a_in[:, 0],
+            p["conv1d"], conv_state, p["A_log"], p["dt_bias"], p["norm"],
+            rec_state.astype(jnp.float32))
+    return out.reshape(bsz, 1, hv, dv), conv_state, rec_state
