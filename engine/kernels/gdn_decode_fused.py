@@ -91,9 +91,11 @@ def _kernel(len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_
                                              "interpret", "num_warps"))
 def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths,
                      valid, mode: str, kernels: str, out_dtype, *, interpret: bool | None = None,
-                     num_warps: int = 4):
+                     num_warps: int = 8):
     """`engine.layers.gdn_core` for T == 1 as one Pallas kernel; same arguments and result
-    (mode/kernels are accepted for the signature: one step is the recurrent rule either way)."""
+    (mode/kernels are accepted for the signature: one step is the recurrent rule either way).
+    A program holds a whole [Dk, Dv] fp32 state (64 KB at the 27B heads): 8 warps keep it at
+    64 values a thread."""
     del mode, kernels, valid  # T == 1: a row is valid iff its length is > 0
     interpret = resolve_interpret(interpret)
     bsz, t, conv_dim = qkv.shape
