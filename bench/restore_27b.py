@@ -18,7 +18,8 @@ checkpoint is flushed (POST /v1/ninfer/checkpoints waits for the save); graceful
 and its stop report. (d) server 2 on the same state dir: restart-to-ready warm. (e) owner
 continues with a short turn (previous_response_id): TTFT restored (request log: path
 `disk-restored`, the restore's bytes and seconds). (f) another principal sends the same
-transcript + answer + turn: TTFT of a cold re-prefill. (g) table + JSON (--out).
+transcript + answer + turn: TTFT of a cold re-prefill (--skip-reprefill leaves it out).
+(g) table + JSON (--out).
 
 The bench process never imports JAX (the servers own the GPU). Startup phases are taken from
 the servers' `startup phases:` line (server/cli.py): boot, artifact open / copy to device /
@@ -277,6 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument("--state-slots", type=int, default=4)
     ap.add_argument("--device", default=None, help="profile device label (default: gpu/cpu)")
     ap.add_argument("--checkpoint-quota", default="40G")
+    ap.add_argument("--skip-reprefill", action="store_true",
+                    help="skip phase (f), the cold re-prefill by another principal (a cheaper "
+                         "re-measurement of restart-to-ready and the restore)")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="give up (and stop the servers) past this many seconds")
     a = ap.parse_args(argv)
@@ -390,15 +394,19 @@ def main(argv=None) -> int:
         post_json(srv, OWNER, "/ninfer/checkpoints", {"prompt_cache_key": SESSION}, left())
 
         # (f) the same transcript, another principal: cold re-prefill
-        cold = post_stream(srv, COLD, {"model": model_id, "max_output_tokens": a.max_output,
-                                       "temperature": 0, "input": [
-                                           {"role": "user", "content": text},
-                                           {"role": "assistant", "content": r1["output_text"]},
-                                           {"role": "user", "content": TURN}]}, left())
-        rc = cold["response"]
-        dc = done_record(state, rc["id"])
-        log(f"  cold re-prefill: ttft {dc.get('ttft_s')}s (client {cold['client_ttft_s']}s), "
-            f"path {dc.get('path')}, computed {dc.get('computed_tokens')} tokens")
+        cold, dc = {"client_ttft_s": None}, {}
+        if a.skip_reprefill:
+            log("  cold re-prefill: skipped (--skip-reprefill)")
+        else:
+            cold = post_stream(srv, COLD, {"model": model_id, "max_output_tokens": a.max_output,
+                                           "temperature": 0, "input": [
+                                               {"role": "user", "content": text},
+                                               {"role": "assistant",
+                                                "content": r1["output_text"]},
+                                               {"role": "user", "content": TURN}]}, left())
+            dc = done_record(state, cold["response"]["id"])
+            log(f"  cold re-prefill: ttft {dc.get('ttft_s')}s (client {cold['client_ttft_s']}s), "
+                f"path {dc.get('path')}, computed {dc.get('computed_tokens')} tokens")
         stop2 = stop_server(srv, min(left(0), 120))
         srv = None
         rs = next((x for x in restores if x.get("state") == "available"), {})

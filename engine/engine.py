@@ -25,7 +25,8 @@ import numpy as np
 from engine import model as M
 from engine.loader import LoadedModel
 from engine.runtime.memory import Memory
-from engine.runtime.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (re-export)
+from engine.runtime.scheduler import (QueueFull, Scheduler, Sequence,  # noqa: F401 (re-export)
+                                      piece_widths)
 from engine.sampling import SamplingParams, request_key, sample
 
 
@@ -175,14 +176,10 @@ class Engine:
         return fut
 
     def warmup(self) -> float:
-        """Compile the decode step, every prefill piece shape and the sampler; returns seconds."""
+        """Compile the decode step, every prefill piece width and the sampler; returns seconds."""
         t0 = time.monotonic()
-        sizes, s = [], self.sched.prefill_chunk
-        while s:
-            sizes.append(s)
-            s >>= 1
         zero = jnp.zeros((self.B,), jnp.int32)  # length 0: nothing is written
-        for size in sizes:
+        for size in piece_widths(self.sched.prefill_chunk) + [1]:  # 1: the decode step
             logits, _, self.mem.cache = self._fwd(self.model.params,
                                                   jnp.zeros((self.B, size), jnp.int32),
                                                   self.mem.cache, zero)
@@ -243,11 +240,14 @@ class Engine:
             self._pending -= 1
 
     def _run_step(self, step) -> None:
-        tokens = np.zeros((self.B, max(step.size, 1)), np.int32)
+        # [B, width]: a prefill piece may be right-padded past its size; padded steps are not
+        # valid, so they write no KV and leave the GDN state alone (tests/test_engine_padding.py),
+        # and pages are made for the real tokens only.
+        tokens = np.zeros((self.B, step.width), np.int32)
         lengths = np.zeros((self.B,), np.int32)
         if step.kind == "prefill":
             seq = step.seqs[0]
-            tokens[seq.slot] = seq.prompt_ids[step.start:step.start + step.size]
+            tokens[seq.slot, :step.size] = seq.prompt_ids[step.start:step.start + step.size]
             lengths[seq.slot] = step.size
         else:
             for seq in step.seqs:

@@ -59,18 +59,55 @@ def build_embedded(name: str, out: Path) -> str:
     return open_artifact(out, verify=True).sha256
 
 
-def ensure_embedded(state_dir: Path, name: str, pinned_sha256: str) -> Path:
-    """The embedded model's artifact path, generating it on first use; checks the pin."""
+def ensure_embedded(state_dir: Path, name: str, pinned_sha256: str, *, stamps=None,
+                    verify: str = "full") -> Path:
+    """The embedded model's artifact path, generating it on first use; checks the pin (through
+    a verified-artifact stamp when `stamps` has one and verify="stamp", see verify_artifact)."""
     path = embedded_path(state_dir, name)
     if not path.exists():
         print(f"ninfer: generating the embedded model '{name}' into {path} (first use)",
               file=sys.stderr, flush=True)
         build_embedded(name, path)
-    sha = open_artifact(path, verify=True).sha256
+    with open_artifact(path, verify=False) as art:
+        verify_artifact(art, None, stamps=stamps, mode=verify)
+        sha = art.sha256
     if sha != pinned_sha256:
         raise ArtifactError(f"embedded model {path} has sha256 {sha}, but the lane profile pins "
                             f"{pinned_sha256}; delete the file to regenerate it")
     return path
+
+
+VERIFY_MODES = ("full", "stamp")
+
+
+def verify_artifact(art, expected_sha256: str | None, *, stamps=None, mode: str = "full") -> str:
+    """Check every byte of the open artifact `art` (each part's sha256, and the file's against
+    `expected_sha256` when given); raises ArtifactError on any mismatch. Returns "stamp" when
+    a verified-artifact stamp vouched for this exact file (mode "stamp" only; no byte is read),
+    else "full", after which a fresh stamp is recorded.
+
+    stamps: None (no state directory: always full) or an object with
+    lookup(path, fstat, expected) -> sha256 | None and record(path, fstat_before, fstat_after,
+    sha256, hash_started_ns) -> bool (server/artifact_stamps.py, which says why a stamp is safe).
+    """
+    import time
+
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {mode!r}")
+    before = art.stat()
+    if stamps is not None and mode == "stamp":
+        sha = stamps.lookup(art.path, before, expected_sha256)
+        if sha is not None:
+            art.adopt_sha256(sha)
+            return "stamp"
+    started_ns = time.time_ns()
+    art.verify()
+    if expected_sha256 is not None and art.sha256 != expected_sha256.lower():
+        raise ArtifactError(f"{art.path}: sha256 is {art.sha256}, not the expected "
+                            f"{expected_sha256}")
+    if stamps is not None:
+        stamps.record(art.path, before, art.stat(), art.sha256, started_ns)
+    return "full"
 
 
 def _to_device(value, dtype):
@@ -83,12 +120,15 @@ def _to_device(value, dtype):
 
 
 def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "float32",
-               expected_sha256: str | None = None, timings: dict | None = None) -> LoadedModel:
+               expected_sha256: str | None = None, timings: dict | None = None,
+               stamps=None, verify: str = "full") -> LoadedModel:
     """Load an artifact onto the device. Every byte is verified (each part's sha256, and the
     file's against `expected_sha256` when given) before this returns: the verification pass
     runs on a second thread while the tensors are copied to the device, so a load costs about
     max(hash, copy) instead of their sum; on a mismatch the copies are dropped and it raises.
-    `timings` (optional dict) receives open_s, to_device_s, verify_wait_s and stack_s."""
+    With `stamps` and verify="stamp", a verified-artifact stamp of this exact file stands in
+    for the hash pass (verify_artifact). `timings` (optional dict) receives open_s, to_device_s,
+    verify_s, verify_wait_s, stack_s, artifact_bytes and verify ("stamp" | "full")."""
     import concurrent.futures
     import time
 
@@ -96,16 +136,13 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
     art = open_artifact(path, verify=False)  # header, directory and table checks only
     t_open = time.monotonic()
 
-    def verify():
+    def verify_pass():
         t = time.monotonic()
-        art.verify()
-        if expected_sha256 is not None and art.sha256 != expected_sha256.lower():
-            raise ArtifactError(f"{path}: sha256 is {art.sha256}, not the expected "
-                                f"{expected_sha256}")
-        return time.monotonic() - t
+        how = verify_artifact(art, expected_sha256, stamps=stamps, mode=verify)
+        return how, time.monotonic() - t
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ninfer-verify")
-    check = pool.submit(verify)
+    check = pool.submit(verify_pass)
     try:
         if art.tokenizer_json is None or art.chat_template is None:
             raise ArtifactError(f"{path}: the artifact carries no tokenizer or chat template")
@@ -117,7 +154,7 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
             flat[name] = _to_device(art.load(name), dt)
         jax.block_until_ready(flat)
         t_dev = time.monotonic()
-        verify_s = check.result()  # raises ArtifactError if any byte differs
+        how, verify_s = check.result()  # raises ArtifactError if any byte differs
         t_ver = time.monotonic()
     except BaseException:
         flat = None
@@ -134,7 +171,7 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
         timings.update(open_s=round(t_open - t0, 3), to_device_s=round(t_dev - t_open, 3),
                        verify_s=round(verify_s, 3), verify_wait_s=round(t_ver - t_dev, 3),
                        stack_s=round(t_end - t_ver, 3),
-                       artifact_bytes=art._size)
+                       artifact_bytes=art._size, verify=how)
     return LoadedModel(cfg=art.config, params=params, tokenizer=Tokenizer(art.tokenizer_json),
                        chat_template=art.chat_template, sha256=art.sha256, path=Path(path),
                        compute_dtype=dt, kv_dtype=_KV_DTYPES[kv_dtype])

@@ -53,10 +53,14 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
 
     phases = {"boot_s": round(time.monotonic() - t_start, 3)}  # start -> this thread
     try:
+        from server.artifact_stamps import ArtifactStamps
+
+        stamps = ArtifactStamps(args.state_dir)  # a loose key mode fails closed, like the others
+        mode = args.verify_artifact
         model_arg = args.model or profile.model
         if model_arg.startswith("embedded:"):
             path = ensure_embedded(args.state_dir, model_arg.split(":", 1)[1],
-                                   profile.model_sha256)
+                                   profile.model_sha256, stamps=stamps, verify=mode)
             expected = profile.model_sha256
         else:
             # The lane's own artifact must be the one its profile pins (fail closed); an
@@ -66,7 +70,8 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         load = {}
         t = time.monotonic()
         model = load_model(path, compute_dtype=profile.compute_dtype,
-                           kv_dtype=profile.kv_dtype, expected_sha256=expected, timings=load)
+                           kv_dtype=profile.kv_dtype, expected_sha256=expected, timings=load,
+                           stamps=stamps, verify=mode)
         phases["load_s"] = round(time.monotonic() - t, 3)
         phases.update({f"load_{k}": v for k, v in load.items()})
         t = time.monotonic()
@@ -83,7 +88,9 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         t = time.monotonic()
         from engine.constrain import ConstraintCompiler
 
-        rt.constraints = ConstraintCompiler(model.tokenizer)  # token tables: ~1-2 s, once
+        # Token tables: ~1-2 s, once, after the compile and not beside it: both hold the GIL
+        # (tracing, pure-Python tables), and a thread measured no faster on the CPU lane.
+        rt.constraints = ConstraintCompiler(model.tokenizer)
         phases["constraints_s"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         from server.checkpoints.setup import attach as attach_checkpoints
@@ -199,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--retain-responses", type=int, default=200_000,
                    help="keep at most this many responses per principal, the newest "
                         "(default 200000; 0 = no limit)")
+    s.add_argument("--verify-artifact", choices=("full", "stamp"), default="stamp",
+                   help="stamp (default): skip re-hashing an artifact whose verified-artifact "
+                        "stamp in the state dir matches the file exactly; full: always re-hash")
     from server.checkpoints.setup import add_arguments as add_checkpoint_arguments
 
     add_checkpoint_arguments(s)

@@ -58,12 +58,18 @@ class Sequence:
         return len(self.prompt_ids) - self.computed
 
 
+# Prefill pieces shorter than this run as one right-padded piece of this width (64: the
+# attention kernels' query tile), so a remainder costs one forward call and no shape of its own.
+MIN_PIECE = 64
+
+
 @dataclass(frozen=True)
 class Step:
     kind: str                      # "decode" | "prefill"
     seqs: tuple[Sequence, ...]
     start: int = 0                 # prefill: first prompt index of the chunk
-    size: int = 0                  # prefill: chunk length
+    size: int = 0                  # prefill: tokens in the chunk (the row's valid length)
+    width: int = 1                 # tokens per row of the forward call: size plus right padding
 
 
 class Scheduler:
@@ -135,8 +141,8 @@ class Scheduler:
             limit = seq.prefill_remaining
             if seq.computed < seq.breakpoint:
                 limit = min(limit, seq.breakpoint - seq.computed)
-            size = _piece(limit, self.prefill_chunk)
-            step = Step("prefill", (seq,), start=seq.computed, size=size)
+            size, width = piece(limit, self.prefill_chunk)
+            step = Step("prefill", (seq,), start=seq.computed, size=size, width=width)
         else:
             return None
         self.step_log.append((step.kind, tuple(s.seq_id for s in step.seqs)))
@@ -167,7 +173,28 @@ def _cancelled(seq: Sequence) -> bool:
     return bool(flag is not None and flag.is_set())
 
 
-def _piece(remaining: int, chunk: int) -> int:
-    """Largest power of two <= min(remaining, chunk): a bounded set of compiled shapes."""
-    n = min(remaining, chunk)
+def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
+
+
+def piece(remaining: int, chunk: int) -> tuple[int, int]:
+    """(size, width) of the next prefill piece: the largest power of two <= min(remaining,
+    chunk) while that is at least the floor (MIN_PIECE, or the chunk if smaller), else all of
+    the remaining tokens in one piece padded to the floor. A bounded set of compiled widths,
+    and at most one forward call for a remainder below the floor."""
+    floor = min(MIN_PIECE, _pow2_floor(chunk))
+    n = min(remaining, chunk)
+    if n >= floor:
+        size = _pow2_floor(n)
+        return size, size
+    return n, floor
+
+
+def piece_widths(chunk: int) -> list[int]:
+    """Every width `piece` can return for this chunk, largest first (what warmup compiles)."""
+    floor, w = min(MIN_PIECE, _pow2_floor(chunk)), _pow2_floor(chunk)
+    widths = []
+    while w >= floor:
+        widths.append(w)
+        w >>= 1
+    return widths
