@@ -6,8 +6,9 @@
 #   TAG=v7 bash bench/h200_session.sh tests decode     # some, in the order given
 #
 # Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
-# (27B int4 C1/C2 at 1K/32K/128K), fused (C1/C2 1K with the fused GDN decode kernel), profile (one decode step and one 8K prefill by kernel),
-# prefill (8K/32K/128K, bf16), restore (server-level 128K restore vs re-prefill and restart).
+# (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
+# profile (one decode step and one 8K prefill by kernel), prefill (8K/32K/128K, bf16), restore
+# (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
@@ -46,11 +47,11 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --contexts 1024 --prefill 8192 --prefill-reps 1 --steps 5 --profile 2 \
           --out "$OUT/profile_$TAG.json"
         grep -E -A8 'per step' "$OUT/profile_$TAG.log" | cut -c1-150 ;;
-      fused)
-        NINFER_GDN_FUSED=1 run 200 "$OUT/fused_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
+      unfused)
+        NINFER_GDN_FUSED=0 run 200 "$OUT/unfused_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
           --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
-          --out "$OUT/fused_$TAG.json"
-        grep -E -A6 'per step|decode' "$OUT/fused_$TAG.log" | cut -c1-150 ;;
+          --out "$OUT/unfused_$TAG.json"
+        grep -E -A6 'per step|decode' "$OUT/unfused_$TAG.log" | cut -c1-150 ;;
       prefill)
         run 300 "$OUT/prefill_$TAG.log" $B27 --weights bf16 --contexts "" \
           --prefill 8192,32768,131072 --prefill-reps 1 --out "$OUT/prefill_$TAG.json"

@@ -73,7 +73,8 @@ def test_fused_lowers_to_triton():
 
 
 def test_model_decode_with_fused_kernel_matches(monkeypatch):
-    """The whole tiny model's decode step with NINFER_GDN_FUSED=1 against the reference path."""
+    """The whole tiny model's decode step with the fused kernel against the reference path,
+    and NINFER_GDN_FUSED=0 turning it off."""
     from engine import model as M
     from engine.params import random_flat_params, stack_params
 
@@ -84,10 +85,13 @@ def test_model_decode_with_fused_kernel_matches(monkeypatch):
     _, _, cache = M.forward(params, cfg, toks, cache, kernels="xla")
     step = jnp.asarray([[7], [11]], jnp.int32)
     want, _, wc = M.forward(params, cfg, step, cache, kernels="xla")
-    monkeypatch.setenv("NINFER_GDN_FUSED", "1")
-    traced = str(jax.make_jaxpr(lambda c: M.forward(params, cfg, step, c, kernels="pallas"))(
-        cache))
-    assert "gdn_decode_fused" in traced  # the fused kernel is what ran
+    def traced():
+        return str(jax.make_jaxpr(lambda c: M.forward(params, cfg, step, c, kernels="pallas"))(
+            cache))
+    monkeypatch.setenv("NINFER_GDN_FUSED", "0")
+    assert "gdn_decode_fused" not in traced()
+    monkeypatch.delenv("NINFER_GDN_FUSED")
+    assert "gdn_decode_fused" in traced()  # the default: the fused kernel is what runs
     got, _, gc = M.forward(params, cfg, step, cache, kernels="pallas")
     assert_close(got, want, jnp.float32)
     for g, w in zip(jax.tree.leaves(gc), jax.tree.leaves(wc)):

@@ -14,7 +14,7 @@ Modules (kernel; reference):
 - `gdn_decode`: gated delta rule step(s) with the state in and out;
   `gdn.recurrent_gated_delta_rule`.
 - `gdn_decode_fused`: a GDN layer's whole decode step after its projections (conv, norms,
-  gates, recurrent step, gated norm) in one kernel, opt-in (NINFER_GDN_FUSED=1) until timed;
+  gates, recurrent step, gated norm) in one kernel (NINFER_GDN_FUSED=0 turns it off);
   `layers.gdn_core`.
 - `gdn_prefill`: chunked (WY/UT) gated delta rule for prefill, state in and out;
   `gdn.chunk_gated_delta_rule`.
