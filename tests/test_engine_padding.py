@@ -89,3 +89,55 @@ def test_padded_remainder_generates_the_same_tokens(tiny_model):
         got, done = greedy_tokens(tiny_model, ids, 8, prefill_chunk=chunk)
         assert done.finish_reason == "length"
         assert got == ref, f"chunk {chunk}"
+
+
+def test_warmup_compiles_every_width_on_threads(tiny_model):
+    """Engine.warmup compiles the forward's widths ahead of time on a thread pool; a request
+    served afterwards (pieces of 32 and 13 padded to 16, then decode steps) compiles no forward
+    and no sampler, and gives the tokens of an engine that compiled as it went."""
+    import logging
+    import queue
+
+    import jax
+
+    from engine.engine import DoneEvent, Engine, GenerationRequest, TokenEvent
+    from engine.sampling import SamplingParams
+
+    class Compiles(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def emit(self, record):
+            msg = record.getMessage()
+            if msg.startswith("Compiling "):
+                self.names.append(msg.split()[1])
+
+    ids = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)[:45]
+    # 200 context tokens: cache shapes no other test uses, so no executable of an earlier test
+    # can stand in for the warmup's
+    eng = Engine(tiny_model, context_tokens=200, prefill_chunk=32, max_concurrency=1,
+                 max_queue=2)
+    eng.warmup(threads=3)
+    seen, log = Compiles(), logging.getLogger("jax")
+    log.addHandler(seen)
+    jax.config.update("jax_log_compiles", True)
+    eng.start()
+    try:
+        q: queue.Queue = queue.Queue()
+        eng.submit(GenerationRequest(prompt_ids=list(ids),
+                                     sampling=SamplingParams(temperature=0.0), max_tokens=6,
+                                     stop_ids=frozenset(), emit=q.put))
+        toks = []
+        while not isinstance(ev := q.get(timeout=300), DoneEvent):
+            if isinstance(ev, TokenEvent):
+                toks.append(ev.token_id)
+        jax.jit(lambda x: x * 3)(jax.numpy.ones((3, 5, 7)))  # the probe's own compile
+    finally:
+        eng.stop()
+        jax.config.update("jax_log_compiles", False)
+        log.removeHandler(seen)
+    assert "jit(<lambda>)" in seen.names, "the probe saw no compile: it is broken"
+    assert not [n for n in seen.names if "forward" in n or "sample" in n], seen.names
+    ref, _ = greedy_tokens(tiny_model, ids, 6, prefill_chunk=1)
+    assert toks == ref
