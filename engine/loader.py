@@ -5,6 +5,7 @@ unless its sha256 equals the pin in the lane profile.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,10 @@ def _to_device(value, dtype):
     return jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 else arr, dtype=dtype)
 
 
+def _copy_threads() -> int:
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
 def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "float32",
                expected_sha256: str | None = None, timings: dict | None = None,
                stamps=None, verify: str = "full") -> LoadedModel:
@@ -147,11 +152,18 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
         if art.tokenizer_json is None or art.chat_template is None:
             raise ArtifactError(f"{path}: the artifact carries no tokenizer or chat template")
         dt = _DTYPES[compute_dtype]
-        flat = {}
-        for name in art.tensor_names:
+        def copy(name):
             if check.done() and check.exception() is not None:
-                break  # corrupt: stop copying, raise below
-            flat[name] = _to_device(art.load(name), dt)
+                return None  # corrupt: stop copying, raise below
+            return _to_device(art.load(name), dt)
+
+        # Several copies at once: each reads its tensor's pages out of the page cache (and on
+        # a GPU stages them for the transfer) on its own thread, where one thread is bound by
+        # that memory copy, not by the bus.
+        names = list(art.tensor_names)
+        with concurrent.futures.ThreadPoolExecutor(_copy_threads(),
+                                                   thread_name_prefix="ninfer-copy") as copiers:
+            flat = dict(zip(names, copiers.map(copy, names)))
         jax.block_until_ready(flat)
         t_dev = time.monotonic()
         how, verify_s = check.result()  # raises ArtifactError if any byte differs
