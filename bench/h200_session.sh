@@ -7,7 +7,8 @@
 #
 # Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
-# profile (one decode step and one 8K prefill by kernel), prefill (8K/32K/128K, bf16), restore
+# profile (one decode step and one 8K prefill by kernel), ncu (the int4 GEMV kernels under
+# Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), restore
 # (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
 set -uo pipefail
@@ -17,6 +18,11 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/gpu_env.sh"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv,noheader
+# SM/memory clocks, power and load once a second for the whole call: is a part held back by
+# the clocks under sustained load (the int4 GEMV question of v5/v6)?
+nvidia-smi dmon -s pcu -d 1 > "$OUT/dmon_$TAG.log" 2>&1 &
+DMON=$!
+trap 'kill $DMON 2>/dev/null' EXIT
 
 run() {  # run <seconds> <log> <command...>: the tail of the log is what the caller sees
   local limit=$1 log=$2
@@ -52,6 +58,14 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
           --out "$OUT/unfused_$TAG.json"
         grep -E -A6 'per step|decode' "$OUT/unfused_$TAG.log" | cut -c1-150 ;;
+      ncu)
+        XLA_PYTHON_CLIENT_PREALLOCATE=false run 200 "$OUT/ncu_$TAG.log" bash -c "ncu \
+          --clock-control none --kernel-name regex:int4_gemv --launch-skip 1 --launch-count 6 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+          --section WarpStateStats --section SchedulerStats --section LaunchStats \
+          --section ComputeWorkloadAnalysis --section SourceCounters --csv \
+          python3 bench/ncu_gemv.py > $OUT/ncu_gemv_$TAG.csv"
+        tail -n 3 "$OUT/ncu_$TAG.log" ;;
       prefill)
         run 300 "$OUT/prefill_$TAG.log" $B27 --weights bf16 --contexts "" \
           --prefill 8192,32768,131072 --prefill-reps 1 --out "$OUT/prefill_$TAG.json"
