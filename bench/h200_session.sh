@@ -8,7 +8,8 @@
 # Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
 # profile (one decode step and one 8K prefill by kernel), ncu (the int4 GEMV kernels under
-# Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), restore
+# Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill (8K/32K with
+# the Pallas chunked GDN kernel, bf16 operands), restore
 # (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
 set -uo pipefail
@@ -70,6 +71,11 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 300 "$OUT/prefill_$TAG.log" $B27 --weights bf16 --contexts "" \
           --prefill 8192,32768,131072 --prefill-reps 1 --out "$OUT/prefill_$TAG.json"
         grep -E 'prefill' "$OUT/prefill_$TAG.log" | cut -c1-160 ;;
+      gdnprefill)
+        NINFER_GDN_PREFILL=pallas run 300 "$OUT/gdnprefill_$TAG.log" $B27 --skip-peaks \
+          --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 1 --profile 1 \
+          --out "$OUT/gdnprefill_$TAG.json"
+        grep -E -A6 'per step|prefill' "$OUT/gdnprefill_$TAG.log" | cut -c1-150 ;;
       restore)
         OUT="$OUT" BUDGET_S="${RESTORE_BUDGET_S:-540}" run 600 "$OUT/restore_$TAG.log" \
           bash bench/h200_restore.sh ${RESTORE_ARGS:-}
