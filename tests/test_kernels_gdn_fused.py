@@ -105,3 +105,17 @@ def test_fused_on_gpu_27b_heads(dtype):
     assert on_gpu()
     args = _inputs(np.random.default_rng(), QWEN38_27B, 2, dtype, [1, 0])
     _check(args, dtype)
+
+
+def test_fused_rows_do_not_depend_on_each_other():
+    """Batch invariance: a row's output and states are bit for bit the same alone or beside
+    another row (one program per row and head, no sum across rows)."""
+    cfg = preset("tiny")
+    p, _, *two = _inputs(np.random.default_rng(5), cfg, 2, jnp.float32, [1, 1])
+    qkv, z, b_in, a_in, cs, rs, lengths, valid = two
+    both = gdn_decode_fused(p, cfg, *two, "recurrent", "pallas", jnp.float32, interpret=True)
+    one = gdn_decode_fused(p, cfg, qkv[:1], z[:1], b_in[:1], a_in[:1], cs[:1], rs[:1],
+                           lengths[:1], valid[:1], "recurrent", "pallas", jnp.float32,
+                           interpret=True)
+    for a, b in zip(one, both):
+        assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
