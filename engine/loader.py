@@ -17,6 +17,7 @@ import numpy as np
 from engine import model as M
 from engine.artifact import ArtifactError, open_artifact, write_artifact
 from engine.config import ModelConfig
+from engine.params import HostStack, host_leaf
 from engine.quant import QTensor
 from engine.tokenizer import Tokenizer, build_qwen35_tokenizer_json
 
@@ -111,13 +112,16 @@ def verify_artifact(art, expected_sha256: str | None, *, stamps=None, mode: str 
     return "full"
 
 
-def _to_device(value, dtype):
+def _host_value(value, dtype):
+    """A tensor as it goes to the device: quantized ones as stored, dense ones in the compute
+    dtype (converted on the host, through fp32, only when the stored dtype differs: a bf16
+    model served in bf16 is moved as its bytes)."""
     if isinstance(value, QTensor):
-        return jax.device_put(value)
+        return value
     arr = np.asarray(value)
-    if arr.dtype == np.dtype(dtype):  # already in the compute dtype (bf16 stored, bf16 served):
-        return jax.device_put(arr)    # no host round trip through fp32 (same bits either way)
-    return jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 else arr, dtype=dtype)
+    if arr.dtype == np.dtype(dtype):
+        return arr
+    return arr.astype(np.float32).astype(dtype)
 
 
 def _copy_threads() -> int:
@@ -133,7 +137,8 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
     max(hash, copy) instead of their sum; on a mismatch the copies are dropped and it raises.
     With `stamps` and verify="stamp", a verified-artifact stamp of this exact file stands in
     for the hash pass (verify_artifact). `timings` (optional dict) receives open_s, to_device_s,
-    verify_s, verify_wait_s, stack_s, artifact_bytes and verify ("stamp" | "full")."""
+    verify_s, verify_wait_s, stack_s, artifact_bytes and verify ("stamp" | "full"); the layers
+    are stacked on the host as they are copied, so stack_s is ~0 and to_device_s holds both."""
     import concurrent.futures
     import time
 
@@ -152,32 +157,37 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
         if art.tokenizer_json is None or art.chat_template is None:
             raise ArtifactError(f"{path}: the artifact carries no tokenizer or chat template")
         dt = _DTYPES[compute_dtype]
-        def copy(name):
-            if check.done() and check.exception() is not None:
-                return None  # corrupt: stop copying, raise below
-            return _to_device(art.load(name), dt)
+        host = {name: _host_value(art.load(name), dt) for name in art.tensor_names}
 
-        # Several copies at once: each reads its tensor's pages out of the page cache (and on
-        # a GPU stages them for the transfer) on its own thread, where one thread is bound by
-        # that memory copy, not by the bus.
-        names = list(art.tensor_names)
-        with concurrent.futures.ThreadPoolExecutor(_copy_threads(),
-                                                   thread_name_prefix="ninfer-copy") as copiers:
-            flat = dict(zip(names, copiers.map(copy, names)))
-        jax.block_until_ready(flat)
+        def put(leaves):
+            """Each stacked leaf is built on the host and moved on its own thread: one thread
+            is bound by reading the page cache, not by the bus. The device never holds a
+            layer's tensor beside its stacked copy, so a model needs its own size in device
+            memory to load, not twice that."""
+            def one(x):
+                if check.done() and check.exception() is not None:
+                    return None  # corrupt: stop copying, raise below
+                if isinstance(x, (np.ndarray, HostStack)):
+                    return jax.device_put(host_leaf(x))
+                return x
+            with concurrent.futures.ThreadPoolExecutor(
+                    _copy_threads(), thread_name_prefix="ninfer-copy") as copiers:
+                out = list(copiers.map(one, leaves))
+            jax.block_until_ready(out)
+            return out
+
+        params = M.stack_params(host, art.config, put=put)
+        del host
         t_dev = time.monotonic()
         how, verify_s = check.result()  # raises ArtifactError if any byte differs
         t_ver = time.monotonic()
     except BaseException:
-        flat = None
+        params = None
         check.cancel()
         pool.shutdown(wait=True)
         art.close()
         raise
     pool.shutdown(wait=True)
-    params = M.stack_params(flat, art.config)
-    del flat
-    jax.block_until_ready(params)
     t_end = time.monotonic()
     if timings is not None:
         timings.update(open_s=round(t_open - t0, 3), to_device_s=round(t_dev - t_open, 3),

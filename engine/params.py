@@ -58,10 +58,47 @@ def _nest(flat: dict, prefix: str) -> dict:
     return out
 
 
+class HostStack:
+    """A stack of host arrays (or of HostStacks: the GDN blocks stack twice) not yet copied
+    together: `host()` makes the one stacked array with a single copy of every byte, so the
+    caller decides when (and on which thread) each leaf is built and moved to the device."""
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+
+    def _first(self) -> np.ndarray:
+        p = self.parts[0]
+        return p._first() if isinstance(p, HostStack) else p
+
+    def _lead(self) -> tuple[int, ...]:
+        p = self.parts[0]
+        return (len(self.parts), *(p._lead() if isinstance(p, HostStack) else ()))
+
+    def _fill(self, out: np.ndarray) -> None:
+        for i, p in enumerate(self.parts):
+            if isinstance(p, HostStack):
+                p._fill(out[i])
+            else:
+                out[i] = p
+
+    def host(self) -> np.ndarray:
+        first = self._first()
+        out = np.empty(self._lead() + first.shape, first.dtype)
+        self._fill(out)
+        return out
+
+
+def host_leaf(x):
+    """A leaf of `stack_params(..., put=...)`'s tree as a host array (HostStacks built);
+    device arrays and other leaves unchanged."""
+    return x.host() if isinstance(x, HostStack) else x
+
+
 def _stack_leaves(*xs):
-    # Host arrays stack on the host: no per-shape XLA compile, one transfer at the end.
-    if all(isinstance(x, np.ndarray) for x in xs):
-        return np.stack(xs)
+    # Host arrays stack on the host (no per-shape XLA compile, one transfer per leaf), and only
+    # when the leaf is put: see HostStack.
+    if all(isinstance(x, (np.ndarray, HostStack)) for x in xs):
+        return HostStack(xs)
     return jnp.stack([jnp.asarray(x) for x in xs])
 
 
@@ -70,10 +107,20 @@ def _stack(trees: list):
     return jax.tree.map(_stack_leaves, *trees)
 
 
-def stack_params(flat: dict, cfg: ModelConfig) -> dict:
+def _put_all(leaves: list) -> list:
+    return [jnp.asarray(host_leaf(x)) if isinstance(x, (np.ndarray, HostStack)) else x
+            for x in leaves]
+
+
+def stack_params(flat: dict, cfg: ModelConfig, *, put=None) -> dict:
     """flat: canonical name -> array (or opaque weight pytree exposing .shape), exactly the set of
     `cfg.tensor_specs()`. Returns the pytree described in the module docstring. Raises
-    ParamError on any missing, unexpected or mis-shaped tensor."""
+    ParamError on any missing, unexpected or mis-shaped tensor.
+
+    Host (numpy) tensors are stacked on the host and moved to the device one finished leaf at a
+    time, so the device never holds a layer's tensor and its stacked copy at once. `put`
+    (optional) takes the list of leaves (host arrays, HostStacks, device arrays) and returns
+    them on the device in the same order; the default builds and moves them one by one."""
     check_params(flat, cfg)
     layers = [_nest(flat, f"layers.{i}") for i in range(cfg.num_layers)]
     g = cfg.full_attention_interval
@@ -92,7 +139,8 @@ def stack_params(flat: dict, cfg: ModelConfig) -> dict:
         params["mtp"] = {k: mtp[k] for k in ("fc", "pre_fc_norm_embedding",
                                              "pre_fc_norm_hidden", "norm")}
         params["mtp"]["layer"] = mtp["layers"]["0"]
-    return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, params)
+    leaves, tree = jax.tree.flatten(params)
+    return tree.unflatten((put or _put_all)(leaves))
 
 
 def unstack_layer(params: dict, cfg: ModelConfig, i: int) -> dict:

@@ -79,3 +79,25 @@ def test_opaque_weight_pytrees_are_stacked_leafwise(flat):
     assert isinstance(down, Packed)
     assert down.q.shape == (2, 3, CFG.hidden_size, CFG.intermediate_size)
     assert down.scale.shape == (2, 3, CFG.hidden_size)
+
+
+def test_put_gets_each_leaf_once_and_builds_the_same_tree(flat):
+    """With `put`, host tensors arrive as HostStacks (built with one copy of each byte, the GDN
+    blocks' double stack included) and plain host arrays; the tree is the default one."""
+    from engine.params import HostStack, host_leaf
+
+    seen = []
+
+    def put(leaves):
+        seen.extend(type(x) for x in leaves)
+        return [jax.device_put(host_leaf(x)) for x in leaves]
+
+    got, want = stack_params(flat, CFG, put=put), stack_params(flat, CFG)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.shape == w.shape and np.array_equal(np.asarray(g), np.asarray(w))
+    assert HostStack in seen and np.ndarray in seen
+    assert len(seen) == len(jax.tree.leaves(want))
+    nested = HostStack((HostStack((np.zeros(2), np.ones(2))), HostStack((np.full(2, 2.0),
+                                                                         np.full(2, 3.0)))))
+    assert np.array_equal(nested.host(), np.arange(4.0).repeat(2).reshape(2, 2, 2))

@@ -63,3 +63,37 @@ def test_loads_with_the_loader_and_generates(tiny_int4):
                              prefill_chunk=32)
     assert ev.finish_reason == "length" and ev.error is None
     assert len(toks) == 4 and all(0 <= t < model.tokenizer.vocab_size for t in toks)
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_loader_puts_every_layer_exactly(tiny_int4, compute):
+    """The loader stacks on the host while it copies: every layer of the loaded tree is the
+    artifact's tensor, int4 codes and scales bit for bit, dense ones in the compute dtype."""
+    import jax
+
+    from engine.loader import load_model
+    from engine.params import unstack_layer
+
+    path = Path(tiny_int4["path"])
+    model = load_model(path, compute_dtype=compute)
+    dt = model.compute_dtype
+    with open_artifact(path, verify=False) as art:
+        cfg = art.config
+        for i in range(cfg.num_layers):
+            layer = unstack_layer(model.params, cfg, i)
+            for name in art.tensor_names:
+                if not name.startswith(f"layers.{i}."):
+                    continue
+                got = layer
+                for part in name.split(".")[2:]:
+                    got = got[part]
+                want = art.load(name)
+                if isinstance(want, QTensor):
+                    assert np.array_equal(np.asarray(got.data), want.data), name
+                    assert np.array_equal(np.asarray(got.scale), want.scale), name
+                else:
+                    assert got.dtype == dt, name
+                    assert np.array_equal(np.asarray(got, np.float32),
+                                          np.asarray(want, np.float32).astype(dt)
+                                          .astype(np.float32)), name
+        assert isinstance(jax.tree.leaves(model.params)[0], jax.Array)
