@@ -7,7 +7,9 @@
 #
 # Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
-# profile (one decode step and one 8K prefill by kernel), ncu (the int4 GEMV kernels under
+# profile (one decode step and one 8K prefill by kernel), readpat (read ceilings by access
+# pattern, arithmetic per byte, a second stream: bench/read_patterns.py), ncu (the int4 GEMV
+# kernels under
 # Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill (8K/32K with
 # the Pallas chunked GDN kernel, bf16 operands), restore
 # (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
@@ -59,6 +61,10 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
           --out "$OUT/unfused_$TAG.json"
         grep -E -A6 'per step|decode' "$OUT/unfused_$TAG.log" | cut -c1-150 ;;
+      readpat)
+        run 120 "$OUT/readpat_$TAG.log" python3 bench/read_patterns.py \
+          --out "$OUT/read_patterns_$TAG.json"
+        grep -E 'copy|stream_h1_u4 grid 8|rows_alu|scale' "$OUT/readpat_$TAG.log" ;;
       ncu)
         XLA_PYTHON_CLIENT_PREALLOCATE=false run 200 "$OUT/ncu_$TAG.log" bash -c "ncu \
           --clock-control none --kernel-name regex:int4_gemv --launch-skip 1 --launch-count 6 \
