@@ -9,10 +9,9 @@
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
 # profile (one decode step and one 8K prefill by kernel), readpat (read ceilings by access
 # pattern, arithmetic per byte, a second stream: bench/read_patterns.py), ncu (the int4 GEMV
-# kernels under
-# Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill (8K/32K with
-# the Pallas chunked GDN kernel, bf16 operands), restore
-# (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
+# kernels under Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill
+# (8K/32K with the Pallas chunked GDN kernel, bf16 operands), restore (server-level 128K
+# restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
