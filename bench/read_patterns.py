@@ -62,23 +62,34 @@ __device__ void stream(const uint4* buf, long long n16, unsigned* out) {
   if (acc == 0x12345678u) out[0] = acc;
 }
 
-// [n_rows, row16] uint4s; warp w owns rows w*R .. w*R+R-1.
+// The GEMV pattern over [n_rows, row16] uint4s: warp w owns rows w*R .. w*R+R-1, and lane l
+// loads chunks c0 + l, c0 + l + 32, ... (U of them) of each of its rows at once.
+__device__ __forceinline__ int first_row(int r_per_warp) {
+  return (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * r_per_warp;
+}
+
+template <int HINT, int R, int U>
+__device__ __forceinline__ void load_rows(const uint4* buf, int n_rows, int row16, int row0,
+                                          int c0, uint4 (&v)[R][U]) {
+  int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      int c = c0 + u * 32 + lane;
+      int row = min(row0 + r, n_rows - 1);
+      v[r][u] = c < row16 ? load<HINT>(buf + (long long)row * row16 + c) : make_uint4(0,0,0,0);
+    }
+}
+
 template <int HINT, int R, int U>
 __device__ void rows(const uint4* buf, int n_rows, int row16, unsigned* out) {
-  int lane = threadIdx.x & 31;
-  int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+  int row0 = first_row(R);
   if (row0 >= n_rows) return;
   unsigned acc = 0;
   for (int c0 = 0; c0 < row16; c0 += 32 * U) {
     uint4 v[R][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        int c = c0 + u * 32 + lane;
-        int row = min(row0 + r, n_rows - 1);
-        v[r][u] = c < row16 ? load<HINT>(buf + (long long)row * row16 + c) : make_uint4(0,0,0,0);
-      }
+    load_rows<HINT, R, U>(buf, n_rows, row16, row0, c0, v);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -112,20 +123,12 @@ __device__ void tiles(const uint4* buf, long long n16, int span16, unsigned* out
 template <int WORK>
 __device__ void rows_alu(const uint4* buf, int n_rows, int row16, unsigned* out) {
   constexpr int R = 2, U = 4;
-  int lane = threadIdx.x & 31;
-  int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+  int row0 = first_row(R);
   if (row0 >= n_rows) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int c0 = 0; c0 < row16; c0 += 32 * U) {
     uint4 v[R][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        int c = c0 + u * 32 + lane;
-        int row = min(row0 + r, n_rows - 1);
-        v[r][u] = c < row16 ? load<1>(buf + (long long)row * row16 + c) : make_uint4(0,0,0,0);
-      }
+    load_rows<1, R, U>(buf, n_rows, row16, row0, c0, v);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -148,20 +151,20 @@ __device__ void rows_scales(const uint4* buf, const float* scales, int n_rows, i
                             unsigned* out) {
   constexpr int R = 2, U = 4;
   int lane = threadIdx.x & 31;
-  int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+  int row0 = first_row(R);
   if (row0 >= n_rows) return;
   unsigned acc = 0;
   float sacc = 0.f;
   for (int c0 = 0; c0 < row16; c0 += 32 * U) {
     uint4 v[R][U];
     float sv[R][U];
+    load_rows<1, R, U>(buf, n_rows, row16, row0, c0, v);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         int c = c0 + u * 32 + lane;
         int row = min(row0 + r, n_rows - 1);
-        v[r][u] = c < row16 ? load<1>(buf + (long long)row * row16 + c) : make_uint4(0,0,0,0);
         sv[r][u] = c < row16 ? __ldg(scales + (long long)row * (row16 / 2) + (c >> 1)) : 0.f;
       }
 #pragma unroll

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 import secrets
 import queue
 import threading
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine import model as M
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, worker_threads
 from engine.runtime.memory import Memory
 from engine.runtime.scheduler import (QueueFull, Scheduler, Sequence,  # noqa: F401 (re-export)
                                       piece_widths)
@@ -116,10 +115,10 @@ class Engine:
         cfg = model.cfg
         fwd = M.jit_forward()
         # Logits only at each row's last valid position: a prefill chunk never builds [T, V].
-        self._fwd = lambda p, t, c, n: fwd(p, cfg, t, c, lengths=n, last_only=True,
-                                           kernels=kernels)
-        self._lower = lambda p, t, c, n: fwd.lower(p, cfg, t, c, lengths=n, last_only=True,
-                                                   kernels=kernels)
+        def bound(f):  # the forward's call (and its ahead-of-time lowering) for this engine
+            return lambda p, t, c, n: f(p, cfg, t, c, lengths=n, last_only=True,
+                                        kernels=kernels)
+        self._fwd, self._lower = bound(fwd), bound(fwd.lower)
         self._sample = jax.jit(functools.partial(_sample_rows,
                                                  n_vocab=model.tokenizer.vocab_size))
         self._mask_words = (model.tokenizer.vocab_size + 31) // 32  # bitmask row width
@@ -190,7 +189,7 @@ class Engine:
         t0 = time.monotonic()
         zero = jnp.zeros((self.B,), jnp.int32)
         widths = piece_widths(self.sched.prefill_chunk) + [1]  # 1: the decode step
-        threads = threads or min(len(widths), max(1, (os.cpu_count() or 1) // 2), 8)
+        threads = threads or worker_threads()
 
         def compile_width(w):
             self._lower(self.model.params, jnp.zeros((self.B, w), jnp.int32), self.mem.cache,

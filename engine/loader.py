@@ -124,7 +124,9 @@ def _host_value(value, dtype):
     return arr.astype(np.float32).astype(dtype)
 
 
-def _copy_threads() -> int:
+def worker_threads() -> int:
+    """Threads for startup work that releases the GIL (device copies, XLA compiles): half the
+    cores, at most 8."""
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
@@ -171,7 +173,7 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
                     return jax.device_put(host_leaf(x))
                 return x
             with concurrent.futures.ThreadPoolExecutor(
-                    _copy_threads(), thread_name_prefix="ninfer-copy") as copiers:
+                    worker_threads(), thread_name_prefix="ninfer-copy") as copiers:
                 out = list(copiers.map(one, leaves))
             jax.block_until_ready(out)
             return out
