@@ -7,6 +7,7 @@
 #
 # Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
+# cmdbuf (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
 # profile (one decode step and one 8K prefill by kernel), readpat (read ceilings by access
 # pattern, arithmetic per byte, a second stream: bench/read_patterns.py), ncu (the int4 GEMV
 # kernels under Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill
@@ -60,6 +61,15 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
           --out "$OUT/unfused_$TAG.json"
         grep -E -A6 'per step|decode' "$OUT/unfused_$TAG.log" | cut -c1-150 ;;
+      cmdbuf)  # XLA command buffers (CUDA graphs) for the loops too: the idle time between kernels
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
+          run 160 "$OUT/cmdbuf_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
+          --contexts 1024 --prefill "" --steps 10 --out "$OUT/cmdbuf_$TAG.json"
+        grep -E 'decode' "$OUT/cmdbuf_$TAG.log" | cut -c1-150 ;;
+      unroll)  # the block scan unrolled: no while loop, static weight slices
+        run 200 "$OUT/unroll_$TAG.log" $B27 --skip-peaks --unroll --weights int4_g64 \
+          --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "$OUT/unroll_$TAG.json"
+        grep -E 'decode' "$OUT/unroll_$TAG.log" | cut -c1-150 ;;
       readpat)
         run 120 "$OUT/readpat_$TAG.log" python3 bench/read_patterns.py \
           --out "$OUT/read_patterns_$TAG.json"
