@@ -179,23 +179,48 @@ class Engine:
 
     def warmup(self, threads: int | None = None) -> float:
         """Compile the decode step, every prefill piece width and the sampler; returns seconds.
+        The same as compile() then warm_run()."""
+        return self.compile(threads) + self.warm_run()
 
-        The forward widths compile ahead of time on a thread pool: XLA compiles (or loads from
-        the persistent cache) with the GIL released, so they overlap, and a later call of the
-        same shapes reuses the executable (jit's caches). Only the decode step then runs once
-        (length 0: nothing is written) to give the samplers their logits: running every
-        prefill width, as a compile-by-calling warmup must, would cost ~16K tokens of forward
-        work at startup."""
+    def compile(self, threads: int | None = None) -> float:
+        """Compile the forward for the decode step and every prefill piece width, ahead of
+        time; returns seconds. Needs only the params' shapes and dtypes, so it may run before
+        they are on the device: an engine built on ModelLoad.abstract compiles while the
+        weights are copied, and attach() gives it the loaded model afterwards.
+
+        The widths compile on a thread pool: XLA compiles (or loads from the persistent cache)
+        with the GIL released, so they overlap, and a later call of the same shapes reuses the
+        executable (jit's caches). Nothing runs: running every prefill width, as a
+        compile-by-calling warmup must, would cost ~16K tokens of forward work at startup."""
         t0 = time.monotonic()
-        zero = jnp.zeros((self.B,), jnp.int32)
+        zero = jax.ShapeDtypeStruct((self.B,), jnp.int32)
         widths = piece_widths(self.sched.prefill_chunk) + [1]  # 1: the decode step
         threads = threads or worker_threads()
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              self.model.params)
+        cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.mem.cache)
 
         def compile_width(w):
-            self._lower(self.model.params, jnp.zeros((self.B, w), jnp.int32), self.mem.cache,
+            self._lower(params, jax.ShapeDtypeStruct((self.B, w), jnp.int32), cache,
                         zero).compile()
         with concurrent.futures.ThreadPoolExecutor(threads, "ninfer-compile") as pool:
             list(pool.map(compile_width, widths))
+        return time.monotonic() - t0
+
+    def attach(self, model: LoadedModel) -> None:
+        """Give an engine built on a ModelLoad's abstract model the loaded one (same config,
+        shapes and dtypes: the compiled executables stay valid). Before start() only."""
+        if model.cfg != self.model.cfg or (
+                jax.tree.structure(model.params) != jax.tree.structure(self.model.params)):
+            raise ValueError("attach: the loaded model is not the one the engine was built for")
+        self.model = model
+
+    def warm_run(self) -> float:
+        """Run the decode step once (length 0: nothing is written) and the samplers on its
+        logits, so that the first request neither compiles nor loads anything; returns
+        seconds. Needs the params on the device."""
+        t0 = time.monotonic()
+        zero = jnp.zeros((self.B,), jnp.int32)
         logits, _, self.mem.cache = self._fwd(self.model.params,
                                               jnp.zeros((self.B, 1), jnp.int32), self.mem.cache,
                                               zero)

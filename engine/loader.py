@@ -133,33 +133,82 @@ def worker_threads() -> int:
 def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "float32",
                expected_sha256: str | None = None, timings: dict | None = None,
                stamps=None, verify: str = "full") -> LoadedModel:
-    """Load an artifact onto the device. Every byte is verified (each part's sha256, and the
-    file's against `expected_sha256` when given) before this returns: the verification pass
-    runs on a second thread while the tensors are copied to the device, so a load costs about
-    max(hash, copy) instead of their sum; on a mismatch the copies are dropped and it raises.
-    With `stamps` and verify="stamp", a verified-artifact stamp of this exact file stands in
-    for the hash pass (verify_artifact). `timings` (optional dict) receives open_s, to_device_s,
-    verify_s, verify_wait_s, stack_s, artifact_bytes and verify ("stamp" | "full"); the layers
-    are stacked on the host as they are copied, so stack_s is ~0 and to_device_s holds both."""
-    import concurrent.futures
-    import time
+    """Load an artifact onto the device (start_load(...).result()): every byte is verified
+    before this returns, see ModelLoad."""
+    return start_load(path, compute_dtype=compute_dtype, kv_dtype=kv_dtype,
+                      expected_sha256=expected_sha256, timings=timings, stamps=stamps,
+                      verify=verify).result()
 
-    t0 = time.monotonic()
-    art = open_artifact(path, verify=False)  # header, directory and table checks only
-    t_open = time.monotonic()
 
-    def verify_pass():
+def _abstract(leaf):
+    """The shape and dtype a leaf of stack_params' tree will have on the device."""
+    if isinstance(leaf, HostStack):
+        first = leaf._first()
+        return jax.ShapeDtypeStruct(leaf._lead() + first.shape, first.dtype)
+    return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
+
+
+class ModelLoad:
+    """A model being copied to the device and verified, on threads of its own.
+
+    `abstract` is the LoadedModel at once, with its params as jax.ShapeDtypeStructs (the tree,
+    shapes and dtypes the device params will have): enough to build an Engine and compile its
+    executables while the bytes are still on their way, which is how a restart overlaps the
+    compile with the copy (server/cli.py). `result()` waits for the copy and the verification
+    and returns the LoadedModel with device params, or raises (ArtifactError if any byte
+    differs: the copies are dropped and nothing was served).
+
+    The verification (each part's sha256, and the file's against `expected_sha256` when given)
+    runs on its own thread beside the copy, so a load costs about max(hash, copy) instead of
+    their sum; with `stamps` and verify="stamp", a verified-artifact stamp of this exact file
+    stands in for the hash pass (verify_artifact). `timings` (optional dict) receives open_s,
+    to_device_s, verify_s, verify_wait_s (how long the hash outlasted the copy),
+    artifact_bytes, verify ("stamp" | "full") and ready_s (start to copied and verified) once
+    result() returns; the layers are stacked on the host as they are copied (to_device_s
+    holds both)."""
+
+    def __init__(self, path: Path, *, compute_dtype: str, kv_dtype: str,
+                 expected_sha256: str | None, timings: dict | None, stamps, verify: str):
+        import concurrent.futures
+        import time
+
+        self._timings = timings
+        self._t0 = time.monotonic()
+        art = open_artifact(path, verify=False)  # header, directory and table checks only
+        self._t_open = time.monotonic()
+        self._open_s = self._t_open - self._t0
+        try:
+            if art.tokenizer_json is None or art.chat_template is None:
+                raise ArtifactError(f"{path}: the artifact carries no tokenizer or chat template")
+            dt = _DTYPES[compute_dtype]
+            host = {name: _host_value(art.load(name), dt) for name in art.tensor_names}
+            abstract = M.stack_params(host, art.config,
+                                      put=lambda leaves: [_abstract(x) for x in leaves])
+            self.abstract = LoadedModel(
+                cfg=art.config, params=abstract, tokenizer=Tokenizer(art.tokenizer_json),
+                chat_template=art.chat_template, sha256="", path=Path(path),
+                compute_dtype=dt, kv_dtype=_KV_DTYPES[kv_dtype])
+        except BaseException:
+            art.close()
+            raise
+        self._art = art
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ninfer-load")
+        self._check = self._pool.submit(self._verify_pass, expected_sha256, stamps, verify)
+        self._copy = self._pool.submit(self._copy_pass, host)
+
+    def _verify_pass(self, expected_sha256, stamps, verify):
+        import time
+
         t = time.monotonic()
-        how = verify_artifact(art, expected_sha256, stamps=stamps, mode=verify)
-        return how, time.monotonic() - t
+        how = verify_artifact(self._art, expected_sha256, stamps=stamps, mode=verify)
+        t_end = time.monotonic()
+        return how, t_end - t, t_end
 
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ninfer-verify")
-    check = pool.submit(verify_pass)
-    try:
-        if art.tokenizer_json is None or art.chat_template is None:
-            raise ArtifactError(f"{path}: the artifact carries no tokenizer or chat template")
-        dt = _DTYPES[compute_dtype]
-        host = {name: _host_value(art.load(name), dt) for name in art.tensor_names}
+    def _copy_pass(self, host: dict):
+        import concurrent.futures
+        import time
+
+        check = self._check
 
         def put(leaves):
             """Each stacked leaf is built on the host and moved on its own thread: one thread
@@ -168,7 +217,7 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
             memory to load, not twice that."""
             def one(x):
                 if check.done() and check.exception() is not None:
-                    return None  # corrupt: stop copying, raise below
+                    return None  # corrupt: stop copying, result() raises
                 if isinstance(x, (np.ndarray, HostStack)):
                     return jax.device_put(host_leaf(x))
                 return x
@@ -178,24 +227,38 @@ def load_model(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "f
             jax.block_until_ready(out)
             return out
 
-        params = M.stack_params(host, art.config, put=put)
-        del host
-        t_dev = time.monotonic()
-        how, verify_s = check.result()  # raises ArtifactError if any byte differs
-        t_ver = time.monotonic()
-    except BaseException:
-        params = None
-        check.cancel()
-        pool.shutdown(wait=True)
-        art.close()
-        raise
-    pool.shutdown(wait=True)
-    t_end = time.monotonic()
-    if timings is not None:
-        timings.update(open_s=round(t_open - t0, 3), to_device_s=round(t_dev - t_open, 3),
-                       verify_s=round(verify_s, 3), verify_wait_s=round(t_ver - t_dev, 3),
-                       stack_s=round(t_end - t_ver, 3),
-                       artifact_bytes=art._size, verify=how)
-    return LoadedModel(cfg=art.config, params=params, tokenizer=Tokenizer(art.tokenizer_json),
-                       chat_template=art.chat_template, sha256=art.sha256, path=Path(path),
-                       compute_dtype=dt, kv_dtype=_KV_DTYPES[kv_dtype])
+        params = M.stack_params(host, self.abstract.cfg, put=put)
+        return params, time.monotonic()
+
+    def result(self) -> LoadedModel:
+        try:
+            how, verify_s, t_ver = self._check.result()  # raises if any byte differs
+            params, t_dev = self._copy.result()
+        except BaseException:
+            self._check.cancel()
+            self._copy.cancel()
+            self._pool.shutdown(wait=True)
+            self._art.close()
+            raise
+        self._pool.shutdown(wait=True)
+        art = self._art
+        if self._timings is not None:  # ready_s: from the start until copied and verified
+            self._timings.update(open_s=round(self._open_s, 3),
+                                 to_device_s=round(t_dev - self._t_open, 3),
+                                 verify_s=round(verify_s, 3),
+                                 verify_wait_s=round(max(0.0, t_ver - t_dev), 3),
+                                 artifact_bytes=art._size, verify=how,
+                                 ready_s=round(max(t_ver, t_dev) - self._t0, 3))
+        a = self.abstract
+        return LoadedModel(cfg=a.cfg, params=params, tokenizer=a.tokenizer,
+                           chat_template=a.chat_template, sha256=art.sha256, path=a.path,
+                           compute_dtype=a.compute_dtype, kv_dtype=a.kv_dtype)
+
+
+def start_load(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "float32",
+               expected_sha256: str | None = None, timings: dict | None = None,
+               stamps=None, verify: str = "full") -> ModelLoad:
+    """Start loading an artifact onto the device; see ModelLoad."""
+    return ModelLoad(path, compute_dtype=compute_dtype, kv_dtype=kv_dtype,
+                     expected_sha256=expected_sha256, timings=timings, stamps=stamps,
+                     verify=verify)

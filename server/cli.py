@@ -49,7 +49,7 @@ def bind_loopback(host: str, port: int) -> socket.socket:
 
 def _load_in_background(rt, profile, args, t_start: float) -> None:
     from engine.engine import Engine
-    from engine.loader import ensure_embedded, load_model
+    from engine.loader import ensure_embedded, start_load
 
     phases = {"boot_s": round(time.monotonic() - t_start, 3)}  # start -> this thread
     try:
@@ -67,15 +67,17 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
             # artifact named on the command line is the operator's choice and is only hashed.
             pinned = args.model is None and profile.model_sha256 != "PENDING"
             path, expected = Path(model_arg), (profile.model_sha256 if pinned else None)
+        # The compile needs only the params' shapes: it runs while the weights are copied and
+        # verified on the loader's threads (which release the GIL), and so do the constraint
+        # tables; the decode step then runs once the model is on the device.
         load = {}
         t = time.monotonic()
-        model = load_model(path, compute_dtype=profile.compute_dtype,
-                           kv_dtype=profile.kv_dtype, expected_sha256=expected, timings=load,
-                           stamps=stamps, verify=mode)
-        phases["load_s"] = round(time.monotonic() - t, 3)
-        phases.update({f"load_{k}": v for k, v in load.items()})
+        loading = start_load(path, compute_dtype=profile.compute_dtype,
+                             kv_dtype=profile.kv_dtype, expected_sha256=expected, timings=load,
+                             stamps=stamps, verify=mode)
+        phases["load_start_s"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
-        engine = Engine(model, context_tokens=profile.context_tokens,
+        engine = Engine(loading.abstract, context_tokens=profile.context_tokens,
                         prefill_chunk=profile.prefill_chunk,
                         max_concurrency=profile.max_concurrency, max_queue=profile.max_queue,
                         queue_timeout_s=profile.queue_timeout_s,
@@ -83,15 +85,24 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                         state_slots=profile.state_slots,
                         host_state_bytes=profile.host_state_bytes, kernels=profile.kernels)
         phases["engine_init_s"] = round(time.monotonic() - t, 3)
-        compile_s = engine.warmup()
+        compile_s = engine.compile()
         phases["compile_s"] = round(compile_s, 3)
         t = time.monotonic()
         from engine.constrain import ConstraintCompiler
 
-        # Token tables: ~1-2 s, once, after the compile and not beside it: both hold the GIL
-        # (tracing, pure-Python tables), and a thread measured no faster on the CPU lane.
-        rt.constraints = ConstraintCompiler(model.tokenizer)
+        # Token tables: ~1-2 s of pure Python, beside the copy (which releases the GIL).
+        rt.constraints = ConstraintCompiler(loading.abstract.tokenizer)
         phases["constraints_s"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        model = loading.result()  # raises if any byte differs: fail closed
+        phases["load_wait_s"] = round(time.monotonic() - t, 3)  # left after compile, tables
+        phases["load_s"] = load.pop("ready_s")  # the load itself, beside the compile
+        phases.update({f"load_{k}": v for k, v in load.items()})
+        engine.attach(model)
+        t = time.monotonic()
+        warm_s = engine.warm_run()
+        phases["warm_run_s"] = round(warm_s, 3)
+        compile_s += warm_s
         t = time.monotonic()
         from server.checkpoints.setup import attach as attach_checkpoints
 

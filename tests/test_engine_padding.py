@@ -91,16 +91,19 @@ def test_padded_remainder_generates_the_same_tokens(tiny_model):
         assert got == ref, f"chunk {chunk}"
 
 
-def test_warmup_compiles_every_width_on_threads(tiny_model):
-    """Engine.warmup compiles the forward's widths ahead of time on a thread pool; a request
-    served afterwards (pieces of 32 and 13 padded to 16, then decode steps) compiles no forward
-    and no sampler, and gives the tokens of an engine that compiled as it went."""
+def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, tiny_model):
+    """The restart path (server/cli.py): an engine built on ModelLoad.abstract (params as
+    shapes only) compiles every width ahead of time, on a thread pool, while the weights are
+    still being copied; attach() gives it the loaded model and warm_run() runs the decode step.
+    A request served afterwards (pieces of 32 and 13 padded to 16, then decode steps) compiles
+    no forward and no sampler, and gives the tokens of an engine that compiled as it went."""
     import logging
     import queue
 
     import jax
 
     from engine.engine import DoneEvent, Engine, GenerationRequest, TokenEvent
+    from engine.loader import start_load
     from engine.sampling import SamplingParams
 
     class Compiles(logging.Handler):
@@ -114,11 +117,19 @@ def test_warmup_compiles_every_width_on_threads(tiny_model):
                 self.names.append(msg.split()[1])
 
     ids = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)[:45]
+    timings: dict = {}
+    loading = start_load(embedded_models_dir / "tiny.ninfer", timings=timings)
+    assert all(isinstance(x, jax.ShapeDtypeStruct)
+               for x in jax.tree.leaves(loading.abstract.params))
     # 200 context tokens: cache shapes no other test uses, so no executable of an earlier test
     # can stand in for the warmup's
-    eng = Engine(tiny_model, context_tokens=200, prefill_chunk=32, max_concurrency=1,
+    eng = Engine(loading.abstract, context_tokens=200, prefill_chunk=32, max_concurrency=1,
                  max_queue=2)
-    eng.warmup(threads=3)
+    assert eng.compile(threads=3) > 0
+    model = loading.result()
+    assert model.sha256 == tiny_model.sha256 and timings["verify"] == "full"
+    eng.attach(model)
+    eng.warm_run()
     seen, log = Compiles(), logging.getLogger("jax")
     log.addHandler(seen)
     jax.config.update("jax_log_compiles", True)
@@ -141,3 +152,20 @@ def test_warmup_compiles_every_width_on_threads(tiny_model):
     assert not [n for n in seen.names if "forward" in n or "sample" in n], seen.names
     ref, _ = greedy_tokens(tiny_model, ids, 6, prefill_chunk=1)
     assert toks == ref
+
+
+def test_attach_refuses_another_model(tiny_model):
+    """attach() takes only the model the engine was compiled for (config and params tree)."""
+    import dataclasses
+
+    from engine.engine import Engine
+
+    eng = Engine(tiny_model, context_tokens=64, prefill_chunk=16, max_concurrency=1)
+    other = dataclasses.replace(tiny_model, cfg=dataclasses.replace(tiny_model.cfg,
+                                                                    name="another"))
+    with pytest.raises(ValueError, match="not the one"):
+        eng.attach(other)
+    pruned = dataclasses.replace(tiny_model, params={k: v for k, v in tiny_model.params.items()
+                                                     if k != "norm"})
+    with pytest.raises(ValueError, match="not the one"):
+        eng.attach(pruned)
