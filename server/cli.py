@@ -67,9 +67,10 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
             # artifact named on the command line is the operator's choice and is only hashed.
             pinned = args.model is None and profile.model_sha256 != "PENDING"
             path, expected = Path(model_arg), (profile.model_sha256 if pinned else None)
-        # The compile needs only the params' shapes: it runs while the weights are copied and
-        # verified on the loader's threads (which release the GIL), and so do the constraint
-        # tables; the decode step then runs once the model is on the device.
+        # The engine (its device allocations first, on an idle machine) and its compile need
+        # only the params' shapes: the compile runs while the weights are copied and verified
+        # on the loader's threads (which release the GIL), and so do the constraint tables;
+        # the decode step then runs once the model is on the device.
         load = {}
         t = time.monotonic()
         loading = start_load(path, compute_dtype=profile.compute_dtype,
@@ -85,6 +86,7 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                         state_slots=profile.state_slots,
                         host_state_bytes=profile.host_state_bytes, kernels=profile.kernels)
         phases["engine_init_s"] = round(time.monotonic() - t, 3)
+        loading.start()
         compile_s = engine.compile()
         phases["compile_s"] = round(compile_s, 3)
         t = time.monotonic()
