@@ -11,7 +11,8 @@
 # profile (one decode step and one 8K prefill by kernel), readpat (read ceilings by access
 # pattern, arithmetic per byte, a second stream: bench/read_patterns.py), ncu (the int4 GEMV
 # kernels under Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill
-# (8K/32K with the Pallas chunked GDN kernel, bf16 operands), restore (server-level 128K
+# (8K/32K with the Pallas chunked GDN kernel, bf16 operands), chunk128 (8K/32K prefill with
+# NINFER_GDN_CHUNK=128), restore (server-level 128K
 # restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
 set -uo pipefail
@@ -86,6 +87,10 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 300 "$OUT/prefill_$TAG.log" $B27 --weights bf16 --contexts "" \
           --prefill 8192,32768,131072 --prefill-reps 1 --out "$OUT/prefill_$TAG.json"
         grep -E 'prefill' "$OUT/prefill_$TAG.log" | cut -c1-160 ;;
+      chunk128)  # the XLA chunked GDN rule with 128-step chunks (half the sequential steps)
+        NINFER_GDN_CHUNK=128 run 200 "$OUT/chunk128_$TAG.log" $B27 --skip-peaks --weights bf16 \
+          --contexts "" --prefill 8192,32768 --prefill-reps 1 --out "$OUT/chunk128_$TAG.json"
+        grep -E 'prefill' "$OUT/chunk128_$TAG.log" | cut -c1-160 ;;
       gdnprefill)
         NINFER_GDN_PREFILL=pallas run 300 "$OUT/gdnprefill_$TAG.log" $B27 --skip-peaks \
           --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 1 --profile 1 \

@@ -146,6 +146,11 @@ def cmd_serve(args) -> int:
     print(f"ninfer: {'created' if created else 'using'} key file {key_file} (mode 0600)",
           file=sys.stderr, flush=True)
     _configure_jax_cache(args.state_dir)
+    # The device backend starts (~3 s on the H200: the CUDA context and the allocator) while
+    # the rest of the server is imported and the artifact opened; the loader's first device
+    # call waits for it (JAX initializes its backends under a lock). An error here is raised
+    # again, and reported, by that first call.
+    threading.Thread(target=_start_backend, name="ninfer-backend", daemon=True).start()
 
     from server.app import Runtime, create_app
     from server.observability import Metrics, Observability, RequestLog, engine_stats
@@ -188,6 +193,15 @@ def _configure_jax_cache(state_dir: Path) -> None:
     cache = os.environ.get("NINFER_JAX_CACHE") or str(state_dir / "jax-cache")
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def _start_backend() -> None:
+    import jax
+
+    try:
+        jax.devices()
+    except Exception:  # noqa: BLE001 (the loader's own device call reports it)
+        pass
 
 
 def cmd_test(args, rest: list[str]) -> int:

@@ -93,3 +93,19 @@ def test_causal_conv_matches_torch_and_carries_state():
     _, s_r = causal_conv1d(x[:, :7], weight, s1, lengths=np.array([2, 0], np.int32))
     np.testing.assert_array_equal(s_r[0], np.concatenate([s1[0], x[0, :2].T], 1)[:, -3:])
     np.testing.assert_array_equal(s_r[1], s1[1])
+
+
+@pytest.mark.parametrize("c", [1, 5, 16, 48, 64, 128])
+def test_unit_lower_inverse_against_numpy(c):
+    """The chunk solve's blocked inverse (16-row substitution, then pairwise merges; sizes
+    that do not split into a power of two of blocks fall back to one block) against numpy's
+    inverse in float64, with the chunk's own kind of matrix (entries beta * k.k * decay)."""
+    rng = np.random.default_rng(c)
+    k = np.asarray(l2_normalize(rng.standard_normal((3, 2, c, 16)).astype(np.float32)))
+    beta = rng.uniform(0.0, 1.0, (3, 2, c, 1)).astype(np.float32)
+    m = np.tril((beta * k) @ np.swapaxes(k, -1, -2), -1) + np.eye(c, dtype=np.float32)
+    inv = np.asarray(jax.jit(gdn._unit_lower_inverse)(m))
+    ref = np.linalg.inv(m.astype(np.float64))
+    assert np.array_equal(np.triu(inv, 1), np.zeros_like(inv))
+    assert rel_err(inv, ref) < 1e-5
+    assert rel_err(inv @ m, np.broadcast_to(np.eye(c), m.shape)) < 1e-5
