@@ -41,7 +41,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
   for p in $part; do
     case $p in
       tests)
-        run 300 "$OUT/gpu_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        run 480 "$OUT/gpu_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_*.py tests/test_engine_gpu.py
         tail -n 2 "$OUT/gpu_tests_$TAG.log" ;;
       gemv)

@@ -114,8 +114,9 @@ def _unit_lower_inverse(m):
 def _intra_chunk(q, k, v, g, beta):
     """Everything that does not depend on the carried state, for all chunks at once.
 
-    Inputs [B, H, N, C, ...]. Returns u, w (the UT-transformed values and decayed keys), the
-    causal decayed q k^T, and the decay factors the scan needs.
+    Inputs [B, H, N, C, ...]. Returns u (the UT-transformed values), [w; q_in] (the decayed
+    keys w stacked over q decayed from the chunk start, [..., 2C, K]), the causal decayed
+    q k^T, k decayed to the chunk end, and the chunk's decay.
     """
     c = q.shape[-2]
     gamma = jnp.cumsum(g, axis=-1)  # log decay from the chunk start to each step, inclusive
@@ -134,15 +135,17 @@ def _intra_chunk(q, k, v, g, beta):
     g_end = gamma[..., -1:]
     q_in = q * jnp.exp(gamma)[..., None]            # q decayed from the chunk start
     k_out = k * jnp.exp(g_end - gamma)[..., None]   # k decayed to the chunk end
-    return u, w, qk, q_in, k_out, jnp.exp(g_end)[..., None]
+    # w and q_in both multiply the carried state: stacked, one dot per scan step serves both
+    return u, jnp.concatenate([w, q_in], axis=-2), qk, k_out, jnp.exp(g_end)[..., None]
 
 
 def _chunk_step(s, xs):
     """Carry the state through one chunk. s: [B, H, K, V]; returns (new s, out [B, H, C, V])."""
-    u, w, qk, q_in, k_out, end_decay = xs
-    v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=_HI)  # corrections actually written
-    out = (jnp.einsum("bhck,bhkv->bhcv", q_in, s, precision=_HI)
-           + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=_HI))
+    u, wq, qk, k_out, end_decay = xs
+    c = u.shape[-2]
+    both = jnp.einsum("bhck,bhkv->bhcv", wq, s, precision=_HI)  # [w; q_in] @ s
+    v_new = u - both[..., :c, :]  # corrections actually written
+    out = both[..., c:, :] + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=_HI)
     s = s * end_decay + jnp.einsum("bhck,bhcv->bhkv", k_out, v_new, precision=_HI)
     return s, out
 
