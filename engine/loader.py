@@ -151,10 +151,10 @@ def _abstract(leaf):
 class ModelLoad:
     """A model being copied to the device and verified, on threads of its own.
 
-    `abstract` is the LoadedModel at once (start() then starts the copy), with its params as jax.ShapeDtypeStructs (the tree,
+    `abstract` is the LoadedModel at once, with its params as jax.ShapeDtypeStructs (the tree,
     shapes and dtypes the device params will have): enough to build an Engine and compile its
-    executables while the bytes are still on their way, which is how a restart overlaps the
-    compile with the copy (server/cli.py). `result()` waits for the copy and the verification
+    executables while the bytes are still on their way (start() starts the copy), which is how
+    a restart overlaps the compile with the copy (server/cli.py). `result()` waits for the copy and the verification
     and returns the LoadedModel with device params, or raises (ArtifactError if any byte
     differs: the copies are dropped and nothing was served).
 

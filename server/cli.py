@@ -101,7 +101,6 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         phases["load_s"] = load.pop("ready_s")  # the load itself, beside the compile
         phases.update({f"load_{k}": v for k, v in load.items()})
         engine.attach(model)
-        t = time.monotonic()
         warm_s = engine.warm_run()
         phases["warm_run_s"] = round(warm_s, 3)
         compile_s += warm_s
