@@ -154,9 +154,9 @@ class ModelLoad:
     `abstract` is the LoadedModel at once, with its params as jax.ShapeDtypeStructs (the tree,
     shapes and dtypes the device params will have): enough to build an Engine and compile its
     executables while the bytes are still on their way (start() starts the copy), which is how
-    a restart overlaps the compile with the copy (server/cli.py). `result()` waits for the copy and the verification
-    and returns the LoadedModel with device params, or raises (ArtifactError if any byte
-    differs: the copies are dropped and nothing was served).
+    a restart overlaps the compile with the copy (server/cli.py). `result()` waits for the copy
+    and the verification and returns the LoadedModel with device params, or raises
+    (ArtifactError if any byte differs: the copies are dropped and nothing was served).
 
     The verification (each part's sha256, and the file's against `expected_sha256` when given)
     runs on its own thread beside the copy, so a load costs about max(hash, copy) instead of
