@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4")
     ap.add_argument("--rpw", default="2,4", help="rows per warp of the FMA kernel")
     ap.add_argument("--stages", default="4,6,8,12", help="copy stages of the MMA kernel")
+    ap.add_argument("--prefetch", default="", help="register prefetch depths of the MMA "
+                    "kernel to time as well, e.g. 2,4,8 (0: the copy ring)")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
     args = ap.parse_args()
@@ -61,6 +63,8 @@ def main() -> None:
             variants = {"pallas": None}
             variants.update({f"fma_r{r}": ("fma", int(r)) for r in args.rpw.split(",") if r})
             variants.update({f"mma_s{u}": ("mma", int(u)) for u in args.stages.split(",") if u})
+            variants.update({f"mma_p{p}": ("prefetch", int(p))
+                             for p in args.prefetch.split(",") if p})
             for impl, rpw in variants.items():
                 if rpw is not None and not res["cuda_available"]:
                     continue
@@ -70,7 +74,10 @@ def main() -> None:
                         return qgemv.qmatmul(x, w, idx, config=qgemv.default_config(w, m))
                     if rpw[0] == "fma":
                         return cuda_ops.int4_gemv(x, w, idx, variant="fma", rows_per_warp=rpw[1])
-                    return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1])
+                    if rpw[0] == "prefetch":
+                        return cuda_ops.int4_gemv(x, w, idx, variant="mma", prefetch=rpw[1])
+                    return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],
+                                              prefetch=0)
 
                 def run(x, w, one=one):
                     def body(i, acc):

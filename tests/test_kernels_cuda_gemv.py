@@ -83,6 +83,34 @@ def test_tensor_core_variant_matches_reference_on_gpu(m, n, k, stages):
     assert rel_err(got, ref) < 4e-3  # the bf16 rounding of the output, not of the products
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [2, 4, 8])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 5120), (2, 1000, 17408), (3, 37, 64),
+                                   (8, 517, 192), (1, 2048, 8 * 64 * 5 + 64)])
+def test_register_prefetch_kernel_is_bitwise_the_ring_on_gpu(prefetch, m, n, k):
+    """The tensor-core kernel that loads codes and scales into registers `prefetch` groups
+    ahead gives the copy-ring kernel's sums bit for bit (same groups per warp in the same
+    order, same MMAs, same reduction), for group counts per warp below, at and past P, N not
+    a multiple of 16, every M, and a layer of a stack."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(n, k, 7 * m + n + k)
+    x = jnp.asarray(np.random.default_rng(m + k).standard_normal((m, k)) + 0.25, jnp.bfloat16)
+    ring = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", prefetch=0))(x, w)
+    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", prefetch=prefetch))(
+        x, w)
+    assert np.array_equal(np.asarray(got, np.float32), np.asarray(ring, np.float32))
+    with jax.default_matmul_precision("highest"):
+        ref = linear(x.astype(jnp.float32), w)
+    from tests.kernel_checks import rel_err
+
+    assert rel_err(got, ref) < 4e-3
+    stack = jax.tree.map(lambda a: jnp.stack([a[::-1], a]), w)  # layer 1 is w itself
+    got1 = jax.jit(lambda x, s, i: cuda_ops.int4_gemv(x, s, i, variant="mma",
+                                                      prefetch=prefetch))(
+        x, stack, jnp.array([1], jnp.int32))
+    assert np.array_equal(np.asarray(got1, np.float32), np.asarray(ring, np.float32))
+
+
 GPU_CASES = [  # (M, N, K, x dtype, rows per warp)
     (1, 37, 64, jnp.float32, 1), (1, 4096, 5120, jnp.bfloat16, 2), (2, 4096, 5120,
                                                                      jnp.bfloat16, 2),

@@ -198,18 +198,22 @@ def default_variant(x) -> str:
 
 
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
-              variant: str | None = None, stages: int | None = None):
+              variant: str | None = None, stages: int | None = None,
+              prefetch: int | None = None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "fma": fp32 kernel. rows_per_warp (fma) / stages (mma: copy pipeline depth, 4/6/8/12):
-    tile parameters."""
+    tile parameters. prefetch (mma): 0 for the shared-memory copy ring, 2/4/8 for the kernel
+    that loads the codes into registers that many groups ahead (the same sums, bit for bit;
+    NINFER_INT4_PREFETCH, default 0 until the H200 has measured it)."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
-                           stages=stages)[0]
+                           stages=stages, prefetch=prefetch)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
-                    variant: str | None = None, stages: int | None = None):
+                    variant: str | None = None, stages: int | None = None,
+                    prefetch: int | None = None):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
@@ -232,7 +236,9 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         corr = 136.0 * xb.astype(jnp.float32).reshape(8, g, GROUP).sum(-1).T  # [G, 8]
         call = jax.ffi.ffi_call(INT4_MMA_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xg, corr, idx, *pairs,
-                 stages=np.int64(stages or int(os.environ.get("NINFER_INT4_STAGES", "4"))))
+                 stages=np.int64(stages or int(os.environ.get("NINFER_INT4_STAGES", "4"))),
+                 prefetch=np.int64(int(os.environ.get("NINFER_INT4_PREFETCH", "0"))
+                                   if prefetch is None else prefetch))
     else:
         xf = x.reshape(m, k).astype(jnp.float32)
         kp = -(-k // 1024) * 1024  # whole 1024-input iterations (32 lanes x 32 codes)

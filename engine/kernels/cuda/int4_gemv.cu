@@ -56,6 +56,12 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+__device__ __forceinline__ uint2 load_stream64(const uint2* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 // (a & MASK) | MAGIC in one LOP3. Written as C, the compiler emits an AND and an OR: a SASS
 // LOP3 takes one immediate, so both constants cannot ride in one instruction unless one of
 // them sits in a register, which it then hoists out of the loop. One logic op a code instead
@@ -307,6 +313,53 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
+// One group (64 inputs) of a 16-row tile: lane (g, t) holds 16 codes of row g (qa) and of row
+// g + 8 (qb), the two rows' scales, its x fragment (x0, x1) and the columns' corrections c.
+// Shared by both tensor-core kernels, so that they give the same sums bit for bit.
+__device__ __forceinline__ void mma_group(uint2 qa, uint2 qb, float sa, float sb, uint4 x0,
+                                          uint4 x1, float2 c, float (&tot)[4]) {
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_bf16(d, pair(qa.x, 0), pair(qb.x, 0), pair(qa.x, 1), pair(qb.x, 1), x0.x, x0.y);
+  mma_bf16(d, pair(qa.x, 2), pair(qb.x, 2), pair(qa.x, 3), pair(qb.x, 3), x0.z, x0.w);
+  mma_bf16(d, pair(qa.y, 0), pair(qb.y, 0), pair(qa.y, 1), pair(qb.y, 1), x1.x, x1.y);
+  mma_bf16(d, pair(qa.y, 2), pair(qb.y, 2), pair(qa.y, 3), pair(qb.y, 3), x1.z, x1.w);
+  tot[0] = fmaf(sa, d[0] - c.x, tot[0]);
+  tot[1] = fmaf(sa, d[1] - c.y, tot[1]);
+  tot[2] = fmaf(sb, d[2] - c.x, tot[2]);
+  tot[3] = fmaf(sb, d[3] - c.y, tot[3]);
+}
+
+// The warps' partial sums of a 16-row tile, added in shared memory in warp order (no atomics:
+// the same order whatever M is), and stored by warp 0. Ends with a block-wide barrier.
+template <typename OT>
+__device__ __forceinline__ void mma_reduce_store(float4 (&red)[kMmaWarps][32],
+                                                 const float (&tot)[4], int warp, int lane,
+                                                 int row0, int n, int m, OT* __restrict__ y) {
+  red[warp][lane] = make_float4(tot[0], tot[1], tot[2], tot[3]);
+  __syncthreads();
+  if (warp == 0) {
+    float4 s = red[0][lane];
+#pragma unroll
+    for (int v = 1; v < kMmaWarps; ++v) {
+      const float4 o = red[v][lane];
+      s.x += o.x;
+      s.y += o.y;
+      s.z += o.z;
+      s.w += o.w;
+    }
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = row0 + g, rb = ra + 8, c0 = 2 * t, c1 = 2 * t + 1;
+    if (ra < n) {
+      if (c0 < m) y[static_cast<int64_t>(c0) * n + ra] = to_out<OT>(s.x);
+      if (c1 < m) y[static_cast<int64_t>(c1) * n + ra] = to_out<OT>(s.y);
+    }
+    if (rb < n) {
+      if (c0 < m) y[static_cast<int64_t>(c0) * n + rb] = to_out<OT>(s.z);
+      if (c1 < m) y[static_cast<int64_t>(c1) * n + rb] = to_out<OT>(s.w);
+    }
+  }
+}
+
 // Shared memory of one warp's stage: U groups, each 16 rows x 32 bytes of codes (32 uint4,
 // row-major) followed by the 16 rows' scales (4 uint4).
 constexpr int kMmaU = 2;
@@ -392,16 +445,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         x0 = __ldg(xsrc + 512 * u);
         x1 = __ldg(xsrc + 512 * u + 1);
       }
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma_bf16(d, pair(qa.x, 0), pair(qb.x, 0), pair(qa.x, 1), pair(qb.x, 1), x0.x, x0.y);
-      mma_bf16(d, pair(qa.x, 2), pair(qb.x, 2), pair(qa.x, 3), pair(qb.x, 3), x0.z, x0.w);
-      mma_bf16(d, pair(qa.y, 0), pair(qb.y, 0), pair(qa.y, 1), pair(qb.y, 1), x1.x, x1.y);
-      mma_bf16(d, pair(qa.y, 2), pair(qb.y, 2), pair(qa.y, 3), pair(qb.y, 3), x1.z, x1.w);
-      const float2 c = __ldg(csrc + 32 * u);  // columns 2t, 2t + 1
-      tot[0] = fmaf(sa, d[0] - c.x, tot[0]);
-      tot[1] = fmaf(sa, d[1] - c.y, tot[1]);
-      tot[2] = fmaf(sb, d[2] - c.x, tot[2]);
-      tot[3] = fmaf(sb, d[3] - c.y, tot[3]);
+      mma_group(qa, qb, sa, sb, x0, x1, __ldg(csrc + 32 * u), tot);  // c: columns 2t, 2t + 1
     }
     xsrc += 512 * kMmaU;
     csrc += 32 * kMmaU;
@@ -409,28 +453,86 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     __syncwarp();  // the slot is refilled by the next issue
   }
   cp_async_wait<0>();
-  red[warp][lane] = make_float4(tot[0], tot[1], tot[2], tot[3]);
-  __syncthreads();
-  if (warp == 0) {
-    float4 s = red[0][lane];
+  mma_reduce_store<OT>(red, tot, warp, lane, row0, n, m, y);
+}
+
+// The same kernel with the codes and scales loaded straight into registers, P groups ahead,
+// instead of through the shared-memory ring: the same groups per warp in the same order, the
+// same MMAs (mma_group) and the same reduction, so the same sums bit for bit. Why: the ring's
+// copy side costs, per cp.async, a branch, three placeholder loads the compiler puts before
+// each LDGSTS and an address, and then two shared loads per group: its main loop is ~95
+// instructions per group and lane, half of them copying, in a kernel bound by issue (ncu,
+// docs/benchmarks/README.md v5, v8). Here a group costs two 8-byte and two 4-byte loads into
+// a slot of a P-group register ring, refilled once its group is computed (so P - 1 groups are
+// in flight while one computes). Lanes t = 0..3 of row g read one 32-byte sector together.
+// P = the `prefetch` attribute.
+template <int P, typename OT>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    int4_gemv_mma_reg(const uint4* __restrict__ xp, const float2* __restrict__ corr,
+                      const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
+                      OT* __restrict__ y, int k, int m) {
+  __shared__ float4 red[kMmaWarps][32];
+  const int n = mt.start[mt.count];
+  const int64_t layer = layer_of(mt, index);
+  const int groups = k >> 6;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const uint8_t *wa, *wb;
+  const float *sa_p, *sb_p;
+  row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
+  row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
+  // The warp's i-th group is group warp + 8 i: its codes start 32 (warp + 8 i) bytes into the
+  // row (the lane's 16 at + 8 t), its scale is the row's (warp + 8 i)-th. The pointers move
+  // once per P groups; within them every load has a constant offset.
+  const uint2* pa = reinterpret_cast<const uint2*>(wa + warp * 32) + t;  // + 32 i
+  const uint2* pb = reinterpret_cast<const uint2*>(wb + warp * 32) + t;
+  sa_p += warp;  // + 8 i
+  sb_p += warp;
+  const int count = warp < groups ? (groups - warp + kMmaWarps - 1) / kMmaWarps : 0;
+  const bool has_x = g < m;
+  const uint4* xsrc = xp + ((static_cast<int64_t>(warp) * 8 + g) * 4 + t) * 2;  // + 512 i
+  const float2* csrc = corr + warp * 4 + t;                                     // + 32 i
+
+  uint2 qa[P], qb[P];
+  float sa[P], sb[P];
 #pragma unroll
-    for (int v = 1; v < kMmaWarps; ++v) {
-      const float4 o = red[v][lane];
-      s.x += o.x;
-      s.y += o.y;
-      s.z += o.z;
-      s.w += o.w;
-    }
-    const int ra = row0 + g, rb = ra + 8, c0 = 2 * t, c1 = 2 * t + 1;
-    if (ra < n) {
-      if (c0 < m) y[static_cast<int64_t>(c0) * n + ra] = to_out<OT>(s.x);
-      if (c1 < m) y[static_cast<int64_t>(c1) * n + ra] = to_out<OT>(s.y);
-    }
-    if (rb < n) {
-      if (c0 < m) y[static_cast<int64_t>(c0) * n + rb] = to_out<OT>(s.z);
-      if (c1 < m) y[static_cast<int64_t>(c1) * n + rb] = to_out<OT>(s.w);
+  for (int j = 0; j < P; ++j) {
+    if (j < count) {
+      qa[j] = load_stream64(pa + 32 * j);
+      qb[j] = load_stream64(pb + 32 * j);
+      sa[j] = __ldg(sa_p + 8 * j);
+      sb[j] = __ldg(sb_p + 8 * j);
     }
   }
+  float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int i0 = 0; i0 < count; i0 += P) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      if (i0 + j < count) {  // the same for the whole warp
+        uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
+        if (has_x) {
+          x0 = __ldg(xsrc + 512 * j);
+          x1 = __ldg(xsrc + 512 * j + 1);
+        }
+        mma_group(qa[j], qb[j], sa[j], sb[j], x0, x1, __ldg(csrc + 32 * j), tot);
+        // The slot is free once its group is computed: refill it with the group P ahead.
+        if (i0 + j + P < count) {
+          qa[j] = load_stream64(pa + 32 * (j + P));
+          qb[j] = load_stream64(pb + 32 * (j + P));
+          sa[j] = __ldg(sa_p + 8 * (j + P));
+          sb[j] = __ldg(sb_p + 8 * (j + P));
+        }
+      }
+    }
+    pa += 32 * P;
+    pb += 32 * P;
+    sa_p += 8 * P;
+    sb_p += 8 * P;
+    xsrc += 512 * P;
+    csrc += 32 * P;
+  }
+  mma_reduce_store<OT>(red, tot, warp, lane, row0, n, m, y);
 }
 
 template <int S, typename OT>
@@ -441,6 +543,14 @@ cudaError_t launch_mma(cudaStream_t stream, int blocks, const uint4* x4, const f
       int4_gemv_mma<S, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (attr != cudaSuccess) return attr;
   int4_gemv_mma<S, OT><<<blocks, kMmaWarps * 32, bytes, stream>>>(
+      x4, c2, mt, index, static_cast<OT*>(y), k, m);
+  return cudaGetLastError();
+}
+
+template <int P, typename OT>
+cudaError_t launch_mma_reg(cudaStream_t stream, int blocks, const uint4* x4, const float2* c2,
+                           const Mats& mt, const int32_t* index, void* y, int k, int m) {
+  int4_gemv_mma_reg<P, OT><<<blocks, kMmaWarps * 32, 0, stream>>>(
       x4, c2, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
 }
@@ -577,7 +687,7 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
 ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
                            ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
-                           int64_t stages) {
+                           int64_t stages, int64_t prefetch) {
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
@@ -598,6 +708,25 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
     return ffi::Error::InvalidArgument("int4_gemv_mma: y must be f32 or bf16");
   void* yp = y->untyped_data();
   cudaError_t err;
+  if (prefetch != 0) {  // the register-prefetch kernel; `stages` is then not used
+    switch (prefetch) {
+#define NINFER_MMA_REG_CASE(P)                                                                \
+  case P:                                                                                     \
+    err = bf16 ? launch_mma_reg<P, __nv_bfloat16>(stream, blocks, x4, c2, mt,                 \
+                                                  index.typed_data(), yp, ki, m)              \
+               : launch_mma_reg<P, float>(stream, blocks, x4, c2, mt, index.typed_data(), yp, \
+                                          ki, m);                                             \
+    break;
+      NINFER_MMA_REG_CASE(2)
+      NINFER_MMA_REG_CASE(4)
+      NINFER_MMA_REG_CASE(8)
+#undef NINFER_MMA_REG_CASE
+      default:
+        return ffi::Error::InvalidArgument("int4_gemv_mma: prefetch must be 0, 2, 4 or 8");
+    }
+    if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+    return ffi::Error::Success();
+  }
   switch (stages) {
 #define NINFER_MMA_CASE(S)                                                                    \
   case S:                                                                                     \
@@ -638,5 +767,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvMma, Int4GemvMmaImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("stages"),
+                                  .Attr<int64_t>("stages")
+                                  .Attr<int64_t>("prefetch"),
                               {ffi::Traits::kCmdBufferCompatible});
