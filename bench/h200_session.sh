@@ -7,6 +7,8 @@
 #
 # Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
+# prefetch (the register-prefetch tensor-core GEMV: its GPU tests, a micro sweep of 2/4/8 and
+# C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}),
 # cmdbuf (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
 # profile (one decode step and one 8K prefill by kernel), readpat (read ceilings by access
 # pattern, arithmetic per byte, a second stream: bench/read_patterns.py), ncu (the int4 GEMV
@@ -62,6 +64,18 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
           --out "$OUT/unfused_$TAG.json"
         grep -E -A6 'per step|decode' "$OUT/unfused_$TAG.log" | cut -c1-150 ;;
+      prefetch)  # the register-prefetch tensor-core GEMV: bitwise test, micro sweep, decode
+        run 200 "$OUT/prefetch_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_cuda_gemv.py -k "prefetch or tensor_core"
+        tail -n 2 "$OUT/prefetch_tests_$TAG.log"
+        run 150 "$OUT/prefetch_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
+          --rpw 2 --stages 4 --prefetch 2,4,8 --shapes 3,4,0,9 \
+          --out "$OUT/cuda_gemv_micro_prefetch_$TAG.json"
+        grep -E 'lm_head|gate' "$OUT/prefetch_gemv_$TAG.log"
+        NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4} run 200 \
+          "$OUT/prefetch_decode_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
+          --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/prefetch_$TAG.json"
+        grep -E -A4 'per step|decode' "$OUT/prefetch_decode_$TAG.log" | cut -c1-150 ;;
       cmdbuf)  # XLA command buffers (CUDA graphs) for the loops too: the idle time between kernels
         XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
           run 160 "$OUT/cmdbuf_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
