@@ -10,7 +10,7 @@
 # prefetch (the register-prefetch tensor-core GEMV: its GPU tests, a micro sweep of 2/4/8 and
 # C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}),
 # cmdbuf (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
-# profile (one decode step and one 8K prefill by kernel), readpat (read ceilings by access
+# profile (one decode step and one prefill by kernel: PROFILE_PREFILL tokens, 8192), readpat (read ceilings by access
 # pattern, arithmetic per byte, a second stream: bench/read_patterns.py), ncu (the int4 GEMV
 # kernels under Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill
 # (8K/32K with the Pallas chunked GDN kernel, bf16 operands), chunk128 (8K/32K prefill with
@@ -56,8 +56,8 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         grep -E 'ceilings|decode' "$OUT/decode_$TAG.log" | cut -c1-160 ;;
       profile)
         run 200 "$OUT/profile_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1 \
-          --contexts 1024 --prefill 8192 --prefill-reps 1 --steps 5 --profile 2 \
-          --out "$OUT/profile_$TAG.json"
+          --contexts 1024 --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 1 --steps 5 \
+          --profile 2 --out "$OUT/profile_$TAG.json"
         grep -E -A8 'per step' "$OUT/profile_$TAG.log" | cut -c1-150 ;;
       unfused)
         NINFER_GDN_FUSED=0 run 200 "$OUT/unfused_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
