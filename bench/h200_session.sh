@@ -8,14 +8,14 @@
 # Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
 # prefetch (the register-prefetch tensor-core GEMV: its GPU tests, a micro sweep of 2/4/8 and
-# C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}),
-# cmdbuf (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
-# profile (one decode step and one prefill by kernel: PROFILE_PREFILL tokens, 8192), readpat (read ceilings by access
-# pattern, arithmetic per byte, a second stream: bench/read_patterns.py), ncu (the int4 GEMV
-# kernels under Nsight Compute, bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill
-# (8K/32K with the Pallas chunked GDN kernel, bf16 operands), chunk128 (8K/32K prefill with
-# NINFER_GDN_CHUNK=128), restore (server-level 128K
-# restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
+# C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}), cmdbuf
+# (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
+# profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
+# kernel), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
+# bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
+# bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill (8K/32K with the Pallas chunked
+# GDN kernel, bf16 operands), chunk128 (8K/32K prefill with NINFER_GDN_CHUNK=128), restore
+# (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
