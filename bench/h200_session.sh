@@ -13,8 +13,9 @@
 # profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
 # kernel), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
 # bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
-# bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnprefill (8K/32K with the Pallas chunked
-# GDN kernel, bf16 operands), chunk128 (8K/32K prefill with NINFER_GDN_CHUNK=128), restore
+# bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnmicro (one GDN layer's prefill: XLA vs
+# the Pallas chunked kernel's tiles), gdnprefill (8K/32K with the Pallas chunked GDN kernel,
+# bf16 operands), chunk128 (8K/32K prefill with NINFER_GDN_CHUNK=128), restore
 # (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
 set -uo pipefail
@@ -105,6 +106,10 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         NINFER_GDN_CHUNK=128 run 200 "$OUT/chunk128_$TAG.log" $B27 --skip-peaks --weights bf16 \
           --contexts "" --prefill 8192,32768 --prefill-reps 1 --out "$OUT/chunk128_$TAG.json"
         grep -E 'prefill' "$OUT/chunk128_$TAG.log" | cut -c1-160 ;;
+      gdnmicro)  # one GDN layer's prefill: XLA's chunk rule vs the Pallas kernel's tiles
+        run 240 "$OUT/gdnmicro_$TAG.log" python3 bench/kernels_micro.py --only gdnprefill \
+          --out "$OUT/gdn_prefill_micro_$TAG.json"
+        grep -E 'gdn prefill' "$OUT/gdnmicro_$TAG.log" | sort -t: -k2 -n | head -8 ;;
       gdnprefill)
         NINFER_GDN_PREFILL=pallas run 300 "$OUT/gdnprefill_$TAG.log" $B27 --skip-peaks \
           --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 1 --profile 1 \

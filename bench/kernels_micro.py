@@ -1,6 +1,7 @@
 """Micro-benchmark of the Pallas kernels at the qwen3.8-27b shapes on one GPU: achieved bytes/s
 of the weight-only GEMV (per format, per tile config, against XLA's dequantize + matmul), of
-paged decode attention and of the recurrent GDN step. Weights are stacks of 4 layers read in
+paged decode attention and of the recurrent GDN step; and the time of one GDN layer's prefill,
+XLA's chunk rule against the Pallas chunked kernel over its tiles (--only gdnprefill). Weights are stacks of 4 layers read in
 place through the layer index (as the model does), so the 60 MB L2 cannot hold them.
 
   python bench/kernels_micro.py --out micro.json
@@ -146,8 +147,60 @@ def gdn_rows(res):
                   flush=True)
 
 
+PREFILL_TOKENS = (8192, 32768)
+GDN_PREFILL_TILES = [(bv, w, st) for bv in (32, 64, 128) for w in (4, 8) for st in (1, 2)]
+
+
+def gdn_prefill_rows(res):
+    """One 27B GDN layer's prefill (the gated delta rule over T tokens, state in and out):
+    the XLA chunk rule (fp32, what the model runs) against the Pallas chunked kernel with bf16
+    operands over its tiles (value-column tile bv, warps, pipeline stages). Which path, and
+    which tile, makes prefill faster is the question (docs/benchmarks/README.md v8)."""
+    from engine import gdn
+    from engine.kernels.gdn_prefill import gdn_chunk
+
+    hk, hv, d = (16, 48, 128) if not SMOKE else (2, 6, 16)
+    for t in PREFILL_TOKENS:
+        key = jax.random.split(jax.random.key(t), 6)
+        q = gdn.l2_normalize(jax.random.normal(key[0], (1, t, hk, d)))
+        k = gdn.l2_normalize(jax.random.normal(key[1], (1, t, hk, d)))
+        v = jax.random.normal(key[2], (1, t, hv, d))
+        g = -jax.random.uniform(key[3], (1, t, hv)) * 0.5
+        beta = jax.random.uniform(key[4], (1, t, hv))
+        s0 = jax.random.normal(key[5], (1, hv, d, d)) * 0.1
+        ref_fn = jax.jit(gdn.chunk_gated_delta_rule)
+        ref = ref_fn(q, k, v, g, beta, s0)
+        runs = [("xla", None, ref_fn, (q, k, v, g, beta, s0))]
+        qb, kb, vb = (a.astype(jnp.bfloat16) for a in (q, k, v))
+        for bv, warps, stages in GDN_PREFILL_TILES:
+            if bv > d:
+                continue
+            fn = jax.jit(lambda *a, bv=bv, w=warps, st=stages: gdn_chunk(
+                *a, bv=bv, num_warps=w, num_stages=st))
+            runs.append(("pallas_bf16", (bv, warps, stages), fn, (qb, kb, vb, g, beta, s0)))
+        for impl, tile, fn, args in runs:
+            try:
+                t_s = bench(fn, *args, reps=5)
+                out, state = fn(*args)
+                err = float(jnp.linalg.norm(out - ref[0]) / jnp.linalg.norm(ref[0]))
+                serr = float(jnp.linalg.norm(state - ref[1]) / jnp.linalg.norm(ref[1]))
+            except Exception as e:  # noqa: BLE001  (a tile Triton cannot build is a result)
+                print(f"gdn prefill T{t} {impl} {tile}: {type(e).__name__} {str(e)[:200]}",
+                      flush=True)
+                continue
+            res["gdn_prefill"].append({"tokens": t, "impl": impl, "tile": tile,
+                                       "ms_per_layer": t_s * 1e3, "out_rel_err": err,
+                                       "state_rel_err": serr})
+            print(f"gdn prefill T{t:>6} {impl:>11} {str(tile):>12}: {t_s * 1e3:8.2f} ms/layer "
+                  f"(x48 layers {t_s * 48:6.3f} s) err out {err:.1e} state {serr:.1e}",
+                  flush=True)
+
+
+SMOKE = False
+
+
 def main():
-    global SHAPES, CONFIGS, CONTEXTS, FMTS
+    global SHAPES, CONFIGS, CONTEXTS, FMTS, SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     ap.add_argument("--out", default="micro.json")
@@ -157,10 +210,13 @@ def main():
     FMTS = tuple(args.fmts.split(","))
     if args.smoke:
         SHAPES, CONFIGS, CONTEXTS = [(64, 256)], CONFIGS[:2], (128,)
+        SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES = True, (200,), [(16, 4, 1)]
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
-           "jax": jax.__version__, "gemv": [], "paged_decode": [], "gdn_decode": []}
+           "jax": jax.__version__, "gemv": [], "paged_decode": [], "gdn_decode": [],
+           "gdn_prefill": []}
     parts = args.only.split(",")
-    for name, fn in (("gdn", gdn_rows), ("attention", attention_rows), ("gemv", gemv_rows)):
+    for name, fn in (("gdn", gdn_rows), ("gdnprefill", gdn_prefill_rows),
+                     ("attention", attention_rows), ("gemv", gemv_rows)):
         if name in parts:
             fn(res)
             Path(args.out).write_text(json.dumps(res, indent=2))
