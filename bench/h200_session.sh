@@ -14,8 +14,8 @@
 # kernel), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
 # bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
 # bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnmicro (one GDN layer's prefill: XLA vs
-# the Pallas chunked kernel's tiles), gdnprefill (8K/32K with the Pallas chunked GDN kernel,
-# bf16 operands), chunk128 (8K/32K prefill with NINFER_GDN_CHUNK=128), restore
+# the Pallas chunked kernel's tiles, with its prep kernel or XLA's), gdnprefill (8K/32K with
+# the Pallas chunked GDN kernel, bf16 operands; GDN_PREFILL=hybrid: XLA's prep), chunk128 (8K/32K prefill with NINFER_GDN_CHUNK=128), restore
 # (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
 set -uo pipefail
@@ -111,7 +111,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --out "$OUT/gdn_prefill_micro_$TAG.json"
         grep -E 'gdn prefill' "$OUT/gdnmicro_$TAG.log" | sort -t: -k2 -n | head -8 ;;
       gdnprefill)
-        NINFER_GDN_PREFILL=pallas run 300 "$OUT/gdnprefill_$TAG.log" $B27 --skip-peaks \
+        NINFER_GDN_PREFILL=${GDN_PREFILL:-pallas} run 300 "$OUT/gdnprefill_$TAG.log" $B27 --skip-peaks \
           --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 1 --profile 1 \
           --out "$OUT/gdnprefill_$TAG.json"
         grep -E -A6 'per step|prefill' "$OUT/gdnprefill_$TAG.log" | cut -c1-150 ;;

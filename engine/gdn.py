@@ -111,14 +111,11 @@ def _unit_lower_inverse(m):
     return inv[..., 0, :, :]
 
 
-def _intra_chunk(q, k, v, g, beta):
-    """Everything that does not depend on the carried state, for all chunks at once.
-
-    Inputs [B, H, N, C, ...]. Returns u (the UT-transformed values), [w; q_in] (the decayed
-    keys w stacked over q decayed from the chunk start, [..., 2C, K]), the causal decayed
-    q k^T, k decayed to the chunk end, and the chunk's decay.
-    """
-    c = q.shape[-2]
+def _uw(k, v, g, beta):
+    """The UT transform of every chunk: inputs [..., C, ...] (a chunk on axis -2 of k and v,
+    -1 of g and beta). Returns u, w, gamma (the log decay from the chunk start, inclusive)
+    and the causal decay exp(gamma_i - gamma_j) [..., C, C]."""
+    c = k.shape[-2]
     gamma = jnp.cumsum(g, axis=-1)  # log decay from the chunk start to each step, inclusive
     causal = jnp.tril(jnp.ones((c, c), bool))
     # exp(gamma_i - gamma_j) for j <= i; masked before exp because the upper half would overflow.
@@ -130,7 +127,33 @@ def _intra_chunk(q, k, v, g, beta):
     m = jnp.tril(kk, -1) + jnp.eye(c, dtype=kk.dtype)
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
     sol = jnp.einsum("...ij,...jv->...iv", _unit_lower_inverse(m), rhs, precision=_HI)
-    u, w = sol[..., :v.shape[-1]], sol[..., v.shape[-1]:]
+    return sol[..., :v.shape[-1]], sol[..., v.shape[-1]:], gamma, decay
+
+
+def chunk_uw(k, v, g, beta, chunk_size: int):
+    """u and w of the chunked rule, for a kernel that runs only the state pass
+    (engine/kernels/gdn_prefill.py, prep="xla"). k: [B, T, Hk, K]; v: [B, T, Hv, V]; g, beta:
+    [B, T, Hv]; T a multiple of chunk_size. Returns u [B, Hv, T, V], w [B, Hv, T, K] fp32."""
+    b, t, hk = k.shape[:3]
+    hv = v.shape[2]
+    n, c = t // chunk_size, chunk_size
+    k = jnp.repeat(k, hv // hk, axis=2) if hv != hk else k
+
+    def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] fp32
+        x = jnp.moveaxis(x.astype(jnp.float32), 2, 1)
+        return x.reshape(b, hv, n, c, *x.shape[3:])
+    u, w, _, _ = _uw(chunks(k), chunks(v), chunks(g), chunks(beta))
+    return u.reshape(b, hv, t, -1), w.reshape(b, hv, t, -1)
+
+
+def _intra_chunk(q, k, v, g, beta):
+    """Everything that does not depend on the carried state, for all chunks at once.
+
+    Inputs [B, H, N, C, ...]. Returns u (the UT-transformed values), [w; q_in] (the decayed
+    keys w stacked over q decayed from the chunk start, [..., 2C, K]), the causal decayed
+    q k^T, k decayed to the chunk end, and the chunk's decay.
+    """
+    u, w, gamma, decay = _uw(k, v, g, beta)
     qk = jnp.einsum("...ik,...jk->...ij", q, k, precision=_HI) * decay
     g_end = gamma[..., -1:]
     q_in = q * jnp.exp(gamma)[..., None]            # q decayed from the chunk start
@@ -209,16 +232,17 @@ def select_rule(mode: str, kernels: str, t: int):
     reference; kernels="pallas" swaps in the Pallas kernels (same signature and result):
     decode-sized steps (T <= 16) the recurrent one (engine/kernels/gdn_decode.py), longer chunked
     calls the chunked prefill one (engine/kernels/gdn_prefill.py) only when
-    NINFER_GDN_PREFILL=pallas: on the H200 it is 7x slower than the XLA reference (prefill of 8K
+    NINFER_GDN_PREFILL=pallas (or =hybrid: XLA's UT transform, then the kernel's state pass):
+    on the H200 it was 7x slower than the XLA reference with fp32 operands (prefill of 8K
     tokens 9.1 s against 1.28 s, docs/benchmarks/README.md v4), so prefill keeps the reference
-    until the kernel is reworked. Imported lazily: the kernels import this module for their
-    references."""
+    until a measurement says otherwise. Imported lazily: the kernels import this module for
+    their references."""
     if kernels == "pallas" and t <= 16:
         from engine.kernels.gdn_decode import gdn_recurrent
 
         return gdn_recurrent
     if (kernels == "pallas" and mode == "chunk"
-            and os.environ.get("NINFER_GDN_PREFILL", "xla") == "pallas"):
+            and os.environ.get("NINFER_GDN_PREFILL", "xla") in ("pallas", "hybrid")):
         from engine.kernels.gdn_prefill import gdn_chunk_bf16_operands
 
         return gdn_chunk_bf16_operands

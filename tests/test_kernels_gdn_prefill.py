@@ -21,8 +21,8 @@ def _args(rng, b, t, hk, hv, dk, dv, dtype, with_state):
     return q, k, v, g, beta, s0 if with_state else None
 
 
-def _check(args, dtype):
-    out, state = gdn_chunk(*args)
+def _check(args, dtype, prep="pallas"):
+    out, state = gdn_chunk(*args, prep=prep)
     ro, rs = gdn_chunk_ref(*args)
     assert out.shape == ro.shape and out.dtype == jnp.float32
     assert_close(out, ro, dtype)
@@ -36,9 +36,12 @@ def _check(args, dtype):
     (100, 2, 32, False, jnp.float32),
     (200, 1, 32, True, jnp.float32),
     (2, 1, 16, True, jnp.bfloat16), (130, 2, 32, True, jnp.bfloat16)])
-def test_gdn_chunk_matches_reference(t, batch, dk, with_state, dtype):
+@pytest.mark.parametrize("prep", ["pallas", "xla"])
+def test_gdn_chunk_matches_reference(t, batch, dk, with_state, dtype, prep):
+    """Both ways to the UT transform: the prep kernel, or XLA's (gdn.chunk_uw) feeding the
+    scan kernel."""
     args = _args(np.random.default_rng(), batch, t, 2, 4, dk, 32, dtype, with_state)
-    _check(args, dtype)
+    _check(args, dtype, prep)
 
 
 def test_gdn_chunk_matches_recurrent_oracle_and_carries_state():
@@ -63,6 +66,14 @@ def test_chunk_len_and_selection(monkeypatch):
     monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
     rule = gdn.select_rule("chunk", "pallas", 512)
     assert rule.bf16_operands and rule.__module__ == gdn_chunk.__module__
+    monkeypatch.setenv("NINFER_GDN_PREFILL", "hybrid")
+    assert gdn.select_rule("chunk", "pallas", 512) is rule
+    args = _args(np.random.default_rng(1), 1, 40, 2, 4, 16, 16, jnp.float32, True)
+    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla")):  # the env picks "xla"
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="prep"):
+        gdn_chunk(*args, prep="cuda")
+    monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
     assert gdn.select_rule("chunk", "pallas", 1) is gdn_recurrent
     assert gdn.select_rule("chunk", "xla", 512) is gdn.chunk_gated_delta_rule
     assert gdn.select_rule("recurrent", "pallas", 512) is gdn.recurrent_gated_delta_rule
@@ -77,14 +88,17 @@ def test_gdn_chunk_lowers_to_triton(dtype):
     args = _args(np.random.default_rng(0), 1, 100, 16, 48, 128, 128, dtype, True)
     text = lowers_for_cuda(lambda *a: gdn_chunk(*a, interpret=False), *args)
     assert text.count("__gpu$xla.gpu.triton") == 2  # prep + scan
+    text = lowers_for_cuda(lambda *a: gdn_chunk(*a, interpret=False, prep="xla"), *args)
+    assert text.count("__gpu$xla.gpu.triton") == 1  # the scan alone
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gdn_chunk_gpu_27b_heads(dtype):
+@pytest.mark.parametrize("prep", ["pallas", "xla"])
+def test_gdn_chunk_gpu_27b_heads(dtype, prep):
     assert on_gpu()
     args = _args(np.random.default_rng(), 2, 1000, 16, 48, 128, 128, dtype, True)
-    _check(args, dtype)
+    _check(args, dtype, prep)
 
 
 def test_model_prefill_pallas_equals_xla():

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.gdn import chunk_gated_delta_rule
+from engine.gdn import chunk_gated_delta_rule, chunk_uw
 from engine.kernels import resolve_interpret, triton_params
 
 gdn_chunk_ref = chunk_gated_delta_rule
@@ -124,13 +124,17 @@ def chunk_len(t: int, chunk_size: int = 64) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "scale", "interpret", "bv",
-                                             "num_warps", "num_stages"))
+                                             "num_warps", "num_stages", "prep"))
 def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
               scale: float | None = None, *, interpret: bool | None = None, bv: int = 64,
-              num_warps: int = 4, num_stages: int = 1):
+              num_warps: int = 4, num_stages: int = 1, prep: str = "pallas"):
     """q, k: [B, T, Hk, K] (L2-normalised); v: [B, T, Hv, V]; g (log decay), beta: [B, T, Hv];
     initial_state [B, Hv, K, V] or None. Returns (out [B, T, Hv, V] fp32, final state
-    [B, Hv, K, V] fp32). Shapes the kernels cannot tile take the reference."""
+    [B, Hv, K, V] fp32). Shapes the kernels cannot tile take the reference. prep: "pallas"
+    (both kernels) or "xla" (the UT transform by `gdn.chunk_uw`, batched matmuls over all
+    chunks, then this module's scan kernel)."""
+    if prep not in ("pallas", "xla"):
+        raise ValueError(f"prep must be 'pallas' or 'xla', got {prep!r}")
     if not supported(q, v, chunk_size):
         return gdn_chunk_ref(q, k, v, g, beta, initial_state, chunk_size, scale)
     interpret = resolve_interpret(interpret)
@@ -148,11 +152,14 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
     bv = min(bv, dv)
     params = None if interpret else triton_params(num_warps, num_stages)
 
-    u, w = pl.pallas_call(
-        functools.partial(_prep_kernel, c=c, r=hv // hk, cdt=cdt), grid=(b, hv, n),
-        out_shape=(jax.ShapeDtypeStruct((b, hv, tp, dv), cdt),
-                   jax.ShapeDtypeStruct((b, hv, tp, dk), cdt)),
-        interpret=interpret, compiler_params=params, name="gdn_chunk_prep")(k, v, g, beta)
+    if prep == "xla":
+        u, w = (x.astype(cdt) for x in chunk_uw(k, v, g, beta, c))
+    else:
+        u, w = pl.pallas_call(
+            functools.partial(_prep_kernel, c=c, r=hv // hk, cdt=cdt), grid=(b, hv, n),
+            out_shape=(jax.ShapeDtypeStruct((b, hv, tp, dv), cdt),
+                       jax.ShapeDtypeStruct((b, hv, tp, dk), cdt)),
+            interpret=interpret, compiler_params=params, name="gdn_chunk_prep")(k, v, g, beta)
     out, state = pl.pallas_call(
         functools.partial(_scan_kernel, c=c, n_chunks=n, r=hv // hk, bv=bv, cdt=cdt,
                           scale=dk ** -0.5 if scale is None else scale),
@@ -169,9 +176,11 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     """`gdn_chunk` as the model's prefill rule (`gdn.select_rule`): it carries the mark that
     tells a bf16 model's GDN mixer to hand it bf16 q, k, v (engine/layers.py).
     NINFER_GDN_PREFILL_BV sets the scan's value-column tile (default 64: B x Hv x V/64
-    programs, 96 for the 27B at B = 1; a benchmarking switch until the GPU sweep picks one)."""
+    programs, 96 for the 27B at B = 1; a benchmarking switch until the GPU sweep picks one);
+    NINFER_GDN_PREFILL=hybrid takes the UT transform from XLA (prep="xla")."""
     bv = int(os.environ.get("NINFER_GDN_PREFILL_BV", "64"))
-    return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv)
+    prep = "xla" if os.environ.get("NINFER_GDN_PREFILL") == "hybrid" else "pallas"
+    return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv, prep=prep)
 
 
 gdn_chunk_bf16_operands.bf16_operands = True
