@@ -85,8 +85,9 @@ def _unit_lower_inverse(m):
     [[A, 0], [L, B]]^-1 = [[A^-1, 0], [-B^-1 L A^-1, B^-1]], until one block is left. A
     substitution over the whole C rows instead costs C steps that each read the whole
     right-hand side: on the H200 that loop alone was a quarter of a 27B prefill (3072 steps,
-    305 ms of 1.29 s for 8K tokens, docs/benchmarks/README.md v8). Blocked substitution in
-    exact arithmetic, with the same stability as plain substitution."""
+    305 ms of 1.29 s for 8K tokens, docs/benchmarks/README.md v8). The usual recursive
+    triangular inversion: exact in exact arithmetic; in fp32 checked against numpy's float64
+    inverse on the chunk's own kind of matrix (tests/test_gdn.py)."""
     c = m.shape[-1]
     s = min(c, _BLOCK)
     while s < c and (c % s or (c // s) & (c // s - 1)):  # merged pairwise: C/s a power of 2
