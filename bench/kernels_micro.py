@@ -31,6 +31,7 @@ from engine.quant import linear  # noqa: E402
 
 LAYERS = 4
 REPEAT = 8  # calls per layer inside one jit: amortizes the host dispatch
+SMOKE = False  # --smoke: tiny shapes
 CONTEXTS = (1024, 32768, 131072)
 FMTS = ("int4_g64", "bf16", "int8_row", "fp8_row")
 SHAPES = [(17408, 5120), (5120, 17408)]
@@ -198,9 +199,6 @@ def gdn_prefill_rows(res):
             print(f"gdn prefill T{t:>6} {impl:>11} {str(tile):>12}: {t_s * 1e3:8.2f} ms/layer "
                   f"(x48 layers {t_s * 48:6.3f} s) err out {err:.1e} state {serr:.1e}",
                   flush=True)
-
-
-SMOKE = False
 
 
 def main():

@@ -5,8 +5,10 @@ unless its sha256 equals the pin in the lane profile.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,8 +94,6 @@ def verify_artifact(art, expected_sha256: str | None, *, stamps=None, mode: str 
     lookup(path, fstat, expected) -> sha256 | None and record(path, fstat_before, fstat_after,
     sha256, hash_started_ns) -> bool (server/artifact_stamps.py, which says why a stamp is safe).
     """
-    import time
-
     if mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {mode!r}")
     before = art.stat()
@@ -169,9 +169,6 @@ class ModelLoad:
 
     def __init__(self, path: Path, *, compute_dtype: str, kv_dtype: str,
                  expected_sha256: str | None, timings: dict | None, stamps, verify: str):
-        import concurrent.futures
-        import time
-
         self._timings = timings
         self._t0 = time.monotonic()
         art = open_artifact(path, verify=False)  # header, directory and table checks only
@@ -201,8 +198,6 @@ class ModelLoad:
         caller may first build what needs only `abstract` on an idle machine: the device
         allocations of an Engine measured 0.13 s alone and ~5 s beside the copy on the H200."""
         if self._copy is None:
-            import time
-
             self._t_start = time.monotonic()
             self._check = self._pool.submit(self._verify_pass, *self._verify_args)
             self._copy = self._pool.submit(self._copy_pass, self._host)
@@ -210,17 +205,12 @@ class ModelLoad:
         return self
 
     def _verify_pass(self, expected_sha256, stamps, verify):
-        import time
-
         t = time.monotonic()
         how = verify_artifact(self._art, expected_sha256, stamps=stamps, mode=verify)
         t_end = time.monotonic()
         return how, t_end - t, t_end
 
     def _copy_pass(self, host: dict):
-        import concurrent.futures
-        import time
-
         check = self._check
 
         def put(leaves):

@@ -313,11 +313,39 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
-// One group (64 inputs) of a 16-row tile: lane (g, t) holds 16 codes of row g (qa) and of row
-// g + 8 (qb), the two rows' scales, its x fragment (x0, x1) and the columns' corrections c.
-// Shared by both tensor-core kernels, so that they give the same sums bit for bit.
-__device__ __forceinline__ void mma_group(uint2 qa, uint2 qb, float sa, float sb, uint4 x0,
-                                          uint4 x1, float2 c, float (&tot)[4]) {
+// What a warp of the tensor-core kernels reads besides the weights: x fragments and column
+// corrections. Its i-th group is group warp + 8 i: x at + 512 i (uint4), corr at + 32 i (float2).
+// A lane whose column g is past M reads no x (zeros).
+struct MmaInputs {
+  const uint4* x;
+  const float2* c;
+  bool has_x;
+  int count;  // the warp's groups
+
+  __device__ __forceinline__ MmaInputs(const uint4* xp, const float2* corr, int groups,
+                                       int warp, int g, int t, int m)
+      : x(xp + ((static_cast<int64_t>(warp) * 8 + g) * 4 + t) * 2),
+        c(corr + warp * 4 + t),
+        has_x(g < m),
+        count(warp < groups ? (groups - warp + kMmaWarps - 1) / kMmaWarps : 0) {}
+
+  __device__ __forceinline__ void advance(int i) {  // by i groups of the warp
+    x += 512 * i;
+    c += 32 * i;
+  }
+};
+
+// The warp's group `u` (counted from `in`'s position) of a 16-row tile: lane (g, t) holds 16
+// codes of row g (qa) and of row g + 8 (qb) and the two rows' scales. Shared by both
+// tensor-core kernels, so that they give the same sums bit for bit.
+__device__ __forceinline__ void mma_group(uint2 qa, uint2 qb, float sa, float sb,
+                                          const MmaInputs& in, int u, float (&tot)[4]) {
+  uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
+  if (in.has_x) {
+    x0 = __ldg(in.x + 512 * u);
+    x1 = __ldg(in.x + 512 * u + 1);
+  }
+  const float2 c = __ldg(in.c + 32 * u);  // columns 2t, 2t + 1
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   mma_bf16(d, pair(qa.x, 0), pair(qb.x, 0), pair(qa.x, 1), pair(qb.x, 1), x0.x, x0.y);
   mma_bf16(d, pair(qa.x, 2), pair(qb.x, 2), pair(qa.x, 3), pair(qb.x, 3), x0.z, x0.w);
@@ -398,10 +426,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   constexpr unsigned kGroupBytes = kGroupVec * 16, kStageBytes = kMmaU * kGroupBytes;
   const uint4* mine = smem + warp * S * kMmaU * kGroupVec;
   const unsigned mine_s = static_cast<unsigned>(__cvta_generic_to_shared(mine));
-  const int count = warp < groups ? (groups - warp + kMmaWarps - 1) / kMmaWarps : 0;
-  const bool has_x = g < m;
-  const uint4* xsrc = xp + ((static_cast<int64_t>(warp) * 8 + g) * 4 + t) * 2;  // + 512 i
-  const float2* csrc = corr + warp * 4 + t;                                     // + 32 i
+  MmaInputs in(xp, corr, groups, warp, g, t, m);
+  const int count = in.count;
 
   // The copy side walks ahead of the compute side by S - 1 stages; both keep running pointers
   // (64-bit address arithmetic from a group index costs four instructions a pointer).
@@ -439,16 +465,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       const uint2* q = reinterpret_cast<const uint2*>(src + u * kGroupVec);
       const uint2 qa = q[g * 4 + t], qb = q[(g + 8) * 4 + t];
       const float* sc = reinterpret_cast<const float*>(src + u * kGroupVec + 32);
-      const float sa = sc[g], sb = sc[g + 8];
-      uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
-      if (has_x) {
-        x0 = __ldg(xsrc + 512 * u);
-        x1 = __ldg(xsrc + 512 * u + 1);
-      }
-      mma_group(qa, qb, sa, sb, x0, x1, __ldg(csrc + 32 * u), tot);  // c: columns 2t, 2t + 1
+      mma_group(qa, qb, sc[g], sc[g + 8], in, u, tot);
     }
-    xsrc += 512 * kMmaU;
-    csrc += 32 * kMmaU;
+    in.advance(kMmaU);
     src = src + kMmaU * kGroupVec == mine + S * kMmaU * kGroupVec ? mine : src + kMmaU * kGroupVec;
     __syncwarp();  // the slot is refilled by the next issue
   }
@@ -489,10 +508,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const uint2* pb = reinterpret_cast<const uint2*>(wb + warp * 32) + t;
   sa_p += warp;  // + 8 i
   sb_p += warp;
-  const int count = warp < groups ? (groups - warp + kMmaWarps - 1) / kMmaWarps : 0;
-  const bool has_x = g < m;
-  const uint4* xsrc = xp + ((static_cast<int64_t>(warp) * 8 + g) * 4 + t) * 2;  // + 512 i
-  const float2* csrc = corr + warp * 4 + t;                                     // + 32 i
+  MmaInputs in(xp, corr, groups, warp, g, t, m);
+  const int count = in.count;
 
   uint2 qa[P], qb[P];
   float sa[P], sb[P];
@@ -510,12 +527,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       if (i0 + j < count) {  // the same for the whole warp
-        uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
-        if (has_x) {
-          x0 = __ldg(xsrc + 512 * j);
-          x1 = __ldg(xsrc + 512 * j + 1);
-        }
-        mma_group(qa[j], qb[j], sa[j], sb[j], x0, x1, __ldg(csrc + 32 * j), tot);
+        mma_group(qa[j], qb[j], sa[j], sb[j], in, j, tot);
         // The slot is free once its group is computed: refill it with the group P ahead.
         if (i0 + j + P < count) {
           qa[j] = load_stream64(pa + 32 * (j + P));
@@ -529,8 +541,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     pb += 32 * P;
     sa_p += 8 * P;
     sb_p += 8 * P;
-    xsrc += 512 * P;
-    csrc += 32 * P;
+    in.advance(P);
   }
   mma_reduce_store<OT>(red, tot, warp, lane, row0, n, m, y);
 }
@@ -553,6 +564,30 @@ cudaError_t launch_mma_reg(cudaStream_t stream, int blocks, const uint4* x4, con
   int4_gemv_mma_reg<P, OT><<<blocks, kMmaWarps * 32, 0, stream>>>(
       x4, c2, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
+}
+
+// The tensor-core kernel a call asks for: the copy ring with `stages` copy stages (prefetch
+// 0) or the register ring of depth `prefetch`. Returns nullptr, or why the attributes are
+// not supported; `err` receives the launch's status.
+template <typename OT>
+const char* launch_mma_variant(cudaStream_t stream, int64_t stages, int64_t prefetch,
+                               int blocks, const uint4* x4, const float2* c2, const Mats& mt,
+                               const int32_t* index, void* y, int k, int m, cudaError_t& err) {
+  switch (prefetch) {
+    case 0:
+      break;
+    case 2: err = launch_mma_reg<2, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
+    case 4: err = launch_mma_reg<4, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
+    case 8: err = launch_mma_reg<8, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
+    default: return "int4_gemv_mma: prefetch must be 0, 2, 4 or 8";
+  }
+  switch (stages) {
+    case 4: err = launch_mma<4, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
+    case 6: err = launch_mma<6, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
+    case 8: err = launch_mma<8, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
+    case 12: err = launch_mma<12, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
+    default: return "int4_gemv_mma: stages must be 4, 6, 8 or 12";
+  }
 }
 
 struct Launch {
@@ -707,42 +742,13 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
   if (!bf16 && y->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("int4_gemv_mma: y must be f32 or bf16");
   void* yp = y->untyped_data();
-  cudaError_t err;
-  if (prefetch != 0) {  // the register-prefetch kernel; `stages` is then not used
-    switch (prefetch) {
-#define NINFER_MMA_REG_CASE(P)                                                                \
-  case P:                                                                                     \
-    err = bf16 ? launch_mma_reg<P, __nv_bfloat16>(stream, blocks, x4, c2, mt,                 \
-                                                  index.typed_data(), yp, ki, m)              \
-               : launch_mma_reg<P, float>(stream, blocks, x4, c2, mt, index.typed_data(), yp, \
-                                          ki, m);                                             \
-    break;
-      NINFER_MMA_REG_CASE(2)
-      NINFER_MMA_REG_CASE(4)
-      NINFER_MMA_REG_CASE(8)
-#undef NINFER_MMA_REG_CASE
-      default:
-        return ffi::Error::InvalidArgument("int4_gemv_mma: prefetch must be 0, 2, 4 or 8");
-    }
-    if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
-    return ffi::Error::Success();
-  }
-  switch (stages) {
-#define NINFER_MMA_CASE(S)                                                                    \
-  case S:                                                                                     \
-    err = bf16 ? launch_mma<S, __nv_bfloat16>(stream, blocks, x4, c2, mt, index.typed_data(), \
-                                              yp, ki, m)                                      \
-               : launch_mma<S, float>(stream, blocks, x4, c2, mt, index.typed_data(), yp, ki, \
-                                      m);                                                     \
-    break;
-    NINFER_MMA_CASE(4)
-    NINFER_MMA_CASE(6)
-    NINFER_MMA_CASE(8)
-    NINFER_MMA_CASE(12)
-#undef NINFER_MMA_CASE
-    default:
-      return ffi::Error::InvalidArgument("int4_gemv_mma: stages must be 4, 6, 8 or 12");
-  }
+  cudaError_t err = cudaSuccess;
+  const char* bad = bf16 ? launch_mma_variant<__nv_bfloat16>(stream, stages, prefetch, blocks, x4,
+                                                             c2, mt, index.typed_data(), yp, ki,
+                                                             m, err)
+                         : launch_mma_variant<float>(stream, stages, prefetch, blocks, x4, c2,
+                                                     mt, index.typed_data(), yp, ki, m, err);
+  if (bad) return ffi::Error::InvalidArgument(bad);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
