@@ -87,9 +87,9 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "$OUT/unroll_$TAG.json"
         grep -E 'decode' "$OUT/unroll_$TAG.log" | cut -c1-150 ;;
       readpat)
-        run 120 "$OUT/readpat_$TAG.log" python3 bench/read_patterns.py \
+        run 180 "$OUT/readpat_$TAG.log" python3 bench/read_patterns.py \
           --out "$OUT/read_patterns_$TAG.json"
-        grep -E 'copy|stream_h1_u4 grid 8|rows_alu|scale' "$OUT/readpat_$TAG.log" ;;
+        grep -E "copy|stream_h1_u4 grid 8|rows_alu|scale|16-row" "$OUT/readpat_$TAG.log" ;;
       ncu)
         XLA_PYTHON_CLIENT_PREALLOCATE=false run 200 "$OUT/ncu_$TAG.log" bash -c "ncu \
           --clock-control none --kernel-name regex:int4_gemv --launch-skip 1 --launch-count 6 \

@@ -13,6 +13,12 @@ each with one access pattern:
 - ``rows_alu W``: the GEMV pattern with W FFMAs per 32-bit word loaded: the arithmetic a byte
   can carry before the issue rate, not the HBM, sets the pace.
 - ``rows_scales``: the GEMV pattern plus a second stream, one fp32 per 64 codes (the scales).
+- ``mma W S``: the tensor-core kernels' pattern: a block of 8 warps owns 16 rows; warp w
+  takes groups (32 bytes of a row) w, w + 8, ...; lane (g, t) = (lane / 4, lane % 4) loads
+  W bytes of row g and of row g + 8 (W = 8: its 16 codes of one group, one LDG.64 covering 8
+  rows; W = 16: 2 groups a load, 64 bytes a row), 4 loads in flight; S = 1: plus the two rows'
+  fp32 scales of each group (a third and fourth load, 8 rows each). One warp instruction
+  touches 8 rows, where ``rows`` touches one: is the L1's per-line work, not the HBM, the cap?
 
 with the cache hints the kernels use (``.nc.L1::no_allocate``) or none, and an L2 prefetch hint.
 Run on the GPU machine (CuPy from the image):
@@ -178,7 +184,65 @@ __device__ void rows_scales(const uint4* buf, const float* scales, int n_rows, i
   if (acc == 0x12345678u || sacc == 1234.5f) out[0] = acc;
 }
 
+// The tensor-core kernels' pattern (see the module docstring): 16-row tiles, lanes (g, t).
+template <int W, int S>
+__device__ void mma_tile(const unsigned char* buf, const float* scales, int n_rows,
+                         int row_bytes, unsigned* out) {
+  constexpr int P = 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  if (row0 >= n_rows) return;
+  const int ra = min(row0 + g, n_rows - 1), rb = min(row0 + g + 8, n_rows - 1);
+  const int step = 32 * W / 8;  // bytes of a row one load of the warp covers
+  const int pieces = row_bytes / step;
+  const unsigned char* pa = buf + (long long)ra * row_bytes + warp * step + t * W;
+  const unsigned char* pb = buf + (long long)rb * row_bytes + warp * step + t * W;
+  const int sgroups = row_bytes / 32;
+  const float* qa = scales + (long long)ra * sgroups + warp * (W / 8);
+  const float* qb = scales + (long long)rb * sgroups + warp * (W / 8);
+  unsigned acc = 0;
+  float sacc = 0.f;
+  for (int i0 = warp; i0 < pieces; i0 += 8 * P) {
+    uint4 va[P], vb[P];
+    float sa[P], sb[P];
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      const int i = i0 + 8 * j;
+      const long long off = (long long)(i - warp) * step;
+      if (i < pieces) {
+        if (W == 8) {
+          uint2 a, b;
+          asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(a.x), "=r"(a.y) : "l"(pa + off));
+          asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(b.x), "=r"(b.y) : "l"(pb + off));
+          va[j] = make_uint4(a.x, a.y, 0, 0);
+          vb[j] = make_uint4(b.x, b.y, 0, 0);
+        } else {
+          va[j] = load<1>(reinterpret_cast<const uint4*>(pa + off));
+          vb[j] = load<1>(reinterpret_cast<const uint4*>(pb + off));
+        }
+        if (S) {
+          sa[j] = __ldg(qa + (i - warp) * (W / 8));
+          sb[j] = __ldg(qb + (i - warp) * (W / 8));
+        } else {
+          sa[j] = sb[j] = 0.f;
+        }
+      } else {
+        va[j] = vb[j] = make_uint4(0, 0, 0, 0);
+        sa[j] = sb[j] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      acc ^= fold(va[j]) ^ fold(vb[j]);
+      sacc += sa[j] + sb[j];
+    }
+  }
+  if (acc == 0x12345678u || sacc == 1234.5f) out[0] = acc;
+}
+
 extern "C" {
+#define MMA(W, S) __global__ void mma_w##W##_s##S(const unsigned char* b, const float* s, int n, int rb, unsigned* o) { mma_tile<W, S>(b, s, n, rb, o); }
+MMA(8, 0) MMA(8, 1) MMA(16, 0) MMA(16, 1)
 #define ALU(W) __global__ void rows_alu_w##W(const uint4* b, int n, int r16, unsigned* o) { rows_alu<W>(b, n, r16, o); }
 ALU(0) ALU(8) ALU(16) ALU(24) ALU(32) ALU(48)
 __global__ void rows_scales_k(const uint4* b, const float* s, int n, int r16, unsigned* o) { rows_scales(b, s, n, r16, o); }
@@ -282,6 +346,16 @@ def main() -> None:
                             "read_TBps": moved / t / 1e12})
         print(f"{'rows + scale stream ' + str(warps) + ' warps':>40}: {t * 1e6:8.1f} us "
               f"{moved / t / 1e12:5.2f} TB/s (codes + scales)", flush=True)
+    # The tensor-core kernels' pattern: 16-row tiles of 8 warps, 8 rows per warp instruction.
+    for name in ("mma_w8_s0", "mma_w8_s1", "mma_w16_s0", "mma_w16_s1"):
+        k = mod.get_function(name)
+        grid = -(-n_rows // 16)
+        t = timeit(lambda k=k, g=grid: k((g,), (256,), (buf, scales, cp.int32(n_rows),
+                                                         cp.int32(2560), out)))
+        moved = n_bytes + (scales.nbytes if name.endswith("s1") else 0)
+        res["rows"].append({"kernel": name, "us": t * 1e6, "read_TBps": moved / t / 1e12})
+        print(f"{name + ' 16-row tiles':>40}: {t * 1e6:8.1f} us {moved / t / 1e12:5.2f} TB/s",
+              flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
 

@@ -232,18 +232,19 @@ def select_rule(mode: str, kernels: str, t: int):
     """The gated delta rule for a call of T steps: `mode` ("chunk" or "recurrent") names the
     reference; kernels="pallas" swaps in the Pallas kernels (same signature and result):
     decode-sized steps (T <= 16) the recurrent one (engine/kernels/gdn_decode.py), longer chunked
-    calls the chunked prefill one (engine/kernels/gdn_prefill.py) only when
-    NINFER_GDN_PREFILL=pallas (or =hybrid: XLA's UT transform, then the kernel's state pass):
-    on the H200 it was 7x slower than the XLA reference with fp32 operands (prefill of 8K
-    tokens 9.1 s against 1.28 s, docs/benchmarks/README.md v4), so prefill keeps the reference
-    until a measurement says otherwise. Imported lazily: the kernels import this module for
-    their references."""
+    calls the chunked prefill one (engine/kernels/gdn_prefill.py) with XLA's UT transform
+    (`chunk_uw`) feeding the kernel's state pass, which keeps a layer's state in registers
+    for the whole scan: one 27B layer at 8K tokens in 4.05 ms against 7.09 ms for this
+    module's chunk rule, a whole 8K prefill 0.853 s against 0.981 s (H200,
+    docs/benchmarks/README.md v9). NINFER_GDN_PREFILL=xla keeps the reference for prefill,
+    =pallas takes the kernel's own UT transform too. Imported lazily: the kernels import this
+    module for their references."""
     if kernels == "pallas" and t <= 16:
         from engine.kernels.gdn_decode import gdn_recurrent
 
         return gdn_recurrent
     if (kernels == "pallas" and mode == "chunk"
-            and os.environ.get("NINFER_GDN_PREFILL", "xla") in ("pallas", "hybrid")):
+            and os.environ.get("NINFER_GDN_PREFILL", "hybrid") in ("pallas", "hybrid")):
         from engine.kernels.gdn_prefill import gdn_chunk_bf16_operands
 
         return gdn_chunk_bf16_operands

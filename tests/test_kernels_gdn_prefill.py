@@ -61,15 +61,21 @@ def test_gdn_chunk_matches_recurrent_oracle_and_carries_state():
 
 def test_chunk_len_and_selection(monkeypatch):
     assert [chunk_len(t) for t in (1, 3, 16, 17, 63, 64, 1000)] == [16, 16, 16, 32, 64, 64, 64]
-    # the kernel is opt-in until it beats the reference on the GPU (v4: 7x slower)
-    assert gdn.select_rule("chunk", "pallas", 512) is gdn.chunk_gated_delta_rule
-    monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
+    # the kernel is the default prefill rule of kernels="pallas", with XLA's UT transform;
+    # NINFER_GDN_PREFILL=xla keeps the reference, =pallas takes the kernel's own transform
+    monkeypatch.delenv("NINFER_GDN_PREFILL", raising=False)
     rule = gdn.select_rule("chunk", "pallas", 512)
     assert rule.bf16_operands and rule.__module__ == gdn_chunk.__module__
+    args = _args(np.random.default_rng(1), 1, 40, 2, 4, 16, 16, jnp.float32, True)
+    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla")):  # the default is "xla"
+        np.testing.assert_array_equal(got, want)
     monkeypatch.setenv("NINFER_GDN_PREFILL", "hybrid")
     assert gdn.select_rule("chunk", "pallas", 512) is rule
-    args = _args(np.random.default_rng(1), 1, 40, 2, 4, 16, 16, jnp.float32, True)
-    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla")):  # the env picks "xla"
+    monkeypatch.setenv("NINFER_GDN_PREFILL", "xla")
+    assert gdn.select_rule("chunk", "pallas", 512) is gdn.chunk_gated_delta_rule
+    monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
+    assert gdn.select_rule("chunk", "pallas", 512) is rule
+    for got, want in zip(rule(*args), gdn_chunk(*args, prep="pallas")):
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="prep"):
         gdn_chunk(*args, prep="cuda")

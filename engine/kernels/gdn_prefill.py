@@ -177,10 +177,15 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     tells a bf16 model's GDN mixer to hand it bf16 q, k, v (engine/layers.py).
     NINFER_GDN_PREFILL_BV sets the scan's value-column tile (default 64: B x Hv x V/64
     programs, 96 for the 27B at B = 1; a benchmarking switch until the GPU sweep picks one);
-    NINFER_GDN_PREFILL=hybrid takes the UT transform from XLA (prep="xla")."""
+    NINFER_GDN_PREFILL_WARPS its warps (default 8: the fastest of 4 and 8 for one 27B layer
+    at 8K and 32K tokens with either prep, docs/benchmarks/README.md v9).
+    The UT transform comes from XLA (prep="xla", the default, NINFER_GDN_PREFILL=hybrid) or
+    from this module's prep kernel (NINFER_GDN_PREFILL=pallas)."""
     bv = int(os.environ.get("NINFER_GDN_PREFILL_BV", "64"))
-    prep = "xla" if os.environ.get("NINFER_GDN_PREFILL") == "hybrid" else "pallas"
-    return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv, prep=prep)
+    warps = int(os.environ.get("NINFER_GDN_PREFILL_WARPS", "8"))
+    prep = "pallas" if os.environ.get("NINFER_GDN_PREFILL") == "pallas" else "xla"
+    return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv,
+                     num_warps=warps, prep=prep)
 
 
 gdn_chunk_bf16_operands.bf16_operands = True
