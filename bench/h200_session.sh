@@ -14,7 +14,8 @@
 # kernel), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
 # bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
 # bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnmicro (one GDN layer's prefill: XLA vs
-# the Pallas chunked kernel's tiles, with its prep kernel or XLA's), gdnprefill (8K/32K with
+# the Pallas chunked kernel's tiles, with its prep kernel or XLA's), flash (one attention
+# layer's causal prefill at 8K/32K: the flash kernel's tiles, the paged kernel, cuDNN), gdnprefill (8K/32K with
 # the Pallas chunked GDN kernel, bf16 operands; GDN_PREFILL=hybrid: XLA's prep), chunk128 (8K/32K prefill with NINFER_GDN_CHUNK=128), restore
 # (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
@@ -110,6 +111,10 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 240 "$OUT/gdnmicro_$TAG.log" python3 bench/kernels_micro.py --only gdnprefill \
           --out "$OUT/gdn_prefill_micro_$TAG.json"
         grep -E 'gdn prefill' "$OUT/gdnmicro_$TAG.log" | sort -t: -k2 -n | head -8 ;;
+      flash)  # one attention layer's causal prefill: flash tiles, the paged kernel, cuDNN
+        run 300 "$OUT/flash_$TAG.log" python3 bench/kernels_micro.py --only flash \
+          --out "$OUT/attn_prefill_micro_$TAG.json"
+        grep -E 'attn prefill' "$OUT/flash_$TAG.log" | cut -c1-150 ;;
       gdnprefill)
         NINFER_GDN_PREFILL=${GDN_PREFILL:-pallas} run 300 "$OUT/gdnprefill_$TAG.log" $B27 --skip-peaks \
           --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 1 --profile 1 \

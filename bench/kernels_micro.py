@@ -1,7 +1,9 @@
 """Micro-benchmark of the Pallas kernels at the qwen3.8-27b shapes on one GPU: achieved bytes/s
 of the weight-only GEMV (per format, per tile config, against XLA's dequantize + matmul), of
 paged decode attention and of the recurrent GDN step; and the time of one GDN layer's prefill,
-XLA's chunk rule against the Pallas chunked kernel over its tiles (--only gdnprefill). Weights are stacks of 4 layers read in
+XLA's chunk rule against the Pallas chunked kernel over its tiles (--only gdnprefill), and of one
+attention layer's causal prefill: the flash kernel's tiles, the paged kernel and cuDNN (--only
+flash). Weights are stacks of 4 layers read in
 place through the layer index (as the model does), so the 60 MB L2 cannot hold them.
 
   python bench/kernels_micro.py --out micro.json
@@ -201,8 +203,65 @@ def gdn_prefill_rows(res):
                   flush=True)
 
 
+FLASH_TILES = [(64, 64, 4, 2, False), (64, 64, 4, 2, True), (64, 64, 4, 3, True),
+               (64, 64, 8, 2, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True),
+               (128, 32, 8, 2, True), (64, 128, 8, 2, True), (128, 128, 8, 2, True)]
+
+
+def flash_rows(res):
+    """One 27B attention layer's causal prefill over T tokens (24 query heads, 4 KV heads,
+    head dim 256, bf16): the contiguous-cache flash kernel over its tiles (bq, bk, warps,
+    stages, split mask), the paged kernel (GQA rows packed, the server's path) and cuDNN's
+    fused attention through jax.nn.dot_product_attention (the peer on the same machine).
+    TFLOP/s counts the causal half: 2 x 2 x T^2 / 2 x heads x head_dim."""
+    from engine.kernels.flash_prefill import flash_attend
+    from engine.kernels.paged_prefill import paged_prefill_attend
+
+    kvh, hd, nh, page = (4, 256, 24, 64) if not SMOKE else (2, 32, 6, 16)
+    for t in PREFILL_TOKENS:
+        t = -(-t // page) * page
+        key = jax.random.split(jax.random.key(t), 3)
+        kc = jax.random.normal(key[0], (1, 1, t, kvh, hd), jnp.bfloat16)
+        vc = jax.random.normal(key[1], (1, 1, t, kvh, hd), jnp.bfloat16)
+        q = jax.random.normal(key[2], (1, t, nh, hd), jnp.bfloat16)
+        pos = jnp.arange(t, dtype=jnp.int32)[None]
+        flops = 2 * 2 * t * t / 2 * nh * hd
+        runs = []
+        for bq, bk, w, st, split in FLASH_TILES:
+            runs.append((f"flash {bq}x{bk} w{w} s{st}{' split' if split else ''}", jax.jit(
+                lambda kc, vc, q, p, bq=bq, bk=bk, w=w, st=st, sp=split: flash_attend(
+                    kc, vc, jnp.int32(0), q, p, bq=bq, bk=bk, num_warps=w, num_stages=st,
+                    split=sp)), (kc, vc, q, pos)))
+        pool = KVPool(kc[0].reshape(1, t // page, page, kvh, hd),
+                      vc[0].reshape(1, t // page, page, kvh, hd), None, None)
+        table = jnp.arange(t // page, dtype=jnp.int32)[None]
+        for rows, w in ((64, 8), (128, 8)):
+            runs.append((f"paged rows {rows} w{w}", jax.jit(
+                lambda pool, table, q, s, rows=rows, w=w: paged_prefill_attend(
+                    pool, table, jnp.int32(0), q, s, block_rows=rows, num_warps=w)),
+                (pool, table, q, pos)))
+        runs.append(("cudnn (jax.nn.dot_product_attention)", jax.jit(
+            lambda kc, vc, q, p: jax.nn.dot_product_attention(
+                q, kc[0], vc[0], is_causal=True, implementation="cudnn")), (kc, vc, q, pos)))
+        base = None
+        for name, fn, args in runs:
+            try:
+                t_s = bench(fn, *args, reps=5)
+                out = fn(*args).astype(jnp.float32)
+            except Exception as e:  # noqa: BLE001  (a tile Triton cannot build is a result)
+                print(f"attn prefill T{t} {name}: {type(e).__name__} {str(e)[:200]}", flush=True)
+                continue
+            base = out if base is None else base
+            err = float(jnp.linalg.norm(out - base) / jnp.linalg.norm(base))
+            res["attn_prefill"].append({"tokens": t, "impl": name, "ms_per_layer": t_s * 1e3,
+                                        "tflops": flops / t_s / 1e12, "rel_err_vs_first": err})
+            print(f"attn prefill T{t:>6} {name:>38}: {t_s * 1e3:8.2f} ms/layer "
+                  f"{flops / t_s / 1e12:6.1f} TFLOP/s (x16 layers {t_s * 16:6.3f} s) "
+                  f"err {err:.1e}", flush=True)
+
+
 def main():
-    global SHAPES, CONFIGS, CONTEXTS, FMTS, SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES
+    global SHAPES, CONFIGS, CONTEXTS, FMTS, SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES, FLASH_TILES
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     ap.add_argument("--out", default="micro.json")
@@ -213,11 +272,12 @@ def main():
     if args.smoke:
         SHAPES, CONFIGS, CONTEXTS = [(64, 256)], CONFIGS[:2], (128,)
         SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES = True, (200,), [(16, 4, 1)]
+        FLASH_TILES = [(16, 16, 4, 1, False), (16, 16, 4, 1, True)]
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
            "jax": jax.__version__, "gemv": [], "paged_decode": [], "gdn_decode": [],
-           "gdn_prefill": []}
+           "gdn_prefill": [], "attn_prefill": []}
     parts = args.only.split(",")
-    for name, fn in (("gdn", gdn_rows), ("gdnprefill", gdn_prefill_rows),
+    for name, fn in (("gdn", gdn_rows), ("gdnprefill", gdn_prefill_rows), ("flash", flash_rows),
                      ("attention", attention_rows), ("gemv", gemv_rows)):
         if name in parts:
             fn(res)

@@ -69,15 +69,30 @@ def test_paged_decode_is_batch_invariant():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("start", [0, 37])
-def test_flash_prefill_matches_reference(dtype, start):
+@pytest.mark.parametrize("split", [True, False])
+def test_flash_prefill_matches_reference(dtype, start, split):
+    """With start 37 the second query tile sees its first key tile whole: with `split` it runs
+    in the unmasked loop, the diagonal tiles in the masked one."""
     rng = np.random.default_rng()
     L, B, S, kvh, hd, nh, T = 2, 2, 128, 2, 32, 6, 32
     kc = jnp.asarray(rng.standard_normal((L, B, S, kvh, hd)), dtype)
     vc = jnp.asarray(rng.standard_normal((L, B, S, kvh, hd)), dtype)
     q = jnp.asarray(rng.standard_normal((B, T, nh, hd)), dtype)
     pos = jnp.asarray([[start], [start + 50]], jnp.int32) + jnp.arange(T)[None]
-    got = flash_attend(kc, vc, jnp.int32(1), q, pos, interpret=True, bq=16, bk=32)
+    got = flash_attend(kc, vc, jnp.int32(1), q, pos, interpret=True, bq=16, bk=32, split=split)
     assert_close(got, flash_attend_ref(kc, vc, jnp.int32(1), q, pos), dtype)
+
+
+def test_flash_prefill_query_tile():
+    """The query tile is the largest power of two up to 128 dividing T (down to 16): T = 48 or
+    96 still runs the kernel; T = 40 takes the reference."""
+    from engine.kernels.flash_prefill import _query_tile, supported
+
+    assert [_query_tile(t, 128) for t in (16, 48, 96, 128, 192, 8192, 8256)] == \
+        [16, 16, 32, 128, 64, 128, 64]
+    kc = jnp.zeros((1, 1, 256, 2, 32), jnp.float32)
+    assert [supported(kc, jnp.zeros((1, t, 4, 32))) for t in (8, 40, 48, 96, 256)] == \
+        [False, False, True, True, True]
 
 
 def test_attention_kernels_lower_to_triton():
