@@ -202,10 +202,15 @@ def paged_prefill_attend(pool: KVPool, table, layer, q, slots, slot_offset: int 
     if splits > 1:
         # Merge the splits; an empty split has m = -inf and weighs 0, a row that sees nothing
         # at all yields 0.
+        # The sums run split by split in a fixed order, as elementwise adds: a reduction over
+        # the split axis is laid out by XLA per shape, and its order (so the result's last
+        # bits) then changed with B on the H200 (6 splits, block_rows 128).
         acc, m, l = out
         m_all = jnp.max(m, axis=1, keepdims=True)
         w = jnp.where(jnp.isfinite(m), jnp.exp(m - m_all), 0.0)      # [B, S, kvh, width]
-        out = (jnp.sum(acc * w[..., None], axis=1)
-               / jnp.maximum(jnp.sum(l * w, axis=1), 1e-30)[..., None]).astype(q.dtype)
+        num, den = acc[:, 0] * w[:, 0, ..., None], l[:, 0] * w[:, 0]
+        for i in range(1, splits):
+            num, den = num + acc[:, i] * w[:, i, ..., None], den + l[:, i] * w[:, i]
+        out = (num / jnp.maximum(den, 1e-30)[..., None]).astype(q.dtype)
     out = out[:, :, :n_rows].reshape(b, kvh, t, r, hd).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, nh, hd)
