@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.runtime.checkpoint_io import (PageDigests, StagedPages, _chunks, export_snapshot,
-                                          import_snapshot, page_spec, stage_pages)
+from engine.runtime.checkpoint_io import (RUN_PAGES, PageDigests, StagedPages, _chunks,
+                                          export_snapshot, import_snapshot, page_spec,
+                                          stage_pages)
 from engine.runtime.prefix import token_key
 from tests.test_engine_reuse import make_engine, meaningful, perturbed, run, turn
 
@@ -114,13 +115,15 @@ def test_eviction_saves_an_unsaved_session_head_and_restore_installs_it(tiny_mod
 
 def test_staging_layout_and_power_of_two_chunks():
     """No engine: StagedPages' per-page views concatenate to the page's bytes, stage_pages
-    copies pages into the same layout, and the scatter runs cover n pages exactly."""
-    for n in (1, 2, 5, 64, 1025, 2048):
+    copies pages into the same layout, and the scatter runs cover n pages exactly: runs of
+    RUN_PAGES, then the rest in power-of-two runs."""
+    for n in (1, 2, 5, 64, 127, 128, 1025, 2048):
         runs = _chunks(n)
         assert runs[0][0] == 0 and runs[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
         assert all((e - s) & (e - s - 1) == 0 for s, e in runs)  # powers of two
-        assert len(runs) == bin(n).count("1")
+        assert max(e - s for s, e in runs) <= RUN_PAGES
+        assert len(runs) == n // RUN_PAGES + bin(n % RUN_PAGES).count("1")
     spec = [((2, 4, 3), np.dtype(np.float32)), ((2, 4, 3), np.dtype(np.float32)),
             ((2, 4), np.dtype(np.float16))]
     page_bytes = 2 * 96 + 16
@@ -136,3 +139,28 @@ def test_staging_layout_and_power_of_two_chunks():
     assert StagedPages.layout(spec)(3, page_bytes + 1) is None
     with pytest.raises(ValueError):
         stage_pages(spec, [b"x" * 7])
+
+
+def test_verified_pages_start_their_runs_transfer():
+    """page_ready: a run's host-to-device transfer starts when its last page is reported,
+    not before; to_device starts the rest; the device runs hold the staged bytes."""
+    spec = [((2, 3), np.dtype(np.float32)), ((2, 3), np.dtype(np.float32))]
+    n = RUN_PAGES + 3  # runs: [0, 128), [128, 130), [130, 131)
+    rng = np.random.default_rng(1)
+    page_bytes = 2 * 24
+    staged = stage_pages(spec, [rng.integers(0, 256, page_bytes, np.uint8).tobytes()
+                                for _ in range(n)])
+    assert staged.runs == [(0, RUN_PAGES), (RUN_PAGES, RUN_PAGES + 2), (n - 1, n)]
+    for i in range(RUN_PAGES - 1):
+        staged.page_ready(i)
+    assert staged._started == [None, None, None]
+    staged.page_ready(RUN_PAGES - 1)
+    staged.page_ready(n - 1)
+    assert staged._started[0] is not None and staged._started[1] is None
+    assert staged._started[2] is not None
+    first = staged._started[0]
+    staged.to_device()
+    assert staged.device_chunks[0] is first  # not put twice
+    for (start, stop), arrays in zip(staged.runs, staged.device_chunks):
+        for dev, host in zip(arrays, staged.arrays):
+            np.testing.assert_array_equal(np.asarray(dev), host[start:stop])

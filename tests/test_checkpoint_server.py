@@ -195,6 +195,10 @@ def test_s2_true_cold_restore_corruption_and_graceful_stop(world):
                             headers={"Authorization": f"Bearer {key_of('alice')}"}).text
         restored = [e for e in events(w, "checkpoint_restore") if e["reason"] == "restored"]
         assert len(restored) == 2  # alice and dave; carol's is corrupt
+        for e in restored:  # where the restore's time went, logged with it
+            st = e["stages"]
+            assert {"read_verify", "to_device_s", "import_s", "total"} <= set(st)
+            assert all(v >= 0 for v in st.values()) and st["total"] <= e["seconds"]
         assert 'ninfer_checkpoint_restores_total{outcome="restored"} 2.0' in metrics
         assert 'ninfer_checkpoint_restores_total{outcome="corrupt"} 1.0' in metrics
         assert "ninfer_checkpoint_restore_bytes_total 0.0" not in metrics

@@ -13,9 +13,11 @@ Import without extra copies: `StagedPages` holds, per pool array, one host array
 page_size, ...] (page-major, so every page's slice of it is contiguous). The checkpoint store
 reads each page file straight into its slices (`StagedPages.layout`, one readv per page), or
 `stage_pages` copies pages given as buffers into it once; either happens off the engine thread.
-`StagedPages.to_device` starts the host-to-device transfer off the engine thread too; the
-engine thread then only scatters: in power-of-two runs of pages (few compiled shapes, and no
-padding pages to build, transfer or drop).
+The host-to-device transfer runs off the engine thread too, run by run (RUN_PAGES pages, then
+power-of-two runs: few compiled shapes, no padding pages to build, transfer or drop): the store
+reports each verified page (`StagedPages.page_ready`) and a run's transfer starts with its last
+page, while later pages are still being read; `StagedPages.to_device` starts any run not yet
+started. The engine thread then only scatters.
 
 Full pages are immutable while any table holds them (writers copy a shared page first and never
 write below their own length), so a full page's digest stays valid as long as a live snapshot
@@ -24,6 +26,7 @@ that was exported holds it: `PageDigests` remembers those and an export skips re
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import jax
@@ -101,11 +104,19 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())  # pad page lists to powers of two: few compiles
 
 
+RUN_PAGES = 128  # the longest run: its transfer starts as soon as its pages are verified
+
+
 def _chunks(n: int) -> list[tuple[int, int]]:
-    """[start, stop) runs of n pages, each a power of two long, largest first."""
+    """[start, stop) runs covering n pages: runs of RUN_PAGES, then the rest in power-of-two
+    runs, largest first (a few compiled scatter shapes, no padding pages)."""
     out, start = [], 0
-    for bit in reversed(range(max(n, 1).bit_length())):
-        if n & (1 << bit):
+    while n - start >= RUN_PAGES:
+        out.append((start, start + RUN_PAGES))
+        start += RUN_PAGES
+    rest = n - start
+    for bit in reversed(range(max(rest, 1).bit_length())):
+        if rest & (1 << bit):
             out.append((start, start + (1 << bit)))
             start += 1 << bit
     return out
@@ -134,16 +145,42 @@ class StagedPages:
         # raw bytes (a dtype such as bfloat16 may not export a buffer): typed views below
         self._raw = [np.empty((n, int(np.prod(s)) * d.itemsize), np.uint8) for s, d in spec]
         self.arrays = [r.view(d).reshape((n,) + tuple(s)) for r, (s, d) in zip(self._raw, spec)]
-        self.device_chunks = None  # per power-of-two run: its arrays on the device
+        self.runs = _chunks(n)
+        self.device_chunks = None  # per run: its arrays on the device (to_device)
+        self._started: list = [None] * len(self.runs)  # per run: its arrays, once put
+        self._left = [stop - start for start, stop in self.runs]  # pages not verified yet
+        self._run_of = np.repeat(np.arange(len(self.runs)), self._left)
+        self._mu = threading.Lock()
 
     def views(self, i: int) -> list[memoryview]:
         return [memoryview(r[i]) for r in self._raw]
 
+    def _put(self, k: int) -> None:
+        start, stop = self.runs[k]
+        self._started[k] = [jax.device_put(a[start:stop]) for a in self.arrays]
+
+    def page_ready(self, i: int) -> None:
+        """Page i's bytes are in and verified (any thread): the last page of a run starts that
+        run's host-to-device transfer, so the transfers overlap the reading of later pages.
+        Nothing reaches the pool before `import_snapshot`, which the store's caller reaches
+        only when every page verified; a failed load just drops the transferred runs."""
+        k = int(self._run_of[i])
+        with self._mu:
+            self._left[k] -= 1
+            full = self._left[k] == 0
+        if full:
+            try:
+                self._put(k)
+            except Exception:  # noqa: BLE001 - to_device puts the run again and raises there
+                self._started[k] = None
+
     def to_device(self) -> "StagedPages":
-        """Start the host-to-device transfer of every run now (any thread: the pool is not
-        touched), so the engine thread only scatters."""
-        self.device_chunks = [[jax.device_put(a[start:stop]) for a in self.arrays]
-                              for start, stop in _chunks(self.n)]
+        """Start the host-to-device transfer of every run not started by `page_ready` (any
+        thread: the pool is not touched), so the engine thread only scatters."""
+        for k in range(len(self.runs)):
+            if self._started[k] is None:
+                self._put(k)
+        self.device_chunks = list(self._started)
         return self
 
     @classmethod
@@ -259,7 +296,7 @@ def import_snapshot(mem, principal: str, session: str | None, tokens, pages,
     table.append(n)  # fresh pages, no copies: the table was empty
     page_ids = np.asarray(table.pages, np.int32)
     arrays = _arrays(mem.cache.pool)
-    for k, (start, stop) in enumerate(_chunks(n_pages)):  # power-of-two runs: no padding
+    for k, (start, stop) in enumerate(staged.runs):  # few compiled shapes, no padding
         data = (staged.device_chunks[k] if staged.device_chunks is not None
                 else [jnp.asarray(a[start:stop]) for a in staged.arrays])
         arrays = _scatter(arrays, jnp.asarray(page_ids[start:stop]), data)

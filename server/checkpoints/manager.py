@@ -150,7 +150,8 @@ class Checkpointer:
                 self._log("checkpoint_restore", session_ns=ns, state=res.state,
                           reason=res.reason, generation=res.generation)
                 return res.reason
-            snap = self._install(principal, session, res)
+            stages = dict(res.timings or {})
+            snap = self._install(principal, session, res, stages)
             reason = "restored" if snap is not None else "no_room"
             if snap is None:  # running sequences hold the room: a later request retries
                 self._resident.discard(k)
@@ -160,7 +161,8 @@ class Checkpointer:
                     self._heads[k] = Head(res.head_response_id, res.tokens, snap.key, True)
             self._log("checkpoint_restore", session_ns=ns, state=res.state, reason=reason,
                       generation=res.generation, restored_tokens=int(res.tokens.shape[0]),
-                      read_bytes=res.bytes_read, seconds=round(time.monotonic() - t0, 6))
+                      read_bytes=res.bytes_read, seconds=round(time.monotonic() - t0, 6),
+                      stages={k: round(v, 4) for k, v in stages.items()})
             return reason
 
     def _page_layout(self):
@@ -173,7 +175,9 @@ class Checkpointer:
                 lambda e: page_spec(e.mem.cache.pool)).result(timeout=EXPORT_TIMEOUT_S)
         return StagedPages.layout(self._spec)
 
-    def _install(self, principal, session, res):
+    def _install(self, principal, session, res, stages: dict):
+        """Install a verified load on the engine thread; `stages` receives the transfer's
+        remaining start (to_device_s) and the engine's scatter and install (import_s)."""
         from engine.runtime.checkpoint_io import import_snapshot
 
         mem = self.engine.mem
@@ -183,12 +187,17 @@ class Checkpointer:
         rec = np.frombuffer(res.state_bytes, np.float32, offset=conv_n).reshape(
             mem.states.rec_shape)
         pages = res.pages
+        t = time.monotonic()
         if res.staged is not None:  # transferred here: the engine thread only scatters
             pages = res.staged.to_device()
+        stages["to_device_s"] = time.monotonic() - t
+        t = time.monotonic()
         fut = self.engine.call(lambda e: import_snapshot(
             e.mem, principal, session, res.tokens, pages, conv, rec, self._digests,
             res.page_digests))
-        return fut.result(timeout=EXPORT_TIMEOUT_S)
+        snap = fut.result(timeout=EXPORT_TIMEOUT_S)
+        stages["import_s"] = time.monotonic() - t
+        return snap
 
     # ---- deletions ------------------------------------------------------------------------
     def purge(self, principal: str, session: str) -> int:

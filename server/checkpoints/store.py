@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -94,6 +95,7 @@ class LoadResult:
     head_response_id: str | None = None
     bytes_read: int = 0
     staged: object = None         # the page_layout handle the pages were read into, if any
+    timings: dict | None = None   # the load's stages, seconds
 
 
 class _Corrupt(Exception):
@@ -365,8 +367,13 @@ class CheckpointStore:
                 views.append(buf[off:off + size])
                 off += size
         t.lap("alloc")
-        checks = wait_all([self._pool.submit(_read_verify, path, view, digest)
-                           for path, view, digest in zip(paths, views, digests)])
+        # a handle that takes page reports (StagedPages.page_ready) hears of each page as soon
+        # as it verified: its host-to-device transfers start while later pages are read
+        ready = getattr(staged, "page_ready", None)
+        done = [None] + [None if ready is None else functools.partial(ready, i)
+                         for i in range(len(paths) - 1)]
+        checks = wait_all([self._pool.submit(_read_verify, path, view, digest, then)
+                           for path, view, digest, then in zip(paths, views, digests, done)])
         t.lap("read_verify")
         bad = [i for i, c in enumerate(checks) if c is not None]
         if bad:
@@ -376,7 +383,7 @@ class CheckpointStore:
         self.last_timings = t.done()
         return LoadResult("available", "restored", gdir.name, tokens, views[1:],
                           digests[1:], views[0], m["head_response_id"],
-                          len(tokens_b) + sum(sizes), staged)
+                          len(tokens_b) + sum(sizes), staged, dict(self.last_timings))
 
     @staticmethod
     def _verified(path: Path, entry: dict, bad_page: str | None = None) -> bytes:
@@ -444,9 +451,9 @@ class CheckpointStore:
             return quota.usage_stats(self)
 
 
-def _read_verify(path: Path, view, digest: str) -> str | None:
+def _read_verify(path: Path, view, digest: str, then=None) -> str | None:
     """Read `path` into `view` (a buffer, or a list of buffers filled in order) and check its
-    sha256: None, "missing" or "hash_mismatch"."""
+    sha256: None, "missing" or "hash_mismatch". `then()` runs after a match."""
     views = view if isinstance(view, list) else [view]
     try:
         ok = read_into(path, views)
@@ -457,7 +464,11 @@ def _read_verify(path: Path, view, digest: str) -> str | None:
     h = hashlib.sha256()
     for v in views:
         h.update(v)
-    return None if h.hexdigest() == digest else "hash_mismatch"
+    if h.hexdigest() != digest:
+        return "hash_mismatch"
+    if then is not None:
+        then()
+    return None
 
 
 class _Timer:
