@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--stages", default="4,6,8,12", help="copy stages of the MMA kernel")
     ap.add_argument("--prefetch", default="", help="register prefetch depths of the MMA "
                     "kernel to time as well, e.g. 2,4,8 (0: the copy ring)")
+    ap.add_argument("--wide", default="", help="prefetch depths (pairs of groups) of the wide "
+                    "tensor-core kernel to time, e.g. 2,4")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
     args = ap.parse_args()
@@ -65,6 +67,8 @@ def main() -> None:
             variants.update({f"mma_s{u}": ("mma", int(u)) for u in args.stages.split(",") if u})
             variants.update({f"mma_p{p}": ("prefetch", int(p))
                              for p in args.prefetch.split(",") if p})
+            variants.update({f"wide_p{p}": ("wide", int(p)) for p in args.wide.split(",") if p
+                             and m <= cuda_ops.WIDE_MAX_M})
             for impl, rpw in variants.items():
                 if rpw is not None and not res["cuda_available"]:
                     continue
@@ -74,6 +78,8 @@ def main() -> None:
                         return qgemv.qmatmul(x, w, idx, config=qgemv.default_config(w, m))
                     if rpw[0] == "fma":
                         return cuda_ops.int4_gemv(x, w, idx, variant="fma", rows_per_warp=rpw[1])
+                    if rpw[0] == "wide":
+                        return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1])
                     if rpw[0] == "prefetch":
                         return cuda_ops.int4_gemv(x, w, idx, variant="mma", prefetch=rpw[1])
                     return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],

@@ -8,7 +8,8 @@
 # Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
 # prefetch (the register-prefetch tensor-core GEMV: its GPU tests, a micro sweep of 2/4/8 and
-# C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}), cmdbuf
+# C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}), wide (the
+# wide tensor-core GEMV: GPU tests, micro sweep, C1/C2 1K decode with it), cmdbuf
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
 # profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
 # kernel), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
@@ -78,6 +79,18 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           "$OUT/prefetch_decode_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
           --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/prefetch_$TAG.json"
         grep -E -A4 'per step|decode' "$OUT/prefetch_decode_$TAG.log" | cut -c1-150 ;;
+      wide)  # the wide tensor-core GEMV: its GPU tests, a micro sweep, C1/C2 1K decode with it
+        run 150 "$OUT/wide_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_cuda_gemv.py -k wide
+        tail -n 2 "$OUT/wide_tests_$TAG.log"
+        run 120 "$OUT/wide_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
+          --rpw 2 --stages 4 --wide 2,4 --shapes 3,4,0,9 \
+          --out "$OUT/cuda_gemv_micro_wide_$TAG.json"
+        grep -E 'lm_head|gate|down' "$OUT/wide_gemv_$TAG.log"
+        NINFER_INT4_KERNEL=wide run 150 "$OUT/wide_decode_$TAG.log" $B27 --skip-peaks \
+          --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
+          --out "$OUT/wide_$TAG.json"
+        grep -E -A3 'per step|decode' "$OUT/wide_decode_$TAG.log" | cut -c1-150 ;;
       cmdbuf)  # XLA command buffers (CUDA graphs) for the loops too: the idle time between kernels
         XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
           run 160 "$OUT/cmdbuf_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \

@@ -25,6 +25,7 @@ def _qtensor(n, k, seed, lead=()):
 
 
 @pytest.mark.parametrize("variant,target", [("mma", cuda_ops.INT4_MMA_TARGET),
+                                            ("wide", cuda_ops.INT4_WIDE_TARGET),
                                             ("fma", cuda_ops.INT4_TARGET)])
 def test_lowers_to_its_ffi_call_for_cuda(variant, target):
     w = _qtensor(64, 128, 0, lead=(2,))
@@ -83,6 +84,31 @@ def test_tensor_core_variant_matches_reference_on_gpu(m, n, k, stages):
     assert rel_err(got, ref) < 4e-3  # the bf16 rounding of the output, not of the products
 
 
+WIDE_CASES = [  # (M, N, K, prefetch pairs): K multiples of 128; N not of 16 too
+    (1, 37, 128, 2), (1, 4096, 5120, 2), (1, 4096, 5120, 4), (2, 4096, 5120, 2),
+    (3, 1000, 17408, 4), (4, 999, 6144, 2), (1, 248, 384, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,prefetch", WIDE_CASES)
+def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
+    """The wide kernel (16-byte loads, two groups per MMA kept apart by B's columns) against
+    the fp32 reference; x is bf16, as the tensor cores take it."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(n, k, k + n)
+    x = jnp.asarray(np.random.default_rng(m + n).standard_normal((m, k)), jnp.bfloat16)
+    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch))(
+        x, w)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    with jax.default_matmul_precision("highest"):
+        want = linear(x.astype(jnp.float32), w)
+    assert_close(got, want, jnp.bfloat16)
+    # the prefetch depth changes when codes load, not what is summed: the same bits
+    other = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide",
+                                                    prefetch=6 - prefetch))(x, w)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(other, np.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefetch", [2, 4, 8])
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 5120), (2, 1000, 17408), (3, 37, 64),
@@ -134,7 +160,7 @@ def test_matches_reference_on_gpu(m, n, k, dtype, rpw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["mma", "fma"])
+@pytest.mark.parametrize("variant", ["mma", "wide", "fma"])
 @pytest.mark.parametrize("lead,index", [((3,), (2,)), ((2, 3), (1, 2))])
 def test_reads_a_layer_of_a_stack_on_gpu(lead, index, variant):
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
@@ -167,7 +193,7 @@ def test_qmatmul_sends_large_int4_matrices_to_cuda_on_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["mma", "fma"])
+@pytest.mark.parametrize("variant", ["mma", "wide", "fma"])
 def test_batch_invariant_and_deterministic_on_gpu(variant):
     """A row's result is bitwise the same whatever the other rows of x and however many."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
@@ -222,7 +248,7 @@ def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["fma", "mma"])
+@pytest.mark.parametrize("variant", ["fma", "mma", "wide"])
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_multi_is_bitwise_the_separate_calls_on_gpu(variant, m):
     """qkv/z/b/a-like: four weights of one stack, different N (one not a multiple of 16),

@@ -38,6 +38,8 @@ SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 INT4_SOURCE = SOURCE_DIR / "int4_gemv.cu"
 INT4_TARGET = "ninfer_int4_gemv"
 INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
+INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
+WIDE_MAX_M = 4  # the wide kernel's B columns: 2 per row of x
 # Within a group of 64 inputs, lane t of the MMA kernel multiplies its 16 codes in this order
 # (see the kernel's comment): x is permuted to match.
 _MMA_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15])
@@ -128,6 +130,8 @@ def _load_int4_locked() -> bool:
                                     platform="CUDA")
         jax.ffi.register_ffi_target(INT4_MMA_TARGET,
                                     jax.ffi.pycapsule(lib.NinferInt4GemvMma), platform="CUDA")
+        jax.ffi.register_ffi_target(INT4_WIDE_TARGET,
+                                    jax.ffi.pycapsule(lib.NinferInt4GemvWide), platform="CUDA")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _why_not.append(f"build or load failed: {e}")
         log.warning("CUDA int4 GEMV unavailable, using the Pallas kernel: %s", e)
@@ -203,7 +207,9 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
-    "fma": fp32 kernel. rows_per_warp (fma) / stages (mma: copy pipeline depth, 4/6/8/12):
+    "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
+    (M <= 4 and K a multiple of 128, else "mma"; prefetch 2 or 4 pairs, default 2 or
+    NINFER_INT4_WIDE_PREFETCH); "fma": fp32 kernel. rows_per_warp (fma) / stages (mma: copy pipeline depth, 4/6/8/12):
     tile parameters. prefetch (mma): 0 for the shared-memory copy ring, 2/4/8 for the kernel
     that loads the codes into registers that many groups ahead (the same sums, bit for bit;
     NINFER_INT4_PREFETCH, default 0 until the H200 has measured it)."""
@@ -229,7 +235,18 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     out_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
     pairs = [a for w in ws for a in (w.data, w.scale.astype(jnp.float32))]
     variant = variant or default_variant(x)
-    if variant == "mma":
+    if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
+        variant = "mma"
+    if variant == "wide":
+        g = k // GROUP
+        xb = x.reshape(m, k).astype(jnp.bfloat16)
+        # each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7: a lane's B registers (the kernel)
+        xw = xb.reshape(m, k // 8, 2, 4).transpose(0, 1, 3, 2).reshape(m, k)
+        corr = 136.0 * xb.astype(jnp.float32).reshape(m, g, GROUP).sum(-1)  # [M, G]
+        call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
+        y = call(xw, corr, idx, *pairs, prefetch=np.int64(
+            prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))))
+    elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))
         xg = xb.reshape(8, g, 4, 16)[..., _MMA_ORDER].transpose(1, 0, 2, 3)  # [G, 8, 4, 16]

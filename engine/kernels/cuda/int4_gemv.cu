@@ -546,6 +546,142 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   mma_reduce_store<OT>(red, tot, warp, lane, row0, n, m, y);
 }
 
+// ---- Wide tensor-core variant (M <= 4, K a multiple of 128) ---------------------------------
+//
+// The kernels above give each lane 8 bytes of a row per group, so one warp load touches 8 rows
+// for 32 bytes each (and the scale loads 8 rows for 4 bytes each): the L1 handles ~33 lines per
+// 512 bytes of codes. Without any arithmetic that pattern reads at 3.4 TB/s on the H200, against
+// 4.3 TB/s with 16 bytes a lane and row (bench/read_patterns.py `mma`, docs/benchmarks/README.md
+// v9). Here lane (g, t) loads 16 contiguous bytes of row g (and of row g + 8): bytes 16 t ..
+// 16 t + 15 of the row's 64-byte piece holding groups 2p and 2p + 1, so lanes t = 0, 1 hold
+// group 2p's codes and t = 2, 3 group 2p + 1's. An MMA's 16 k positions then span two groups,
+// which the B operand keeps apart: column n = 2m + par holds row m of x at the k positions of
+// the lanes with t / 2 == par and zeros elsewhere, so D's column n is row m's sum over group
+// 2p + par alone. Eight MMAs cover a pair of groups (32 codes of two rows per lane); lane (g, t)
+// ends with rows g and g + 8 of x row m = t for both groups, each scaled by its row's group
+// scale (one 8-byte load per row and pair).
+//
+// x comes with each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7 (xw [M, K] bf16: B register r
+// of a lane is its inputs' pair r, see cuda_ops); only the lanes whose column is a row of x
+// load it (zeros stay in the others' registers); corr [M, K/64] fp32 = 136 * the group sums
+// of x (as for the kernels above: the MMA sums x * (128 + q)). Warps take pairs warp, warp +
+// 8, ... of a 16-row tile, P pairs of codes and scales in flight in registers; their sums are
+// added in shared memory in warp order. Column m's result does not depend on M (its B column
+// and its A are the same): batch invariant.
+template <int P, typename OT>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    int4_gemv_wide(const uint4* __restrict__ xw, const float* __restrict__ corr,
+                   const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
+                   OT* __restrict__ y, int k, int m) {
+  __shared__ float2 red[kMmaWarps][32];
+  const int n = mt.start[mt.count];
+  const int64_t layer = layer_of(mt, index);
+  const int groups = k >> 6, pairs = k >> 7;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const uint8_t *wa, *wb;
+  const float *sa_p, *sb_p;
+  row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
+  row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
+  // The warp's i-th pair is pair warp + 8 i: the lane's codes at byte 64 (warp + 8 i) + 16 t
+  // of the row (+ 32 uint4 per i), the pair's two scales at float2 warp + 8 i.
+  const uint4* pa = reinterpret_cast<const uint4*>(wa + warp * 64) + t;
+  const uint4* pb = reinterpret_cast<const uint4*>(wb + warp * 64) + t;
+  const float2* qa = reinterpret_cast<const float2*>(sa_p) + warp;
+  const float2* qb = reinterpret_cast<const float2*>(sb_p) + warp;
+  // Column g of B: x row g / 2 where (g & 1) == t / 2 (the lane's codes are of group 2p + t / 2).
+  const bool has_x = g < 2 * m && (g & 1) == (t >> 1);
+  const uint4* xr = xw + static_cast<int64_t>(min(g >> 1, m - 1)) * (k >> 3) + warp * 16 + 4 * t;
+  const float2* cr = reinterpret_cast<const float2*>(corr + static_cast<int64_t>(min(t, m - 1)) *
+                                                     groups) + warp;
+  const int count = warp < pairs ? (pairs - warp + kMmaWarps - 1) / kMmaWarps : 0;
+
+  uint4 ca[P], cb[P];
+  float2 sa[P], sb[P];
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    if (j < count) {
+      ca[j] = load_stream(pa + 32 * j);
+      cb[j] = load_stream(pb + 32 * j);
+      sa[j] = __ldg(qa + 8 * j);
+      sb[j] = __ldg(qb + 8 * j);
+    }
+  }
+  float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
+  for (int i0 = 0; i0 < count; i0 += P) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      if (i0 + j < count) {  // the same for the whole warp
+        uint32_t b[16];
+        if (has_x) {
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            const uint4 xv = __ldg(xr + 128 * j + v);
+            b[4 * v] = xv.x;
+            b[4 * v + 1] = xv.y;
+            b[4 * v + 2] = xv.z;
+            b[4 * v + 3] = xv.w;
+          }
+        } else {
+#pragma unroll
+          for (int v = 0; v < 16; ++v) b[v] = 0u;
+        }
+        const uint32_t wq[4] = {ca[j].x, ca[j].y, ca[j].z, ca[j].w};
+        const uint32_t wr[4] = {cb[j].x, cb[j].y, cb[j].z, cb[j].w};
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const int e = 2 * (q & 1);
+          mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
+                   pair(wr[q >> 1], e + 1), b[2 * q], b[2 * q + 1]);
+        }
+        const float2 c = __ldg(cr + 8 * j);  // groups 2p, 2p + 1 of x row t
+        tot[0] = fmaf(sa[j].x, d[0] - c.x, tot[0]);
+        tot[0] = fmaf(sa[j].y, d[1] - c.y, tot[0]);
+        tot[1] = fmaf(sb[j].x, d[2] - c.x, tot[1]);
+        tot[1] = fmaf(sb[j].y, d[3] - c.y, tot[1]);
+        if (i0 + j + P < count) {  // the slot is free: refill it with the pair P ahead
+          ca[j] = load_stream(pa + 32 * (j + P));
+          cb[j] = load_stream(pb + 32 * (j + P));
+          sa[j] = __ldg(qa + 8 * (j + P));
+          sb[j] = __ldg(qb + 8 * (j + P));
+        }
+      }
+    }
+    pa += 32 * P;
+    pb += 32 * P;
+    qa += 8 * P;
+    qb += 8 * P;
+    xr += 128 * P;
+    cr += 8 * P;
+  }
+  red[warp][lane] = make_float2(tot[0], tot[1]);
+  __syncthreads();
+  if (warp == 0) {
+    float2 s = red[0][lane];
+#pragma unroll
+    for (int v = 1; v < kMmaWarps; ++v) {
+      const float2 o = red[v][lane];
+      s.x += o.x;
+      s.y += o.y;
+    }
+    const int ra = row0 + g, rb = ra + 8;
+    if (t < m) {
+      if (ra < n) y[static_cast<int64_t>(t) * n + ra] = to_out<OT>(s.x);
+      if (rb < n) y[static_cast<int64_t>(t) * n + rb] = to_out<OT>(s.y);
+    }
+  }
+}
+
+template <int P, typename OT>
+cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* xw, const float* corr,
+                        const Mats& mt, const int32_t* index, void* y, int k, int m) {
+  int4_gemv_wide<P, OT><<<blocks, kMmaWarps * 32, 0, stream>>>(
+      xw, corr, mt, index, static_cast<OT*>(y), k, m);
+  return cudaGetLastError();
+}
+
 template <int S, typename OT>
 cudaError_t launch_mma(cudaStream_t stream, int blocks, const uint4* x4, const float2* c2,
                        const Mats& mt, const int32_t* index, void* y, int k, int m) {
@@ -753,6 +889,48 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
   return ffi::Error::Success();
 }
 
+
+ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xw,
+                            ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
+                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
+                            int64_t prefetch) {
+  Mats mt{};
+  int64_t k = 0;
+  if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
+  const int64_t n = mt.start[mt.count];
+  const auto xd = xw.dimensions(), cd = corr.dimensions(), yd = y->dimensions();
+  if (k % 128 != 0) return ffi::Error::InvalidArgument("int4_gemv_wide: K must be a multiple of 128");
+  if (yd.size() != 2 || yd[1] != n || yd[0] < 1 || yd[0] > 4)
+    return ffi::Error::InvalidArgument("int4_gemv_wide: y must be [M <= 4, N]");
+  const int64_t m = yd[0];
+  if (xd.size() != 2 || xd[0] != m || xd[1] != k)
+    return ffi::Error::InvalidArgument("int4_gemv_wide: xw must be [M, K]");
+  if (cd.size() != 2 || cd[0] != m || cd[1] != k / 64)
+    return ffi::Error::InvalidArgument("int4_gemv_wide: corr must be [M, K/64]");
+  const int blocks = static_cast<int>((n + 15) / 16);
+  const auto* x4 = reinterpret_cast<const uint4*>(xw.typed_data());
+  const float* c = corr.typed_data();
+  const int mi = static_cast<int>(m), ki = static_cast<int>(k);
+  void* yp = y->untyped_data();
+  const bool bf16 = y->element_type() == ffi::DataType::BF16;
+  if (!bf16 && y->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("int4_gemv_wide: y must be f32 or bf16");
+  cudaError_t err;
+  switch (prefetch) {
+    case 2:
+      err = bf16 ? launch_wide<2, __nv_bfloat16>(stream, blocks, x4, c, mt, index.typed_data(), yp, ki, mi)
+                 : launch_wide<2, float>(stream, blocks, x4, c, mt, index.typed_data(), yp, ki, mi);
+      break;
+    case 4:
+      err = bf16 ? launch_wide<4, __nv_bfloat16>(stream, blocks, x4, c, mt, index.typed_data(), yp, ki, mi)
+                 : launch_wide<4, float>(stream, blocks, x4, c, mt, index.typed_data(), yp, ki, mi);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("int4_gemv_wide: prefetch must be 2 or 4");
+  }
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Gemv, Int4GemvImpl,
@@ -774,5 +952,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvMma, Int4GemvMmaImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("stages")
+                                  .Attr<int64_t>("prefetch"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("prefetch"),
                               {ffi::Traits::kCmdBufferCompatible});
