@@ -39,9 +39,23 @@ def test_lowers_to_its_ffi_call_for_cuda(variant, target):
     assert exp.out_avals[0].shape == (1, 64) and exp.out_avals[0].dtype == jnp.bfloat16
 
 
+def test_wide_falls_back_where_k_is_not_a_multiple_of_128():
+    """The default for bf16 x is the wide kernel; K = 192 (3 groups) cannot pair its groups:
+    one row of x takes the fma kernel, three the mma one."""
+    w = _qtensor(64, 192, 0)
+    for m, target in ((1, cuda_ops.INT4_TARGET), (3, cuda_ops.INT4_MMA_TARGET),
+                      (4, cuda_ops.INT4_MMA_TARGET)):
+        exp = export.export(jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w)), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
+            jnp.ones((m, 192), jnp.bfloat16), w)
+        assert target in exp.mlir_module() and cuda_ops.INT4_WIDE_TARGET not in exp.mlir_module()
+
+
 def test_variant_choice():
     one, two = jnp.ones((1, 128), jnp.bfloat16), jnp.ones((2, 128), jnp.bfloat16)
-    assert cuda_ops.default_variant(one) == "fma" and cuda_ops.default_variant(two) == "mma"
+    five = jnp.ones((5, 128), jnp.bfloat16)
+    assert cuda_ops.default_variant(one) == "wide" and cuda_ops.default_variant(two) == "wide"
+    assert cuda_ops.default_variant(five) == "mma"
     assert cuda_ops.default_variant(two.astype(jnp.float32)) == "fma"
     assert not cuda_ops.worthwhile([_qtensor(64, 128, 0)]) and cuda_ops.MIN_ROWS > 64
     assert cuda_ops.worthwhile([_qtensor(64, 128, 0)] * (cuda_ops.MIN_ROWS // 64))

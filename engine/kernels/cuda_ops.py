@@ -181,24 +181,28 @@ def default_rows_per_warp(m: int) -> int:
     return 2 if m <= 4 else 1
 
 
-# Measured on the H200 (docs/benchmarks/README.md, v4 and v6): below this many output rows the
-# kernels' blocks cannot fill the GPU and the Pallas kernel (which splits K) is as fast or
-# faster; the FMA kernel is the faster one for one row of x (a whole C1 decode step: 90.7 vs
-# 86.7 tok/s), the tensor-core one from two rows on (its cost does not grow with M; C2:
-# 163.7 vs 148.7 tok/s).
+# Measured on the H200 (docs/benchmarks/README.md, v4, v6 and v9): below this many output rows
+# the kernels' blocks cannot fill the GPU and the Pallas kernel (which splits K) is as fast or
+# faster. For bf16 x with up to WIDE_MAX_M rows the wide tensor-core kernel is the fastest (v9:
+# lm_head 248 us at M = 1 against 314 us for "fma" and 325 us for "mma"; a whole decode step
+# C1 97.3 tok/s, C2 187.5 tok/s, against 92.4 and 151.2 with "fma" for C1 and "mma" for C2);
+# "mma" takes 5..8 rows, "fma" fp32 x.
 MIN_ROWS = 2048
-FMA_MAX_M = 1
+FMA_MAX_M = 1  # "fma" for bf16 x of this many rows when "wide" does not apply (K % 128 != 0)
 
 
 def default_variant(x) -> str:
-    """"fma" (fp32 FMAs, exact dequantization; any x dtype) for M <= FMA_MAX_M or fp32 x,
-    "mma" (bf16 tensor cores) for bf16 x with more rows. Both are batch-invariant on their own;
-    an engine runs its decode step at a fixed batch, so it always uses the same one."""
+    """"wide" (bf16 tensor cores, 16-byte loads) for bf16 x of M <= WIDE_MAX_M rows (it falls
+    back to "mma" where K is not a multiple of 128), "mma" for bf16 x of more rows, "fma"
+    (fp32 FMAs, exact dequantization) for fp32 x. Each is batch-invariant on its own, and an
+    engine runs its decode step at a fixed batch, so it always uses the same one."""
     env = os.environ.get("NINFER_INT4_KERNEL")
     if env:
         return env
     m = int(np.prod(x.shape[:-1], dtype=np.int64))
-    return "mma" if x.dtype == jnp.bfloat16 and m > FMA_MAX_M else "fma"
+    if x.dtype != jnp.bfloat16:
+        return "fma"
+    return "wide" if m <= WIDE_MAX_M else "mma"
 
 
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
@@ -236,7 +240,7 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     pairs = [a for w in ws for a in (w.data, w.scale.astype(jnp.float32))]
     variant = variant or default_variant(x)
     if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
-        variant = "mma"
+        variant = "fma" if m <= FMA_MAX_M else "mma"
     if variant == "wide":
         g = k // GROUP
         xb = x.reshape(m, k).astype(jnp.bfloat16)
