@@ -43,6 +43,8 @@ def main() -> None:
                     "kernel to time as well, e.g. 2,4,8 (0: the copy ring)")
     ap.add_argument("--wide", default="", help="prefetch depths (pairs of groups) of the wide "
                     "tensor-core kernel to time, e.g. 2,4")
+    ap.add_argument("--wide-warps", default="8", help="warps to a 16-row tile of the wide "
+                    "kernel (8, 16)")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
     args = ap.parse_args()
@@ -67,8 +69,9 @@ def main() -> None:
             variants.update({f"mma_s{u}": ("mma", int(u)) for u in args.stages.split(",") if u})
             variants.update({f"mma_p{p}": ("prefetch", int(p))
                              for p in args.prefetch.split(",") if p})
-            variants.update({f"wide_p{p}": ("wide", int(p)) for p in args.wide.split(",") if p
-                             and m <= cuda_ops.WIDE_MAX_M})
+            variants.update({f"wide_p{p}w{wp}": ("wide", int(p), int(wp))
+                             for p in args.wide.split(",") if p and m <= cuda_ops.WIDE_MAX_M
+                             for wp in args.wide_warps.split(",")})
             for impl, rpw in variants.items():
                 if rpw is not None and not res["cuda_available"]:
                     continue
@@ -79,7 +82,8 @@ def main() -> None:
                     if rpw[0] == "fma":
                         return cuda_ops.int4_gemv(x, w, idx, variant="fma", rows_per_warp=rpw[1])
                     if rpw[0] == "wide":
-                        return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1])
+                        return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1],
+                                                  warps=rpw[2])
                     if rpw[0] == "prefetch":
                         return cuda_ops.int4_gemv(x, w, idx, variant="mma", prefetch=rpw[1])
                     return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],

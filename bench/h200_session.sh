@@ -9,7 +9,8 @@
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
 # prefetch (the register-prefetch tensor-core GEMV: its GPU tests, a micro sweep of 2/4/8 and
 # C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}), wide (the
-# wide tensor-core GEMV: GPU tests, micro sweep, C1/C2 1K decode with it), cmdbuf
+# wide tensor-core GEMV: GPU tests, micro sweep of 8 and 16 warps to a tile, C1/C2 1K decode
+# with each of WIDE_WARPS, default "8 16"), cmdbuf
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
 # profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
 # kernel), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
@@ -83,14 +84,16 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 150 "$OUT/wide_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k wide
         tail -n 2 "$OUT/wide_tests_$TAG.log"
-        run 120 "$OUT/wide_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
-          --rpw 2 --stages 4 --wide 2,4 --shapes 3,4,0,9 \
+        run 150 "$OUT/wide_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
+          --rpw 2 --stages 4 --wide 2 --wide-warps 8,16 --shapes 3,4,2,7,0,9 \
           --out "$OUT/cuda_gemv_micro_wide_$TAG.json"
-        grep -E 'lm_head|gate|down' "$OUT/wide_gemv_$TAG.log"
-        NINFER_INT4_KERNEL=wide run 150 "$OUT/wide_decode_$TAG.log" $B27 --skip-peaks \
-          --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
-          --out "$OUT/wide_$TAG.json"
-        grep -E -A3 'per step|decode' "$OUT/wide_decode_$TAG.log" | cut -c1-150 ;;
+        grep -E 'fma|wide' "$OUT/wide_gemv_$TAG.log"
+        for W in ${WIDE_WARPS:-8 16}; do
+          NINFER_INT4_KERNEL=wide NINFER_INT4_WIDE_WARPS=$W run 150 \
+            "$OUT/wide_decode_w${W}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
+            --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_w${W}_$TAG.json"
+          grep -E -A3 'per step|decode' "$OUT/wide_decode_w${W}_$TAG.log" | cut -c1-150
+        done ;;
       cmdbuf)  # XLA command buffers (CUDA graphs) for the loops too: the idle time between kernels
         XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
           run 160 "$OUT/cmdbuf_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \

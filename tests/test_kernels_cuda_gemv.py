@@ -121,6 +121,10 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
     other = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide",
                                                     prefetch=6 - prefetch))(x, w)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(other, np.float32))
+    # 16 warps to a tile: other partial sums, the same result within bf16
+    sixteen = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch,
+                                                      warps=16))(x, w)
+    assert_close(sixteen, want, jnp.bfloat16)
 
 
 @pytest.mark.gpu

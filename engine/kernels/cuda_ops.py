@@ -207,23 +207,24 @@ def default_variant(x) -> str:
 
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
-              prefetch: int | None = None):
+              prefetch: int | None = None, warps: int | None = None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
     (M <= 4 and K a multiple of 128, else "mma"; prefetch 2 or 4 pairs, default 2 or
-    NINFER_INT4_WIDE_PREFETCH); "fma": fp32 kernel. rows_per_warp (fma) / stages (mma: copy pipeline depth, 4/6/8/12):
+    NINFER_INT4_WIDE_PREFETCH; warps: 8 or 16 to a 16-row tile, default 8 or
+    NINFER_INT4_WIDE_WARPS, 16 not measured yet); "fma": fp32 kernel. rows_per_warp (fma) / stages (mma: copy pipeline depth, 4/6/8/12):
     tile parameters. prefetch (mma): 0 for the shared-memory copy ring, 2/4/8 for the kernel
     that loads the codes into registers that many groups ahead (the same sums, bit for bit;
     NINFER_INT4_PREFETCH, default 0 until the H200 has measured it)."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
-                           stages=stages, prefetch=prefetch)[0]
+                           stages=stages, prefetch=prefetch, warps=warps)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
-                    prefetch: int | None = None):
+                    prefetch: int | None = None, warps: int | None = None):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
@@ -249,7 +250,8 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         corr = 136.0 * xb.astype(jnp.float32).reshape(m, g, GROUP).sum(-1)  # [M, G]
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xw, corr, idx, *pairs, prefetch=np.int64(
-            prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))))
+            prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))),
+                 warps=np.int64(warps or int(os.environ.get("NINFER_INT4_WIDE_WARPS", "8"))))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))

@@ -568,12 +568,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // 8, ... of a 16-row tile, P pairs of codes and scales in flight in registers; their sums are
 // added in shared memory in warp order. Column m's result does not depend on M (its B column
 // and its A are the same): batch invariant.
-template <int P, typename OT>
-__global__ void __launch_bounds__(kMmaWarps * 32)
+template <int P, int W, typename OT>
+__global__ void __launch_bounds__(W * 32)
     int4_gemv_wide(const uint4* __restrict__ xw, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
                    OT* __restrict__ y, int k, int m) {
-  __shared__ float2 red[kMmaWarps][32];
+  __shared__ float2 red[W][32];
   const int n = mt.start[mt.count];
   const int64_t layer = layer_of(mt, index);
   const int groups = k >> 6, pairs = k >> 7;
@@ -584,8 +584,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const float *sa_p, *sb_p;
   row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
   row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
-  // The warp's i-th pair is pair warp + 8 i: the lane's codes at byte 64 (warp + 8 i) + 16 t
-  // of the row (+ 32 uint4 per i), the pair's two scales at float2 warp + 8 i.
+  // The warp's i-th pair is pair warp + W i: the lane's codes at byte 64 (warp + W i) + 16 t
+  // of the row (+ 4 W uint4 per i), the pair's two scales at float2 warp + W i.
   const uint4* pa = reinterpret_cast<const uint4*>(wa + warp * 64) + t;
   const uint4* pb = reinterpret_cast<const uint4*>(wb + warp * 64) + t;
   const float2* qa = reinterpret_cast<const float2*>(sa_p) + warp;
@@ -595,17 +595,17 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const uint4* xr = xw + static_cast<int64_t>(min(g >> 1, m - 1)) * (k >> 3) + warp * 16 + 4 * t;
   const float2* cr = reinterpret_cast<const float2*>(corr + static_cast<int64_t>(min(t, m - 1)) *
                                                      groups) + warp;
-  const int count = warp < pairs ? (pairs - warp + kMmaWarps - 1) / kMmaWarps : 0;
+  const int count = warp < pairs ? (pairs - warp + W - 1) / W : 0;
 
   uint4 ca[P], cb[P];
   float2 sa[P], sb[P];
 #pragma unroll
   for (int j = 0; j < P; ++j) {
     if (j < count) {
-      ca[j] = load_stream(pa + 32 * j);
-      cb[j] = load_stream(pb + 32 * j);
-      sa[j] = __ldg(qa + 8 * j);
-      sb[j] = __ldg(qb + 8 * j);
+      ca[j] = load_stream(pa + 4 * W * j);
+      cb[j] = load_stream(pb + 4 * W * j);
+      sa[j] = __ldg(qa + W * j);
+      sb[j] = __ldg(qb + W * j);
     }
   }
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
@@ -617,7 +617,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         if (has_x) {
 #pragma unroll
           for (int v = 0; v < 4; ++v) {
-            const uint4 xv = __ldg(xr + 128 * j + v);
+            const uint4 xv = __ldg(xr + 16 * W * j + v);
             b[4 * v] = xv.x;
             b[4 * v + 1] = xv.y;
             b[4 * v + 2] = xv.z;
@@ -636,32 +636,32 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
           mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
                    pair(wr[q >> 1], e + 1), b[2 * q], b[2 * q + 1]);
         }
-        const float2 c = __ldg(cr + 8 * j);  // groups 2p, 2p + 1 of x row t
+        const float2 c = __ldg(cr + W * j);  // groups 2p, 2p + 1 of x row t
         tot[0] = fmaf(sa[j].x, d[0] - c.x, tot[0]);
         tot[0] = fmaf(sa[j].y, d[1] - c.y, tot[0]);
         tot[1] = fmaf(sb[j].x, d[2] - c.x, tot[1]);
         tot[1] = fmaf(sb[j].y, d[3] - c.y, tot[1]);
         if (i0 + j + P < count) {  // the slot is free: refill it with the pair P ahead
-          ca[j] = load_stream(pa + 32 * (j + P));
-          cb[j] = load_stream(pb + 32 * (j + P));
-          sa[j] = __ldg(qa + 8 * (j + P));
-          sb[j] = __ldg(qb + 8 * (j + P));
+          ca[j] = load_stream(pa + 4 * W * (j + P));
+          cb[j] = load_stream(pb + 4 * W * (j + P));
+          sa[j] = __ldg(qa + W * (j + P));
+          sb[j] = __ldg(qb + W * (j + P));
         }
       }
     }
-    pa += 32 * P;
-    pb += 32 * P;
-    qa += 8 * P;
-    qb += 8 * P;
-    xr += 128 * P;
-    cr += 8 * P;
+    pa += 4 * W * P;
+    pb += 4 * W * P;
+    qa += W * P;
+    qb += W * P;
+    xr += 16 * W * P;
+    cr += W * P;
   }
   red[warp][lane] = make_float2(tot[0], tot[1]);
   __syncthreads();
   if (warp == 0) {
     float2 s = red[0][lane];
 #pragma unroll
-    for (int v = 1; v < kMmaWarps; ++v) {
+    for (int v = 1; v < W; ++v) {
       const float2 o = red[v][lane];
       s.x += o.x;
       s.y += o.y;
@@ -674,12 +674,32 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
 }
 
-template <int P, typename OT>
+template <int P, int W, typename OT>
 cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* xw, const float* corr,
                         const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  int4_gemv_wide<P, OT><<<blocks, kMmaWarps * 32, 0, stream>>>(
+  int4_gemv_wide<P, W, OT><<<blocks, W * 32, 0, stream>>>(
       xw, corr, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
+}
+
+// The wide kernel a call asks for: P pairs in flight, W warps to a 16-row tile (16 spreads
+// a tile's pairs over twice the warps: for few rows, whose 8-warp blocks leave SMs idle).
+// `known` is false for a combination not built.
+template <typename OT>
+cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps,
+                                int blocks, const uint4* xw, const float* corr, const Mats& mt,
+                                const int32_t* index, void* y, int k, int m, bool& known) {
+  known = true;
+  if (prefetch == 2 && warps == 8)
+    return launch_wide<2, 8, OT>(stream, blocks, xw, corr, mt, index, y, k, m);
+  if (prefetch == 4 && warps == 8)
+    return launch_wide<4, 8, OT>(stream, blocks, xw, corr, mt, index, y, k, m);
+  if (prefetch == 2 && warps == 16)
+    return launch_wide<2, 16, OT>(stream, blocks, xw, corr, mt, index, y, k, m);
+  if (prefetch == 4 && warps == 16)
+    return launch_wide<4, 16, OT>(stream, blocks, xw, corr, mt, index, y, k, m);
+  known = false;
+  return cudaSuccess;
 }
 
 template <int S, typename OT>
@@ -893,7 +913,7 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
 ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xw,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
-                            int64_t prefetch) {
+                            int64_t prefetch, int64_t warps) {
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
@@ -915,19 +935,14 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xw,
   const bool bf16 = y->element_type() == ffi::DataType::BF16;
   if (!bf16 && y->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("int4_gemv_wide: y must be f32 or bf16");
-  cudaError_t err;
-  switch (prefetch) {
-    case 2:
-      err = bf16 ? launch_wide<2, __nv_bfloat16>(stream, blocks, x4, c, mt, index.typed_data(), yp, ki, mi)
-                 : launch_wide<2, float>(stream, blocks, x4, c, mt, index.typed_data(), yp, ki, mi);
-      break;
-    case 4:
-      err = bf16 ? launch_wide<4, __nv_bfloat16>(stream, blocks, x4, c, mt, index.typed_data(), yp, ki, mi)
-                 : launch_wide<4, float>(stream, blocks, x4, c, mt, index.typed_data(), yp, ki, mi);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("int4_gemv_wide: prefetch must be 2 or 4");
-  }
+  bool known = false;
+  const cudaError_t err =
+      bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, blocks, x4, c, mt,
+                                                index.typed_data(), yp, ki, mi, known)
+           : launch_wide_variant<float>(stream, prefetch, warps, blocks, x4, c, mt,
+                                        index.typed_data(), yp, ki, mi, known);
+  if (!known)
+    return ffi::Error::InvalidArgument("int4_gemv_wide: prefetch must be 2 or 4, warps 8 or 16");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -963,5 +978,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("prefetch"),
+                                  .Attr<int64_t>("prefetch")
+                                  .Attr<int64_t>("warps"),
                               {ffi::Traits::kCmdBufferCompatible});
