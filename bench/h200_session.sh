@@ -10,7 +10,8 @@
 # prefetch (the register-prefetch tensor-core GEMV: its GPU tests, a micro sweep of 2/4/8 and
 # C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}), wide (the
 # wide tensor-core GEMV: GPU tests, micro sweep of 8 and 16 warps to a tile, C1/C2 1K decode
-# with each of WIDE_WARPS, default "8 16"), cmdbuf
+# with each of WIDE_WARPS, default "8 16"), inplace (C1/C2 1K decode with the GDN states
+# updated in place, NINFER_GDN_INPLACE=1, and the fused kernel's GPU tests), cmdbuf
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
 # profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
 # kernel), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
@@ -94,6 +95,14 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_w${W}_$TAG.json"
           grep -E -A3 'per step|decode' "$OUT/wide_decode_w${W}_$TAG.log" | cut -c1-150
         done ;;
+      inplace)  # GDN states updated in place by the fused decode kernel (NINFER_GDN_INPLACE=1)
+        run 120 "$OUT/inplace_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_gdn_fused.py
+        tail -n 2 "$OUT/inplace_tests_$TAG.log"
+        NINFER_GDN_INPLACE=1 run 150 "$OUT/inplace_decode_$TAG.log" $B27 --skip-peaks \
+          --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
+          --out "$OUT/inplace_$TAG.json"
+        grep -E -A6 'per step|decode' "$OUT/inplace_decode_$TAG.log" | cut -c1-150 ;;
       cmdbuf)  # XLA command buffers (CUDA graphs) for the loops too: the idle time between kernels
         XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
           run 160 "$OUT/cmdbuf_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \

@@ -4,6 +4,7 @@ canonical names (`linear_attn.in_proj_qkv` -> p["linear_attn"]["in_proj_qkv"])."
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,17 @@ def _gdn_rule(mode: str, kernels: str, t: int):
     return select_rule(mode, kernels, t)
 
 
+class StackedStates(NamedTuple):
+    """Every GDN layer's states as the cache stacks them (conv [*L, B, conv_dim, W - 1], rec
+    [*L, B, Hv, Dk, Dv]) and the flat int32 index of the layer at hand. Passed as a layer's
+    conv_state (rec_state None) on the in-place decode path (`inplace_decode_enabled`): the
+    fused decode kernel reads the layer's states in place and writes its recurrent state back
+    in place, so the scans carry the stacks and slice or copy no state."""
+    conv: jax.Array
+    rec: jax.Array
+    layer: jax.Array
+
+
 def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
               kernels: str = "xla"):
     """Gated DeltaNet token mixer. p: the layer's `linear_attn` params; x: [B, T, H] (normed).
@@ -44,6 +56,17 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
     b, t, _ = x.shape
     qkv, z, b_in, a_in = linear_multi(
         x, [p["in_proj_qkv"], p["in_proj_z"], p["in_proj_b"], p["in_proj_a"]], kernels)
+    if isinstance(conv_state, StackedStates):
+        from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked
+
+        st = conv_state
+        out, conv_l, rec = gdn_decode_fused_stacked(p, cfg, qkv, z, b_in, a_in, st.conv,
+                                                    st.rec, st.layer, lengths, x.dtype)
+        lead = st.conv.shape[:-3]
+        conv = st.conv.reshape(-1, *st.conv.shape[-3:]).at[st.layer].set(conv_l).reshape(
+            *lead, *st.conv.shape[-3:])
+        return (linear(out.reshape(b, t, -1), p["out_proj"], kernels),
+                StackedStates(conv, rec, st.layer), None)
     core = gdn_core
     if kernels == "pallas" and t == 1 and fused_decode_enabled():
         from engine.kernels.gdn_decode_fused import gdn_decode_fused as core
@@ -90,6 +113,15 @@ def fused_decode_enabled() -> bool:
     (engine/kernels/gdn_decode_fused.py; H200 v7: C1 decode 90.7 -> 96.3 tok/s).
     NINFER_GDN_FUSED=0 keeps the separate steps."""
     return os.environ.get("NINFER_GDN_FUSED", "1") != "0"
+
+
+def inplace_decode_enabled() -> bool:
+    """NINFER_GDN_INPLACE=1: with kernels="pallas" and the fused decode kernel, a decode step's
+    block scans carry the cache's GDN state stacks whole and each layer's kernel updates its
+    recurrent state in place (`StackedStates`), in place of slicing each block's states out
+    and writing them back (about 0.5 ms of state copies and slices in a 10.3 ms C1 step on the
+    H200, docs/benchmarks/README.md v9). Off until the H200 has measured it."""
+    return os.environ.get("NINFER_GDN_INPLACE", "0") == "1"
 
 
 def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,

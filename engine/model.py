@@ -19,7 +19,8 @@ from engine.cache import Cache, PagedCache, init_cache, init_paged_cache  # noqa
 from engine.config import ConfigError, ModelConfig
 from engine.kernels import check_kernels
 from engine.kernels.stacked import select_layer, sub_layer
-from engine.layers import GDN_RULES, attention_layer, gdn_layer
+from engine.layers import (GDN_RULES, StackedStates, attention_layer, fused_decode_enabled,
+                           gdn_layer, inplace_decode_enabled)
 from engine.norms import rms_norm
 from engine.paged_kv import PagedKV
 from engine.params import ParamError, stack_params  # noqa: F401  (re-exported)
@@ -54,6 +55,9 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
     # kernels="pallas": the scans carry layer indices and the matrices stay stacked, read in
     # place by the GEMV kernel through `Stacked` views (engine/kernels/stacked.py says why).
     views = kernels == "pallas"
+    # a decode step with the fused GDN kernel may update the state stacks in place (layers.py)
+    stacked = (views and x.shape[1] == 1 and fused_decode_enabled()
+               and inplace_decode_enabled())
 
     def block(carry, xs):
         x, kv, conv, rec = carry
@@ -69,9 +73,20 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
                                          kernels)
             return x, (conv_l, rec_l)
 
-        gdn_xs = jnp.arange(cfg.gdn_per_block, dtype=jnp.int32) if views else p["gdn"]
-        x, (conv_i, rec_i) = lax.scan(gdn, x, (gdn_xs, conv[i], rec[i]), unroll=unroll)
-        conv, rec = conv.at[i].set(conv_i), rec.at[i].set(rec_i)
+        def gdn_stacked(c, j):
+            x, conv, rec = c
+            st = StackedStates(conv, rec, i * cfg.gdn_per_block + j)
+            x, st, _ = gdn_layer(sub_layer(p["gdn"], j), cfg, x, st, None, lengths, valid,
+                                 mode, kernels)
+            return (x, st.conv, st.rec), None
+
+        gdn_ids = jnp.arange(cfg.gdn_per_block, dtype=jnp.int32)
+        if stacked:
+            (x, conv, rec), _ = lax.scan(gdn_stacked, (x, conv, rec), gdn_ids, unroll=unroll)
+        else:
+            gdn_xs = gdn_ids if views else p["gdn"]
+            x, (conv_i, rec_i) = lax.scan(gdn, x, (gdn_xs, conv[i], rec[i]), unroll=unroll)
+            conv, rec = conv.at[i].set(conv_i), rec.at[i].set(rec_i)
         if paged:
             x, layer_kv = attention_layer(p["attn"], cfg, x, PagedKV(kv, cache.block_table), i,
                                           positions, valid, kernels)

@@ -119,3 +119,90 @@ def test_fused_rows_do_not_depend_on_each_other():
                            interpret=True)
     for a, b in zip(one, both):
         assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
+
+
+def _stacked_case(rng, cfg, dtype, lengths, lead=(3, 2)):
+    """One layer's inputs plus state stacks [*lead, B, ...] that hold other layers' states
+    around it."""
+    p, _, qkv, z, b_in, a_in, cs, rs, lens, valid = _inputs(rng, cfg, len(lengths), dtype,
+                                                            lengths)
+    conv_all = jnp.asarray(rng.standard_normal(lead + cs.shape), cs.dtype)
+    rec_all = jnp.asarray(rng.standard_normal(lead + rs.shape) * 0.1, jnp.float32)
+    return p, qkv, z, b_in, a_in, conv_all, rec_all, lens, valid
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_stacked_states_in_place_are_the_sliced_call(dtype):
+    """gdn_decode_fused_stacked at layer (2, 1) of [3, 2] stacks: bit for bit the sliced
+    call's output and states; every other layer's states untouched."""
+    from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked
+
+    cfg = preset("tiny")
+    p, qkv, z, b_in, a_in, conv_all, rec_all, lens, valid = _stacked_case(
+        np.random.default_rng(6), cfg, dtype, [1, 0])
+    want = gdn_decode_fused(p, cfg, qkv, z, b_in, a_in, conv_all[2, 1], rec_all[2, 1], lens,
+                            valid, "recurrent", "pallas", dtype, interpret=True)
+    before = np.asarray(rec_all)
+    out, conv, rec = gdn_decode_fused_stacked(p, cfg, qkv, z, b_in, a_in, conv_all, rec_all,
+                                              jnp.int32(2 * 2 + 1), lens, dtype,
+                                              interpret=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(conv, np.float32), np.asarray(want[1], np.float32))
+    rec = np.array(rec)
+    np.testing.assert_array_equal(rec[2, 1], np.asarray(want[2]))
+    rec[2, 1] = before[2, 1]
+    np.testing.assert_array_equal(rec, before)
+
+
+def test_model_decode_in_place_is_the_sliced_path(monkeypatch):
+    """NINFER_GDN_INPLACE=1: the tiny model's decode step (one row without a token) with the
+    state stacks carried whole and updated in place: the same logits and cache, bit for bit,
+    as the path that slices each block's states."""
+    from engine import model as M
+    from engine.params import random_flat_params, stack_params
+
+    cfg = preset("tiny")
+    params = stack_params(random_flat_params(cfg, seed=7), cfg)
+    cache = M.init_cache(cfg, 2, 64, jnp.float32)
+    toks = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    _, _, cache = M.forward(params, cfg, toks, cache, kernels="xla")
+    step = jnp.asarray([[7], [11]], jnp.int32)
+    lengths = jnp.asarray([1, 0], jnp.int32)
+
+    def run():
+        return M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), lengths=lengths,
+                         kernels="pallas")
+
+    want = run()
+    monkeypatch.setenv("NINFER_GDN_INPLACE", "1")
+    jaxpr = str(jax.make_jaxpr(lambda c: M.forward(params, cfg, step, c, lengths=lengths,
+                                                   kernels="pallas"))(cache))
+    assert jaxpr.count("gdn_decode_fused") >= 1
+    got = run()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.gpu
+def test_stacked_states_in_place_on_gpu_27b_heads():
+    from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked
+
+    assert on_gpu()
+    p, qkv, z, b_in, a_in, conv_all, rec_all, lens, valid = _stacked_case(
+        np.random.default_rng(9), QWEN38_27B, jnp.bfloat16, [1, 1], lead=(2, 3))
+    want = gdn_decode_fused(p, QWEN38_27B, qkv, z, b_in, a_in, conv_all[1, 2], rec_all[1, 2],
+                            lens, valid, "recurrent", "pallas", jnp.bfloat16)
+    got = gdn_decode_fused_stacked(p, QWEN38_27B, qkv, z, b_in, a_in, conv_all, rec_all,
+                                   jnp.int32(5), lens, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(got[2][1, 2]), np.asarray(want[2]))
+
+
+def test_stacked_lowers_to_triton():
+    from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked
+
+    p, qkv, z, b_in, a_in, conv_all, rec_all, lens, _ = _stacked_case(
+        np.random.default_rng(10), QWEN38_27B, jnp.bfloat16, [1])
+    lowers_for_cuda(lambda p, *a: gdn_decode_fused_stacked(p, QWEN38_27B, *a, jnp.bfloat16,
+                                                           interpret=False),
+                    p, qkv, z, b_in, a_in, conv_all, rec_all, jnp.int32(3), lens)

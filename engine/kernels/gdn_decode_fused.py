@@ -34,8 +34,15 @@ def _silu(x):
     return x / (1.0 + jnp.exp(-x))
 
 
-def _kernel(len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref,
-            s_ref, o_ref, cso_ref, so_ref, *, r, dk, dv, key_dim, width, eps, scale):
+def _kernel(*refs, r, dk, dv, key_dim, width, eps, scale, stacked):
+    if stacked:  # the states of every layer, [L, B, ...]; this layer's index first
+        (idx_ref, len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_ref,
+         nw_ref, s_ref, o_ref, cso_ref, so_ref) = refs
+        at = (idx_ref[0],)
+    else:
+        (len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref,
+         s_ref, o_ref, cso_ref, so_ref) = refs
+        at = ()
     b, h = pl.program_id(0), pl.program_id(1)
     valid = len_ref[b] > 0
 
@@ -44,7 +51,7 @@ def _kernel(len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_
         writes their shifted window (the new conv state)."""
         cols = pl.ds(ch0, n)
         x = qkv_ref[b, cols].astype(jnp.float32)
-        win = [cs_ref[b, cols, i].astype(jnp.float32) for i in range(width - 1)]
+        win = [cs_ref[(*at, b, cols, i)].astype(jnp.float32) for i in range(width - 1)]
         y = x * w_ref[cols, width - 1].astype(jnp.float32)
         for i in range(width - 1):
             y = y + win[i] * w_ref[cols, i].astype(jnp.float32)
@@ -75,10 +82,11 @@ def _kernel(len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_
     g = -jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus
     g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
 
-    state = s_ref[b, h, :, :] * jnp.exp(g)                                  # [Dk, Dv] fp32
+    whole = (slice(None), slice(None))
+    state = s_ref[(*at, b, h, *whole)] * jnp.exp(g)                         # [Dk, Dv] fp32
     pred = jnp.sum(state * k[:, None], axis=0)                              # [Dv]
     state = state + k[:, None] * ((v - pred) * beta)[None, :]
-    so_ref[b, h, :, :] = state
+    so_ref[(*at, b, h, *whole)] = state
     out = jnp.sum(state * q[:, None], axis=0)                               # [Dv]
 
     zc = pl.ds(h * dv, dv)
@@ -105,7 +113,7 @@ def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_st
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     width = cfg.linear_conv_kernel
     kern = functools.partial(_kernel, r=hv // hk, dk=dk, dv=dv, key_dim=cfg.key_dim,
-                             width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5)
+                             width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5, stacked=False)
     out, conv_state, rec_state = pl.pallas_call(
         kern, grid=(bsz, hv),
         out_shape=(jax.ShapeDtypeStruct((bsz, hv * dv), out_dtype),
@@ -118,3 +126,43 @@ def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_st
             p["conv1d"], conv_state, p["A_log"], p["dt_bias"], p["norm"],
             rec_state.astype(jnp.float32))
     return out.reshape(bsz, 1, hv, dv), conv_state, rec_state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps"))
+def gdn_decode_fused_stacked(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_all, rec_all,
+                             layer, lengths, out_dtype, *, interpret: bool | None = None,
+                             num_warps: int = 8):
+    """`gdn_decode_fused` on the states of every GDN layer at once: conv_all [*L, B, conv_dim,
+    W - 1] and rec_all [*L, B, Hv, Dk, Dv] fp32 (the cache's stacks), `layer` the int32 flat
+    index of this layer among the L layers. The kernel reads this layer's states in place and
+    writes the recurrent state back in place (the output aliases rec_all), so a scan that
+    carries the stacks slices and copies no state. Returns (out [B, 1, Hv, Dv], this layer's
+    new conv state [B, conv_dim, W - 1] (a fresh buffer, as in `gdn_decode_fused`), rec_all
+    updated). The same numbers as `gdn_decode_fused` on the slices, bit for bit."""
+    interpret = resolve_interpret(interpret)
+    bsz, t, conv_dim = qkv.shape
+    if t != 1:
+        raise ValueError(f"gdn_decode_fused_stacked takes one step (T == 1), got T = {t}")
+    lead = rec_all.shape[:-4]
+    n = 1
+    for d in lead:
+        n *= d
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    width = cfg.linear_conv_kernel
+    kern = functools.partial(_kernel, r=hv // hk, dk=dk, dv=dv, key_dim=cfg.key_dim,
+                             width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5, stacked=True)
+    conv_flat = conv_all.reshape(n, *conv_all.shape[len(lead):])
+    rec_flat = rec_all.reshape(n, *rec_all.shape[len(lead):])
+    out, conv_state, rec_flat = pl.pallas_call(
+        kern, grid=(bsz, hv),
+        out_shape=(jax.ShapeDtypeStruct((bsz, hv * dv), out_dtype),
+                   jax.ShapeDtypeStruct(conv_flat.shape[1:], conv_all.dtype),
+                   jax.ShapeDtypeStruct(rec_flat.shape, jnp.float32)),
+        input_output_aliases={11: 2}, interpret=interpret,
+        compiler_params=None if interpret else triton_params(num_warps, 1),
+        name="gdn_decode_fused")(
+            jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths.astype(jnp.int32),
+            qkv[:, 0], z[:, 0], b_in[:, 0], a_in[:, 0], p["conv1d"], conv_flat, p["A_log"],
+            p["dt_bias"], p["norm"], rec_flat)
+    return out.reshape(bsz, 1, hv, dv), conv_state, rec_flat.reshape(rec_all.shape)
