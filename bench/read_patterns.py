@@ -212,8 +212,10 @@ __device__ void mma_tile(const unsigned char* buf, const float* scales, int n_ro
       if (i < pieces) {
         if (W == 8) {
           uint2 a, b;
-          asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(a.x), "=r"(a.y) : "l"(pa + off));
-          asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(b.x), "=r"(b.y) : "l"(pb + off));
+          asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
+                       : "=r"(a.x), "=r"(a.y) : "l"(pa + off));
+          asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
+                       : "=r"(b.x), "=r"(b.y) : "l"(pb + off));
           va[j] = make_uint4(a.x, a.y, 0, 0);
           vb[j] = make_uint4(b.x, b.y, 0, 0);
         } else {

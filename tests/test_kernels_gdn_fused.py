@@ -72,18 +72,27 @@ def test_fused_lowers_to_triton():
                                                    jnp.bfloat16, interpret=False), p, *arrays)
 
 
-def test_model_decode_with_fused_kernel_matches(monkeypatch):
-    """The whole tiny model's decode step with the fused kernel against the reference path,
-    and NINFER_GDN_FUSED=0 turning it off."""
+def _tiny_model_after_prefill(seed: int):
+    """The tiny model (params from `seed`), a 2-row cache after a 5-token prefill on the
+    reference path, and the next decode step's tokens."""
     from engine import model as M
     from engine.params import random_flat_params, stack_params
 
     cfg = preset("tiny")
-    params = stack_params(random_flat_params(cfg, seed=5), cfg)
+    params = stack_params(random_flat_params(cfg, seed=seed), cfg)
     cache = M.init_cache(cfg, 2, 64, jnp.float32)
-    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    toks = jnp.asarray(np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, (2, 5)),
+                       jnp.int32)
     _, _, cache = M.forward(params, cfg, toks, cache, kernels="xla")
-    step = jnp.asarray([[7], [11]], jnp.int32)
+    return cfg, params, cache, jnp.asarray([[7], [11]], jnp.int32)
+
+
+def test_model_decode_with_fused_kernel_matches(monkeypatch):
+    """The whole tiny model's decode step with the fused kernel against the reference path,
+    and NINFER_GDN_FUSED=0 turning it off."""
+    from engine import model as M
+
+    cfg, params, cache, step = _tiny_model_after_prefill(5)
     want, _, wc = M.forward(params, cfg, step, cache, kernels="xla")
     def traced():
         return str(jax.make_jaxpr(lambda c: M.forward(params, cfg, step, c, kernels="pallas"))(
@@ -159,14 +168,8 @@ def test_model_decode_in_place_is_the_sliced_path(monkeypatch):
     state stacks carried whole and updated in place: the same logits and cache, bit for bit,
     as the path that slices each block's states."""
     from engine import model as M
-    from engine.params import random_flat_params, stack_params
 
-    cfg = preset("tiny")
-    params = stack_params(random_flat_params(cfg, seed=7), cfg)
-    cache = M.init_cache(cfg, 2, 64, jnp.float32)
-    toks = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
-    _, _, cache = M.forward(params, cfg, toks, cache, kernels="xla")
-    step = jnp.asarray([[7], [11]], jnp.int32)
+    cfg, params, cache, step = _tiny_model_after_prefill(7)
     lengths = jnp.asarray([1, 0], jnp.int32)
 
     def run():

@@ -212,12 +212,13 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
-    (M <= 4 and K a multiple of 128, else "mma"; prefetch 2 or 4 pairs, default 2 or
-    NINFER_INT4_WIDE_PREFETCH; warps: 8 or 16 to a 16-row tile, default 8 or
-    NINFER_INT4_WIDE_WARPS, 16 not measured yet); "fma": fp32 kernel. rows_per_warp (fma) / stages (mma: copy pipeline depth, 4/6/8/12):
-    tile parameters. prefetch (mma): 0 for the shared-memory copy ring, 2/4/8 for the kernel
-    that loads the codes into registers that many groups ahead (the same sums, bit for bit;
-    NINFER_INT4_PREFETCH, default 0 until the H200 has measured it)."""
+    (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel. Tile parameters:
+    rows_per_warp (fma); stages (mma: copy pipeline depth, 4/6/8/12); prefetch (mma: 0 for
+    the shared-memory copy ring, 2/4/8 for the kernel that loads the codes into registers that
+    many groups ahead, the same sums bit for bit, NINFER_INT4_PREFETCH, default 0: no faster
+    on the H200, docs/benchmarks/README.md v9; wide: 2 or 4 pairs in flight, default 2 or
+    NINFER_INT4_WIDE_PREFETCH); warps (wide: 8 or 16 to a 16-row tile, default 8 or
+    NINFER_INT4_WIDE_WARPS; 16 not measured yet)."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps)[0]
 

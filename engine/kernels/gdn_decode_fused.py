@@ -17,6 +17,7 @@ a few hundred KB). The recurrent state is aliased: each program owns its head.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,15 +35,9 @@ def _silu(x):
     return x / (1.0 + jnp.exp(-x))
 
 
-def _kernel(*refs, r, dk, dv, key_dim, width, eps, scale, stacked):
-    if stacked:  # the states of every layer, [L, B, ...]; this layer's index first
-        (idx_ref, len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_ref,
-         nw_ref, s_ref, o_ref, cso_ref, so_ref) = refs
-        at = (idx_ref[0],)
-    else:
-        (len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref,
-         s_ref, o_ref, cso_ref, so_ref) = refs
-        at = ()
+def _kernel(idx_ref, len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_ref,
+            nw_ref, s_ref, o_ref, cso_ref, so_ref, *, r, dk, dv, key_dim, width, eps, scale):
+    at = (idx_ref[0],)  # the layer's index in the state stacks [L, B, ...]
     b, h = pl.program_id(0), pl.program_id(1)
     valid = len_ref[b] > 0
 
@@ -103,29 +98,12 @@ def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_st
     """`engine.layers.gdn_core` for T == 1 as one Pallas kernel; same arguments and result
     (mode/kernels are accepted for the signature: one step is the recurrent rule either way).
     A program holds a whole [Dk, Dv] fp32 state (64 KB at the 27B heads): 8 warps keep it at
-    64 values a thread."""
+    64 values a thread. The one-layer case of `gdn_decode_fused_stacked`."""
     del mode, kernels, valid  # T == 1: a row is valid iff its length is > 0
-    interpret = resolve_interpret(interpret)
-    bsz, t, conv_dim = qkv.shape
-    if t != 1:
-        raise ValueError(f"gdn_decode_fused takes one step (T == 1), got T = {t}")
-    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    width = cfg.linear_conv_kernel
-    kern = functools.partial(_kernel, r=hv // hk, dk=dk, dv=dv, key_dim=cfg.key_dim,
-                             width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5, stacked=False)
-    out, conv_state, rec_state = pl.pallas_call(
-        kern, grid=(bsz, hv),
-        out_shape=(jax.ShapeDtypeStruct((bsz, hv * dv), out_dtype),
-                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                   jax.ShapeDtypeStruct(rec_state.shape, jnp.float32)),
-        input_output_aliases={10: 2}, interpret=interpret,
-        compiler_params=None if interpret else triton_params(num_warps, 1),
-        name="gdn_decode_fused")(
-            lengths.astype(jnp.int32), qkv[:, 0], z[:, 0], b_in[:, 0], a_in[:, 0],
-            p["conv1d"], conv_state, p["A_log"], p["dt_bias"], p["norm"],
-            rec_state.astype(jnp.float32))
-    return out.reshape(bsz, 1, hv, dv), conv_state, rec_state
+    out, conv_state, rec_state = gdn_decode_fused_stacked(
+        p, cfg, qkv, z, b_in, a_in, conv_state[None], rec_state.astype(jnp.float32)[None],
+        jnp.int32(0), lengths, out_dtype, interpret=interpret, num_warps=num_warps)
+    return out, conv_state, rec_state[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps"))
@@ -137,23 +115,20 @@ def gdn_decode_fused_stacked(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_all, 
     index of this layer among the L layers. The kernel reads this layer's states in place and
     writes the recurrent state back in place (the output aliases rec_all), so a scan that
     carries the stacks slices and copies no state. Returns (out [B, 1, Hv, Dv], this layer's
-    new conv state [B, conv_dim, W - 1] (a fresh buffer, as in `gdn_decode_fused`), rec_all
-    updated). The same numbers as `gdn_decode_fused` on the slices, bit for bit."""
+    new conv state [B, conv_dim, W - 1] (a fresh buffer: see the module docstring), rec_all
+    updated)."""
     interpret = resolve_interpret(interpret)
     bsz, t, conv_dim = qkv.shape
     if t != 1:
-        raise ValueError(f"gdn_decode_fused_stacked takes one step (T == 1), got T = {t}")
-    lead = rec_all.shape[:-4]
-    n = 1
-    for d in lead:
-        n *= d
+        raise ValueError(f"gdn_decode_fused takes one step (T == 1), got T = {t}")
+    n = math.prod(rec_all.shape[:-4])
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     width = cfg.linear_conv_kernel
     kern = functools.partial(_kernel, r=hv // hk, dk=dk, dv=dv, key_dim=cfg.key_dim,
-                             width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5, stacked=True)
-    conv_flat = conv_all.reshape(n, *conv_all.shape[len(lead):])
-    rec_flat = rec_all.reshape(n, *rec_all.shape[len(lead):])
+                             width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5)
+    conv_flat = conv_all.reshape(n, *conv_all.shape[-3:])
+    rec_flat = rec_all.reshape(n, *rec_all.shape[-4:])
     out, conv_state, rec_flat = pl.pallas_call(
         kern, grid=(bsz, hv),
         out_shape=(jax.ShapeDtypeStruct((bsz, hv * dv), out_dtype),
