@@ -27,11 +27,15 @@ from engine.kernels import cuda_ops, qgemv  # noqa: E402
 from engine.kernels.stacked import Stacked  # noqa: E402
 from engine.quant import linear  # noqa: E402
 
-# (name, N, K) of one decode step's matrices (GDN layers x48, attention x16, lm_head x1)
+# (name, N, K) of one decode step's matrices (GDN layers x48, attention x16, lm_head x1), and
+# the concatenations the step launches
 SHAPES = [("gdn in_proj_qkv", 10240, 5120), ("gdn in_proj_z", 6144, 5120),
           ("gdn out_proj", 5120, 6144), ("mlp gate/up", 17408, 5120),
           ("mlp down", 5120, 17408), ("attn q(+gate)", 12288, 5120), ("attn k/v", 1024, 5120),
-          ("attn o_proj", 5120, 6144), ("gdn in_proj_b/a", 48, 5120), ("lm_head", 248320, 5120)]
+          ("attn o_proj", 5120, 6144), ("gdn in_proj_b/a", 48, 5120), ("lm_head", 248320, 5120),
+          # as the step launches them: a layer's projections of one input in one call
+          ("gdn in_proj qkv|z|b|a", 16480, 5120), ("mlp gate|up", 34816, 5120),
+          ("attn q|k|v", 14336, 5120)]
 
 
 def main() -> None:
@@ -45,6 +49,10 @@ def main() -> None:
                     "tensor-core kernel to time, e.g. 2,4")
     ap.add_argument("--wide-warps", default="8", help="warps to a 16-row tile of the wide "
                     "kernel (8, 16)")
+    ap.add_argument("--wide-bias", default="1", help="how the wide kernel takes the codes' "
+                    "offset off: 1 MMAs in the kernel, 0 group sums of x from XLA (1,0: both)")
+    ap.add_argument("--wide-split", default="1", help="blocks to a tile of the wide kernel "
+                    "(1, 2, 4, 8; with --wide 2 and 8 warps)")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
     args = ap.parse_args()
@@ -69,9 +77,13 @@ def main() -> None:
             variants.update({f"mma_s{u}": ("mma", int(u)) for u in args.stages.split(",") if u})
             variants.update({f"mma_p{p}": ("prefetch", int(p))
                              for p in args.prefetch.split(",") if p})
-            variants.update({f"wide_p{p}w{wp}": ("wide", int(p), int(wp))
+            variants.update({f"wide_p{p}w{wp}b{b}s{sp}": ("wide", int(p), int(wp), int(b),
+                                                             int(sp))
                              for p in args.wide.split(",") if p and m <= cuda_ops.WIDE_MAX_M
-                             for wp in args.wide_warps.split(",")})
+                             for wp in args.wide_warps.split(",")
+                             for b in args.wide_bias.split(",")
+                             for sp in args.wide_split.split(",")
+                             if sp == "1" or (p, wp) == ("2", "8")})
             for impl, rpw in variants.items():
                 if rpw is not None and not res["cuda_available"]:
                     continue
@@ -83,7 +95,7 @@ def main() -> None:
                         return cuda_ops.int4_gemv(x, w, idx, variant="fma", rows_per_warp=rpw[1])
                     if rpw[0] == "wide":
                         return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1],
-                                                  warps=rpw[2])
+                                                  warps=rpw[2], bias=rpw[3], split=rpw[4])
                     if rpw[0] == "prefetch":
                         return cuda_ops.int4_gemv(x, w, idx, variant="mma", prefetch=rpw[1])
                     return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],

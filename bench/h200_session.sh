@@ -9,9 +9,15 @@
 # (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
 # prefetch (the register-prefetch tensor-core GEMV: its GPU tests, a micro sweep of 2/4/8 and
 # C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}), wide (the
-# wide tensor-core GEMV: GPU tests, micro sweep of 8 and 16 warps to a tile, C1/C2 1K decode
-# with each of WIDE_WARPS, default "8 16"), inplace (C1/C2 1K decode with the GDN states
-# updated in place, NINFER_GDN_INPLACE=1, and the fused kernel's GPU tests), cmdbuf
+# wide tensor-core GEMV: GPU tests, micro sweep with the codes' offset taken off by MMAs and by
+# XLA's group sums, WIDE_WARPS to a tile (default 8), C1/C2 1K decode with each of WIDE_BIAS,
+# default "1 0"), graphs (C1/C2 1K decode without command buffers, with the default ones, with
+# custom calls in graphs of any size, and with loops too: is the step bound by the host's
+# launches?), split (the wide GEMV with K split over S blocks: GPU tests, micro sweep of S = 1,
+# 2, 4, 8 at the step's shapes, C1/C2 1K decode with each NINFER_INT4_WIDE_SPLIT in SPLITS,
+# default "1 auto"), hlo (the C1 decode step's optimized HLO, gzipped), inplace (C1/C2 1K decode
+# with the GDN states updated in place, the default since v10, and the fused kernel's GPU
+# tests), cmdbuf
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
 # profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
 # kernel), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
@@ -86,15 +92,35 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           tests/test_kernels_cuda_gemv.py -k wide
         tail -n 2 "$OUT/wide_tests_$TAG.log"
         run 150 "$OUT/wide_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
-          --rpw 2 --stages 4 --wide 2 --wide-warps 8,16 --shapes 3,4,2,7,0,9 \
-          --out "$OUT/cuda_gemv_micro_wide_$TAG.json"
+          --rpw 2 --stages 4 --wide 2 --wide-warps ${WIDE_WARPS:-8} --wide-bias 1,0 \
+          --shapes 3,4,2,7,0,9 --out "$OUT/cuda_gemv_micro_wide_$TAG.json"
         grep -E 'fma|wide' "$OUT/wide_gemv_$TAG.log"
-        for W in ${WIDE_WARPS:-8 16}; do
-          NINFER_INT4_KERNEL=wide NINFER_INT4_WIDE_WARPS=$W run 150 \
-            "$OUT/wide_decode_w${W}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
-            --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_w${W}_$TAG.json"
-          grep -E -A3 'per step|decode' "$OUT/wide_decode_w${W}_$TAG.log" | cut -c1-150
+        for B in ${WIDE_BIAS:-1 0}; do
+          NINFER_INT4_KERNEL=wide NINFER_INT4_WIDE_BIAS=$B run 150 \
+            "$OUT/wide_decode_b${B}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
+            --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_b${B}_$TAG.json"
+          grep -E -A3 'per step|decode' "$OUT/wide_decode_b${B}_$TAG.log" | cut -c1-150
         done ;;
+      split)  # the wide GEMV with K split over a cluster of blocks: tests, micro sweep, decode
+        run 150 "$OUT/split_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_cuda_gemv.py -k "split or wide"
+        tail -n 2 "$OUT/split_tests_$TAG.log"
+        run 200 "$OUT/split_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
+          --rpw 2 --stages "" --wide 2 --wide-split 1,2,4,8 --shapes 4,2,7,10,11,12,9 \
+          --out "$OUT/cuda_gemv_micro_split_$TAG.json"
+        grep -E 'fma|wide' "$OUT/split_gemv_$TAG.log" | cut -c1-90
+        for S in ${SPLITS:-1 auto}; do
+          NINFER_INT4_WIDE_SPLIT=$S run 150 "$OUT/split_decode_${S}_$TAG.log" $B27 --skip-peaks \
+            --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 \
+            --out "$OUT/split_${S}_$TAG.json"
+          grep -E 'decode' "$OUT/split_decode_${S}_$TAG.log" | cut -c1-90 | sed "s/^/split $S: /"
+        done ;;
+      hlo)  # the optimized HLO of the C1 decode step (what each profiled fusion is), gzipped
+        XLA_FLAGS="--xla_dump_to=/tmp/hlo_$TAG --xla_dump_hlo_as_text" run 200 \
+          "$OUT/hlo_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1 \
+          --contexts 1024 --prefill "" --steps 2 --out "/tmp/hlo_bench_$TAG.json"
+        f=$(ls -S /tmp/hlo_$TAG/*after_optimizations.txt | head -n 1)
+        echo "largest module: $f"; gzip -c "$f" > "$OUT/decode_hlo_$TAG.txt.gz" ;;
       inplace)  # GDN states updated in place by the fused decode kernel (NINFER_GDN_INPLACE=1)
         run 120 "$OUT/inplace_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_gdn_fused.py
@@ -103,6 +129,20 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
           --out "$OUT/inplace_$TAG.json"
         grep -E -A6 'per step|decode' "$OUT/inplace_decode_$TAG.log" | cut -c1-150 ;;
+      graphs)  # is the decode step bound by the host's launches? C1/C2 1K under XLA command
+        # buffer settings: none, the default, custom calls in graphs of any size, + loops
+        CB="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+        for g in none default custom loops; do
+          case $g in
+            none) F="--xla_gpu_enable_command_buffer=" ;;
+            default) F=""; export NINFER_XLA_GRAPHS=xla ;;
+            custom) F="--xla_gpu_enable_command_buffer=$CB --xla_gpu_graph_min_graph_size=1"; unset NINFER_XLA_GRAPHS ;;
+            loops) F="--xla_gpu_enable_command_buffer=$CB,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" ;;
+          esac
+          XLA_FLAGS="$F" run 120 "$OUT/graphs_${g}_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
+            --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "/tmp/graphs_${g}_$TAG.json"
+          grep -E 'decode' "$OUT/graphs_${g}_$TAG.log" | cut -c1-90 | sed "s/^/$g: /"
+        done ;;
       cmdbuf)  # XLA command buffers (CUDA graphs) for the loops too: the idle time between kernels
         XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
           run 160 "$OUT/cmdbuf_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \

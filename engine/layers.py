@@ -35,13 +35,16 @@ def _gdn_rule(mode: str, kernels: str, t: int):
 
 class StackedStates(NamedTuple):
     """Every GDN layer's states as the cache stacks them (conv [*L, B, conv_dim, W - 1], rec
-    [*L, B, Hv, Dk, Dv]) and the flat int32 index of the layer at hand. Passed as a layer's
-    conv_state (rec_state None) on the in-place decode path (`inplace_decode_enabled`): the
-    fused decode kernel reads the layer's states in place and writes its recurrent state back
-    in place, so the scans carry the stacks and slice or copy no state."""
+    [*L, B, Hv, Dk, Dv]), the flat int32 index of the layer at hand, and the parameters the
+    fused decode kernel reads (`gdn_decode_fused.KERNEL_PARAMS`, stacked [*L, ...] like the
+    states). Passed as a layer's conv_state (rec_state None) on the in-place decode path
+    (`inplace_decode_enabled`): the fused decode kernel reads the layer's states and
+    parameters in place and writes its recurrent state back in place, so the scans carry the
+    stacks and slice or copy no state."""
     conv: jax.Array
     rec: jax.Array
     layer: jax.Array
+    params: dict
 
 
 def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
@@ -54,19 +57,21 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
     Returns (out [B, T, H], conv_state, rec_state).
     """
     b, t, _ = x.shape
-    qkv, z, b_in, a_in = linear_multi(
-        x, [p["in_proj_qkv"], p["in_proj_z"], p["in_proj_b"], p["in_proj_a"]], kernels)
+    mats = [p["in_proj_qkv"], p["in_proj_z"], p["in_proj_b"], p["in_proj_a"]]
     if isinstance(conv_state, StackedStates):
-        from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked
+        from engine.kernels.gdn_decode_fused import gdn_decode_fused_rows
 
         st = conv_state
-        out, conv_l, rec = gdn_decode_fused_stacked(p, cfg, qkv, z, b_in, a_in, st.conv,
-                                                    st.rec, st.layer, lengths, x.dtype)
+        # the four projections side by side, as the one GEMV launch writes them
+        proj = linear_multi(x, mats, kernels, concat=True)
+        out, conv_l, rec = gdn_decode_fused_rows(st.params, cfg, proj, st.conv, st.rec,
+                                                 st.layer, lengths, x.dtype)
         lead = st.conv.shape[:-3]
         conv = st.conv.reshape(-1, *st.conv.shape[-3:]).at[st.layer].set(conv_l).reshape(
             *lead, *st.conv.shape[-3:])
         return (linear(out.reshape(b, t, -1), p["out_proj"], kernels),
-                StackedStates(conv, rec, st.layer), None)
+                st._replace(conv=conv, rec=rec), None)
+    qkv, z, b_in, a_in = linear_multi(x, mats, kernels)
     core = gdn_core
     if kernels == "pallas" and t == 1 and fused_decode_enabled():
         from engine.kernels.gdn_decode_fused import gdn_decode_fused as core
@@ -116,12 +121,12 @@ def fused_decode_enabled() -> bool:
 
 
 def inplace_decode_enabled() -> bool:
-    """NINFER_GDN_INPLACE=1: with kernels="pallas" and the fused decode kernel, a decode step's
-    block scans carry the cache's GDN state stacks whole and each layer's kernel updates its
-    recurrent state in place (`StackedStates`), in place of slicing each block's states out
-    and writing them back (about 0.5 ms of state copies and slices in a 10.3 ms C1 step on the
-    H200, docs/benchmarks/README.md v9). Off until the H200 has measured it."""
-    return os.environ.get("NINFER_GDN_INPLACE", "0") == "1"
+    """With kernels="pallas" and the fused decode kernel, a decode step's block scans carry
+    the cache's GDN state stacks whole and each layer's kernel updates its recurrent state in
+    place (`StackedStates`), in place of slicing each block's states out and writing them back
+    (H200 v10: C1 1K 97.3 -> 105.5 tok/s, C2 32K 155.3 -> 181.6, docs/benchmarks/README.md).
+    NINFER_GDN_INPLACE=0 keeps the sliced path."""
+    return os.environ.get("NINFER_GDN_INPLACE", "1") != "0"
 
 
 def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,

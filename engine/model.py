@@ -18,7 +18,7 @@ from jax import lax
 from engine.cache import Cache, PagedCache, init_cache, init_paged_cache  # noqa: F401
 from engine.config import ConfigError, ModelConfig
 from engine.kernels import check_kernels
-from engine.kernels.stacked import select_layer, sub_layer
+from engine.kernels.stacked import flatten_stack, select_layer, sub_layer
 from engine.layers import (GDN_RULES, StackedStates, attention_layer, fused_decode_enabled,
                            gdn_layer, inplace_decode_enabled)
 from engine.norms import rms_norm
@@ -59,6 +59,10 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
     stacked = (views and x.shape[1] == 1 and fused_decode_enabled()
                and inplace_decode_enabled())
 
+    if stacked:
+        from engine.kernels.gdn_decode_fused import KERNEL_PARAMS
+        gdn_flat = flatten_stack(blocks["gdn"], 2)
+
     def block(carry, xs):
         x, kv, conv, rec = carry
         p, i = xs
@@ -75,9 +79,13 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
 
         def gdn_stacked(c, j):
             x, conv, rec = c
-            st = StackedStates(conv, rec, i * cfg.gdn_per_block + j)
-            x, st, _ = gdn_layer(sub_layer(p["gdn"], j), cfg, x, st, None, lengths, valid,
-                                 mode, kernels)
+            layer = i * cfg.gdn_per_block + j
+            # the layer's weights by their flat index into the [blocks * n, ...] stacks: the
+            # GEMVs, the fused kernel and the states all take the one index
+            st = StackedStates(conv, rec, layer,
+                               {k: gdn_flat["linear_attn"][k] for k in KERNEL_PARAMS})
+            x, st, _ = gdn_layer(select_layer(gdn_flat, layer, 1), cfg, x, st, None, lengths,
+                                 valid, mode, kernels)
             return (x, st.conv, st.rec), None
 
         gdn_ids = jnp.arange(cfg.gdn_per_block, dtype=jnp.int32)

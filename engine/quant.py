@@ -220,12 +220,13 @@ def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
 
 
-def linear_multi(x: jax.Array, ws, kernels: str = "xla") -> list:
+def linear_multi(x: jax.Array, ws, kernels: str = "xla", concat: bool = False):
     """[linear(x, w, kernels) for w in ws]: a layer's projections of one input. With
     kernels="pallas" on a GPU, int4_g64 weights (layer views of one stack, or plain QTensors)
     go to the CUDA GEMV in one launch that prepares x once (engine/kernels/cuda_ops.py
-    `int4_gemv_multi`: the same result per projection as separate calls).
-    NINFER_INT4_FUSE=off keeps separate calls (benchmarking switch)."""
+    `int4_gemv_multi`: the same result per projection as separate calls). concat=True returns
+    the projections side by side in one [..., sum of outs] array instead (from the one launch,
+    no slices). NINFER_INT4_FUSE=off keeps separate calls (benchmarking switch)."""
     ws = list(ws)
     if kernels == "pallas" and len(ws) > 1 and os.environ.get("NINFER_INT4_FUSE") != "off":
         from engine.kernels import cuda_ops
@@ -236,8 +237,10 @@ def linear_multi(x: jax.Array, ws, kernels: str = "xla") -> list:
         lead = int(ws[0].index.shape[0]) if views else 0
         if (views or not any(isinstance(w, Stacked) for w in ws)) and cuda_ops.takes(
                 x, mats, lead):
-            return cuda_ops.int4_gemv_multi(x, mats, ws[0].index if views else None)
-    return [linear(x, w, kernels) for w in ws]
+            return cuda_ops.int4_gemv_multi(x, mats, ws[0].index if views else None,
+                                            concat=concat)
+    outs = [linear(x, w, kernels) for w in ws]
+    return jnp.concatenate(outs, axis=-1) if concat else outs
 
 
 def embedding_lookup(table, ids: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -106,8 +106,9 @@ WIDE_CASES = [  # (M, N, K, prefetch pairs): K multiples of 128; N not of 16 too
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,prefetch", WIDE_CASES)
 def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
-    """The wide kernel (16-byte loads, two groups per MMA kept apart by B's columns) against
-    the fp32 reference; x is bf16, as the tensor cores take it."""
+    """The wide kernel (16-byte loads, two groups per MMA kept apart by B's columns, x
+    permuted in registers) against the fp32 reference, with the codes' offset taken off by
+    group sums of x (the default) and by MMAs; x is bf16, as the tensor cores take it."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
     w = _qtensor(n, k, k + n)
     x = jnp.asarray(np.random.default_rng(m + n).standard_normal((m, k)), jnp.bfloat16)
@@ -125,6 +126,44 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
     sixteen = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch,
                                                       warps=16))(x, w)
     assert_close(sixteen, want, jnp.bfloat16)
+    # the codes' offset taken off by MMAs inside the kernel in place of XLA's group sums
+    mmas = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch,
+                                                   bias=1))(x, w)
+    assert_close(mmas, want, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize("m,n,k", [(1, 5120, 17408), (2, 1000, 6144), (4, 37, 128),
+                                   (3, 4096, 5120)])
+def test_wide_split_k_matches_reference_and_is_batch_invariant_on_gpu(split, m, n, k):
+    """The wide kernel with `split` blocks (a thread-block cluster) to a tile, K shared out
+    among them and their sums added by rank 0 in rank order: against the reference, close
+    to the one-block kernel, deterministic, and row m's bits the same for any M (fewer pairs
+    than warps included: K = 128 is one pair)."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(n, k, 3 * n + k + split)
+    x = jnp.asarray(np.random.default_rng(n + split).standard_normal((m, k)), jnp.bfloat16)
+
+    def run(x, split=split):
+        return np.asarray(jax.jit(lambda x, w: cuda_ops.int4_gemv(
+            x, w, variant="wide", split=split))(x, w), np.float32)
+    got = run(x)
+    with jax.default_matmul_precision("highest"):
+        want = linear(x.astype(jnp.float32), w)
+    assert_close(jnp.asarray(got), want, jnp.bfloat16)
+    assert_close(jnp.asarray(got), jnp.asarray(run(x, 1)), jnp.bfloat16)
+    np.testing.assert_array_equal(got, run(x))
+    np.testing.assert_array_equal(got[:1], run(x[:1]))
+
+
+@pytest.mark.gpu
+def test_bad_split_is_an_error_on_gpu():
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(64, 256, 5)
+    x = jnp.ones((1, 256), jnp.bfloat16)
+    with pytest.raises(Exception, match="split"):
+        jax.block_until_ready(cuda_ops.int4_gemv(x, w, variant="wide", split=3))
 
 
 @pytest.mark.gpu

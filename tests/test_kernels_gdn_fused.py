@@ -164,7 +164,7 @@ def test_stacked_states_in_place_are_the_sliced_call(dtype):
 
 
 def test_model_decode_in_place_is_the_sliced_path(monkeypatch):
-    """NINFER_GDN_INPLACE=1: the tiny model's decode step (one row without a token) with the
+    """The in-place decode path (the default): the tiny model's decode step (one row without a token) with the
     state stacks carried whole and updated in place: the same logits and cache, bit for bit,
     as the path that slices each block's states."""
     from engine import model as M
@@ -176,6 +176,7 @@ def test_model_decode_in_place_is_the_sliced_path(monkeypatch):
         return M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), lengths=lengths,
                          kernels="pallas")
 
+    monkeypatch.setenv("NINFER_GDN_INPLACE", "0")
     want = run()
     monkeypatch.setenv("NINFER_GDN_INPLACE", "1")
     jaxpr = str(jax.make_jaxpr(lambda c: M.forward(params, cfg, step, c, lengths=lengths,

@@ -205,9 +205,28 @@ def default_variant(x) -> str:
     return "wide" if m <= WIDE_MAX_M else "mma"
 
 
+# The wide kernel's split (blocks to a 16-row tile) by output rows: matrices with few tiles
+# and long rows leave SMs idle with one block to a tile (the down projection, 5120 x 17408:
+# 320 tiles for 132 SMs). NINFER_INT4_WIDE_SPLIT overrides; "auto" is the rule below.
+SPLIT_RULE = ((1024, 4), (4096, 2))  # (fewer tiles than this, split)
+
+
+def default_split(n: int, k: int) -> int:
+    """Blocks per 16-row tile for an [n, k] weight in the wide kernel."""
+    env = os.environ.get("NINFER_INT4_WIDE_SPLIT", "1")
+    if env != "auto":
+        return int(env)
+    tiles = -(-n // 16)
+    for below, split in SPLIT_RULE:
+        if tiles < below and k // (2 * GROUP) >= 2 * 8 * split:  # 2+ pairs a warp
+            return split
+    return 1
+
+
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
-              prefetch: int | None = None, warps: int | None = None):
+              prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
+              split: int | None = None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -218,18 +237,26 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     many groups ahead, the same sums bit for bit, NINFER_INT4_PREFETCH, default 0: no faster
     on the H200, docs/benchmarks/README.md v9; wide: 2 or 4 pairs in flight, default 2 or
     NINFER_INT4_WIDE_PREFETCH); warps (wide: 8 or 16 to a 16-row tile, default 8 or
-    NINFER_INT4_WIDE_WARPS; 16 not measured yet)."""
+    NINFER_INT4_WIDE_WARPS; 16 measured slower on the H200, v10); bias (wide: 1 takes the
+    codes' offset 136 * sum(x) off with MMAs inside the kernel, 0 with group sums of x that
+    XLA computes; default 0 or NINFER_INT4_WIDE_BIAS: the MMAs measured slower on the H200,
+    v10); split (wide: 1, 2, 4 or 8 blocks, one thread-block cluster, to a 16-row tile, each
+    taking every split-th pair of groups; default `default_split`, NINFER_INT4_WIDE_SPLIT).
+    x goes to the wide kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
-                           stages=stages, prefetch=prefetch, warps=warps)[0]
+                           stages=stages, prefetch=prefetch, warps=warps, bias=bias,
+                           split=split)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
-                    prefetch: int | None = None, warps: int | None = None):
+                    prefetch: int | None = None, warps: int | None = None,
+                    bias: int | None = None, split: int | None = None,
+                    concat: bool = False):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
-    sum does not depend on the other rows)."""
+    sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead."""
     if not 1 <= len(ws) <= MAX_MATS:
         raise ValueError(f"int4_gemv_multi takes 1..{MAX_MATS} weights, got {len(ws)}")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -244,15 +271,19 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
         variant = "fma" if m <= FMA_MAX_M else "mma"
     if variant == "wide":
-        g = k // GROUP
-        xb = x.reshape(m, k).astype(jnp.bfloat16)
-        # each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7: a lane's B registers (the kernel)
-        xw = xb.reshape(m, k // 8, 2, 4).transpose(0, 1, 3, 2).reshape(m, k)
-        corr = 136.0 * xb.astype(jnp.float32).reshape(m, g, GROUP).sum(-1)  # [M, G]
+        xb = x.reshape(m, k).astype(jnp.bfloat16)  # read as it is: the kernel permutes it
+        bias = int(os.environ.get("NINFER_INT4_WIDE_BIAS", "0")) if bias is None else int(bias)
+        if bias:  # the kernel's MMAs take 136 * sum(x) off: nothing to prepare (slower, v10)
+            corr = jnp.zeros((m, 0), jnp.float32)
+        else:
+            corr = 136.0 * xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
+        prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
+        warps = warps or int(os.environ.get("NINFER_INT4_WIDE_WARPS", "8"))
+        if split is None:
+            split = default_split(n, k) if (prefetch, warps) == (2, 8) else 1
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
-        y = call(xw, corr, idx, *pairs, prefetch=np.int64(
-            prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))),
-                 warps=np.int64(warps or int(os.environ.get("NINFER_INT4_WIDE_WARPS", "8"))))
+        y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
+                 bias=np.int64(bias), split=np.int64(split))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))
@@ -274,6 +305,8 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         call = jax.ffi.ffi_call(INT4_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xf, idx, *pairs, rows_per_warp=np.int64(rpw))
     y = y.astype(x.dtype)
+    if concat:  # the results side by side, as the kernel writes them
+        return y.reshape(*lead, n)
     outs, at = [], 0
     for nj in ns:
         outs.append(y[:, at:at + nj].reshape(*lead, nj))

@@ -35,9 +35,9 @@ def _silu(x):
     return x / (1.0 + jnp.exp(-x))
 
 
-def _kernel(idx_ref, len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_ref, dtb_ref,
-            nw_ref, s_ref, o_ref, cso_ref, so_ref, *, r, dk, dv, key_dim, width, eps, scale):
-    at = (idx_ref[0],)  # the layer's index in the state stacks [L, B, ...]
+def _kernel(idx_ref, len_ref, proj_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref, s_ref,
+            o_ref, cso_ref, so_ref, *, r, dk, dv, key_dim, width, eps, scale, z_at, b_at, a_at):
+    at = (idx_ref[0],)  # the layer's index in the stacks [L, ...] of states and parameters
     b, h = pl.program_id(0), pl.program_id(1)
     valid = len_ref[b] > 0
 
@@ -45,11 +45,11 @@ def _kernel(idx_ref, len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_
         """SiLU(causal conv) of channels [ch0, ch0 + n) for this row, and a function that
         writes their shifted window (the new conv state)."""
         cols = pl.ds(ch0, n)
-        x = qkv_ref[b, cols].astype(jnp.float32)
+        x = proj_ref[b, cols].astype(jnp.float32)
         win = [cs_ref[(*at, b, cols, i)].astype(jnp.float32) for i in range(width - 1)]
-        y = x * w_ref[cols, width - 1].astype(jnp.float32)
+        y = x * w_ref[(*at, cols, width - 1)].astype(jnp.float32)
         for i in range(width - 1):
-            y = y + win[i] * w_ref[cols, i].astype(jnp.float32)
+            y = y + win[i] * w_ref[(*at, cols, i)].astype(jnp.float32)
 
         def write():
             shifted = win[1:] + [x]
@@ -71,10 +71,10 @@ def _kernel(idx_ref, len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_
 
     q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
     k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
-    beta = 1.0 / (1.0 + jnp.exp(-b_ref[b, h].astype(jnp.float32)))
-    a = a_ref[b, h].astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)
+    beta = 1.0 / (1.0 + jnp.exp(-proj_ref[b, b_at + h].astype(jnp.float32)))
+    a = proj_ref[b, a_at + h].astype(jnp.float32) + dtb_ref[(*at, h)].astype(jnp.float32)
     softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
-    g = -jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus
+    g = -jnp.exp(alog_ref[(*at, h)].astype(jnp.float32)) * softplus
     g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
 
     whole = (slice(None), slice(None))
@@ -86,7 +86,8 @@ def _kernel(idx_ref, len_ref, qkv_ref, z_ref, b_ref, a_ref, w_ref, cs_ref, alog_
 
     zc = pl.ds(h * dv, dv)
     out = out * lax.rsqrt(jnp.mean(out * out) + eps)
-    out = out * nw_ref[:].astype(jnp.float32) * _silu(z_ref[b, zc].astype(jnp.float32))
+    z = proj_ref[b, pl.ds(z_at + h * dv, dv)].astype(jnp.float32)
+    out = out * nw_ref[(*at, slice(None))].astype(jnp.float32) * _silu(z)
     o_ref[b, zc] = out.astype(o_ref.dtype)
 
 
@@ -106,6 +107,11 @@ def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_st
     return out, conv_state, rec_state[0]
 
 
+# The layer parameters the kernel reads (p["conv1d"] [conv_dim, W], A_log/dt_bias [Hv], norm
+# [Dv]); `gdn_decode_fused_rows` takes them stacked [*L, ...] like the states.
+KERNEL_PARAMS = ("conv1d", "A_log", "dt_bias", "norm")
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps"))
 def gdn_decode_fused_stacked(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_all, rec_all,
                              layer, lengths, out_dtype, *, interpret: bool | None = None,
@@ -117,27 +123,55 @@ def gdn_decode_fused_stacked(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_all, 
     carries the stacks slices and copies no state. Returns (out [B, 1, Hv, Dv], this layer's
     new conv state [B, conv_dim, W - 1] (a fresh buffer: see the module docstring), rec_all
     updated)."""
+    if qkv.shape[1] != 1:
+        raise ValueError(f"gdn_decode_fused takes one step (T == 1), got T = {qkv.shape[1]}")
+    proj = jnp.concatenate([qkv, z, b_in, a_in], axis=-1)
+    # the kernel reads parameters and states at one index: one layer's parameters for each of
+    # the state stacks' layers (a GPU read past a stack's end is not clamped)
+    n = math.prod(rec_all.shape[:-4])
+    params = {k: jnp.broadcast_to(p[k], (n, *p[k].shape)) for k in KERNEL_PARAMS}
+    out, conv_state, rec_flat = gdn_decode_fused_rows(
+        params, cfg, proj, conv_all, rec_all, layer, lengths, out_dtype, interpret=interpret,
+        num_warps=num_warps)
+    return out, conv_state, rec_flat
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps"))
+def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths,
+                          out_dtype, *, interpret: bool | None = None, num_warps: int = 8):
+    """The kernel itself: proj [B, 1, conv_dim + Hv Dv + 2 Hv], the layer's input projections
+    as one GEMV gives them (qkv, z, b, a side by side: no slices), `params` the KERNEL_PARAMS
+    stacked [*L, ...] as the states are (the model's weight stacks), read at `layer` like the
+    states, which are as `gdn_decode_fused_stacked` takes them."""
     interpret = resolve_interpret(interpret)
-    bsz, t, conv_dim = qkv.shape
+    bsz, t, width_in = proj.shape
     if t != 1:
         raise ValueError(f"gdn_decode_fused takes one step (T == 1), got T = {t}")
     n = math.prod(rec_all.shape[:-4])
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv_dim = cfg.conv_dim
+    if width_in != conv_dim + hv * dv + 2 * hv:
+        raise ValueError(f"proj has {width_in} columns, expected conv_dim + Hv Dv + 2 Hv = "
+                         f"{conv_dim + hv * dv + 2 * hv}")
     width = cfg.linear_conv_kernel
     kern = functools.partial(_kernel, r=hv // hk, dk=dk, dv=dv, key_dim=cfg.key_dim,
-                             width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5)
+                             width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5,
+                             z_at=conv_dim, b_at=conv_dim + hv * dv,
+                             a_at=conv_dim + hv * dv + hv)
     conv_flat = conv_all.reshape(n, *conv_all.shape[-3:])
     rec_flat = rec_all.reshape(n, *rec_all.shape[-4:])
+    flat = {k: params[k].reshape(-1, *params[k].shape[-(2 if k == "conv1d" else 1):])
+            for k in KERNEL_PARAMS}
     out, conv_state, rec_flat = pl.pallas_call(
         kern, grid=(bsz, hv),
         out_shape=(jax.ShapeDtypeStruct((bsz, hv * dv), out_dtype),
                    jax.ShapeDtypeStruct(conv_flat.shape[1:], conv_all.dtype),
                    jax.ShapeDtypeStruct(rec_flat.shape, jnp.float32)),
-        input_output_aliases={11: 2}, interpret=interpret,
+        input_output_aliases={8: 2}, interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, 1),
         name="gdn_decode_fused")(
             jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths.astype(jnp.int32),
-            qkv[:, 0], z[:, 0], b_in[:, 0], a_in[:, 0], p["conv1d"], conv_flat, p["A_log"],
-            p["dt_bias"], p["norm"], rec_flat)
+            proj[:, 0], flat["conv1d"], conv_flat, flat["A_log"], flat["dt_bias"],
+            flat["norm"], rec_flat)
     return out.reshape(bsz, 1, hv, dv), conv_state, rec_flat.reshape(rec_all.shape)

@@ -75,3 +75,9 @@ def sub_layer(tree, j):
                                                     jnp.asarray(j, jnp.int32).reshape(1)]))
         return leaf[j]
     return jax.tree.map(pick, tree, is_leaf=lambda x: isinstance(x, Stacked))
+
+
+def flatten_stack(tree, lead: int):
+    """Every leaf's `lead` leading stack dims as one ([blocks, n, ...] -> [blocks * n, ...], a
+    free reshape), so that one flat layer index selects a layer (select_layer(.., lead=1))."""
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[lead:]), tree)
