@@ -49,10 +49,8 @@ def main() -> None:
                     "tensor-core kernel to time, e.g. 2,4")
     ap.add_argument("--wide-warps", default="8", help="warps to a 16-row tile of the wide "
                     "kernel (8, 16)")
-    ap.add_argument("--wide-bias", default="1", help="how the wide kernel takes the codes' "
-                    "offset off: 1 MMAs in the kernel, 0 group sums of x from XLA (1,0: both)")
-    ap.add_argument("--wide-split", default="1", help="blocks to a tile of the wide kernel "
-                    "(1, 2, 4, 8; with --wide 2 and 8 warps)")
+    ap.add_argument("--wide-bias", default="0", help="how the wide kernel takes the codes' "
+                    "offset off: 0 group sums of x from XLA, 1 MMAs in the kernel (0,1: both)")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
     args = ap.parse_args()
@@ -77,13 +75,10 @@ def main() -> None:
             variants.update({f"mma_s{u}": ("mma", int(u)) for u in args.stages.split(",") if u})
             variants.update({f"mma_p{p}": ("prefetch", int(p))
                              for p in args.prefetch.split(",") if p})
-            variants.update({f"wide_p{p}w{wp}b{b}s{sp}": ("wide", int(p), int(wp), int(b),
-                                                             int(sp))
+            variants.update({f"wide_p{p}w{wp}b{b}": ("wide", int(p), int(wp), int(b))
                              for p in args.wide.split(",") if p and m <= cuda_ops.WIDE_MAX_M
                              for wp in args.wide_warps.split(",")
-                             for b in args.wide_bias.split(",")
-                             for sp in args.wide_split.split(",")
-                             if sp == "1" or (p, wp) == ("2", "8")})
+                             for b in args.wide_bias.split(",")})
             for impl, rpw in variants.items():
                 if rpw is not None and not res["cuda_available"]:
                     continue
@@ -95,7 +90,7 @@ def main() -> None:
                         return cuda_ops.int4_gemv(x, w, idx, variant="fma", rows_per_warp=rpw[1])
                     if rpw[0] == "wide":
                         return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1],
-                                                  warps=rpw[2], bias=rpw[3], split=rpw[4])
+                                                  warps=rpw[2], bias=rpw[3])
                     if rpw[0] == "prefetch":
                         return cuda_ops.int4_gemv(x, w, idx, variant="mma", prefetch=rpw[1])
                     return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],

@@ -13,9 +13,7 @@
 # XLA's group sums, WIDE_WARPS to a tile (default 8), C1/C2 1K decode with each of WIDE_BIAS,
 # default "1 0"), graphs (C1/C2 1K decode without command buffers, with the default ones, with
 # custom calls in graphs of any size, and with loops too: is the step bound by the host's
-# launches?), split (the wide GEMV with K split over S blocks: GPU tests, micro sweep of S = 1,
-# 2, 4, 8 at the step's shapes, C1/C2 1K decode with each NINFER_INT4_WIDE_SPLIT in SPLITS,
-# default "1 auto"), hlo (the C1 decode step's optimized HLO, gzipped), inplace (C1/C2 1K decode
+# launches?), hlo (the C1 decode step's optimized HLO, gzipped), inplace (C1/C2 1K decode
 # with the GDN states updated in place, the default since v10, and the fused kernel's GPU
 # tests), cmdbuf
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
@@ -100,20 +98,6 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             "$OUT/wide_decode_b${B}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
             --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_b${B}_$TAG.json"
           grep -E -A3 'per step|decode' "$OUT/wide_decode_b${B}_$TAG.log" | cut -c1-150
-        done ;;
-      split)  # the wide GEMV with K split over a cluster of blocks: tests, micro sweep, decode
-        run 150 "$OUT/split_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "split or wide"
-        tail -n 2 "$OUT/split_tests_$TAG.log"
-        run 200 "$OUT/split_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
-          --rpw 2 --stages "" --wide 2 --wide-split 1,2,4,8 --shapes 4,2,7,10,11,12,9 \
-          --out "$OUT/cuda_gemv_micro_split_$TAG.json"
-        grep -E 'fma|wide' "$OUT/split_gemv_$TAG.log" | cut -c1-90
-        for S in ${SPLITS:-1 auto}; do
-          NINFER_INT4_WIDE_SPLIT=$S run 150 "$OUT/split_decode_${S}_$TAG.log" $B27 --skip-peaks \
-            --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 \
-            --out "$OUT/split_${S}_$TAG.json"
-          grep -E 'decode' "$OUT/split_decode_${S}_$TAG.log" | cut -c1-90 | sed "s/^/split $S: /"
         done ;;
       hlo)  # the optimized HLO of the C1 decode step (what each profiled fusion is), gzipped
         XLA_FLAGS="--xla_dump_to=/tmp/hlo_$TAG --xla_dump_hlo_as_text" run 200 \

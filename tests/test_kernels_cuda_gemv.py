@@ -133,40 +133,6 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [2, 4, 8])
-@pytest.mark.parametrize("m,n,k", [(1, 5120, 17408), (2, 1000, 6144), (4, 37, 128),
-                                   (3, 4096, 5120)])
-def test_wide_split_k_matches_reference_and_is_batch_invariant_on_gpu(split, m, n, k):
-    """The wide kernel with `split` blocks (a thread-block cluster) to a tile, K shared out
-    among them and their sums added by rank 0 in rank order: against the reference, close
-    to the one-block kernel, deterministic, and row m's bits the same for any M (fewer pairs
-    than warps included: K = 128 is one pair)."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
-    w = _qtensor(n, k, 3 * n + k + split)
-    x = jnp.asarray(np.random.default_rng(n + split).standard_normal((m, k)), jnp.bfloat16)
-
-    def run(x, split=split):
-        return np.asarray(jax.jit(lambda x, w: cuda_ops.int4_gemv(
-            x, w, variant="wide", split=split))(x, w), np.float32)
-    got = run(x)
-    with jax.default_matmul_precision("highest"):
-        want = linear(x.astype(jnp.float32), w)
-    assert_close(jnp.asarray(got), want, jnp.bfloat16)
-    assert_close(jnp.asarray(got), jnp.asarray(run(x, 1)), jnp.bfloat16)
-    np.testing.assert_array_equal(got, run(x))
-    np.testing.assert_array_equal(got[:1], run(x[:1]))
-
-
-@pytest.mark.gpu
-def test_bad_split_is_an_error_on_gpu():
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
-    w = _qtensor(64, 256, 5)
-    x = jnp.ones((1, 256), jnp.bfloat16)
-    with pytest.raises(Exception, match="split"):
-        jax.block_until_ready(cuda_ops.int4_gemv(x, w, variant="wide", split=3))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("prefetch", [2, 4, 8])
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 5120), (2, 1000, 17408), (3, 37, 64),
                                    (8, 517, 192), (1, 2048, 8 * 64 * 5 + 64)])
@@ -302,6 +268,34 @@ def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
                                       np.asarray(qgemv.qmatmul(x, w, idx), np.float32))
     with pytest.raises(ValueError, match="1..4"):
         cuda_ops.int4_gemv_multi(x, ws + ws, idx)
+
+
+@pytest.mark.parametrize("bias", [0, 1])
+def test_wide_call_takes_x_as_it_is_and_concat_returns_one_array(bias):
+    """The wide kernel's call, lowered for CUDA: x goes in unpermuted (no transpose before the
+    call), the group sums of x only with bias = 0 ([M, 0] with the bias MMAs), and concat=True
+    gives the projections side by side in one array; on the CPU `linear_multi(concat=True)`
+    is the separate linears' concatenation."""
+    from engine.quant import linear_multi
+
+    ws = [_qtensor(n, 256, n, lead=(2,)) for n in (64, 48)]
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 256)), jnp.bfloat16)
+    idx = jnp.array([1], jnp.int32)
+    exp = export.export(
+        jax.jit(lambda x, a, b, i: cuda_ops.int4_gemv_multi(x, [a, b], i, variant="wide",
+                                                            bias=bias, concat=True)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_WIDE_TARGET)])(
+        x, *ws, idx)
+    text = exp.mlir_module()
+    assert text.count(f"@{cuda_ops.INT4_WIDE_TARGET}(") == 1
+    assert "stablehlo.transpose" not in text
+    assert ("tensor<2x0xf32>" in text) == bool(bias)
+    assert [a.shape for a in exp.out_avals] == [(2, 112)]
+    views = [Stacked(w, idx) for w in ws]
+    got = linear_multi(x, views, "pallas", concat=True)
+    want = jnp.concatenate([qgemv.qmatmul(x, w, idx) for w in ws], axis=-1)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.gpu

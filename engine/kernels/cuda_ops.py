@@ -205,28 +205,9 @@ def default_variant(x) -> str:
     return "wide" if m <= WIDE_MAX_M else "mma"
 
 
-# The wide kernel's split (blocks to a 16-row tile) by output rows: matrices with few tiles
-# and long rows leave SMs idle with one block to a tile (the down projection, 5120 x 17408:
-# 320 tiles for 132 SMs). NINFER_INT4_WIDE_SPLIT overrides; "auto" is the rule below.
-SPLIT_RULE = ((1024, 4), (4096, 2))  # (fewer tiles than this, split)
-
-
-def default_split(n: int, k: int) -> int:
-    """Blocks per 16-row tile for an [n, k] weight in the wide kernel."""
-    env = os.environ.get("NINFER_INT4_WIDE_SPLIT", "1")
-    if env != "auto":
-        return int(env)
-    tiles = -(-n // 16)
-    for below, split in SPLIT_RULE:
-        if tiles < below and k // (2 * GROUP) >= 2 * 8 * split:  # 2+ pairs a warp
-            return split
-    return 1
-
-
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
-              prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
-              split: int | None = None):
+              prefetch: int | None = None, warps: int | None = None, bias: int | None = None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -240,19 +221,15 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     NINFER_INT4_WIDE_WARPS; 16 measured slower on the H200, v10); bias (wide: 1 takes the
     codes' offset 136 * sum(x) off with MMAs inside the kernel, 0 with group sums of x that
     XLA computes; default 0 or NINFER_INT4_WIDE_BIAS: the MMAs measured slower on the H200,
-    v10); split (wide: 1, 2, 4 or 8 blocks, one thread-block cluster, to a 16-row tile, each
-    taking every split-th pair of groups; default `default_split`, NINFER_INT4_WIDE_SPLIT).
-    x goes to the wide kernel as it is."""
+    v10). x goes to the wide kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
-                           stages=stages, prefetch=prefetch, warps=warps, bias=bias,
-                           split=split)[0]
+                           stages=stages, prefetch=prefetch, warps=warps, bias=bias)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
                     prefetch: int | None = None, warps: int | None = None,
-                    bias: int | None = None, split: int | None = None,
-                    concat: bool = False):
+                    bias: int | None = None, concat: bool = False):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
@@ -279,11 +256,9 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
             corr = 136.0 * xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
         prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
         warps = warps or int(os.environ.get("NINFER_INT4_WIDE_WARPS", "8"))
-        if split is None:
-            split = default_split(n, k) if (prefetch, warps) == (2, 8) else 1
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
-                 bias=np.int64(bias), split=np.int64(split))
+                 bias=np.int64(bias))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))

@@ -13,6 +13,11 @@ Decode only (T == 1): the reference for any T is `engine.layers.gdn_core`, which
 not aliased: the r value-head programs of a key head all read its q/k window, and the first of
 them writes the shifted one, so the new state goes to a fresh buffer (B x conv_dim x (W - 1),
 a few hundred KB). The recurrent state is aliased: each program owns its head.
+
+The kernel (`gdn_decode_fused_rows`) takes the layer's input projections as the one GEMV launch
+writes them, side by side in one row, and its parameters and states as [L, ...] stacks read at
+the layer's index, so the model's scan slices nothing for it (H200 v10: the step went from
+~1,950 to ~1,470 kernels).
 """
 from __future__ import annotations
 

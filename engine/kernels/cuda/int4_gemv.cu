@@ -31,7 +31,6 @@
 // bound the kernel; permuted, each warp-wide load is 512 contiguous bytes. The lanes' sums
 // are reduced with shuffles in a fixed order: the result of a row does not depend on M, on the
 // other rows or on the launch (batch-invariant, deterministic).
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -577,36 +576,26 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // Warps take pairs warp, warp + W, ... of a 16-row tile, P pairs of codes and scales in flight
 // in registers; their sums are added in shared memory in warp order. Column m's result does
 // not depend on M (its B column and its A are the same): batch invariant.
-//
-// Split K (S > 1, the `split` attribute): a matrix of few rows and long ones (the down
-// projection: 5120 x 17408, 320 tiles) leaves most SMs idle or half-occupied with one block to
-// a tile. Then S blocks, one thread-block cluster, share a tile: warp w of block rank r is warp
-// r W + w of S W, and takes pairs r W + w, + S W, ...; each block adds its warps' sums in
-// shared memory as above, and rank 0 adds the S blocks' sums, read through distributed shared
-// memory, in rank order. Fixed order everywhere: deterministic and batch invariant.
 constexpr uint32_t kNeg136x2 = 0xC308C308u;  // two bf16 -136.0
 
-template <int P, int W, int S, bool kBias, typename OT>
+template <int P, int W, bool kBias, typename OT>
 __global__ void __launch_bounds__(W * 32)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
                    OT* __restrict__ y, int k, int m) {
-  constexpr int SW = S * W;  // warps sharing a tile
   __shared__ float2 red[W][32];
-  __shared__ float2 part[32];  // S > 1: this block's sums, read by rank 0
   const int n = mt.start[mt.count];
   const int64_t layer = layer_of(mt, index);
   const int groups = k >> 6, pairs = k >> 7;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int rank = S > 1 ? static_cast<int>(blockIdx.x) % S : 0;
-  const int warp = rank * W + (threadIdx.x >> 5);  // among the tile's S W warps
-  const int row0 = (static_cast<int>(blockIdx.x) / S) * 16;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
   const uint8_t *wa, *wb;
   const float *sa_p, *sb_p;
   row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
   row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
-  // The warp's i-th pair is pair warp + SW i: the lane's codes at byte 64 (warp + SW i) + 16 t
-  // of the row (+ 4 SW uint4 per i), the pair's two scales at float2 warp + SW i.
+  // The warp's i-th pair is pair warp + W i: the lane's codes at byte 64 (warp + W i) + 16 t
+  // of the row (+ 4 W uint4 per i), the pair's two scales at float2 warp + W i.
   const uint4* pa = reinterpret_cast<const uint4*>(wa + warp * 64) + t;
   const uint4* pb = reinterpret_cast<const uint4*>(wb + warp * 64) + t;
   const float2* qa = reinterpret_cast<const float2*>(sa_p) + warp;
@@ -617,17 +606,17 @@ __global__ void __launch_bounds__(W * 32)
   const float2* cr = kBias ? nullptr
                           : reinterpret_cast<const float2*>(
                                 corr + static_cast<int64_t>(min(t, m - 1)) * groups) + warp;
-  const int count = warp < pairs ? (pairs - warp + SW - 1) / SW : 0;
+  const int count = warp < pairs ? (pairs - warp + W - 1) / W : 0;
 
   uint4 ca[P], cb[P];
   float2 sa[P], sb[P];
 #pragma unroll
   for (int j = 0; j < P; ++j) {
     if (j < count) {
-      ca[j] = load_stream(pa + 4 * SW * j);
-      cb[j] = load_stream(pb + 4 * SW * j);
-      sa[j] = __ldg(qa + SW * j);
-      sb[j] = __ldg(qb + SW * j);
+      ca[j] = load_stream(pa + 4 * W * j);
+      cb[j] = load_stream(pb + 4 * W * j);
+      sa[j] = __ldg(qa + W * j);
+      sb[j] = __ldg(qb + W * j);
     }
   }
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
@@ -639,7 +628,7 @@ __global__ void __launch_bounds__(W * 32)
         if (has_x) {
 #pragma unroll
           for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
-            const uint4 xv = __ldg(xr + 16 * SW * j + v);
+            const uint4 xv = __ldg(xr + 16 * W * j + v);
             b[4 * v] = __byte_perm(xv.x, xv.z, 0x5410);
             b[4 * v + 1] = __byte_perm(xv.x, xv.z, 0x7632);
             b[4 * v + 2] = __byte_perm(xv.y, xv.w, 0x5410);
@@ -666,56 +655,37 @@ __global__ void __launch_bounds__(W * 32)
           tot[1] = fmaf(sb[j].x, d[2], tot[1]);
           tot[1] = fmaf(sb[j].y, d[3], tot[1]);
         } else {
-          const float2 c = __ldg(cr + SW * j);  // groups 2p, 2p + 1 of x row t
+          const float2 c = __ldg(cr + W * j);  // groups 2p, 2p + 1 of x row t
           tot[0] = fmaf(sa[j].x, d[0] - c.x, tot[0]);
           tot[0] = fmaf(sa[j].y, d[1] - c.y, tot[0]);
           tot[1] = fmaf(sb[j].x, d[2] - c.x, tot[1]);
           tot[1] = fmaf(sb[j].y, d[3] - c.y, tot[1]);
         }
         if (i0 + j + P < count) {  // the slot is free: refill it with the pair P ahead
-          ca[j] = load_stream(pa + 4 * SW * (j + P));
-          cb[j] = load_stream(pb + 4 * SW * (j + P));
-          sa[j] = __ldg(qa + SW * (j + P));
-          sb[j] = __ldg(qb + SW * (j + P));
+          ca[j] = load_stream(pa + 4 * W * (j + P));
+          cb[j] = load_stream(pb + 4 * W * (j + P));
+          sa[j] = __ldg(qa + W * (j + P));
+          sb[j] = __ldg(qb + W * (j + P));
         }
       }
     }
-    pa += 4 * SW * P;
-    pb += 4 * SW * P;
-    qa += SW * P;
-    qb += SW * P;
-    xr += 16 * SW * P;
-    if constexpr (!kBias) cr += SW * P;
+    pa += 4 * W * P;
+    pb += 4 * W * P;
+    qa += W * P;
+    qb += W * P;
+    xr += 16 * W * P;
+    if constexpr (!kBias) cr += W * P;
   }
-  const int wib = threadIdx.x >> 5;  // the warp in this block
-  red[wib][lane] = make_float2(tot[0], tot[1]);
+  red[warp][lane] = make_float2(tot[0], tot[1]);
   __syncthreads();
-  float2 s = make_float2(0.0f, 0.0f);
-  if (wib == 0) {
-    s = red[0][lane];
+  if (warp == 0) {
+    float2 s = red[0][lane];
 #pragma unroll
     for (int v = 1; v < W; ++v) {
       const float2 o = red[v][lane];
       s.x += o.x;
       s.y += o.y;
     }
-  }
-  if constexpr (S > 1) {  // rank 0 adds the cluster's blocks' sums in rank order
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    if (wib == 0) part[lane] = s;
-    cluster.sync();
-    if (rank == 0 && wib == 0) {
-#pragma unroll
-      for (int r = 1; r < S; ++r) {
-        const float2 o = cluster.map_shared_rank(part, r)[lane];
-        s.x += o.x;
-        s.y += o.y;
-      }
-    }
-    cluster.sync();  // the other blocks' shared memory stays until rank 0 has read it
-  }
-  if (rank == 0 && wib == 0) {
     const int ra = row0 + g, rb = ra + 8;
     if (t < m) {
       if (ra < n) y[static_cast<int64_t>(t) * n + ra] = to_out<OT>(s.x);
@@ -724,66 +694,38 @@ __global__ void __launch_bounds__(W * 32)
   }
 }
 
-template <int P, int W, int S, bool kBias, typename OT>
-cudaError_t launch_wide(cudaStream_t stream, int tiles, const uint4* x, const float* corr,
+template <int P, int W, bool kBias, typename OT>
+cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
                         const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  OT* out = static_cast<OT*>(y);
-  if constexpr (S == 1) {
-    int4_gemv_wide<P, W, 1, kBias, OT><<<tiles, W * 32, 0, stream>>>(x, corr, mt, index, out,
-                                                                      k, m);
-  } else {  // clusters of S blocks along x, one cluster to a tile
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(tiles * S);
-    cfg.blockDim = dim3(W * 32);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = S;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const cudaError_t err =
-        cudaLaunchKernelEx(&cfg, int4_gemv_wide<P, W, S, kBias, OT>, x, corr, mt, index, out, k, m);
-    if (err != cudaSuccess) return err;
-  }
+  int4_gemv_wide<P, W, kBias, OT><<<blocks, W * 32, 0, stream>>>(
+      x, corr, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
 }
 
 // The wide kernel a call asks for: P pairs in flight, W warps to a 16-row tile (16 spreads
 // a tile's pairs over twice the warps: for few rows, whose 8-warp blocks leave SMs idle), the
-// bias taken off by MMAs or with corr, S blocks to a tile (P = 2, W = 8 only).
-template <int P, int W, int S, typename OT>
-cudaError_t launch_wide_bias(cudaStream_t stream, bool bias, int tiles, const uint4* x,
+// bias taken off by MMAs or with corr. `known` is false for a combination not built.
+template <int P, int W, typename OT>
+cudaError_t launch_wide_bias(cudaStream_t stream, bool bias, int blocks, const uint4* x,
                              const float* corr, const Mats& mt, const int32_t* index, void* y,
                              int k, int m) {
-  return bias ? launch_wide<P, W, S, true, OT>(stream, tiles, x, corr, mt, index, y, k, m)
-              : launch_wide<P, W, S, false, OT>(stream, tiles, x, corr, mt, index, y, k, m);
+  return bias ? launch_wide<P, W, true, OT>(stream, blocks, x, corr, mt, index, y, k, m)
+              : launch_wide<P, W, false, OT>(stream, blocks, x, corr, mt, index, y, k, m);
 }
 
 template <typename OT>
-cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps,
-                                int64_t split, bool bias, int tiles, const uint4* x,
-                                const float* corr, const Mats& mt, const int32_t* index,
-                                void* y, int k, int m, bool& known) {
+cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
+                                int blocks, const uint4* x, const float* corr, const Mats& mt,
+                                const int32_t* index, void* y, int k, int m, bool& known) {
   known = true;
-  if (split == 1) {
-    if (prefetch == 2 && warps == 8)
-      return launch_wide_bias<2, 8, 1, OT>(stream, bias, tiles, x, corr, mt, index, y, k, m);
-    if (prefetch == 4 && warps == 8)
-      return launch_wide_bias<4, 8, 1, OT>(stream, bias, tiles, x, corr, mt, index, y, k, m);
-    if (prefetch == 2 && warps == 16)
-      return launch_wide_bias<2, 16, 1, OT>(stream, bias, tiles, x, corr, mt, index, y, k, m);
-    if (prefetch == 4 && warps == 16)
-      return launch_wide_bias<4, 16, 1, OT>(stream, bias, tiles, x, corr, mt, index, y, k, m);
-  } else if (prefetch == 2 && warps == 8) {
-    if (split == 2)
-      return launch_wide_bias<2, 8, 2, OT>(stream, bias, tiles, x, corr, mt, index, y, k, m);
-    if (split == 4)
-      return launch_wide_bias<2, 8, 4, OT>(stream, bias, tiles, x, corr, mt, index, y, k, m);
-    if (split == 8)
-      return launch_wide_bias<2, 8, 8, OT>(stream, bias, tiles, x, corr, mt, index, y, k, m);
-  }
+  if (prefetch == 2 && warps == 8)
+    return launch_wide_bias<2, 8, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
+  if (prefetch == 4 && warps == 8)
+    return launch_wide_bias<4, 8, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
+  if (prefetch == 2 && warps == 16)
+    return launch_wide_bias<2, 16, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
+  if (prefetch == 4 && warps == 16)
+    return launch_wide_bias<4, 16, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
   known = false;
   return cudaSuccess;
 }
@@ -999,7 +941,7 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
 ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
-                            int64_t prefetch, int64_t warps, int64_t bias, int64_t split) {
+                            int64_t prefetch, int64_t warps, int64_t bias) {
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
@@ -1026,15 +968,12 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
     return ffi::Error::InvalidArgument("int4_gemv_wide: y must be f32 or bf16");
   bool known = false;
   const cudaError_t err =
-      bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, split, bias != 0,
-                                                blocks, x4, c, mt, index.typed_data(), yp, ki,
-                                                mi, known)
-           : launch_wide_variant<float>(stream, prefetch, warps, split, bias != 0, blocks, x4,
-                                        c, mt, index.typed_data(), yp, ki, mi, known);
+      bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, blocks, x4,
+                                                c, mt, index.typed_data(), yp, ki, mi, known)
+           : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, blocks, x4, c, mt,
+                                        index.typed_data(), yp, ki, mi, known);
   if (!known)
-    return ffi::Error::InvalidArgument(
-        "int4_gemv_wide: prefetch must be 2 or 4, warps 8 or 16, split 1 (or 2, 4, 8 with "
-        "prefetch 2 and 8 warps)");
+    return ffi::Error::InvalidArgument("int4_gemv_wide: prefetch must be 2 or 4, warps 8 or 16");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -1072,6 +1011,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("prefetch")
                                   .Attr<int64_t>("warps")
-                                  .Attr<int64_t>("bias")
-                                  .Attr<int64_t>("split"),
+                                  .Attr<int64_t>("bias"),
                               {ffi::Traits::kCmdBufferCompatible});
