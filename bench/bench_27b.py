@@ -161,15 +161,24 @@ def random_cache(cfg, ctx: int, dtype, batch: int = 1):
         pos=jnp.full((batch,), ctx, jnp.int32))
 
 
-def random_paged_cache(cfg, ctx: int, dtype, batch: int = 1):
-    """A paged cache: each row owns consecutive pages holding ctx random K/V tokens."""
+def random_paged_cache(cfg, ctx: int, dtype, batch: int = 1, kv: str = "bfloat16"):
+    """A paged cache: each row owns consecutive pages holding ctx random K/V tokens, stored as
+    `kv` (bfloat16, or int8 codes with per-row fp32 scales)."""
     from engine import paged_kv as pk
 
     per_row = pk.kv_pages_needed(ctx + 16)
-    pool = pk.init_kv_pool(cfg, batch * per_row, pk.PAGE_SIZE, dtype)
-    k1, k2 = jax.random.split(jax.random.key(8))
-    pool = pool._replace(k=jax.random.normal(k1, pool.k.shape, dtype),
-                         v=jax.random.normal(k2, pool.v.shape, dtype))
+    kv_dtype = dtype if kv == "bfloat16" else kv
+    pool = pk.init_kv_pool(cfg, batch * per_row, pk.PAGE_SIZE, kv_dtype)
+    k1, k2, k5, k6 = jax.random.split(jax.random.key(8), 4)
+    if pool.k_scale is None:
+        pool = pool._replace(k=jax.random.normal(k1, pool.k.shape, pool.k.dtype),
+                             v=jax.random.normal(k2, pool.v.shape, pool.v.dtype))
+    else:  # int8 codes and the scales of rows of about unit size
+        codes = lambda key: jax.random.randint(  # noqa: E731
+            key, pool.k.shape, -127, 128, jnp.int32).astype(jnp.int8)
+        scale = lambda key: jax.random.uniform(  # noqa: E731
+            key, pool.k_scale.shape, jnp.float32, 0.5, 1.5) / 127.0
+        pool = pool._replace(k=codes(k1), v=codes(k2), k_scale=scale(k5), v_scale=scale(k6))
     table = np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
     c = M.init_paged_cache(cfg, pool, table, dtype)
     k3, k4 = jax.random.split(jax.random.key(9))
@@ -195,11 +204,17 @@ def run_decode(cfg, params, fmt, args, res, dt):
                                kernels=args.kernels)
     state_bytes = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
         cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    kv_per_tok = cfg.num_blocks * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    if args.paged:
+        from engine.paged_kv import kv_bytes_per_token
+
+        kv_per_tok = kv_bytes_per_token(cfg, dt if args.kv == "bfloat16" else args.kv)
+    else:
+        kv_per_tok = cfg.num_blocks * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     runs = [(int(b), int(c)) for b in args.batches.split(",") for c in args.contexts.split(",")
             if b and c]
     for batch, ctx in runs:
-        cache = (random_paged_cache if args.paged else random_cache)(cfg, ctx, dt, batch)
+        cache = (random_paged_cache(cfg, ctx, dt, batch, args.kv) if args.paged
+                 else random_cache(cfg, ctx, dt, batch))
         tok = jnp.ones((batch, 1), jnp.int32)
         t0 = time.perf_counter()
         _, _, cache = step(params, tok, cache)
@@ -215,7 +230,8 @@ def run_decode(cfg, params, fmt, args, res, dt):
         t = float(np.median(times))
         moved = wbytes + batch * (ctx * kv_per_tok + state_bytes)
         row = {"weights": fmt, "kernels": args.kernels, "context": ctx, "batch": batch,
-               "ms_per_step": t * 1e3, "tokens_per_s": batch / t, "bytes": moved,
+               "kv": args.kv if args.paged else "bfloat16", "ms_per_step": t * 1e3,
+               "tokens_per_s": batch / t, "bytes": moved,
                "first_call_s": compile_s}
         if args.profile:
             row["profile"] = profile_steps(lambda c: step(params, tok, c), cache, args.profile,
@@ -311,6 +327,8 @@ def main() -> None:
     ap.add_argument("--skip-peaks", action="store_true")
     ap.add_argument("--unroll", action="store_true", help="unroll the scan over blocks")
     ap.add_argument("--paged", action="store_true", help="decode over the paged KV pool")
+    ap.add_argument("--kv", default="bfloat16", choices=["bfloat16", "int8"],
+                    help="the paged pool's KV storage (int8: codes and per-row scales)")
     ap.add_argument("--profile", type=int, default=0, help="after timing, trace this many "
                     "decode steps (and one prefill) and print the GPU time by kernel")
     ap.add_argument("--null-gemv", action="store_true", help="replace the GEMV kernel by zeros "

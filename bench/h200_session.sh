@@ -13,7 +13,8 @@
 # XLA's group sums, WIDE_WARPS to a tile (default 8), C1/C2 1K decode with each of WIDE_BIAS,
 # default "1 0"), graphs (C1/C2 1K decode without command buffers, with the default ones, with
 # custom calls in graphs of any size, and with loops too: is the step bound by the host's
-# launches?), hlo (the C1 decode step's optimized HLO, gzipped), inplace (C1/C2 1K decode
+# launches?), kvint8 (C1/C2 decode at 32K/128K over an int8 KV pool), utbf16 (8K/32K prefill with XLA's UT transform in fp32 and with bf16 operands,
+# NINFER_GDN_PREFILL=hybrid_utbf16, and the GDN prefill GPU tests), hlo (the C1 decode step's optimized HLO, gzipped), inplace (C1/C2 1K decode
 # with the GDN states updated in place, the default since v10, and the fused kernel's GPU
 # tests), cmdbuf
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
@@ -99,6 +100,21 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_b${B}_$TAG.json"
           grep -E -A3 'per step|decode' "$OUT/wide_decode_b${B}_$TAG.log" | cut -c1-150
         done ;;
+      kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16)
+        run 200 "$OUT/kvint8_$TAG.log" $B27 --skip-peaks --kv int8 --weights int4_g64 \
+          --batches 1,2 --contexts 32768,131072 --prefill "" --steps 10 \
+          --out "$OUT/kvint8_$TAG.json"
+        grep -E '^decode' "$OUT/kvint8_$TAG.log" | cut -c1-90 ;;
+      utbf16)  # prefill with XLA's UT transform in bf16 operands against the fp32 transform
+        run 120 "$OUT/utbf16_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_gdn_prefill.py -k "gpu_27b"
+        tail -n 2 "$OUT/utbf16_tests_$TAG.log"
+        for G in hybrid hybrid_utbf16; do
+          NINFER_GDN_PREFILL=$G run 200 "$OUT/utbf16_${G}_$TAG.log" $B27 --skip-peaks \
+            --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 2 \
+            --out "$OUT/prefill_${G}_$TAG.json"
+          grep -E '^prefill' "$OUT/utbf16_${G}_$TAG.log" | sed "s/^/$G: /"
+        done ;;
       hlo)  # the optimized HLO of the C1 decode step (what each profiled fusion is), gzipped
         XLA_FLAGS="--xla_dump_to=/tmp/hlo_$TAG --xla_dump_hlo_as_text" run 200 \
           "$OUT/hlo_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1 \
@@ -141,8 +157,8 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --out "$OUT/read_patterns_$TAG.json"
         grep -E "copy|stream_h1_u4 grid 8|rows_alu|scale|16-row" "$OUT/readpat_$TAG.log" ;;
       ncu)
-        XLA_PYTHON_CLIENT_PREALLOCATE=false run 200 "$OUT/ncu_$TAG.log" bash -c "ncu \
-          --clock-control none --kernel-name regex:int4_gemv --launch-skip 1 --launch-count 6 \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false run 400 "$OUT/ncu_$TAG.log" bash -c "ncu \
+          --clock-control none --kernel-name regex:int4_gemv --launch-skip 0 --launch-count 36 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
           --section WarpStateStats --section SchedulerStats --section LaunchStats \
           --section ComputeWorkloadAnalysis --section SourceCounters --csv \

@@ -159,8 +159,9 @@ def gdn_prefill_rows(res):
     """One 27B GDN layer's prefill (the gated delta rule over T tokens, state in and out):
     the XLA chunk rule (fp32, what the model runs) against the Pallas chunked kernel with bf16
     operands over its tiles (value-column tile bv, warps, pipeline stages), with its own prep
-    kernel ("pallas_bf16") or XLA's UT transform before its scan ("hybrid_bf16"). Which path,
-    and which tile, makes prefill faster is the question (docs/benchmarks/README.md v8)."""
+    kernel ("pallas_bf16"), XLA's UT transform before its scan ("hybrid_bf16"), or XLA's with
+    bf16 operands for its two large products ("hybrid_utbf16"). Which path, and which tile,
+    makes prefill faster is the question (docs/benchmarks/README.md v8)."""
     from engine import gdn
     from engine.kernels.gdn_prefill import gdn_chunk
 
@@ -177,13 +178,14 @@ def gdn_prefill_rows(res):
         ref = ref_fn(q, k, v, g, beta, s0)
         runs = [("xla", None, ref_fn, (q, k, v, g, beta, s0))]
         qb, kb, vb = (a.astype(jnp.bfloat16) for a in (q, k, v))
-        for prep in ("pallas", "xla"):
+        for prep in ("pallas", "xla", "xla_bf16"):
             for bv, warps, stages in GDN_PREFILL_TILES:
                 if bv > d:
                     continue
                 fn = jax.jit(lambda *a, bv=bv, w=warps, st=stages, prep=prep: gdn_chunk(
                     *a, bv=bv, num_warps=w, num_stages=st, prep=prep))
-                runs.append(({"pallas": "pallas_bf16", "xla": "hybrid_bf16"}[prep],
+                runs.append(({"pallas": "pallas_bf16", "xla": "hybrid_bf16",
+                              "xla_bf16": "hybrid_utbf16"}[prep],
                              (bv, warps, stages), fn, (qb, kb, vb, g, beta, s0)))
         for impl, tile, fn, args in runs:
             try:

@@ -1,9 +1,11 @@
 """A small driver for profiling the int4 GEMV kernels with Nsight Compute on the GPU machine:
-one lm_head-sized int4_g64 matrix (248320 x 5120, 0.7 GB: far past the L2), each kernel
-variant called a few times, plus a plain device copy of the same bytes for comparison.
+int4_g64 matrices of the 27B decode step (lm_head 248320 x 5120, 0.7 GB: far past the L2; a
+layer's gate|up 34816 x 5120 and down 5120 x 17408), each kernel variant (the `fma` kernel,
+the wide tensor-core kernel with XLA's group sums and with the bias MMAs) called a few times
+at M = 1, plus a plain device copy of the lm_head bytes for comparison.
 
     ncu --clock-control none --kernel-name regex:'int4_gemv' \
-        --launch-skip 0 --launch-count 40 \
+        --launch-skip 0 --launch-count 36 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section SchedulerStats --section WarpStateStats --csv \
         python3 bench/ncu_gemv.py > ncu_gemv.csv
@@ -25,32 +27,40 @@ import jax.numpy as jnp  # noqa: E402
 from bench.bench_27b import _random_qtensor  # noqa: E402
 from engine.kernels import cuda_ops, qgemv  # noqa: E402
 
-N, K, REPS = 248320, 5120, 3
+SHAPES = [("lm_head", 248320, 5120), ("gate|up", 34816, 5120), ("down", 5120, 17408)]
+REPS = 3
 
 
 def main() -> None:
-    w = _random_qtensor(jax.random.key(0), (N, K), "int4_g64")
-    nbytes = w.data.size + w.scale.size * 4
-    x = jax.random.normal(jax.random.key(1), (1, K), jnp.bfloat16)
-    variants = {
-        "pallas": jax.jit(lambda x, w: qgemv.qmatmul(x, w, config=qgemv.default_config(w, 1))),
-        "fma_r2": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="fma",
-                                                          rows_per_warp=2)),
-        "mma_s4": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", stages=4)),
-        "copy": jax.jit(lambda x, w: w.data + jnp.uint8(1)),
-    }
-    for name, fn in variants.items():
-        if name != "pallas" and name != "copy" and not cuda_ops.available():
-            print(f"{name}: CUDA op unavailable ({cuda_ops.why_unavailable()})")
-            continue
-        jax.block_until_ready(fn(x, w))
-        t0 = time.perf_counter()
-        for _ in range(REPS):
-            out = fn(x, w)
-        jax.block_until_ready(out)
-        t = (time.perf_counter() - t0) / REPS
-        moved = 2 * w.data.size if name == "copy" else nbytes
-        print(f"{name:>8}: {t * 1e6:8.1f} us  {moved / t / 1e12:5.2f} TB/s", flush=True)
+    x_of = {}
+    for shape, n, k in SHAPES:
+        w = _random_qtensor(jax.random.key(n), (n, k), "int4_g64")
+        nbytes = w.data.size + w.scale.size * 4
+        x = x_of.setdefault(k, jax.random.normal(jax.random.key(k), (1, k), jnp.bfloat16))
+        variants = {
+            "fma_r2": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="fma",
+                                                              rows_per_warp=2)),
+            "wide_b0": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0)),
+            "wide_b1": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=1)),
+        }
+        if shape == "lm_head":
+            variants["pallas"] = jax.jit(
+                lambda x, w: qgemv.qmatmul(x, w, config=qgemv.default_config(w, 1)))
+            variants["copy"] = jax.jit(lambda x, w: w.data + jnp.uint8(1))
+        for name, fn in variants.items():
+            if name not in ("pallas", "copy") and not cuda_ops.available():
+                print(f"{name}: CUDA op unavailable ({cuda_ops.why_unavailable()})")
+                continue
+            jax.block_until_ready(fn(x, w))
+            t0 = time.perf_counter()
+            for _ in range(REPS):
+                out = fn(x, w)
+            jax.block_until_ready(out)
+            t = (time.perf_counter() - t0) / REPS
+            moved = 2 * w.data.size if name == "copy" else nbytes
+            print(f"{shape:>8} {name:>8}: {t * 1e6:8.1f} us  {moved / t / 1e12:5.2f} TB/s",
+                  flush=True)
+        del w
 
 
 if __name__ == "__main__":

@@ -112,29 +112,40 @@ def _unit_lower_inverse(m):
     return inv[..., 0, :, :]
 
 
-def _uw(k, v, g, beta):
+def _uw(k, v, g, beta, ops: str = "fp32"):
     """The UT transform of every chunk: inputs [..., C, ...] (a chunk on axis -2 of k and v,
     -1 of g and beta). Returns u, w, gamma (the log decay from the chunk start, inclusive)
-    and the causal decay exp(gamma_i - gamma_j) [..., C, C]."""
+    and the causal decay exp(gamma_i - gamma_j) [..., C, C]. ops="bf16": the two large
+    products (K K^T and M^-1 times the right-hand side) take bf16 operands with fp32 sums, as
+    tensor cores do; the decays, M and its inverse stay fp32."""
     c = k.shape[-2]
     gamma = jnp.cumsum(g, axis=-1)  # log decay from the chunk start to each step, inclusive
     causal = jnp.tril(jnp.ones((c, c), bool))
     # exp(gamma_i - gamma_j) for j <= i; masked before exp because the upper half would overflow.
     decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
     kb = k * beta[..., None]
+
+    def dot(spec, a, b):
+        if ops == "bf16":
+            return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum(spec, a, b, precision=_HI)
     # M = I + strict_lower(diag(beta) (K K^T o decay)); solving it folds the C sequential delta
     # updates of a chunk into matmuls: u = M^-1 diag(beta) V, w = M^-1 diag(beta e^gamma) K.
-    kk = jnp.einsum("...ik,...jk->...ij", kb, k, precision=_HI) * decay
+    kk = dot("...ik,...jk->...ij", kb, k) * decay
     m = jnp.tril(kk, -1) + jnp.eye(c, dtype=kk.dtype)
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
-    sol = jnp.einsum("...ij,...jv->...iv", _unit_lower_inverse(m), rhs, precision=_HI)
+    sol = dot("...ij,...jv->...iv", _unit_lower_inverse(m), rhs)
     return sol[..., :v.shape[-1]], sol[..., v.shape[-1]:], gamma, decay
 
 
-def chunk_uw(k, v, g, beta, chunk_size: int):
+def chunk_uw(k, v, g, beta, chunk_size: int, ops: str = "fp32"):
     """u and w of the chunked rule, for a kernel that runs only the state pass
     (engine/kernels/gdn_prefill.py, prep="xla"). k: [B, T, Hk, K]; v: [B, T, Hv, V]; g, beta:
-    [B, T, Hv]; T a multiple of chunk_size. Returns u [B, Hv, T, V], w [B, Hv, T, K] fp32."""
+    [B, T, Hv]; T a multiple of chunk_size. ops: "fp32" or "bf16" (`_uw`). Returns u [B, Hv,
+    T, V], w [B, Hv, T, K] fp32."""
+    if ops not in ("fp32", "bf16"):
+        raise ValueError(f"ops must be 'fp32' or 'bf16', got {ops!r}")
     b, t, hk = k.shape[:3]
     hv = v.shape[2]
     n, c = t // chunk_size, chunk_size
@@ -143,7 +154,7 @@ def chunk_uw(k, v, g, beta, chunk_size: int):
     def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] fp32
         x = jnp.moveaxis(x.astype(jnp.float32), 2, 1)
         return x.reshape(b, hv, n, c, *x.shape[3:])
-    u, w, _, _ = _uw(chunks(k), chunks(v), chunks(g), chunks(beta))
+    u, w, _, _ = _uw(chunks(k), chunks(v), chunks(g), chunks(beta), ops)
     return u.reshape(b, hv, t, -1), w.reshape(b, hv, t, -1)
 
 
@@ -237,14 +248,15 @@ def select_rule(mode: str, kernels: str, t: int):
     for the whole scan: one 27B layer at 8K tokens in 4.05 ms against 7.09 ms for this
     module's chunk rule, a whole 8K prefill 0.853 s against 0.981 s (H200,
     docs/benchmarks/README.md v9). NINFER_GDN_PREFILL=xla keeps the reference for prefill,
-    =pallas takes the kernel's own UT transform too. Imported lazily: the kernels import this
-    module for their references."""
+    =pallas takes the kernel's own UT transform too, =hybrid_utbf16 XLA's with bf16 operands
+    for its two large products (not measured on the H200 yet). Imported lazily: the kernels
+    import this module for their references."""
     if kernels == "pallas" and t <= 16:
         from engine.kernels.gdn_decode import gdn_recurrent
 
         return gdn_recurrent
-    if (kernels == "pallas" and mode == "chunk"
-            and os.environ.get("NINFER_GDN_PREFILL", "hybrid") in ("pallas", "hybrid")):
+    if (kernels == "pallas" and mode == "chunk" and os.environ.get(
+            "NINFER_GDN_PREFILL", "hybrid") in ("pallas", "hybrid", "hybrid_utbf16")):
         from engine.kernels.gdn_prefill import gdn_chunk_bf16_operands
 
         return gdn_chunk_bf16_operands

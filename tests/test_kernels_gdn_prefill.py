@@ -44,6 +44,24 @@ def test_gdn_chunk_matches_reference(t, batch, dk, with_state, dtype, prep):
     _check(args, dtype, prep)
 
 
+@pytest.mark.parametrize("t,batch,with_state", [(2, 1, True), (130, 2, True), (200, 1, False)])
+def test_gdn_chunk_bf16_transform_matches_reference(t, batch, with_state):
+    """XLA's UT transform with bf16 operands for its two large products (prep="xla_bf16"),
+    for bf16 q, k, v: within the bf16 bounds of the reference, and u, w close to the fp32
+    transform's."""
+    args = _args(np.random.default_rng(t), batch, t, 2, 4, 32, 32, jnp.bfloat16, with_state)
+    _check(args, jnp.bfloat16, "xla_bf16")
+    q, k, v, g, beta, _ = args
+    c = 64 if t >= 64 else chunk_len(t)
+    pad = ((0, 0), (0, (-t) % c), (0, 0))
+    k, v = (jnp.pad(x, pad + ((0, 0),)) for x in (k, v))
+    g, beta = (jnp.pad(x, pad) for x in (g, beta))
+    for got, want in zip(gdn.chunk_uw(k, v, g, beta, c, "bf16"), gdn.chunk_uw(k, v, g, beta, c)):
+        assert_close(got, want, jnp.bfloat16)
+    with pytest.raises(ValueError, match="ops"):
+        gdn.chunk_uw(k, v, g, beta, c, "fp16")
+
+
 def test_gdn_chunk_matches_recurrent_oracle_and_carries_state():
     """Whole chunks; two calls carrying the state equal one call and the step-by-step rule."""
     q, k, v, g, beta, s0 = _args(np.random.default_rng(), 1, 96, 2, 4, 16, 16, jnp.float32, True)
@@ -77,6 +95,10 @@ def test_chunk_len_and_selection(monkeypatch):
     assert gdn.select_rule("chunk", "pallas", 512) is rule
     for got, want in zip(rule(*args), gdn_chunk(*args, prep="pallas")):
         np.testing.assert_array_equal(got, want)
+    monkeypatch.setenv("NINFER_GDN_PREFILL", "hybrid_utbf16")
+    assert gdn.select_rule("chunk", "pallas", 512) is rule
+    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla_bf16")):
+        np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="prep"):
         gdn_chunk(*args, prep="cuda")
     monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
@@ -99,8 +121,9 @@ def test_gdn_chunk_lowers_to_triton(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("prep", ["pallas", "xla"])
+@pytest.mark.parametrize("dtype,prep", [(d, p) for d in (jnp.float32, jnp.bfloat16)
+                                        for p in ("pallas", "xla")]
+                         + [(jnp.bfloat16, "xla_bf16")])
 def test_gdn_chunk_gpu_27b_heads(dtype, prep):
     assert on_gpu()
     args = _args(np.random.default_rng(), 2, 1000, 16, 48, 128, 128, dtype, True)

@@ -131,10 +131,11 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
     """q, k: [B, T, Hk, K] (L2-normalised); v: [B, T, Hv, V]; g (log decay), beta: [B, T, Hv];
     initial_state [B, Hv, K, V] or None. Returns (out [B, T, Hv, V] fp32, final state
     [B, Hv, K, V] fp32). Shapes the kernels cannot tile take the reference. prep: "pallas"
-    (both kernels) or "xla" (the UT transform by `gdn.chunk_uw`, batched matmuls over all
-    chunks, then this module's scan kernel)."""
-    if prep not in ("pallas", "xla"):
-        raise ValueError(f"prep must be 'pallas' or 'xla', got {prep!r}")
+    (both kernels), "xla" (the UT transform by `gdn.chunk_uw`, batched matmuls over all
+    chunks, then this module's scan kernel) or "xla_bf16" (the same with bf16 operands for
+    the transform's two large products)."""
+    if prep not in ("pallas", "xla", "xla_bf16"):
+        raise ValueError(f"prep must be 'pallas', 'xla' or 'xla_bf16', got {prep!r}")
     if not supported(q, v, chunk_size):
         return gdn_chunk_ref(q, k, v, g, beta, initial_state, chunk_size, scale)
     interpret = resolve_interpret(interpret)
@@ -152,8 +153,9 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
     bv = min(bv, dv)
     params = None if interpret else triton_params(num_warps, num_stages)
 
-    if prep == "xla":
-        u, w = (x.astype(cdt) for x in chunk_uw(k, v, g, beta, c))
+    if prep in ("xla", "xla_bf16"):
+        ops = "bf16" if prep == "xla_bf16" else "fp32"
+        u, w = (x.astype(cdt) for x in chunk_uw(k, v, g, beta, c, ops))
     else:
         u, w = pl.pallas_call(
             functools.partial(_prep_kernel, c=c, r=hv // hk, cdt=cdt), grid=(b, hv, n),
@@ -179,11 +181,13 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     programs, 96 for the 27B at B = 1; a benchmarking switch until the GPU sweep picks one);
     NINFER_GDN_PREFILL_WARPS its warps (default 8: the fastest of 4 and 8 for one 27B layer
     at 8K and 32K tokens with either prep, docs/benchmarks/README.md v9).
-    The UT transform comes from XLA (prep="xla", the default, NINFER_GDN_PREFILL=hybrid) or
-    from this module's prep kernel (NINFER_GDN_PREFILL=pallas)."""
+    The UT transform comes from XLA (prep="xla", the default, NINFER_GDN_PREFILL=hybrid), from
+    XLA with bf16 operands for its large products (NINFER_GDN_PREFILL=hybrid_utbf16) or from
+    this module's prep kernel (NINFER_GDN_PREFILL=pallas)."""
     bv = int(os.environ.get("NINFER_GDN_PREFILL_BV", "64"))
     warps = int(os.environ.get("NINFER_GDN_PREFILL_WARPS", "8"))
-    prep = "pallas" if os.environ.get("NINFER_GDN_PREFILL") == "pallas" else "xla"
+    prep = {"pallas": "pallas", "hybrid_utbf16": "xla_bf16"}.get(
+        os.environ.get("NINFER_GDN_PREFILL", "hybrid"), "xla")
     return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv,
                      num_warps=warps, prep=prep)
 
