@@ -13,8 +13,9 @@
 # XLA's group sums, WIDE_WARPS to a tile (default 8), C1/C2 1K decode with each of WIDE_BIAS,
 # default "1 0"), graphs (C1/C2 1K decode without command buffers, with the default ones, with
 # custom calls in graphs of any size, and with loops too: is the step bound by the host's
-# launches?), kvint8 (C1/C2 decode at 32K/128K over an int8 KV pool), utbf16 (8K/32K prefill with XLA's UT transform in fp32 and with bf16 operands,
-# NINFER_GDN_PREFILL=hybrid_utbf16, and the GDN prefill GPU tests), hlo (the C1 decode step's optimized HLO, gzipped), inplace (C1/C2 1K decode
+# launches?), kvint8 (C1/C2 decode at 32K/128K over an int8 KV pool), prefillx (8K/32K
+# prefill: the baseline, XLA's UT transform with bf16 operands, the lean GDN scan, XLA's
+# dynamic-slice fusion (PREFILLX picks); and the GDN prefill GPU tests), hlo (the C1 decode step's optimized HLO, gzipped), inplace (C1/C2 1K decode
 # with the GDN states updated in place, the default since v10, and the fused kernel's GPU
 # tests), cmdbuf
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
@@ -26,7 +27,8 @@
 # layer's causal prefill at 8K/32K: the flash kernel's tiles, the paged kernel, cuDNN), gdnprefill (8K/32K with
 # the Pallas chunked GDN kernel, bf16 operands; GDN_PREFILL=hybrid: XLA's prep), chunk128 (8K/32K prefill with NINFER_GDN_CHUNK=128), restore
 # (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
-# Results land in $OUT (default ./out) as <part>_$TAG.{json,log}; times are in seconds.
+# Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
+# session_$TAG.tgz (PACK=0: not packed); times are in seconds.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 TAG="${TAG:-run}"
@@ -105,15 +107,22 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --batches 1,2 --contexts 32768,131072 --prefill "" --steps 10 \
           --out "$OUT/kvint8_$TAG.json"
         grep -E '^decode' "$OUT/kvint8_$TAG.log" | cut -c1-90 ;;
-      utbf16)  # prefill with XLA's UT transform in bf16 operands against the fp32 transform
-        run 120 "$OUT/utbf16_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      prefillx)  # prefill experiments, one call: the baseline, XLA's UT transform with bf16
+        # operands (NINFER_GDN_PREFILL=hybrid_utbf16), every state-independent term from XLA and
+        # the lean scan kernel (=hybrid_lean), and XLA's dynamic-slice fusion (a layer's weights
+        # sliced out of the stacks by address, not copied, before cuBLAS)
+        run 120 "$OUT/prefillx_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_gdn_prefill.py -k "gpu_27b"
-        tail -n 2 "$OUT/utbf16_tests_$TAG.log"
-        for G in hybrid hybrid_utbf16; do
-          NINFER_GDN_PREFILL=$G run 200 "$OUT/utbf16_${G}_$TAG.log" $B27 --skip-peaks \
-            --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 2 \
-            --out "$OUT/prefill_${G}_$TAG.json"
-          grep -E '^prefill' "$OUT/utbf16_${G}_$TAG.log" | sed "s/^/$G: /"
+        tail -n 2 "$OUT/prefillx_tests_$TAG.log"
+        for X in ${PREFILLX:-base utbf16 lean dsf}; do
+          G=hybrid F=""
+          [ $X = utbf16 ] && G=hybrid_utbf16
+          [ $X = lean ] && G=hybrid_lean
+          [ $X = dsf ] && F="--xla_gpu_enable_dynamic_slice_fusion=true"
+          NINFER_GDN_PREFILL=$G XLA_FLAGS="$F" run 200 "$OUT/prefillx_${X}_$TAG.log" $B27 \
+            --skip-peaks --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 2 \
+            --out "$OUT/prefillx_${X}_$TAG.json"
+          grep -E '^prefill' "$OUT/prefillx_${X}_$TAG.log" | sed "s/^/$X: /"
         done ;;
       hlo)  # the optimized HLO of the C1 decode step (what each profiled fusion is), gzipped
         XLA_FLAGS="--xla_dump_to=/tmp/hlo_$TAG --xla_dump_hlo_as_text" run 200 \
@@ -193,3 +202,11 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
     esac
   done
 done
+# The device returns only so many files from a call: everything goes back as one tarball
+# (PACK=0 leaves the files as they are).
+if [ "${PACK:-1}" = 1 ]; then
+  kill $DMON 2>/dev/null
+  wait $DMON 2>/dev/null
+  (cd "$OUT" && ls | grep -v "^session_$TAG.tgz$" | tar czf "session_$TAG.tgz" --remove-files -T -)
+  echo "packed: $OUT/session_$TAG.tgz"
+fi

@@ -153,15 +153,18 @@ def gdn_rows(res):
 PREFILL_TOKENS = (8192, 32768)
 GDN_PREFILL_TILES = [(bv, w, 1) for bv in (32, 64, 128) for w in (4, 8)] + [(64, 4, 2),
                                                                              (64, 8, 2)]
+DEFAULT_TILE = 3  # (64, 8, 1): the model's (gdn_prefill.gdn_chunk_bf16_operands)
 
 
 def gdn_prefill_rows(res):
     """One 27B GDN layer's prefill (the gated delta rule over T tokens, state in and out):
     the XLA chunk rule (fp32, what the model runs) against the Pallas chunked kernel with bf16
     operands over its tiles (value-column tile bv, warps, pipeline stages), with its own prep
-    kernel ("pallas_bf16"), XLA's UT transform before its scan ("hybrid_bf16"), or XLA's with
-    bf16 operands for its two large products ("hybrid_utbf16"). Which path, and which tile,
-    makes prefill faster is the question (docs/benchmarks/README.md v8)."""
+    kernel ("pallas_bf16"), XLA's UT transform before its scan ("hybrid_bf16"), XLA's with
+    bf16 operands for its two large products ("hybrid_utbf16"), or every state-independent
+    term from XLA and the lean scan ("hybrid_lean"; these two at the default tile only). Which
+    path, and which tile, makes prefill faster is the question (docs/benchmarks/README.md
+    v8)."""
     from engine import gdn
     from engine.kernels.gdn_prefill import gdn_chunk
 
@@ -178,14 +181,15 @@ def gdn_prefill_rows(res):
         ref = ref_fn(q, k, v, g, beta, s0)
         runs = [("xla", None, ref_fn, (q, k, v, g, beta, s0))]
         qb, kb, vb = (a.astype(jnp.bfloat16) for a in (q, k, v))
-        for prep in ("pallas", "xla", "xla_bf16"):
+        for prep in ("pallas", "xla", "xla_bf16", "xla_lean"):
             for bv, warps, stages in GDN_PREFILL_TILES:
-                if bv > d:
-                    continue
+                if bv > d or (prep in ("xla_bf16", "xla_lean")
+                              and (bv, warps, stages) != GDN_PREFILL_TILES[DEFAULT_TILE]):
+                    continue  # the new preps at the default tile only
                 fn = jax.jit(lambda *a, bv=bv, w=warps, st=stages, prep=prep: gdn_chunk(
                     *a, bv=bv, num_warps=w, num_stages=st, prep=prep))
                 runs.append(({"pallas": "pallas_bf16", "xla": "hybrid_bf16",
-                              "xla_bf16": "hybrid_utbf16"}[prep],
+                              "xla_bf16": "hybrid_utbf16", "xla_lean": "hybrid_lean"}[prep],
                              (bv, warps, stages), fn, (qb, kb, vb, g, beta, s0)))
         for impl, tile, fn, args in runs:
             try:
@@ -264,6 +268,7 @@ def flash_rows(res):
 
 def main():
     global SHAPES, CONFIGS, CONTEXTS, FMTS, SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES, FLASH_TILES
+    global DEFAULT_TILE
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     ap.add_argument("--out", default="micro.json")
@@ -274,6 +279,7 @@ def main():
     if args.smoke:
         SHAPES, CONFIGS, CONTEXTS = [(64, 256)], CONFIGS[:2], (128,)
         SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES = True, (200,), [(16, 4, 1)]
+        DEFAULT_TILE = 0
         FLASH_TILES = [(16, 16, 4, 1, False), (16, 16, 4, 1, True)]
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
            "jax": jax.__version__, "gemv": [], "paged_decode": [], "gdn_decode": [],

@@ -158,6 +158,44 @@ def chunk_uw(k, v, g, beta, chunk_size: int, ops: str = "fp32"):
     return u.reshape(b, hv, t, -1), w.reshape(b, hv, t, -1)
 
 
+def chunk_intra(q, k, v, g, beta, chunk_size: int, scale: float, ops: str = "fp32"):
+    """Everything of the chunked rule that does not depend on the carried state, for a kernel
+    whose sequential pass then only multiplies by the state (engine/kernels/gdn_prefill.py,
+    prep="xla_lean"). q, k: [B, T, Hk, K]; v: [B, T, Hv, V]; g, beta: [B, T, Hv]; T a multiple
+    of chunk_size. ops as for `chunk_uw`, for the UT transform and q k^T.
+    Returns u [B, Hv, T, V], w, q_in (scaled q decayed from its chunk's start), k_out (k
+    decayed to its chunk's end) [B, Hv, T, K], qk (the causal decayed scaled q k^T of each
+    chunk, row by row) [B, Hv, T, C], all fp32, and the chunks' decays [B, Hv, N] fp32."""
+    if ops not in ("fp32", "bf16"):
+        raise ValueError(f"ops must be 'fp32' or 'bf16', got {ops!r}")
+    b, t, hk = k.shape[:3]
+    hv = v.shape[2]
+    n, c = t // chunk_size, chunk_size
+    if hv != hk:
+        q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q, k))
+
+    def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] fp32
+        x = jnp.moveaxis(x.astype(jnp.float32), 2, 1)
+        return x.reshape(b, hv, n, c, *x.shape[3:])
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+    q = q * scale
+    u, w, gamma, decay = _uw(k, v, g, beta, ops)
+    if ops == "bf16":
+        qk = jnp.einsum("...ik,...jk->...ij", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                        preferred_element_type=jnp.float32)
+    else:
+        qk = jnp.einsum("...ik,...jk->...ij", q, k, precision=_HI)
+    qk = qk * decay
+    g_end = gamma[..., -1:]
+    q_in = q * jnp.exp(gamma)[..., None]
+    k_out = k * jnp.exp(g_end - gamma)[..., None]
+
+    def rows(x):  # [B, H, N, C, ...] -> [B, H, T, ...]
+        return x.reshape(b, hv, t, *x.shape[4:])
+    return (rows(u), rows(w), rows(q_in), rows(k_out), rows(qk),
+            jnp.exp(g_end[..., 0]))
+
+
 def _intra_chunk(q, k, v, g, beta):
     """Everything that does not depend on the carried state, for all chunks at once.
 
@@ -249,14 +287,16 @@ def select_rule(mode: str, kernels: str, t: int):
     module's chunk rule, a whole 8K prefill 0.853 s against 0.981 s (H200,
     docs/benchmarks/README.md v9). NINFER_GDN_PREFILL=xla keeps the reference for prefill,
     =pallas takes the kernel's own UT transform too, =hybrid_utbf16 XLA's with bf16 operands
-    for its two large products (not measured on the H200 yet). Imported lazily: the kernels
-    import this module for their references."""
+    for its two large products, =hybrid_lean every state-independent term from XLA and a scan
+    kernel of four dots a chunk (these two not measured on the H200 yet). Imported lazily: the
+    kernels import this module for their references."""
     if kernels == "pallas" and t <= 16:
         from engine.kernels.gdn_decode import gdn_recurrent
 
         return gdn_recurrent
     if (kernels == "pallas" and mode == "chunk" and os.environ.get(
-            "NINFER_GDN_PREFILL", "hybrid") in ("pallas", "hybrid", "hybrid_utbf16")):
+            "NINFER_GDN_PREFILL", "hybrid") in ("pallas", "hybrid", "hybrid_utbf16",
+                                                "hybrid_lean")):
         from engine.kernels.gdn_prefill import gdn_chunk_bf16_operands
 
         return gdn_chunk_bf16_operands

@@ -36,10 +36,11 @@ def _check(args, dtype, prep="pallas"):
     (100, 2, 32, False, jnp.float32),
     (200, 1, 32, True, jnp.float32),
     (2, 1, 16, True, jnp.bfloat16), (130, 2, 32, True, jnp.bfloat16)])
-@pytest.mark.parametrize("prep", ["pallas", "xla"])
+@pytest.mark.parametrize("prep", ["pallas", "xla", "xla_lean"])
 def test_gdn_chunk_matches_reference(t, batch, dk, with_state, dtype, prep):
-    """Both ways to the UT transform: the prep kernel, or XLA's (gdn.chunk_uw) feeding the
-    scan kernel."""
+    """Every way to the state pass's inputs: the prep kernel, XLA's UT transform
+    (gdn.chunk_uw) feeding the scan kernel, or every state-independent term from XLA
+    (gdn.chunk_intra) feeding the lean scan kernel."""
     args = _args(np.random.default_rng(), batch, t, 2, 4, dk, 32, dtype, with_state)
     _check(args, dtype, prep)
 
@@ -95,10 +96,11 @@ def test_chunk_len_and_selection(monkeypatch):
     assert gdn.select_rule("chunk", "pallas", 512) is rule
     for got, want in zip(rule(*args), gdn_chunk(*args, prep="pallas")):
         np.testing.assert_array_equal(got, want)
-    monkeypatch.setenv("NINFER_GDN_PREFILL", "hybrid_utbf16")
-    assert gdn.select_rule("chunk", "pallas", 512) is rule
-    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla_bf16")):
-        np.testing.assert_array_equal(got, want)
+    for env, prep in (("hybrid_utbf16", "xla_bf16"), ("hybrid_lean", "xla_lean")):
+        monkeypatch.setenv("NINFER_GDN_PREFILL", env)
+        assert gdn.select_rule("chunk", "pallas", 512) is rule
+        for got, want in zip(rule(*args), gdn_chunk(*args, prep=prep)):
+            np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="prep"):
         gdn_chunk(*args, prep="cuda")
     monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
@@ -116,13 +118,14 @@ def test_gdn_chunk_lowers_to_triton(dtype):
     args = _args(np.random.default_rng(0), 1, 100, 16, 48, 128, 128, dtype, True)
     text = lowers_for_cuda(lambda *a: gdn_chunk(*a, interpret=False), *args)
     assert text.count("__gpu$xla.gpu.triton") == 2  # prep + scan
-    text = lowers_for_cuda(lambda *a: gdn_chunk(*a, interpret=False, prep="xla"), *args)
-    assert text.count("__gpu$xla.gpu.triton") == 1  # the scan alone
+    for prep in ("xla", "xla_lean"):
+        text = lowers_for_cuda(lambda *a, p=prep: gdn_chunk(*a, interpret=False, prep=p), *args)
+        assert text.count("__gpu$xla.gpu.triton") == 1  # the scan alone
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,prep", [(d, p) for d in (jnp.float32, jnp.bfloat16)
-                                        for p in ("pallas", "xla")]
+                                        for p in ("pallas", "xla", "xla_lean")]
                          + [(jnp.bfloat16, "xla_bf16")])
 def test_gdn_chunk_gpu_27b_heads(dtype, prep):
     assert on_gpu()

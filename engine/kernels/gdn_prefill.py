@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.gdn import chunk_gated_delta_rule, chunk_uw
+from engine.gdn import chunk_gated_delta_rule, chunk_intra, chunk_uw
 from engine.kernels import resolve_interpret, triton_params
 
 gdn_chunk_ref = chunk_gated_delta_rule
@@ -109,6 +109,24 @@ def _scan_kernel(q_ref, k_ref, g_ref, u_ref, w_ref, s_ref, o_ref, so_ref, *, c, 
     so_ref[b, h, :, cols] = lax.fori_loop(0, n_chunks, chunk, s_ref[b, h, :, cols])
 
 
+def _lean_scan_kernel(u_ref, w_ref, qin_ref, kout_ref, qk_ref, end_ref, s_ref, o_ref, so_ref,
+                      *, c, n_chunks, bv, cdt):
+    """The state pass alone, on inputs XLA prepared (`gdn.chunk_intra`): per chunk four dots
+    with the carried state and the chunk's corrections, nothing else."""
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * bv, bv)
+
+    def chunk(n, s):  # s: [K, bv] fp32
+        rows = pl.ds(pl.multiple_of(n * c, c), c)
+        v_new = u_ref[b, h, rows, cols].astype(jnp.float32) - _dot(w_ref[b, h, rows, :], s,
+                                                                   (1, 0), cdt)  # [C, bv]
+        o_ref[b, rows, h, cols] = (_dot(qin_ref[b, h, rows, :], s, (1, 0), cdt)
+                                   + _dot(qk_ref[b, h, rows, :], v_new, (1, 0), cdt))
+        return s * end_ref[b, h, n] + _dot(kout_ref[b, h, rows, :], v_new, (0, 0), cdt)
+
+    so_ref[b, h, :, cols] = lax.fori_loop(0, n_chunks, chunk, s_ref[b, h, :, cols])
+
+
 def _pow2(x: int) -> bool:
     return x >= _MIN_TILE and (x & (x - 1)) == 0
 
@@ -123,6 +141,9 @@ def chunk_len(t: int, chunk_size: int = 64) -> int:
     return chunk_size if t >= chunk_size else max(_MIN_TILE, 1 << max(0, t - 1).bit_length())
 
 
+PREPS = ("pallas", "xla", "xla_bf16", "xla_lean")
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size", "scale", "interpret", "bv",
                                              "num_warps", "num_stages", "prep"))
 def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
@@ -132,10 +153,12 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
     initial_state [B, Hv, K, V] or None. Returns (out [B, T, Hv, V] fp32, final state
     [B, Hv, K, V] fp32). Shapes the kernels cannot tile take the reference. prep: "pallas"
     (both kernels), "xla" (the UT transform by `gdn.chunk_uw`, batched matmuls over all
-    chunks, then this module's scan kernel) or "xla_bf16" (the same with bf16 operands for
-    the transform's two large products)."""
-    if prep not in ("pallas", "xla", "xla_bf16"):
-        raise ValueError(f"prep must be 'pallas', 'xla' or 'xla_bf16', got {prep!r}")
+    chunks, then this module's scan kernel), "xla_bf16" (the same with bf16 operands for
+    the transform's two large products) or "xla_lean" (XLA prepares every term that does not
+    depend on the state, `gdn.chunk_intra`, and the scan kernel only multiplies by it: four
+    dots a chunk; bf16 products for bf16 inputs)."""
+    if prep not in PREPS:
+        raise ValueError(f"prep must be one of {PREPS}, got {prep!r}")
     if not supported(q, v, chunk_size):
         return gdn_chunk_ref(q, k, v, g, beta, initial_state, chunk_size, scale)
     interpret = resolve_interpret(interpret)
@@ -153,6 +176,18 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
     bv = min(bv, dv)
     params = None if interpret else triton_params(num_warps, num_stages)
 
+    if prep == "xla_lean":  # XLA prepares everything but the state pass
+        sc = dk ** -0.5 if scale is None else scale
+        *parts, end = chunk_intra(q, k, v, g, beta, c, sc, "bf16" if cdt != f32 else "fp32")
+        out, state = pl.pallas_call(
+            functools.partial(_lean_scan_kernel, c=c, n_chunks=n, bv=bv, cdt=cdt),
+            grid=(b, hv, dv // bv),
+            out_shape=(jax.ShapeDtypeStruct((b, tp, hv, dv), f32),
+                       jax.ShapeDtypeStruct((b, hv, dk, dv), f32)),
+            input_output_aliases={6: 1}, interpret=interpret, compiler_params=params,
+            name="gdn_chunk_scan_lean")(*(x.astype(cdt) for x in parts), end,
+                                        initial_state.astype(f32))
+        return out[:, :t], state
     if prep in ("xla", "xla_bf16"):
         ops = "bf16" if prep == "xla_bf16" else "fp32"
         u, w = (x.astype(cdt) for x in chunk_uw(k, v, g, beta, c, ops))
@@ -182,11 +217,13 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     NINFER_GDN_PREFILL_WARPS its warps (default 8: the fastest of 4 and 8 for one 27B layer
     at 8K and 32K tokens with either prep, docs/benchmarks/README.md v9).
     The UT transform comes from XLA (prep="xla", the default, NINFER_GDN_PREFILL=hybrid), from
-    XLA with bf16 operands for its large products (NINFER_GDN_PREFILL=hybrid_utbf16) or from
-    this module's prep kernel (NINFER_GDN_PREFILL=pallas)."""
+    XLA with bf16 operands for its large products (NINFER_GDN_PREFILL=hybrid_utbf16), from
+    XLA with every state-independent term too and the lean scan kernel
+    (NINFER_GDN_PREFILL=hybrid_lean) or from this module's prep kernel
+    (NINFER_GDN_PREFILL=pallas)."""
     bv = int(os.environ.get("NINFER_GDN_PREFILL_BV", "64"))
     warps = int(os.environ.get("NINFER_GDN_PREFILL_WARPS", "8"))
-    prep = {"pallas": "pallas", "hybrid_utbf16": "xla_bf16"}.get(
+    prep = {"pallas": "pallas", "hybrid_utbf16": "xla_bf16", "hybrid_lean": "xla_lean"}.get(
         os.environ.get("NINFER_GDN_PREFILL", "hybrid"), "xla")
     return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv,
                      num_warps=warps, prep=prep)
