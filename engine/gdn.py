@@ -112,6 +112,20 @@ def _unit_lower_inverse(m):
     return inv[..., 0, :, :]
 
 
+def _check_ops(ops: str) -> None:
+    if ops not in ("fp32", "bf16"):
+        raise ValueError(f"ops must be 'fp32' or 'bf16', got {ops!r}")
+
+
+def _product(spec, a, b, ops: str):
+    """einsum(spec, a, b) in fp32 (ops="fp32"), or with bf16 operands and fp32 sums as tensor
+    cores take them (ops="bf16")."""
+    if ops == "bf16":
+        return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b, precision=_HI)
+
+
 def _uw(k, v, g, beta, ops: str = "fp32"):
     """The UT transform of every chunk: inputs [..., C, ...] (a chunk on axis -2 of k and v,
     -1 of g and beta). Returns u, w, gamma (the log decay from the chunk start, inclusive)
@@ -124,19 +138,22 @@ def _uw(k, v, g, beta, ops: str = "fp32"):
     # exp(gamma_i - gamma_j) for j <= i; masked before exp because the upper half would overflow.
     decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
     kb = k * beta[..., None]
-
-    def dot(spec, a, b):
-        if ops == "bf16":
-            return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum(spec, a, b, precision=_HI)
     # M = I + strict_lower(diag(beta) (K K^T o decay)); solving it folds the C sequential delta
     # updates of a chunk into matmuls: u = M^-1 diag(beta) V, w = M^-1 diag(beta e^gamma) K.
-    kk = dot("...ik,...jk->...ij", kb, k) * decay
+    kk = _product("...ik,...jk->...ij", kb, k, ops) * decay
     m = jnp.tril(kk, -1) + jnp.eye(c, dtype=kk.dtype)
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
-    sol = dot("...ij,...jv->...iv", _unit_lower_inverse(m), rhs)
+    sol = _product("...ij,...jv->...iv", _unit_lower_inverse(m), rhs, ops)
     return sol[..., :v.shape[-1]], sol[..., v.shape[-1]:], gamma, decay
+
+
+def _head_chunks(x, hv: int, chunk_size: int):
+    """[B, T, H, ...] (key heads repeated onto the Hv value heads) -> [B, Hv, N, C, ...] fp32."""
+    b, t, h = x.shape[:3]
+    if h != hv:
+        x = jnp.repeat(x, hv // h, axis=2)
+    x = jnp.moveaxis(x.astype(jnp.float32), 2, 1)
+    return x.reshape(b, hv, t // chunk_size, chunk_size, *x.shape[3:])
 
 
 def chunk_uw(k, v, g, beta, chunk_size: int, ops: str = "fp32"):
@@ -144,72 +161,40 @@ def chunk_uw(k, v, g, beta, chunk_size: int, ops: str = "fp32"):
     (engine/kernels/gdn_prefill.py, prep="xla"). k: [B, T, Hk, K]; v: [B, T, Hv, V]; g, beta:
     [B, T, Hv]; T a multiple of chunk_size. ops: "fp32" or "bf16" (`_uw`). Returns u [B, Hv,
     T, V], w [B, Hv, T, K] fp32."""
-    if ops not in ("fp32", "bf16"):
-        raise ValueError(f"ops must be 'fp32' or 'bf16', got {ops!r}")
-    b, t, hk = k.shape[:3]
-    hv = v.shape[2]
-    n, c = t // chunk_size, chunk_size
-    k = jnp.repeat(k, hv // hk, axis=2) if hv != hk else k
-
-    def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] fp32
-        x = jnp.moveaxis(x.astype(jnp.float32), 2, 1)
-        return x.reshape(b, hv, n, c, *x.shape[3:])
-    u, w, _, _ = _uw(chunks(k), chunks(v), chunks(g), chunks(beta), ops)
+    _check_ops(ops)
+    b, t, hv = v.shape[:3]
+    u, w, _, _ = _uw(*(_head_chunks(x, hv, chunk_size) for x in (k, v, g, beta)), ops)
     return u.reshape(b, hv, t, -1), w.reshape(b, hv, t, -1)
 
 
 def chunk_intra(q, k, v, g, beta, chunk_size: int, scale: float, ops: str = "fp32"):
-    """Everything of the chunked rule that does not depend on the carried state, for a kernel
-    whose sequential pass then only multiplies by the state (engine/kernels/gdn_prefill.py,
-    prep="xla_lean"). q, k: [B, T, Hk, K]; v: [B, T, Hv, V]; g, beta: [B, T, Hv]; T a multiple
-    of chunk_size. ops as for `chunk_uw`, for the UT transform and q k^T.
+    """`_intra_chunk` for a kernel whose sequential pass then only multiplies by the state
+    (engine/kernels/gdn_prefill.py, prep="xla_lean"). q, k: [B, T, Hk, K]; v: [B, T, Hv, V];
+    g, beta: [B, T, Hv]; T a multiple of chunk_size; ops as for `chunk_uw`.
     Returns u [B, Hv, T, V], w, q_in (scaled q decayed from its chunk's start), k_out (k
     decayed to its chunk's end) [B, Hv, T, K], qk (the causal decayed scaled q k^T of each
     chunk, row by row) [B, Hv, T, C], all fp32, and the chunks' decays [B, Hv, N] fp32."""
-    if ops not in ("fp32", "bf16"):
-        raise ValueError(f"ops must be 'fp32' or 'bf16', got {ops!r}")
-    b, t, hk = k.shape[:3]
-    hv = v.shape[2]
-    n, c = t // chunk_size, chunk_size
-    if hv != hk:
-        q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q, k))
-
-    def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] fp32
-        x = jnp.moveaxis(x.astype(jnp.float32), 2, 1)
-        return x.reshape(b, hv, n, c, *x.shape[3:])
-    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
-    q = q * scale
-    u, w, gamma, decay = _uw(k, v, g, beta, ops)
-    if ops == "bf16":
-        qk = jnp.einsum("...ik,...jk->...ij", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
-                        preferred_element_type=jnp.float32)
-    else:
-        qk = jnp.einsum("...ik,...jk->...ij", q, k, precision=_HI)
-    qk = qk * decay
-    g_end = gamma[..., -1:]
-    q_in = q * jnp.exp(gamma)[..., None]
-    k_out = k * jnp.exp(g_end - gamma)[..., None]
-
-    def rows(x):  # [B, H, N, C, ...] -> [B, H, T, ...]
-        return x.reshape(b, hv, t, *x.shape[4:])
-    return (rows(u), rows(w), rows(q_in), rows(k_out), rows(qk),
-            jnp.exp(g_end[..., 0]))
+    _check_ops(ops)
+    b, t, hv = v.shape[:3]
+    q, k, v, g, beta = (_head_chunks(x, hv, chunk_size) for x in (q, k, v, g, beta))
+    u, w, q_in, qk, k_out, end = _intra_chunk(q * scale, k, v, g, beta, ops)
+    return (*(x.reshape(b, hv, t, x.shape[-1]) for x in (u, w, q_in, k_out, qk)),
+            end[..., 0])
 
 
-def _intra_chunk(q, k, v, g, beta):
+def _intra_chunk(q, k, v, g, beta, ops: str = "fp32"):
     """Everything that does not depend on the carried state, for all chunks at once.
 
-    Inputs [B, H, N, C, ...]. Returns u (the UT-transformed values), [w; q_in] (the decayed
-    keys w stacked over q decayed from the chunk start, [..., 2C, K]), the causal decayed
-    q k^T, k decayed to the chunk end, and the chunk's decay.
+    Inputs [B, H, N, C, ...]. Returns u (the UT-transformed values), w (the decayed keys), q
+    decayed from the chunk start, the causal decayed q k^T, k decayed to the chunk end, and
+    the chunk's decay [..., N, 1]. ops: the products' precision (`_product`).
     """
-    u, w, gamma, decay = _uw(k, v, g, beta)
-    qk = jnp.einsum("...ik,...jk->...ij", q, k, precision=_HI) * decay
+    u, w, gamma, decay = _uw(k, v, g, beta, ops)
+    qk = _product("...ik,...jk->...ij", q, k, ops) * decay
     g_end = gamma[..., -1:]
     q_in = q * jnp.exp(gamma)[..., None]            # q decayed from the chunk start
     k_out = k * jnp.exp(g_end - gamma)[..., None]   # k decayed to the chunk end
-    # w and q_in both multiply the carried state: stacked, one dot per scan step serves both
-    return u, jnp.concatenate([w, q_in], axis=-2), qk, k_out, jnp.exp(g_end)[..., None]
+    return u, w, q_in, qk, k_out, jnp.exp(g_end)
 
 
 def _chunk_step(s, xs):
@@ -242,7 +227,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int
         q, k, v = (jnp.pad(x, pad4) for x in (q, k, v))
         g, beta = (jnp.pad(x, pad4[:3]) for x in (g, beta))
     n = (t + pad) // c
-    parts = _intra_chunk(*(x.reshape(b, h, n, c, *x.shape[3:]) for x in (q, k, v, g, beta)))
+    u, w, q_in, qk, k_out, end = _intra_chunk(
+        *(x.reshape(b, h, n, c, *x.shape[3:]) for x in (q, k, v, g, beta)))
+    # w and q_in both multiply the carried state: stacked, one dot per scan step serves both
+    parts = (u, jnp.concatenate([w, q_in], axis=-2), qk, k_out, end[..., None])
     state, out = lax.scan(_chunk_step, state, [jnp.moveaxis(x, 2, 0) for x in parts])
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, -1)[:, :, :t]
     return out.transpose(0, 2, 1, 3), state
