@@ -20,7 +20,8 @@
 # tests), cmdbuf
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
 # profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
-# kernel), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
+# kernel), prefprof (one bf16 prefill by kernel), enginegpu (the engine's GPU tests and the
+# GDN prefill kernel's), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
 # bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
 # bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnmicro (one GDN layer's prefill: XLA vs
 # the Pallas chunked kernel's tiles, with its prep kernel or XLA's), flash (one attention
@@ -71,6 +72,15 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --contexts 1024 --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 1 --steps 5 \
           --profile 2 --out "$OUT/profile_$TAG.json"
         grep -E -A8 'per step' "$OUT/profile_$TAG.log" | cut -c1-150 ;;
+      prefprof)  # one bf16 prefill of PROFILE_PREFILL tokens (default 8192) by kernel
+        run 200 "$OUT/prefprof_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
+          --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 2 --profile 1 \
+          --out "$OUT/prefprof_$TAG.json"
+        grep -E -B2 -A40 'per step' "$OUT/prefprof_$TAG.log" | cut -c1-150 ;;
+      enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
+        run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_engine_gpu.py tests/test_kernels_gdn_prefill.py
+        tail -n 3 "$OUT/enginegpu_$TAG.log" ;;
       unfused)
         NINFER_GDN_FUSED=0 run 200 "$OUT/unfused_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
           --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \

@@ -269,21 +269,21 @@ def select_rule(mode: str, kernels: str, t: int):
     """The gated delta rule for a call of T steps: `mode` ("chunk" or "recurrent") names the
     reference; kernels="pallas" swaps in the Pallas kernels (same signature and result):
     decode-sized steps (T <= 16) the recurrent one (engine/kernels/gdn_decode.py), longer chunked
-    calls the chunked prefill one (engine/kernels/gdn_prefill.py) with XLA's UT transform
-    (`chunk_uw`) feeding the kernel's state pass, which keeps a layer's state in registers
-    for the whole scan: one 27B layer at 8K tokens in 4.05 ms against 7.09 ms for this
-    module's chunk rule, a whole 8K prefill 0.853 s against 0.981 s (H200,
-    docs/benchmarks/README.md v9). NINFER_GDN_PREFILL=xla keeps the reference for prefill,
-    =pallas takes the kernel's own UT transform too, =hybrid_utbf16 XLA's with bf16 operands
-    for its two large products, =hybrid_lean every state-independent term from XLA and a scan
-    kernel of four dots a chunk (these two not measured on the H200 yet). Imported lazily: the
-    kernels import this module for their references."""
+    calls the chunked prefill one (engine/kernels/gdn_prefill.py): XLA prepares every term
+    that does not depend on the carried state (`chunk_intra`) and the kernel's state pass,
+    which keeps a layer's state in registers for the whole scan, is four dots a chunk. A
+    whole 27B prefill of 8K tokens: 0.981 s with this module's chunk rule (v8), 0.839 s with
+    XLA's UT transform alone feeding the kernel, 0.772 s with the lean scan (H200,
+    docs/benchmarks/README.md v9, v11). NINFER_GDN_PREFILL=xla keeps the reference for
+    prefill, =hybrid takes XLA's UT transform alone (`chunk_uw`), =hybrid_utbf16 the same with
+    bf16 operands for its two large products, =pallas the kernel's own UT transform too.
+    Imported lazily: the kernels import this module for their references."""
     if kernels == "pallas" and t <= 16:
         from engine.kernels.gdn_decode import gdn_recurrent
 
         return gdn_recurrent
     if (kernels == "pallas" and mode == "chunk" and os.environ.get(
-            "NINFER_GDN_PREFILL", "hybrid") in ("pallas", "hybrid", "hybrid_utbf16",
+            "NINFER_GDN_PREFILL", "hybrid_lean") in ("pallas", "hybrid", "hybrid_utbf16",
                                                 "hybrid_lean")):
         from engine.kernels.gdn_prefill import gdn_chunk_bf16_operands
 

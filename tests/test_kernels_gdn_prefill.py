@@ -80,23 +80,23 @@ def test_gdn_chunk_matches_recurrent_oracle_and_carries_state():
 
 def test_chunk_len_and_selection(monkeypatch):
     assert [chunk_len(t) for t in (1, 3, 16, 17, 63, 64, 1000)] == [16, 16, 16, 32, 64, 64, 64]
-    # the kernel is the default prefill rule of kernels="pallas", with XLA's UT transform;
-    # NINFER_GDN_PREFILL=xla keeps the reference, =pallas takes the kernel's own transform
+    # the kernel is the default prefill rule of kernels="pallas", fed every state-independent
+    # term by XLA; NINFER_GDN_PREFILL=xla keeps the reference, =hybrid takes XLA's UT transform
+    # alone, =pallas the kernel's own transform
     monkeypatch.delenv("NINFER_GDN_PREFILL", raising=False)
     rule = gdn.select_rule("chunk", "pallas", 512)
     assert rule.bf16_operands and rule.__module__ == gdn_chunk.__module__
     args = _args(np.random.default_rng(1), 1, 40, 2, 4, 16, 16, jnp.float32, True)
-    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla")):  # the default is "xla"
+    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla_lean")):  # the default
         np.testing.assert_array_equal(got, want)
-    monkeypatch.setenv("NINFER_GDN_PREFILL", "hybrid")
-    assert gdn.select_rule("chunk", "pallas", 512) is rule
     monkeypatch.setenv("NINFER_GDN_PREFILL", "xla")
     assert gdn.select_rule("chunk", "pallas", 512) is gdn.chunk_gated_delta_rule
     monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
     assert gdn.select_rule("chunk", "pallas", 512) is rule
     for got, want in zip(rule(*args), gdn_chunk(*args, prep="pallas")):
         np.testing.assert_array_equal(got, want)
-    for env, prep in (("hybrid_utbf16", "xla_bf16"), ("hybrid_lean", "xla_lean")):
+    for env, prep in (("hybrid", "xla"), ("hybrid_utbf16", "xla_bf16"),
+                      ("hybrid_lean", "xla_lean")):
         monkeypatch.setenv("NINFER_GDN_PREFILL", env)
         assert gdn.select_rule("chunk", "pallas", 512) is rule
         for got, want in zip(rule(*args), gdn_chunk(*args, prep=prep)):
