@@ -20,7 +20,8 @@
 # tests), cmdbuf
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
 # profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
-# kernel), prefprof (one bf16 prefill by kernel), enginegpu (the engine's GPU tests and the
+# kernel), prefprof (one bf16 prefill by kernel), prefhlo (its optimized HLO),
+# prefbv (prefill with the scan's value tile at PREFBV), enginegpu (the engine's GPU tests and the
 # GDN prefill kernel's), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
 # bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
 # bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnmicro (one GDN layer's prefill: XLA vs
@@ -77,6 +78,17 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 2 --profile 1 \
           --out "$OUT/prefprof_$TAG.json"
         grep -E -B2 -A40 'per step' "$OUT/prefprof_$TAG.log" | cut -c1-150 ;;
+      prefhlo)  # the optimized HLO of one bf16 prefill of PROFILE_PREFILL tokens, gzipped
+        XLA_FLAGS="--xla_dump_to=/tmp/phlo_$TAG --xla_dump_hlo_as_text" run 200 \
+          "$OUT/prefhlo_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
+          --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 1 --out "/tmp/phlo_bench_$TAG.json"
+        f=$(ls -S /tmp/phlo_$TAG/*after_optimizations.txt | head -n 1)
+        echo "largest module: $f"; gzip -c "$f" > "$OUT/prefill_hlo_$TAG.txt.gz" ;;
+      prefbv)  # 8K/32K prefill with the lean scan's value tile at PREFBV (default 32)
+        NINFER_GDN_PREFILL_BV=${PREFBV:-32} run 200 "$OUT/prefbv_$TAG.log" $B27 --skip-peaks \
+          --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 2 \
+          --out "$OUT/prefbv_$TAG.json"
+        grep -E '^prefill' "$OUT/prefbv_$TAG.log" ;;
       enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
         run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_engine_gpu.py tests/test_kernels_gdn_prefill.py
