@@ -142,9 +142,11 @@ def _uw(k, v, g, beta, ops: str = "fp32"):
     # updates of a chunk into matmuls: u = M^-1 diag(beta) V, w = M^-1 diag(beta e^gamma) K.
     kk = _product("...ik,...jk->...ij", kb, k, ops) * decay
     m = jnp.tril(kk, -1) + jnp.eye(c, dtype=kk.dtype)
-    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gamma)[..., None]], axis=-1)
-    sol = _product("...ij,...jv->...iv", _unit_lower_inverse(m), rhs, ops)
-    return sol[..., :v.shape[-1]], sol[..., v.shape[-1]:], gamma, decay
+    inv = _unit_lower_inverse(m)
+    # two products, not one over [V | K] side by side: its slices were copies (v11 profile)
+    u = _product("...ij,...jv->...iv", inv, v * beta[..., None], ops)
+    w = _product("...ij,...jk->...ik", inv, kb * jnp.exp(gamma)[..., None], ops)
+    return u, w, gamma, decay
 
 
 def _head_chunks(x, hv: int, chunk_size: int):
@@ -244,18 +246,26 @@ def causal_conv1d(x, weight, state, lengths=None):
     valid steps of each row; the new state is the W-1 inputs ending at each row's last valid step,
     so padded steps never enter it. Computed in fp32.
     Returns (y [B, T, C] fp32, new_state [B, C, W-1] in state.dtype).
+
+    The taps read x shifted in with zeros, and the state's part of the first W-1 outputs comes
+    from the small [state; 0] window: no [state; x] array of T + W - 1 rows is built. Built as
+    one array it was a separate fp32 copy that a 27B prefill wrote channel-major (19 ms of an
+    8K prefill, docs/benchmarks/README.md v11); this way every term is element-wise in x and
+    fuses into the conv's consumers.
     """
+    b, t, c = x.shape
     w = weight.shape[-1]
-    t = x.shape[1]
-    xp = jnp.concatenate([state.astype(jnp.float32).transpose(0, 2, 1),
-                          x.astype(jnp.float32)], axis=1)  # [B, T+W-1, C]
-    wf = weight.astype(jnp.float32)
-    y = sum(xp[:, i:i + t] * wf[:, i] for i in range(w))
-    if lengths is None:
-        tail = xp[:, t:]
-    else:
-        tail = jax.vmap(lambda row, n: lax.dynamic_slice_in_dim(row, n, w - 1, axis=0))(
-            xp, lengths)
+    xf, wf = x.astype(jnp.float32), weight.astype(jnp.float32)
+    sf = state.astype(jnp.float32).transpose(0, 2, 1)  # [B, W-1, C]
+    y = sum(jnp.pad(xf, ((0, 0), (w - 1 - i, 0), (0, 0)))[:, :t] * wf[:, i] for i in range(w))
+    # output row r < W-1 also sums state rows r + i (i < W-1-r): taps over [state; zeros]
+    win = jnp.concatenate([sf, jnp.zeros_like(sf)], axis=1)  # [B, 2(W-1), C]
+    head = sum(win[:, i:i + w - 1] * wf[:, i] for i in range(w))[:, :min(t, w - 1)]
+    y = y + jnp.pad(head, ((0, 0), (0, t - head.shape[1]), (0, 0)))
+    ends = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
+    # the W-1 inputs ending at each row's last valid step: [state; x] read only there
+    tail = jax.vmap(lambda s_row, x_row, n: lax.dynamic_slice_in_dim(
+        jnp.concatenate([s_row, x_row], axis=0), n, w - 1, axis=0))(sf, xf, ends)
     return y, tail.transpose(0, 2, 1).astype(state.dtype)
 
 
