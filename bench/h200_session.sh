@@ -21,7 +21,8 @@
 # (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
 # profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
 # kernel), prefprof (one bf16 prefill by kernel), prefhlo (its optimized HLO),
-# prefbv (prefill with the scan's value tile at PREFBV), enginegpu (the engine's GPU tests and the
+# prefbv (prefill with the scan's value tile at PREFBV), prefscan (the scan's warps and
+# pipelining stages), enginegpu (the engine's GPU tests and the
 # GDN prefill kernel's), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
 # bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
 # bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnmicro (one GDN layer's prefill: XLA vs
@@ -89,6 +90,13 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 2 \
           --out "$OUT/prefbv_$TAG.json"
         grep -E '^prefill' "$OUT/prefbv_$TAG.log" ;;
+      prefscan)  # 8K/32K prefill, the scan's warps x pipelining stages (PREFSCAN: "w:s ...")
+        for ws in ${PREFSCAN:-8:1 8:2 8:3 4:2}; do
+          NINFER_GDN_PREFILL_WARPS=${ws%:*} NINFER_GDN_PREFILL_STAGES=${ws#*:} run 200 \
+            "$OUT/prefscan_${ws/:/s}_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
+            --prefill 8192,32768 --prefill-reps 2 --out "$OUT/prefscan_${ws/:/s}_$TAG.json"
+          grep -E '^prefill' "$OUT/prefscan_${ws/:/s}_$TAG.log" | sed "s/^/w$ws: /"
+        done ;;
       enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
         run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_engine_gpu.py tests/test_kernels_gdn_prefill.py
