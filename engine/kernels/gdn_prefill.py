@@ -214,18 +214,18 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     tells a bf16 model's GDN mixer to hand it bf16 q, k, v (engine/layers.py).
     NINFER_GDN_PREFILL_BV sets the scan's value-column tile (default 64: B x Hv x V/64
     programs, 96 for the 27B at B = 1; a benchmarking switch until the GPU sweep picks one);
-    NINFER_GDN_PREFILL_WARPS its warps (default 8: the fastest of 4 and 8 for one 27B layer
-    at 8K and 32K tokens with either prep, docs/benchmarks/README.md v9),
-    NINFER_GDN_PREFILL_STAGES Triton's software pipelining depth of the scan's chunk loop
-    (default 1: none).
+    NINFER_GDN_PREFILL_WARPS its warps and NINFER_GDN_PREFILL_STAGES Triton's software
+    pipelining depth of the scan's chunk loop (default 4 warps, 2 stages: the fastest of
+    8/1, 8/2, 8/3 and 4/2 for a 27B prefill at 8K and 32K tokens with the lean scan, 0.751 s
+    against 0.763 s at 8K, docs/benchmarks/README.md v11).
     By default XLA prepares every state-independent term and the lean scan kernel runs the
     state pass (prep="xla_lean", NINFER_GDN_PREFILL=hybrid_lean: a 27B prefill of 8K tokens
     in 0.772 s against 0.839 s for XLA's UT transform alone, docs/benchmarks/README.md v11).
     NINFER_GDN_PREFILL=hybrid takes XLA's UT transform alone (prep="xla"), =hybrid_utbf16 the
     same with bf16 operands for its large products, =pallas this module's prep kernel."""
     bv = int(os.environ.get("NINFER_GDN_PREFILL_BV", "64"))
-    warps = int(os.environ.get("NINFER_GDN_PREFILL_WARPS", "8"))
-    stages = int(os.environ.get("NINFER_GDN_PREFILL_STAGES", "1"))
+    warps = int(os.environ.get("NINFER_GDN_PREFILL_WARPS", "4"))
+    stages = int(os.environ.get("NINFER_GDN_PREFILL_STAGES", "2"))
     prep = {"pallas": "pallas", "hybrid": "xla", "hybrid_utbf16": "xla_bf16"}.get(
         os.environ.get("NINFER_GDN_PREFILL", "hybrid_lean"), "xla_lean")
     return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv,
