@@ -45,6 +45,20 @@ def test_gdn_chunk_matches_reference(t, batch, dk, with_state, dtype, prep):
     _check(args, dtype, prep)
 
 
+def test_lean_scan_with_128_step_chunks(monkeypatch):
+    """NINFER_GDN_PREFILL_CHUNK sets the model rule's chunk: 128-step chunks through the lean
+    scan match the reference (a ragged last chunk, a carried state) and are what the rule runs."""
+    args = _args(np.random.default_rng(7), 1, 300, 2, 4, 32, 32, jnp.float32, True)
+    got = gdn_chunk(*args, chunk_size=128, prep="xla_lean")
+    for g_, r_ in zip(got, gdn_chunk_ref(*args)):
+        assert_close(g_, r_, jnp.float32)
+    monkeypatch.delenv("NINFER_GDN_PREFILL", raising=False)
+    monkeypatch.setenv("NINFER_GDN_PREFILL_CHUNK", "128")
+    rule = gdn.select_rule("chunk", "pallas", 512)
+    for g_, w_ in zip(rule(*args), got):
+        np.testing.assert_array_equal(g_, w_)
+
+
 @pytest.mark.parametrize("t,batch,with_state", [(2, 1, True), (130, 2, True), (200, 1, False)])
 def test_gdn_chunk_bf16_transform_matches_reference(t, batch, with_state):
     """XLA's UT transform with bf16 operands for its two large products (prep="xla_bf16"),
@@ -131,6 +145,14 @@ def test_gdn_chunk_gpu_27b_heads(dtype, prep):
     assert on_gpu()
     args = _args(np.random.default_rng(), 2, 1000, 16, 48, 128, 128, dtype, True)
     _check(args, dtype, prep)
+
+
+@pytest.mark.gpu
+def test_lean_scan_gpu_27b_heads_128_step_chunks():
+    assert on_gpu()
+    args = _args(np.random.default_rng(), 1, 1000, 16, 48, 128, 128, jnp.bfloat16, True)
+    for got, want in zip(gdn_chunk(*args, chunk_size=128, prep="xla_lean"), gdn_chunk_ref(*args)):
+        assert_close(got, want, jnp.bfloat16)
 
 
 def test_model_prefill_pallas_equals_xla():

@@ -217,7 +217,9 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     NINFER_GDN_PREFILL_WARPS its warps and NINFER_GDN_PREFILL_STAGES Triton's software
     pipelining depth of the scan's chunk loop (default 4 warps, 2 stages: the fastest of
     8/1, 8/2, 8/3 and 4/2 for a 27B prefill at 8K and 32K tokens with the lean scan, 0.751 s
-    against 0.763 s at 8K, docs/benchmarks/README.md v11).
+    against 0.763 s at 8K, docs/benchmarks/README.md v11). NINFER_GDN_PREFILL_CHUNK overrides
+    the chunk (a power of two; 128 halves the scan's sequential steps and doubles the
+    intra-chunk work; not measured yet).
     By default XLA prepares every state-independent term and the lean scan kernel runs the
     state pass (prep="xla_lean", NINFER_GDN_PREFILL=hybrid_lean: a 27B prefill of 8K tokens
     in 0.772 s against 0.839 s for XLA's UT transform alone, docs/benchmarks/README.md v11).
@@ -226,6 +228,7 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     bv = int(os.environ.get("NINFER_GDN_PREFILL_BV", "64"))
     warps = int(os.environ.get("NINFER_GDN_PREFILL_WARPS", "4"))
     stages = int(os.environ.get("NINFER_GDN_PREFILL_STAGES", "2"))
+    chunk_size = int(os.environ.get("NINFER_GDN_PREFILL_CHUNK", chunk_size))
     prep = {"pallas": "pallas", "hybrid": "xla", "hybrid_utbf16": "xla_bf16"}.get(
         os.environ.get("NINFER_GDN_PREFILL", "hybrid_lean"), "xla_lean")
     return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv,
