@@ -22,7 +22,8 @@
 # profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
 # kernel), prefprof (one bf16 prefill by kernel), prefhlo (its optimized HLO),
 # prefbv (prefill with the scan's value tile at PREFBV), prefscan (the scan's warps and
-# pipelining stages), prefnext (128-step chunks; Triton GEMMs in place of cuBLAS), enginegpu (the engine's GPU tests and the
+# pipelining stages), prefnext (128-step chunks; legacy cuBLAS with dynamic-slice
+# fusion; Triton GEMMs in place of cuBLAS), enginegpu (the engine's GPU tests and the
 # GDN prefill kernel's), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
 # bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
 # bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnmicro (one GDN layer's prefill: XLA vs
@@ -98,14 +99,18 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           grep -E '^prefill' "$OUT/prefscan_${ws/:/s}_$TAG.log" | sed "s/^/w$ws: /"
         done ;;
       prefnext)  # prepared in v11, not measured: 8K/32K prefill with 128-step chunks in the
-        # lean scan (and its GPU test), and with cuBLAS not taking the GEMMs (Triton GEMM
-        # fusions can read a layer's weights in place of the stack copies before cuBLAS)
+        # lean scan (and its GPU test); the weight copies before cuBLAS (~26 ms at 8K): XLA's
+        # dynamic-slice fusion takes only legacy cuBLAS GEMMs, and XLA emits cublasLt ones
+        # (legacy: legacy cuBLAS alone, the control; legacydsf: legacy cuBLAS with the fusion),
+        # or Triton GEMM fusions in place of cuBLAS (tritongemm), which can read the slice
         run 120 "$OUT/prefnext_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_gdn_prefill.py -k "128_step"
         tail -n 2 "$OUT/prefnext_tests_$TAG.log"
-        for X in chunk128 tritongemm; do
+        for X in ${PREFNEXT:-chunk128 legacy legacydsf tritongemm}; do
           C=64 F=""
           [ $X = chunk128 ] && C=128
+          [ $X = legacy ] && F="--xla_gpu_enable_cublaslt=false"
+          [ $X = legacydsf ] && F="--xla_gpu_enable_cublaslt=false --xla_gpu_enable_dynamic_slice_fusion=true"
           [ $X = tritongemm ] && F="--xla_gpu_cublas_fallback=false"
           NINFER_GDN_PREFILL_CHUNK=$C XLA_FLAGS="$F" run 200 "$OUT/prefnext_${X}_$TAG.log" $B27 \
             --skip-peaks --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 2 \
