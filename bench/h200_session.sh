@@ -152,11 +152,18 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_b${B}_$TAG.json"
           grep -E -A3 'per step|decode' "$OUT/wide_decode_b${B}_$TAG.log" | cut -c1-150
         done ;;
-      kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16)
-        run 200 "$OUT/kvint8_$TAG.log" $B27 --skip-peaks --kv int8 --weights int4_g64 \
-          --batches 1,2 --contexts 32768,131072 --prefill "" --steps 10 \
-          --out "$OUT/kvint8_$TAG.json"
-        grep -E '^decode' "$OUT/kvint8_$TAG.log" | cut -c1-90 ;;
+      kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16):
+        # the paged kernel's int8 scales folded into scores and softmax weights (the default
+        # since v11) against dequantized element by element (NINFER_PAGED_INT8=dequant)
+        run 120 "$OUT/kvint8_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_attention.py -k paged_decode
+        tail -n 2 "$OUT/kvint8_tests_$TAG.log"
+        for F in ${KVINT8:-fold dequant}; do
+          NINFER_PAGED_INT8=$F run 200 "$OUT/kvint8_${F}_$TAG.log" $B27 --skip-peaks --kv int8 \
+            --weights int4_g64 --batches 1,2 --contexts 32768,131072 --prefill "" --steps 10 \
+            --out "$OUT/kvint8_${F}_$TAG.json"
+          grep -E '^decode' "$OUT/kvint8_${F}_$TAG.log" | cut -c1-90 | sed "s/^/$F: /"
+        done ;;
       prefillx)  # prefill experiments, one call: the baseline, XLA's UT transform with bf16
         # operands (NINFER_GDN_PREFILL=hybrid_utbf16), every state-independent term from XLA and
         # the lean scan kernel (=hybrid_lean), and XLA's dynamic-slice fusion (a layer's weights

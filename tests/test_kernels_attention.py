@@ -34,6 +34,21 @@ def test_paged_decode_matches_reference(kv_dtype, batch, slot_offset):
     assert_close(got, want, q.dtype)
 
 
+@pytest.mark.parametrize("fold", [True, False])
+def test_paged_decode_int8_scales_folded_or_not(fold, monkeypatch):
+    """INT8 pages with their scales on the scores and softmax weights (the default) or
+    element by element (NINFER_PAGED_INT8=dequant): both match the reference, and the
+    environment picks the same kernel as the argument."""
+    rng = np.random.default_rng(11)
+    pool, table, q, last = _paged_case(rng, "int8", 2)
+    got = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8,
+                       fold=fold)
+    assert_close(got, paged_attend_ref(pool, table, jnp.int32(1), q, last), q.dtype)
+    monkeypatch.setenv("NINFER_PAGED_INT8", "fold" if fold else "dequant")
+    again = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(again, np.float32))
+
+
 def test_paged_decode_reads_only_visible_slots():
     """Poison every slot past a row's position (NaN on pages past its last one, which must not
     be read at all; large finite values in its last page, which must weigh exactly 0): the

@@ -5,8 +5,9 @@ pages through the block table, one page (64 tokens x head_dim, contiguous per to
 step, with an online softmax, for all query heads of its KV head at once (GQA: the group's
 heads are the rows of one [16, hd] tile, zero-padded, so both products are tensor-core dots).
 Programs stop at the row's last visible page, so a short row costs only its own pages. XLA then
-merges the splits' (max, sum, acc) partials. INT8 pages are dequantized in registers with their
-per-token scales.
+merges the splits' (max, sum, acc) partials. INT8 pages enter the dots as they are (int8 codes
+are exact in bf16); their per-token scales multiply the page's 64 scores (K) and the 64
+softmax weights (V) instead of every element: per element only a conversion is left.
 
 `paged_attend` takes what `paged_write_attend` gives `attention.attend` (after the write) and
 returns the same [B, 1, heads, head_dim]; `paged_attend_ref` is that reference path.
@@ -14,6 +15,7 @@ returns the same [B, 1, heads, head_dim]; `paged_attend_ref` is that reference p
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +43,7 @@ def paged_attend_ref(pool: KVPool, table, layer, q, last_slot, slot_offset: int 
 
 
 def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, page, hd,
-            max_pages, num_pages, slot_offset, quant, scale):
+            max_pages, num_pages, slot_offset, quant, scale, fold):
     if quant:
         ks_ref, vs_ref, o_ref, m_ref, l_ref = rest
     else:
@@ -60,20 +62,24 @@ def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, pag
         pid = jnp.clip(table_ref[b, pj], 0, num_pages - 1)
         k = k_ref[layer, pid, :, h, :]                                # [page, hd]
         v = v_ref[layer, pid, :, h, :]
-        if quant:
-            k = (k.astype(jnp.float32) * ks_ref[layer, pid, :, h][:, None]).astype(q.dtype)
-            v = (v.astype(jnp.float32) * vs_ref[layer, pid, :, h][:, None]).astype(q.dtype)
-        else:
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        k_scale, v_scale = scale, None
+        if quant and fold:  # per-token scales on the scores and on the softmax weights
+            k_scale = ks_ref[layer, pid, :, h][None, :] * scale           # [1, page]
+            v_scale = vs_ref[layer, pid, :, h][None, :]
+        elif quant:  # dequantized element by element (the A/B baseline, fold=False)
+            k = k.astype(jnp.float32) * ks_ref[layer, pid, :, h][:, None]
+            v = v.astype(jnp.float32) * vs_ref[layer, pid, :, h][:, None]
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32) * scale   # [16, page]
+                             preferred_element_type=jnp.float32) * k_scale  # [16, page]
         slot = pj * page + tok
         sc = jnp.where((slot >= slot_offset) & (slot <= last), sc, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
         pr = jnp.exp(sc - m_new[:, None])
         alpha = jnp.exp(m_i - m_new)
+        pv = pr if v_scale is None else pr * v_scale
         acc = acc * alpha[:, None] + lax.dot_general(
-            pr.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            pv.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return m_new, l_i * alpha + jnp.sum(pr, axis=1), acc
 
     init = (jnp.full((_ROWS,), -jnp.inf, jnp.float32), jnp.zeros((_ROWS,), jnp.float32),
@@ -91,12 +97,27 @@ def _pages_per_split(kvh: int, max_pages: int, programs: int) -> int:
     return max(1, -(-max_pages * kvh // programs))
 
 
-@functools.partial(jax.jit, static_argnames=("slot_offset", "interpret", "programs",
-                                             "num_warps", "num_stages"))
+def fold_default() -> bool:
+    """Whether INT8 pages take their scales on the scores and softmax weights (default) or
+    element by element (NINFER_PAGED_INT8=dequant: the benchmark's A/B baseline)."""
+    return os.environ.get("NINFER_PAGED_INT8", "fold") != "dequant"
+
+
 def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0, *,
                  interpret: bool | None = None, programs: int = 512, num_warps: int = 4,
-                 num_stages: int = 2):
-    """The kernel; same contract as `paged_attend_ref` (T must be 1)."""
+                 num_stages: int = 2, fold: bool | None = None):
+    """The kernel; same contract as `paged_attend_ref` (T must be 1). fold: INT8 scales on
+    the scores and softmax weights (None: `fold_default()`, read here, outside the jit cache)."""
+    return _paged_attend(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
+                         programs=programs, num_warps=num_warps, num_stages=num_stages,
+                         fold=fold_default() if fold is None else fold)
+
+
+@functools.partial(jax.jit, static_argnames=("slot_offset", "interpret", "programs",
+                                             "num_warps", "num_stages", "fold"))
+def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
+                  interpret: bool | None, programs: int, num_warps: int, num_stages: int,
+                  fold: bool):
     interpret = resolve_interpret(interpret)
     b, t, nh, hd = q.shape
     if t != 1:
@@ -114,7 +135,7 @@ def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0,
     quant = pool.k_scale is not None
     kern = functools.partial(_kernel, pps=pps, page=page, hd=hd, max_pages=mp,
                              num_pages=pool.num_pages, slot_offset=slot_offset, quant=quant,
-                             scale=hd ** -0.5)
+                             scale=hd ** -0.5, fold=fold)
     args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), table.astype(jnp.int32),
             last_slot.astype(jnp.int32), qg, pool.k, pool.v]
     if quant:
