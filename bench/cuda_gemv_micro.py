@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--wide", default="", help="prefetch depths (pairs of groups) of the wide "
                     "tensor-core kernel to time, e.g. 2,4")
     ap.add_argument("--wide-warps", default="8", help="warps to a 16-row tile of the wide "
-                    "kernel (8, 16)")
+                    "kernel (2, 4, 8, 16)")
     ap.add_argument("--wide-bias", default="0", help="how the wide kernel takes the codes' "
                     "offset off: 0 group sums of x from XLA, 1 MMAs in the kernel (0,1: both)")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")

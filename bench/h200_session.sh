@@ -23,7 +23,7 @@
 # kernel), prefprof (one bf16 prefill by kernel), prefhlo (its optimized HLO),
 # prefbv (prefill with the scan's value tile at PREFBV), prefscan (the scan's warps and
 # pipelining stages), prefnext (128-step chunks; legacy cuBLAS with dynamic-slice
-# fusion; Triton GEMMs in place of cuBLAS), enginegpu (the engine's GPU tests and the
+# fusion; Triton GEMMs in place of cuBLAS), wwarps (the wide GEMV's warps to a tile), enginegpu (the engine's GPU tests and the
 # GDN prefill kernel's), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
 # bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
 # bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnmicro (one GDN layer's prefill: XLA vs
@@ -151,6 +151,21 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             "$OUT/wide_decode_b${B}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
             --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_b${B}_$TAG.json"
           grep -E -A3 'per step|decode' "$OUT/wide_decode_b${B}_$TAG.log" | cut -c1-150
+        done ;;
+      wwarps)  # the wide GEMV with 2, 4, 8 warps to a tile: its GPU tests, a micro sweep
+        # over the step's launches, C1/C2 1K decode with 8, 4, 2 and "auto" (by tiles)
+        run 200 "$OUT/wwarps_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_cuda_gemv.py -k wide
+        tail -n 2 "$OUT/wwarps_tests_$TAG.log"
+        run 200 "$OUT/wwarps_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
+          --rpw 2 --stages "" --wide 2 --wide-warps 2,4,8 --wide-bias 0 \
+          --shapes 2,4,9,10,11,12 --out "$OUT/cuda_gemv_micro_wwarps_$TAG.json"
+        grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log"
+        for W in ${WWARPS:-8 4 2 auto}; do
+          NINFER_INT4_WIDE_WARPS=$W run 150 "$OUT/wwarps_decode_${W}_$TAG.log" $B27 --skip-peaks \
+            --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 \
+            --out "$OUT/wwarps_${W}_$TAG.json"
+          grep -E '^decode' "$OUT/wwarps_decode_${W}_$TAG.log" | cut -c1-90 | sed "s/^/w$W: /"
         done ;;
       kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16):
         # the paged kernel's int8 scales folded into scores and softmax weights (the default

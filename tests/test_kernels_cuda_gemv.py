@@ -61,6 +61,35 @@ def test_variant_choice():
     assert cuda_ops.worthwhile([_qtensor(64, 128, 0)] * (cuda_ops.MIN_ROWS // 64))
 
 
+def test_wide_warps_setting_and_auto_choice():
+    """The wide kernel's warps a tile: a setting of 2, 4, 8 or 16, or "auto", by the number of
+    16-row tiles only (the fewest warps that still give WIDE_AUTO_WARPS in all)."""
+    assert [cuda_ops.wide_warps(34816, s) for s in ("2", "4", "8", "16")] == [2, 4, 8, 16]
+    with pytest.raises(ValueError, match="warps"):
+        cuda_ops.wide_warps(34816, "3")
+    for n in (48, 1024, 5120, 14336, 16480, 34816, 248320):
+        w = cuda_ops.wide_warps(n, "auto")
+        tiles = -(-n // 16)
+        assert w in cuda_ops.WIDE_WARPS
+        assert tiles * w >= cuda_ops.WIDE_AUTO_WARPS or w == cuda_ops.WIDE_WARPS[-1]
+        assert w == cuda_ops.WIDE_WARPS[0] or tiles * (w // 2) < cuda_ops.WIDE_AUTO_WARPS
+    assert cuda_ops.wide_warps(34816, "auto") == 2 and cuda_ops.wide_warps(5120, "auto") == 8
+
+
+@pytest.mark.gpu
+def test_wide_auto_warps_is_the_explicit_choice_on_gpu(monkeypatch):
+    """NINFER_INT4_WIDE_WARPS=auto runs the kernel with the warps `wide_warps` names: the
+    same bits as asking for them."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    w = _qtensor(5120, 1024, 7)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 1024)), jnp.bfloat16)
+    monkeypatch.setenv("NINFER_INT4_WIDE_WARPS", "auto")
+    auto = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide"))(x, w)
+    explicit = jax.jit(lambda x, w: cuda_ops.int4_gemv(
+        x, w, variant="wide", warps=cuda_ops.wide_warps(5120, "auto")))(x, w)
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(explicit, np.float32))
+
+
 def test_cpu_uses_the_pallas_kernel():
     if on_gpu():
         pytest.skip("CPU behaviour")
@@ -122,10 +151,11 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
     other = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide",
                                                     prefetch=6 - prefetch))(x, w)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(other, np.float32))
-    # 16 warps to a tile: other partial sums, the same result within bf16
-    sixteen = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch,
-                                                      warps=16))(x, w)
-    assert_close(sixteen, want, jnp.bfloat16)
+    # 2, 4 or 16 warps to a tile: other partial sums, the same result within bf16
+    for warps in (2, 4, 16):
+        other_w = jax.jit(lambda x, w, wp=warps: cuda_ops.int4_gemv(
+            x, w, variant="wide", prefetch=prefetch, warps=wp))(x, w)
+        assert_close(other_w, want, jnp.bfloat16)
     # the codes' offset taken off by MMAs inside the kernel in place of XLA's group sums
     mmas = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch,
                                                    bias=1))(x, w)

@@ -191,6 +191,27 @@ MIN_ROWS = 2048
 FMA_MAX_M = 1  # "fma" for bf16 x of this many rows when "wide" does not apply (K % 128 != 0)
 
 
+WIDE_WARPS = (2, 4, 8, 16)
+WIDE_AUTO_WARPS = 2048  # "auto": about 16 warps on each of the H200's 132 SMs
+
+
+def wide_warps(n: int, setting: str = "8") -> int:
+    """Warps to a 16-row tile of the wide kernel for N output rows: the setting (2, 4, 8, 16),
+    or with "auto" the fewest of those that still give the call WIDE_AUTO_WARPS warps in all,
+    so that warps run long over K where there are many tiles (mlp gate|up: 2176 tiles, 2
+    warps; lm_head: 2) and split it where there are few (down, out_proj: 320 tiles, 8). A
+    choice by shape only, so a call's result does not depend on the batch. Not measured yet
+    (h200_session.sh `wwarps`)."""
+    if setting != "auto":
+        w = int(setting)
+        if w not in WIDE_WARPS:
+            raise ValueError(f"wide kernel warps must be one of {WIDE_WARPS} or 'auto', "
+                             f"got {setting!r}")
+        return w
+    tiles = -(-n // 16)
+    return next((w for w in WIDE_WARPS if tiles * w >= WIDE_AUTO_WARPS), WIDE_WARPS[-1])
+
+
 def default_variant(x) -> str:
     """"wide" (bf16 tensor cores, 16-byte loads) for bf16 x of M <= WIDE_MAX_M rows (it falls
     back to "mma" where K is not a multiple of 128), "mma" for bf16 x of more rows, "fma"
@@ -217,8 +238,9 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     the shared-memory copy ring, 2/4/8 for the kernel that loads the codes into registers that
     many groups ahead, the same sums bit for bit, NINFER_INT4_PREFETCH, default 0: no faster
     on the H200, docs/benchmarks/README.md v9; wide: 2 or 4 pairs in flight, default 2 or
-    NINFER_INT4_WIDE_PREFETCH); warps (wide: 8 or 16 to a 16-row tile, default 8 or
-    NINFER_INT4_WIDE_WARPS; 16 measured slower on the H200, v10); bias (wide: 1 takes the
+    NINFER_INT4_WIDE_PREFETCH); warps (wide: 2, 4, 8 or 16 to a 16-row tile, default 8 or
+    NINFER_INT4_WIDE_WARPS, which may also be "auto": `wide_warps`; 16 measured slower than 8
+    on the H200, v10; 2, 4 and auto not measured yet); bias (wide: 1 takes the
     codes' offset 136 * sum(x) off with MMAs inside the kernel, 0 with group sums of x that
     XLA computes; default 0 or NINFER_INT4_WIDE_BIAS: the MMAs measured slower on the H200,
     v10). x goes to the wide kernel as it is."""
@@ -255,7 +277,7 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         else:
             corr = 136.0 * xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
         prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
-        warps = warps or int(os.environ.get("NINFER_INT4_WIDE_WARPS", "8"))
+        warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "8"))
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
                  bias=np.int64(bias))

@@ -702,9 +702,11 @@ cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const f
   return cudaGetLastError();
 }
 
-// The wide kernel a call asks for: P pairs in flight, W warps to a 16-row tile (16 spreads
-// a tile's pairs over twice the warps: for few rows, whose 8-warp blocks leave SMs idle), the
-// bias taken off by MMAs or with corr. `known` is false for a combination not built.
+// The wide kernel a call asks for: P pairs in flight, W warps to a 16-row tile, the bias taken
+// off by MMAs or with corr. `known` is false for a combination not built. W spreads a tile's
+// pairs over its warps: 16 for few rows (measured slower than 8 on the H200, v10); 2 and 4
+// give each warp longer runs of pairs (a 5120-wide row is 40 pairs: 5 a warp at W = 8) and
+// the block less of its fixed cost (row pointers, the first loads' latency, the reduction).
 template <int P, int W, typename OT>
 cudaError_t launch_wide_bias(cudaStream_t stream, bool bias, int blocks, const uint4* x,
                              const float* corr, const Mats& mt, const int32_t* index, void* y,
@@ -718,14 +720,12 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
                                 int blocks, const uint4* x, const float* corr, const Mats& mt,
                                 const int32_t* index, void* y, int k, int m, bool& known) {
   known = true;
-  if (prefetch == 2 && warps == 8)
-    return launch_wide_bias<2, 8, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
-  if (prefetch == 4 && warps == 8)
-    return launch_wide_bias<4, 8, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
-  if (prefetch == 2 && warps == 16)
-    return launch_wide_bias<2, 16, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
-  if (prefetch == 4 && warps == 16)
-    return launch_wide_bias<4, 16, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
+#define NINFER_WIDE(P, W)                                                                  \
+  if (prefetch == P && warps == W)                                                         \
+    return launch_wide_bias<P, W, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
+  NINFER_WIDE(2, 2) NINFER_WIDE(2, 4) NINFER_WIDE(2, 8) NINFER_WIDE(2, 16)
+  NINFER_WIDE(4, 2) NINFER_WIDE(4, 4) NINFER_WIDE(4, 8) NINFER_WIDE(4, 16)
+#undef NINFER_WIDE
   known = false;
   return cudaSuccess;
 }
@@ -973,7 +973,8 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
            : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, blocks, x4, c, mt,
                                         index.typed_data(), yp, ki, mi, known);
   if (!known)
-    return ffi::Error::InvalidArgument("int4_gemv_wide: prefetch must be 2 or 4, warps 8 or 16");
+    return ffi::Error::InvalidArgument(
+        "int4_gemv_wide: prefetch must be 2 or 4, warps 2, 4, 8 or 16");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
