@@ -51,6 +51,9 @@ def main() -> None:
                     "kernel (2, 4, 8, 16)")
     ap.add_argument("--wide-bias", default="0", help="how the wide kernel takes the codes' "
                     "offset off: 0 group sums of x from XLA, 1 MMAs in the kernel (0,1: both)")
+    ap.add_argument("--wide-occ", default="0", help="resident warps an SM the wide kernel's "
+                    "registers are capped for (0: the compiler's choice; 32: prefetch 2, bias "
+                    "0 only)")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
     args = ap.parse_args()
@@ -75,10 +78,13 @@ def main() -> None:
             variants.update({f"mma_s{u}": ("mma", int(u)) for u in args.stages.split(",") if u})
             variants.update({f"mma_p{p}": ("prefetch", int(p))
                              for p in args.prefetch.split(",") if p})
-            variants.update({f"wide_p{p}w{wp}b{b}": ("wide", int(p), int(wp), int(b))
+            variants.update({f"wide_p{p}w{wp}b{b}" + (f"o{o}" if int(o) else ""):
+                             ("wide", int(p), int(wp), int(b), int(o))
                              for p in args.wide.split(",") if p and m <= cuda_ops.WIDE_MAX_M
                              for wp in args.wide_warps.split(",")
-                             for b in args.wide_bias.split(",")})
+                             for b in args.wide_bias.split(",")
+                             for o in args.wide_occ.split(",")
+                             if int(o) == 0 or (p == "2" and b == "0")})
             for impl, rpw in variants.items():
                 if rpw is not None and not res["cuda_available"]:
                     continue
@@ -90,7 +96,7 @@ def main() -> None:
                         return cuda_ops.int4_gemv(x, w, idx, variant="fma", rows_per_warp=rpw[1])
                     if rpw[0] == "wide":
                         return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1],
-                                                  warps=rpw[2], bias=rpw[3])
+                                                  warps=rpw[2], bias=rpw[3], occupancy=rpw[4])
                     if rpw[0] == "prefetch":
                         return cuda_ops.int4_gemv(x, w, idx, variant="mma", prefetch=rpw[1])
                     return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],

@@ -153,16 +153,18 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           grep -E -A3 'per step|decode' "$OUT/wide_decode_b${B}_$TAG.log" | cut -c1-150
         done ;;
       wwarps)  # the wide GEMV with 2, 4, 8 warps to a tile: its GPU tests, a micro sweep
-        # over the step's launches, C1/C2 1K decode with 8, 4, 2 and "auto" (by tiles)
+        # over the step's launches, C1/C2 1K decode with 8, 4, 2 and "auto" (by tiles), and
+        # 8 / auto with registers capped for 32 warps an SM (NINFER_INT4_WIDE_OCC=32)
         run 200 "$OUT/wwarps_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k wide
         tail -n 2 "$OUT/wwarps_tests_$TAG.log"
-        run 200 "$OUT/wwarps_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
-          --rpw 2 --stages "" --wide 2 --wide-warps 2,4,8 --wide-bias 0 \
+        run 240 "$OUT/wwarps_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
+          --rpw 2 --stages "" --wide 2 --wide-warps 2,4,8 --wide-bias 0 --wide-occ 0,32 \
           --shapes 2,4,9,10,11,12 --out "$OUT/cuda_gemv_micro_wwarps_$TAG.json"
         grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log"
-        for W in ${WWARPS:-8 4 2 auto}; do
-          NINFER_INT4_WIDE_WARPS=$W run 150 "$OUT/wwarps_decode_${W}_$TAG.log" $B27 --skip-peaks \
+        for W in ${WWARPS:-8 4 2 auto 8o32 autoo32}; do
+          O=0; [ "${W%o32}" != "$W" ] && O=32
+          NINFER_INT4_WIDE_OCC=$O NINFER_INT4_WIDE_WARPS=${W%o32} run 150 "$OUT/wwarps_decode_${W}_$TAG.log" $B27 --skip-peaks \
             --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 \
             --out "$OUT/wwarps_${W}_$TAG.json"
           grep -E '^decode' "$OUT/wwarps_decode_${W}_$TAG.log" | cut -c1-90 | sed "s/^/w$W: /"

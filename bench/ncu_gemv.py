@@ -1,8 +1,10 @@
 """A small driver for profiling the int4 GEMV kernels with Nsight Compute on the GPU machine:
 int4_g64 matrices of the 27B decode step (lm_head 248320 x 5120, 0.7 GB: far past the L2; a
-layer's gate|up 34816 x 5120 and down 5120 x 17408), each kernel variant (the `fma` kernel,
-the wide tensor-core kernel with XLA's group sums and with the bias MMAs) called a few times
-at M = 1, plus a plain device copy of the lm_head bytes for comparison.
+layer's gate|up 34816 x 5120 and down 5120 x 17408), each variant of the wide tensor-core
+kernel (the default; its registers capped for 32 resident warps an SM, `occupancy=32`; two
+warps to a tile) called a few times at M = 1, plus a plain device copy of the lm_head bytes
+for comparison. The questions: what holds the default at 2.2-2.9 TB/s (stall reasons, issue
+use, achieved occupancy), and does either change move it.
 
     ncu --clock-control none --kernel-name regex:'int4_gemv' \
         --launch-skip 0 --launch-count 36 \
@@ -38,10 +40,12 @@ def main() -> None:
         nbytes = w.data.size + w.scale.size * 4
         x = x_of.setdefault(k, jax.random.normal(jax.random.key(k), (1, k), jnp.bfloat16))
         variants = {
-            "fma_r2": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="fma",
-                                                              rows_per_warp=2)),
-            "wide_b0": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0)),
-            "wide_b1": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=1)),
+            "wide": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0,
+                                                            warps=8, occupancy=0)),
+            "wide_o32": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0,
+                                                                warps=8, occupancy=32)),
+            "wide_w2": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0,
+                                                               warps=2, occupancy=0)),
         }
         if shape == "lm_head":
             variants["pallas"] = jax.jit(

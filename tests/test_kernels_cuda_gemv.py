@@ -151,11 +151,17 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
     other = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide",
                                                     prefetch=6 - prefetch))(x, w)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(other, np.float32))
-    # 2, 4 or 16 warps to a tile: other partial sums, the same result within bf16
-    for warps in (2, 4, 16):
+    # 2, 4 or 16 warps to a tile: other partial sums, the same result within bf16; with
+    # registers capped for 32 warps an SM (prefetch 2 only): the same code, the same bits
+    for warps in (2, 4, 8, 16):
         other_w = jax.jit(lambda x, w, wp=warps: cuda_ops.int4_gemv(
             x, w, variant="wide", prefetch=prefetch, warps=wp))(x, w)
         assert_close(other_w, want, jnp.bfloat16)
+        if prefetch == 2:
+            capped = jax.jit(lambda x, w, wp=warps: cuda_ops.int4_gemv(
+                x, w, variant="wide", prefetch=2, warps=wp, occupancy=32))(x, w)
+            np.testing.assert_array_equal(np.asarray(capped, np.float32),
+                                          np.asarray(other_w, np.float32))
     # the codes' offset taken off by MMAs inside the kernel in place of XLA's group sums
     mmas = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch,
                                                    bias=1))(x, w)

@@ -228,7 +228,8 @@ def default_variant(x) -> str:
 
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
-              prefetch: int | None = None, warps: int | None = None, bias: int | None = None):
+              prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
+              occupancy: int | None = None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -243,15 +244,20 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     on the H200, v10; 2, 4 and auto not measured yet); bias (wide: 1 takes the
     codes' offset 136 * sum(x) off with MMAs inside the kernel, 0 with group sums of x that
     XLA computes; default 0 or NINFER_INT4_WIDE_BIAS: the MMAs measured slower on the H200,
-    v10). x goes to the wide kernel as it is."""
+    v10); occupancy (wide: resident warps an SM to ask the compiler's registers for, 0 its
+    own choice (74 registers a lane, 24 warps), 32 for 64 registers (prefetch 2, bias 0
+    only); default 0 or NINFER_INT4_WIDE_OCC; 32 not measured yet). x goes to the wide
+    kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
-                           stages=stages, prefetch=prefetch, warps=warps, bias=bias)[0]
+                           stages=stages, prefetch=prefetch, warps=warps, bias=bias,
+                           occupancy=occupancy)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
                     prefetch: int | None = None, warps: int | None = None,
-                    bias: int | None = None, concat: bool = False):
+                    bias: int | None = None, occupancy: int | None = None,
+                    concat: bool = False):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
@@ -278,9 +284,11 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
             corr = 136.0 * xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
         prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
         warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "8"))
+        if occupancy is None:
+            occupancy = int(os.environ.get("NINFER_INT4_WIDE_OCC", "0"))
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
-                 bias=np.int64(bias))
+                 bias=np.int64(bias), occupancy=np.int64(occupancy))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))

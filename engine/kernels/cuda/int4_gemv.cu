@@ -578,8 +578,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // not depend on M (its B column and its A are the same): batch invariant.
 constexpr uint32_t kNeg136x2 = 0xC308C308u;  // two bf16 -136.0
 
-template <int P, int W, bool kBias, typename OT>
-__global__ void __launch_bounds__(W * 32)
+// T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
+// 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
+// warps, more codes in flight.
+template <int P, int W, bool kBias, int T, typename OT>
+__global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
                    OT* __restrict__ y, int k, int m) {
@@ -694,38 +697,39 @@ __global__ void __launch_bounds__(W * 32)
   }
 }
 
-template <int P, int W, bool kBias, typename OT>
+template <int P, int W, bool kBias, int T, typename OT>
 cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
                         const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  int4_gemv_wide<P, W, kBias, OT><<<blocks, W * 32, 0, stream>>>(
+  int4_gemv_wide<P, W, kBias, T, OT><<<blocks, W * 32, 0, stream>>>(
       x, corr, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
 }
 
 // The wide kernel a call asks for: P pairs in flight, W warps to a 16-row tile, the bias taken
-// off by MMAs or with corr. `known` is false for a combination not built. W spreads a tile's
-// pairs over its warps: 16 for few rows (measured slower than 8 on the H200, v10); 2 and 4
-// give each warp longer runs of pairs (a 5120-wide row is 40 pairs: 5 a warp at W = 8) and
-// the block less of its fixed cost (row pointers, the first loads' latency, the reduction).
-template <int P, int W, typename OT>
-cudaError_t launch_wide_bias(cudaStream_t stream, bool bias, int blocks, const uint4* x,
-                             const float* corr, const Mats& mt, const int32_t* index, void* y,
-                             int k, int m) {
-  return bias ? launch_wide<P, W, true, OT>(stream, blocks, x, corr, mt, index, y, k, m)
-              : launch_wide<P, W, false, OT>(stream, blocks, x, corr, mt, index, y, k, m);
-}
-
+// off by MMAs or with corr, T resident warps an SM asked of the compiler (0: its choice; 32
+// is built for P = 2 without the bias MMAs). `known` is false for a combination not built.
+// W spreads a tile's pairs over its warps: 16 for few rows (measured slower than 8 on the
+// H200, v10); 2 and 4 give each warp longer runs of pairs (a 5120-wide row is 40 pairs: 5 a
+// warp at W = 8) and the block less of its fixed cost (row pointers, the first loads'
+// latency, the reduction).
 template <typename OT>
 cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
-                                int blocks, const uint4* x, const float* corr, const Mats& mt,
-                                const int32_t* index, void* y, int k, int m, bool& known) {
+                                int64_t occupancy, int blocks, const uint4* x,
+                                const float* corr, const Mats& mt, const int32_t* index,
+                                void* y, int k, int m, bool& known) {
   known = true;
-#define NINFER_WIDE(P, W)                                                                  \
-  if (prefetch == P && warps == W)                                                         \
-    return launch_wide_bias<P, W, OT>(stream, bias, blocks, x, corr, mt, index, y, k, m);
+#define NINFER_WIDE(P, W)                                                                    \
+  if (prefetch == P && warps == W && occupancy == 0)                                         \
+    return bias ? launch_wide<P, W, true, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m) \
+                : launch_wide<P, W, false, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m);
   NINFER_WIDE(2, 2) NINFER_WIDE(2, 4) NINFER_WIDE(2, 8) NINFER_WIDE(2, 16)
   NINFER_WIDE(4, 2) NINFER_WIDE(4, 4) NINFER_WIDE(4, 8) NINFER_WIDE(4, 16)
 #undef NINFER_WIDE
+#define NINFER_WIDE32(W)                                                                  \
+  if (prefetch == 2 && warps == W && occupancy == 32 && !bias)                            \
+    return launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt, index, y, k, m);
+  NINFER_WIDE32(2) NINFER_WIDE32(4) NINFER_WIDE32(8) NINFER_WIDE32(16)
+#undef NINFER_WIDE32
   known = false;
   return cudaSuccess;
 }
@@ -941,7 +945,7 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
 ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
-                            int64_t prefetch, int64_t warps, int64_t bias) {
+                            int64_t prefetch, int64_t warps, int64_t bias, int64_t occupancy) {
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
@@ -968,13 +972,15 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
     return ffi::Error::InvalidArgument("int4_gemv_wide: y must be f32 or bf16");
   bool known = false;
   const cudaError_t err =
-      bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, blocks, x4,
-                                                c, mt, index.typed_data(), yp, ki, mi, known)
-           : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, blocks, x4, c, mt,
-                                        index.typed_data(), yp, ki, mi, known);
+      bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, occupancy,
+                                                blocks, x4, c, mt, index.typed_data(), yp, ki,
+                                                mi, known)
+           : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, occupancy, blocks,
+                                        x4, c, mt, index.typed_data(), yp, ki, mi, known);
   if (!known)
     return ffi::Error::InvalidArgument(
-        "int4_gemv_wide: prefetch must be 2 or 4, warps 2, 4, 8 or 16");
+        "int4_gemv_wide: prefetch must be 2 or 4, warps 2, 4, 8 or 16, occupancy 0 (or 32 "
+        "with prefetch 2 and bias 0)");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -1012,5 +1018,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("prefetch")
                                   .Attr<int64_t>("warps")
-                                  .Attr<int64_t>("bias"),
+                                  .Attr<int64_t>("bias")
+                                  .Attr<int64_t>("occupancy"),
                               {ffi::Traits::kCmdBufferCompatible});
