@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--wide-occ", default="0", help="resident warps an SM the wide kernel's "
                     "registers are capped for (0: the compiler's choice; 32: prefetch 2, bias "
                     "0 only)")
+    ap.add_argument("--wide-stages", default="0", help="the wide kernel's shared-memory ring "
+                    "depth (0: the register ring; 4, 8: warps 4 or 8, bias 0, occupancy 0)")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
     args = ap.parse_args()
@@ -79,12 +81,16 @@ def main() -> None:
             variants.update({f"mma_p{p}": ("prefetch", int(p))
                              for p in args.prefetch.split(",") if p})
             variants.update({f"wide_p{p}w{wp}b{b}" + (f"o{o}" if int(o) else ""):
-                             ("wide", int(p), int(wp), int(b), int(o))
+                             ("wide", int(p), int(wp), int(b), int(o), 0)
                              for p in args.wide.split(",") if p and m <= cuda_ops.WIDE_MAX_M
                              for wp in args.wide_warps.split(",")
                              for b in args.wide_bias.split(",")
                              for o in args.wide_occ.split(",")
                              if int(o) == 0 or (p == "2" and b == "0")})
+            variants.update({f"wide_ring_s{st}w{wp}": ("wide", 2, int(wp), 0, 0, int(st))
+                             for st in args.wide_stages.split(",") if st and int(st)
+                             and m <= cuda_ops.WIDE_MAX_M
+                             for wp in args.wide_warps.split(",") if wp in ("4", "8")})
             for impl, rpw in variants.items():
                 if rpw is not None and not res["cuda_available"]:
                     continue
@@ -96,7 +102,8 @@ def main() -> None:
                         return cuda_ops.int4_gemv(x, w, idx, variant="fma", rows_per_warp=rpw[1])
                     if rpw[0] == "wide":
                         return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1],
-                                                  warps=rpw[2], bias=rpw[3], occupancy=rpw[4])
+                                                  warps=rpw[2], bias=rpw[3], occupancy=rpw[4],
+                                                  stages=rpw[5])
                     if rpw[0] == "prefetch":
                         return cuda_ops.int4_gemv(x, w, idx, variant="mma", prefetch=rpw[1])
                     return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],

@@ -152,22 +152,25 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_b${B}_$TAG.json"
           grep -E -A3 'per step|decode' "$OUT/wide_decode_b${B}_$TAG.log" | cut -c1-150
         done ;;
-      wwarps)  # the wide GEMV with 2, 4, 8 warps to a tile: its GPU tests, a micro sweep
-        # over the step's launches, C1/C2 1K decode with 8, 4, 2 and "auto" (by tiles), and
-        # 8 / auto with registers capped for 32 warps an SM (NINFER_INT4_WIDE_OCC=32)
+      wwarps)  # the wide GEMV's variants: its GPU tests, a micro sweep over the step's
+        # launches, C1/C2 1K decode with 8, 4, 2 and "auto" (by tiles) warps to a tile, 8 /
+        # auto with registers capped for 32 warps an SM (o32: NINFER_INT4_WIDE_OCC=32), and
+        # the shared-memory ring of 4 or 8 pairs (s4, s8: NINFER_INT4_WIDE_STAGES)
         run 200 "$OUT/wwarps_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k wide
         tail -n 2 "$OUT/wwarps_tests_$TAG.log"
         run 240 "$OUT/wwarps_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
           --rpw 2 --stages "" --wide 2 --wide-warps 2,4,8 --wide-bias 0 --wide-occ 0,32 \
+          --wide-stages 4,8 \
           --shapes 2,4,9,10,11,12 --out "$OUT/cuda_gemv_micro_wwarps_$TAG.json"
         grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log"
-        for W in ${WWARPS:-8 4 2 auto 8o32 autoo32}; do
-          O=0; [ "${W%o32}" != "$W" ] && O=32
-          NINFER_INT4_WIDE_OCC=$O NINFER_INT4_WIDE_WARPS=${W%o32} run 150 "$OUT/wwarps_decode_${W}_$TAG.log" $B27 --skip-peaks \
-            --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 \
-            --out "$OUT/wwarps_${W}_$TAG.json"
-          grep -E '^decode' "$OUT/wwarps_decode_${W}_$TAG.log" | cut -c1-90 | sed "s/^/w$W: /"
+        for V in ${WWARPS:-8 4 2 auto 8o32 autoo32 8s4 4s8}; do  # warps, then o32 or s4/s8
+          O=0 S=0 W=$V
+          case $V in *o32) O=32 W=${V%o32} ;; *s4) S=4 W=${V%s4} ;; *s8) S=8 W=${V%s8} ;; esac
+          NINFER_INT4_WIDE_STAGES=$S NINFER_INT4_WIDE_OCC=$O NINFER_INT4_WIDE_WARPS=$W run 150 \
+            "$OUT/wwarps_decode_${V}_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
+            --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "$OUT/wwarps_${V}_$TAG.json"
+          grep -E '^decode' "$OUT/wwarps_decode_${V}_$TAG.log" | cut -c1-90 | sed "s/^/w$V: /"
         done ;;
       kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16):
         # the paged kernel's int8 scales folded into scores and softmax weights (the default
@@ -240,8 +243,8 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --out "$OUT/read_patterns_$TAG.json"
         grep -E "copy|stream_h1_u4 grid 8|rows_alu|scale|16-row" "$OUT/readpat_$TAG.log" ;;
       ncu)
-        XLA_PYTHON_CLIENT_PREALLOCATE=false run 400 "$OUT/ncu_$TAG.log" bash -c "ncu \
-          --clock-control none --kernel-name regex:int4_gemv --launch-skip 0 --launch-count 36 \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false run 500 "$OUT/ncu_$TAG.log" bash -c "ncu \
+          --clock-control none --kernel-name regex:int4_gemv --launch-skip 0 --launch-count 48 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
           --section WarpStateStats --section SchedulerStats --section LaunchStats \
           --section ComputeWorkloadAnalysis --section SourceCounters --csv \

@@ -2,12 +2,12 @@
 int4_g64 matrices of the 27B decode step (lm_head 248320 x 5120, 0.7 GB: far past the L2; a
 layer's gate|up 34816 x 5120 and down 5120 x 17408), each variant of the wide tensor-core
 kernel (the default; its registers capped for 32 resident warps an SM, `occupancy=32`; two
-warps to a tile) called a few times at M = 1, plus a plain device copy of the lm_head bytes
+warps to a tile; the shared-memory ring of 4 pairs, `stages=4`) called a few times at M = 1, plus a plain device copy of the lm_head bytes
 for comparison. The questions: what holds the default at 2.2-2.9 TB/s (stall reasons, issue
 use, achieved occupancy), and does either change move it.
 
     ncu --clock-control none --kernel-name regex:'int4_gemv' \
-        --launch-skip 0 --launch-count 36 \
+        --launch-skip 0 --launch-count 48 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section SchedulerStats --section WarpStateStats --csv \
         python3 bench/ncu_gemv.py > ncu_gemv.csv
@@ -46,6 +46,8 @@ def main() -> None:
                                                                 warps=8, occupancy=32)),
             "wide_w2": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0,
                                                                warps=2, occupancy=0)),
+            "wide_ring4": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0,
+                                                                  warps=8, stages=4)),
         }
         if shape == "lm_head":
             variants["pallas"] = jax.jit(

@@ -162,6 +162,12 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
                 x, w, variant="wide", prefetch=2, warps=wp, occupancy=32))(x, w)
             np.testing.assert_array_equal(np.asarray(capped, np.float32),
                                           np.asarray(other_w, np.float32))
+        # the shared-memory ring: the same pairs per warp in the same order, the same bits
+        for stages in ((4, 8) if warps in (4, 8) else ()):
+            ring = jax.jit(lambda x, w, wp=warps, st=stages: cuda_ops.int4_gemv(
+                x, w, variant="wide", warps=wp, stages=st))(x, w)
+            np.testing.assert_array_equal(np.asarray(ring, np.float32),
+                                          np.asarray(other_w, np.float32))
     # the codes' offset taken off by MMAs inside the kernel in place of XLA's group sums
     mmas = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch,
                                                    bias=1))(x, w)

@@ -235,7 +235,10 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
     (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel. Tile parameters:
-    rows_per_warp (fma); stages (mma: copy pipeline depth, 4/6/8/12); prefetch (mma: 0 for
+    rows_per_warp (fma); stages (mma: copy pipeline depth, 4/6/8/12; wide: 0 for the
+    register ring of `prefetch` pairs, 4 or 8 for a shared-memory ring of that many pairs
+    filled by cp.async, warps 4 or 8, bias 0, the same sums bit for bit; default 0 or
+    NINFER_INT4_WIDE_STAGES; not measured yet); prefetch (mma: 0 for
     the shared-memory copy ring, 2/4/8 for the kernel that loads the codes into registers that
     many groups ahead, the same sums bit for bit, NINFER_INT4_PREFETCH, default 0: no faster
     on the H200, docs/benchmarks/README.md v9; wide: 2 or 4 pairs in flight, default 2 or
@@ -286,9 +289,11 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "8"))
         if occupancy is None:
             occupancy = int(os.environ.get("NINFER_INT4_WIDE_OCC", "0"))
+        if stages is None:
+            stages = int(os.environ.get("NINFER_INT4_WIDE_STAGES", "0"))
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
-                 bias=np.int64(bias), occupancy=np.int64(occupancy))
+                 bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))

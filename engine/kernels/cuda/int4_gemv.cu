@@ -302,6 +302,10 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
 }
 
+__device__ __forceinline__ void cp_async8(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src));
+}
+
 __device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
 }
@@ -578,6 +582,117 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // not depend on M (its B column and its A are the same): batch invariant.
 constexpr uint32_t kNeg136x2 = 0xC308C308u;  // two bf16 -136.0
 
+// One pair of groups of a wide tile for lane (g, t): codes ca (row g) and cb (row g + 8), their
+// scales sa and sb, x at xp (the pair's 64 bytes of x row g / 2 from this lane's quarter), the
+// pair's corr at cp (kBias = false). Shared by both wide kernels: the same sums bit for bit.
+template <bool kBias>
+__device__ __forceinline__ void wide_pair(const uint4 ca, const uint4 cb, const float2 sa,
+                                          const float2 sb, const uint4* __restrict__ xp,
+                                          bool has_x, const float2* __restrict__ cp,
+                                          float (&tot)[2]) {
+  uint32_t b[16];
+  if (has_x) {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
+      const uint4 xv = __ldg(xp + v);
+      b[4 * v] = __byte_perm(xv.x, xv.z, 0x5410);
+      b[4 * v + 1] = __byte_perm(xv.x, xv.z, 0x7632);
+      b[4 * v + 2] = __byte_perm(xv.y, xv.w, 0x5410);
+      b[4 * v + 3] = __byte_perm(xv.y, xv.w, 0x7632);
+    }
+  } else {
+#pragma unroll
+    for (int v = 0; v < 16; ++v) b[v] = 0u;
+  }
+  const uint32_t wq[4] = {ca.x, ca.y, ca.z, ca.w};
+  const uint32_t wr[4] = {cb.x, cb.y, cb.z, cb.w};
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const int e = 2 * (q & 1);
+    if constexpr (kBias)
+      mma_bf16(d, kNeg136x2, kNeg136x2, kNeg136x2, kNeg136x2, b[2 * q], b[2 * q + 1]);
+    mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
+             pair(wr[q >> 1], e + 1), b[2 * q], b[2 * q + 1]);
+  }
+  if constexpr (kBias) {
+    tot[0] = fmaf(sa.x, d[0], tot[0]);
+    tot[0] = fmaf(sa.y, d[1], tot[0]);
+    tot[1] = fmaf(sb.x, d[2], tot[1]);
+    tot[1] = fmaf(sb.y, d[3], tot[1]);
+  } else {
+    const float2 c = __ldg(cp);  // groups 2p, 2p + 1 of x row t
+    tot[0] = fmaf(sa.x, d[0] - c.x, tot[0]);
+    tot[0] = fmaf(sa.y, d[1] - c.y, tot[0]);
+    tot[1] = fmaf(sb.x, d[2] - c.x, tot[1]);
+    tot[1] = fmaf(sb.y, d[3] - c.y, tot[1]);
+  }
+}
+
+// A wide tile's warp sums added in shared memory in warp order and stored by warp 0.
+template <int W, typename OT>
+__device__ __forceinline__ void wide_reduce_store(float2 (&red)[W][32], const float (&tot)[2],
+                                                  int warp, int lane, int row0, int n, int m,
+                                                  OT* __restrict__ y) {
+  red[warp][lane] = make_float2(tot[0], tot[1]);
+  __syncthreads();
+  if (warp == 0) {
+    float2 s = red[0][lane];
+#pragma unroll
+    for (int v = 1; v < W; ++v) {
+      const float2 o = red[v][lane];
+      s.x += o.x;
+      s.y += o.y;
+    }
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = row0 + g, rb = ra + 8;
+    if (t < m) {
+      if (ra < n) y[static_cast<int64_t>(t) * n + ra] = to_out<OT>(s.x);
+      if (rb < n) y[static_cast<int64_t>(t) * n + rb] = to_out<OT>(s.y);
+    }
+  }
+}
+
+// What lane (g, t) of warp `warp` reads of a wide tile: its rows' codes and scales at its
+// first pair, x and corr at its first pair, and how many pairs the warp takes.
+template <int W>
+struct WideLane {
+  const uint4 *pa, *pb;     // codes of rows g and g + 8 (+ 4 W uint4 a pair of the warp)
+  const float2 *qa, *qb;    // their pair scales (+ W a pair)
+  const uint4* xr;          // x (+ 16 W uint4 a pair)
+  const float2* cr;         // corr (+ W a pair); null with the bias MMAs
+  bool has_x;
+  int count;
+
+  __device__ __forceinline__ WideLane(const uint4* __restrict__ x,
+                                      const float* __restrict__ corr, const Mats& mt,
+                                      const int32_t* __restrict__ index, int k, int m,
+                                      int warp, int lane, int row0, bool bias) {
+    const int n = mt.start[mt.count];
+    const int64_t layer = layer_of(mt, index);
+    const int groups = k >> 6, pairs = k >> 7;
+    const int g = lane >> 2, t = lane & 3;
+    const uint8_t *wa, *wb;
+    const float *sa_p, *sb_p;
+    row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
+    row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
+    // The warp's i-th pair is pair warp + W i: the lane's codes at byte 64 (warp + W i) + 16 t
+    // of the row (+ 4 W uint4 per i), the pair's two scales at float2 warp + W i.
+    pa = reinterpret_cast<const uint4*>(wa + warp * 64) + t;
+    pb = reinterpret_cast<const uint4*>(wb + warp * 64) + t;
+    qa = reinterpret_cast<const float2*>(sa_p) + warp;
+    qb = reinterpret_cast<const float2*>(sb_p) + warp;
+    // Column g of B: x row g / 2 where (g & 1) == t / 2 (the lane's codes are of group
+    // 2p + t / 2).
+    has_x = g < 2 * m && (g & 1) == (t >> 1);
+    xr = x + static_cast<int64_t>(min(g >> 1, m - 1)) * (k >> 3) + warp * 16 + 4 * t;
+    cr = bias ? nullptr
+              : reinterpret_cast<const float2*>(corr + static_cast<int64_t>(min(t, m - 1)) *
+                                                           groups) + warp;
+    count = warp < pairs ? (pairs - warp + W - 1) / W : 0;
+  }
+};
+
 // T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
 // 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
 // warps, more codes in flight.
@@ -587,29 +702,12 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
                    OT* __restrict__ y, int k, int m) {
   __shared__ float2 red[W][32];
-  const int n = mt.start[mt.count];
-  const int64_t layer = layer_of(mt, index);
-  const int groups = k >> 6, pairs = k >> 7;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
-  const uint8_t *wa, *wb;
-  const float *sa_p, *sb_p;
-  row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
-  row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
-  // The warp's i-th pair is pair warp + W i: the lane's codes at byte 64 (warp + W i) + 16 t
-  // of the row (+ 4 W uint4 per i), the pair's two scales at float2 warp + W i.
-  const uint4* pa = reinterpret_cast<const uint4*>(wa + warp * 64) + t;
-  const uint4* pb = reinterpret_cast<const uint4*>(wb + warp * 64) + t;
-  const float2* qa = reinterpret_cast<const float2*>(sa_p) + warp;
-  const float2* qb = reinterpret_cast<const float2*>(sb_p) + warp;
-  // Column g of B: x row g / 2 where (g & 1) == t / 2 (the lane's codes are of group 2p + t / 2).
-  const bool has_x = g < 2 * m && (g & 1) == (t >> 1);
-  const uint4* xr = x + static_cast<int64_t>(min(g >> 1, m - 1)) * (k >> 3) + warp * 16 + 4 * t;
-  const float2* cr = kBias ? nullptr
-                          : reinterpret_cast<const float2*>(
-                                corr + static_cast<int64_t>(min(t, m - 1)) * groups) + warp;
-  const int count = warp < pairs ? (pairs - warp + W - 1) / W : 0;
+  WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0, kBias);
+  const uint4 *pa = in.pa, *pb = in.pb, *xr = in.xr;
+  const float2 *qa = in.qa, *qb = in.qb, *cr = in.cr;
+  const int count = in.count;
 
   uint4 ca[P], cb[P];
   float2 sa[P], sb[P];
@@ -627,43 +725,8 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       if (i0 + j < count) {  // the same for the whole warp
-        uint32_t b[16];
-        if (has_x) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
-            const uint4 xv = __ldg(xr + 16 * W * j + v);
-            b[4 * v] = __byte_perm(xv.x, xv.z, 0x5410);
-            b[4 * v + 1] = __byte_perm(xv.x, xv.z, 0x7632);
-            b[4 * v + 2] = __byte_perm(xv.y, xv.w, 0x5410);
-            b[4 * v + 3] = __byte_perm(xv.y, xv.w, 0x7632);
-          }
-        } else {
-#pragma unroll
-          for (int v = 0; v < 16; ++v) b[v] = 0u;
-        }
-        const uint32_t wq[4] = {ca[j].x, ca[j].y, ca[j].z, ca[j].w};
-        const uint32_t wr[4] = {cb[j].x, cb[j].y, cb[j].z, cb[j].w};
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          const int e = 2 * (q & 1);
-          if constexpr (kBias)
-            mma_bf16(d, kNeg136x2, kNeg136x2, kNeg136x2, kNeg136x2, b[2 * q], b[2 * q + 1]);
-          mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
-                   pair(wr[q >> 1], e + 1), b[2 * q], b[2 * q + 1]);
-        }
-        if constexpr (kBias) {
-          tot[0] = fmaf(sa[j].x, d[0], tot[0]);
-          tot[0] = fmaf(sa[j].y, d[1], tot[0]);
-          tot[1] = fmaf(sb[j].x, d[2], tot[1]);
-          tot[1] = fmaf(sb[j].y, d[3], tot[1]);
-        } else {
-          const float2 c = __ldg(cr + W * j);  // groups 2p, 2p + 1 of x row t
-          tot[0] = fmaf(sa[j].x, d[0] - c.x, tot[0]);
-          tot[0] = fmaf(sa[j].y, d[1] - c.y, tot[0]);
-          tot[1] = fmaf(sb[j].x, d[2] - c.x, tot[1]);
-          tot[1] = fmaf(sb[j].y, d[3] - c.y, tot[1]);
-        }
+        wide_pair<kBias>(ca[j], cb[j], sa[j], sb[j], xr + 16 * W * j, in.has_x,
+                         kBias ? nullptr : cr + W * j, tot);
         if (i0 + j + P < count) {  // the slot is free: refill it with the pair P ahead
           ca[j] = load_stream(pa + 4 * W * (j + P));
           cb[j] = load_stream(pb + 4 * W * (j + P));
@@ -679,22 +742,87 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     xr += 16 * W * P;
     if constexpr (!kBias) cr += W * P;
   }
-  red[warp][lane] = make_float2(tot[0], tot[1]);
-  __syncthreads();
-  if (warp == 0) {
-    float2 s = red[0][lane];
+  wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
+}
+
+// The wide kernel with the codes and scales of the next S - 1 pairs copied into a shared-memory
+// ring by cp.async, in place of a register ring of P pairs: the same pairs per warp in the
+// same order, the same `wide_pair` and the same reduction, so the same sums bit for bit (bias
+// 0 only). Why: the register ring's depth costs registers (74 a lane at P = 2, 98 at P = 4,
+// so 24 or 16 resident warps an SM), and a GEMV streaming its weights once is bound by the
+// bytes it keeps in flight; the ring keeps S - 1 pairs (1.5 KB each a warp) in flight
+// without registers. Each lane copies and later reads only its own 48 bytes of a stage, so
+// its own cp.async.wait_group is all the ordering it needs.
+constexpr int kRingStageBytes = 1536;  // a warp's pair: 2 x 512 bytes of codes, 512 of scales
+
+template <int S, int W, typename OT>
+__global__ void __launch_bounds__(W * 32)
+    int4_gemv_wide_ring(const uint4* __restrict__ x, const float* __restrict__ corr,
+                        const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
+                        OT* __restrict__ y, int k, int m) {
+  extern __shared__ uint4 ring[];  // [W][S] stages of [codes a: 32][codes b: 32][scales: 32]
+  __shared__ float2 red[W][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = blockIdx.x * 16;
+  WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0, false);
+  const int count = in.count;
+  const uint4* mine = ring + warp * S * (kRingStageBytes / 16);
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(mine)) + lane * 16;
+
+  const uint4 *pa = in.pa, *pb = in.pb;  // the copy side's next pair
+  const float2 *qa = in.qa, *qb = in.qb;
+  int next = 0;
+  unsigned slot = 0;  // byte offset of the next pair's stage
+  auto issue = [&]() {
+    if (next < count) {
+      const unsigned dst = base + slot;
+      cp_async16(dst, pa);
+      cp_async16(dst + 512, pb);
+      cp_async8(dst + 1024, qa);
+      cp_async8(dst + 1032, qb);
+    }
+    cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    ++next;
+    pa += 4 * W;
+    pb += 4 * W;
+    qa += W;
+    qb += W;
+    slot = slot + kRingStageBytes == S * kRingStageBytes ? 0 : slot + kRingStageBytes;
+  };
+
 #pragma unroll
-    for (int v = 1; v < W; ++v) {
-      const float2 o = red[v][lane];
-      s.x += o.x;
-      s.y += o.y;
-    }
-    const int ra = row0 + g, rb = ra + 8;
-    if (t < m) {
-      if (ra < n) y[static_cast<int64_t>(t) * n + ra] = to_out<OT>(s.x);
-      if (rb < n) y[static_cast<int64_t>(t) * n + rb] = to_out<OT>(s.y);
-    }
+  for (int st = 0; st < S - 1; ++st) issue();
+  float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
+  const uint4* xr = in.xr;
+  const float2* cr = in.cr;
+  unsigned use = 0;  // byte offset of the pair to compute
+  for (int i = 0; i < count; ++i) {
+    issue();  // pair i + S - 1, into the stage pair i - 1 used
+    cp_async_wait<S - 1>();  // this lane's copies of pair i have landed
+    const uint4* st = mine + use / 16;
+    const uint4 sc = st[64 + lane];
+    wide_pair<false>(st[lane], st[32 + lane], make_float2(__uint_as_float(sc.x),
+                                                          __uint_as_float(sc.y)),
+                     make_float2(__uint_as_float(sc.z), __uint_as_float(sc.w)), xr, in.has_x,
+                     cr, tot);
+    xr += 16 * W;
+    cr += W;
+    use = use + kRingStageBytes == S * kRingStageBytes ? 0 : use + kRingStageBytes;
   }
+  cp_async_wait<0>();
+  wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
+}
+
+template <int S, int W, typename OT>
+cudaError_t launch_wide_ring(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
+                             const Mats& mt, const int32_t* index, void* y, int k, int m) {
+  constexpr int bytes = W * S * kRingStageBytes;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      int4_gemv_wide_ring<S, W, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (attr != cudaSuccess) return attr;
+  int4_gemv_wide_ring<S, W, OT><<<blocks, W * 32, bytes, stream>>>(
+      x, corr, mt, index, static_cast<OT*>(y), k, m);
+  return cudaGetLastError();
 }
 
 template <int P, int W, bool kBias, int T, typename OT>
@@ -705,19 +833,30 @@ cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const f
   return cudaGetLastError();
 }
 
-// The wide kernel a call asks for: P pairs in flight, W warps to a 16-row tile, the bias taken
-// off by MMAs or with corr, T resident warps an SM asked of the compiler (0: its choice; 32
-// is built for P = 2 without the bias MMAs). `known` is false for a combination not built.
+// The wide kernel a call asks for: the shared-memory ring of `stages` pairs (stages 4 or 8,
+// warps 4 or 8, bias 0), or the register ring (stages 0) of P pairs in flight, W warps to a
+// 16-row tile, the bias taken off by MMAs or with corr, T resident warps an SM asked of the
+// compiler (0: its choice; 32 is built for P = 2 without the bias MMAs). `known` is false for
+// a combination not built.
 // W spreads a tile's pairs over its warps: 16 for few rows (measured slower than 8 on the
 // H200, v10); 2 and 4 give each warp longer runs of pairs (a 5120-wide row is 40 pairs: 5 a
 // warp at W = 8) and the block less of its fixed cost (row pointers, the first loads'
 // latency, the reduction).
 template <typename OT>
 cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
-                                int64_t occupancy, int blocks, const uint4* x,
+                                int64_t occupancy, int64_t stages, int blocks, const uint4* x,
                                 const float* corr, const Mats& mt, const int32_t* index,
                                 void* y, int k, int m, bool& known) {
   known = true;
+#define NINFER_RING(S, W)                                                                  \
+  if (stages == S && warps == W && !bias && occupancy == 0)                                \
+    return launch_wide_ring<S, W, OT>(stream, blocks, x, corr, mt, index, y, k, m);
+  NINFER_RING(4, 4) NINFER_RING(4, 8) NINFER_RING(8, 4) NINFER_RING(8, 8)
+#undef NINFER_RING
+  if (stages != 0) {
+    known = false;
+    return cudaSuccess;
+  }
 #define NINFER_WIDE(P, W)                                                                    \
   if (prefetch == P && warps == W && occupancy == 0)                                         \
     return bias ? launch_wide<P, W, true, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m) \
@@ -945,7 +1084,8 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
 ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
-                            int64_t prefetch, int64_t warps, int64_t bias, int64_t occupancy) {
+                            int64_t prefetch, int64_t warps, int64_t bias, int64_t occupancy,
+                            int64_t stages) {
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
@@ -973,14 +1113,16 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   bool known = false;
   const cudaError_t err =
       bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, occupancy,
-                                                blocks, x4, c, mt, index.typed_data(), yp, ki,
-                                                mi, known)
-           : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, occupancy, blocks,
-                                        x4, c, mt, index.typed_data(), yp, ki, mi, known);
+                                                stages, blocks, x4, c, mt, index.typed_data(),
+                                                yp, ki, mi, known)
+           : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, occupancy, stages,
+                                        blocks, x4, c, mt, index.typed_data(), yp, ki, mi,
+                                        known);
   if (!known)
     return ffi::Error::InvalidArgument(
-        "int4_gemv_wide: prefetch must be 2 or 4, warps 2, 4, 8 or 16, occupancy 0 (or 32 "
-        "with prefetch 2 and bias 0)");
+        "int4_gemv_wide: stages 0 (then prefetch 2 or 4, warps 2, 4, 8 or 16, occupancy 0, "
+        "or 32 with prefetch 2 and bias 0) or stages 4 or 8 (warps 4 or 8, bias 0, "
+        "occupancy 0)");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -1019,5 +1161,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Attr<int64_t>("prefetch")
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("bias")
-                                  .Attr<int64_t>("occupancy"),
+                                  .Attr<int64_t>("occupancy")
+                                  .Attr<int64_t>("stages"),
                               {ffi::Traits::kCmdBufferCompatible});
