@@ -5,32 +5,26 @@
 #   TAG=v7 bash bench/h200_session.sh                  # all parts
 #   TAG=v7 bash bench/h200_session.sh tests decode     # some, in the order given
 #
-# Parts: tests (GPU kernel and engine tests), gemv (int4 GEMV sweep of the big shapes), decode
-# (27B int4 C1/C2 at 1K/32K/128K), unfused (C1/C2 1K without the fused GDN decode kernel),
-# prefetch (the register-prefetch tensor-core GEMV: its GPU tests, a micro sweep of 2/4/8 and
-# C1/C2 1K decode with NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4}), wide (the
-# wide tensor-core GEMV: GPU tests, micro sweep with the codes' offset taken off by MMAs and by
-# XLA's group sums, WIDE_WARPS to a tile (default 8), C1/C2 1K decode with each of WIDE_BIAS,
-# default "1 0"), graphs (C1/C2 1K decode without command buffers, with the default ones, with
-# custom calls in graphs of any size, and with loops too: is the step bound by the host's
-# launches?), kvint8 (C1/C2 decode at 32K/128K over an int8 KV pool), prefillx (8K/32K
-# prefill: the baseline, XLA's UT transform with bf16 operands, the lean GDN scan, XLA's
-# dynamic-slice fusion (PREFILLX picks); and the GDN prefill GPU tests), hlo (the C1 decode step's optimized HLO, gzipped), inplace (C1/C2 1K decode
-# with the GDN states updated in place, the default since v10, and the fused kernel's GPU
-# tests), cmdbuf
-# (C1/C2 1K with XLA command buffers for loops too), unroll (C1/C2 1K, blocks unrolled),
-# profile (one decode step and one prefill of PROFILE_PREFILL tokens, default 8192, by
-# kernel), prefprof (one bf16 prefill by kernel), prefhlo (its optimized HLO),
-# prefbv (prefill with the scan's value tile at PREFBV), prefscan (the scan's warps and
-# pipelining stages), prefnext (128-step chunks; legacy cuBLAS with dynamic-slice
-# fusion; Triton GEMMs in place of cuBLAS), wwarps (the wide GEMV's warps to a tile), enginegpu (the engine's GPU tests and the
-# GDN prefill kernel's), readpat (read ceilings by access pattern, arithmetic per byte, a second stream:
-# bench/read_patterns.py), ncu (the int4 GEMV kernels under Nsight Compute,
-# bench/ncu_gemv.py), prefill (8K/32K/128K, bf16), gdnmicro (one GDN layer's prefill: XLA vs
-# the Pallas chunked kernel's tiles, with its prep kernel or XLA's), flash (one attention
-# layer's causal prefill at 8K/32K: the flash kernel's tiles, the paged kernel, cuDNN), gdnprefill (8K/32K with
-# the Pallas chunked GDN kernel, bf16 operands; GDN_PREFILL=hybrid: XLA's prep), chunk128 (8K/32K prefill with NINFER_GDN_CHUNK=128), restore
-# (server-level 128K restore vs re-prefill and restart; RESTORE_ARGS, RESTORE_BUDGET_S).
+# Parts (each part's comment in the case below says more):
+#   tests      GPU kernel and engine tests          enginegpu  the engine's GPU tests alone
+#   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
+#   restore    server-level 128K restore vs re-prefill and restart (RESTORE_ARGS,
+#              RESTORE_BUDGET_S)
+#   profile    one decode step and one int4 prefill of PROFILE_PREFILL tokens by kernel
+#   prefprof   one bf16 prefill by kernel          prefhlo    its optimized HLO
+#   hlo        the C1 decode step's optimized HLO
+#   gemv       int4 GEMV sweep of the big shapes   ncu        the wide GEMV under Nsight Compute
+#   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS), decode with WIDE_BIAS
+#   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
+#   prefetch   the register-prefetch mma GEMV      readpat    read ceilings by access pattern
+#   kvint8     C1/C2 32K/128K over int8 KV, scales folded vs dequantized
+#   graphs     XLA command-buffer settings         cmdbuf     command buffers for loops too
+#   unfused    without the fused GDN decode kernel unroll     blocks unrolled
+#   inplace    GDN states updated in place (the default since v10)
+#   prefillx   prefill: base, bf16 UT transform, lean scan, dynamic-slice fusion (PREFILLX)
+#   prefbv     the scan's value tile (PREFBV)      prefscan   the scan's warps and stages
+#   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
+#   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds.
 set -uo pipefail
