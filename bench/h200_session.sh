@@ -147,9 +147,10 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           grep -E -A3 'per step|decode' "$OUT/wide_decode_b${B}_$TAG.log" | cut -c1-150
         done ;;
       wwarps)  # the wide GEMV's variants: its GPU tests, a micro sweep over the step's
-        # launches, C1/C2 1K decode with 8, 4, 2 and "auto" (by tiles) warps to a tile, 8 /
-        # auto with registers capped for 32 warps an SM (o32: NINFER_INT4_WIDE_OCC=32), and
-        # the shared-memory ring of 4 or 8 pairs (s4, s8: NINFER_INT4_WIDE_STAGES)
+        # launches (2, 4, 8 warps to a tile; registers capped for 32 warps an SM; the
+        # shared-memory ring of 4 or 8 pairs), C1/C2 1K decode with the warps set to a number
+        # or "auto" (by tiles), "o32" (NINFER_INT4_WIDE_OCC=32), "s4"/"s8"
+        # (NINFER_INT4_WIDE_STAGES)
         run 200 "$OUT/wwarps_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k wide
         tail -n 2 "$OUT/wwarps_tests_$TAG.log"
@@ -158,7 +159,9 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --wide-stages 4,8 \
           --shapes 2,4,9,10,11,12 --out "$OUT/cuda_gemv_micro_wwarps_$TAG.json"
         grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log"
-        for V in ${WWARPS:-8 4 2 auto 8o32 autoo32 8s4 4s8}; do  # warps, then o32 or s4/s8
+        # (each decode run ~1 min: the default four keep the part under ~8 min; WWARPS picks
+        # others, e.g. "4 2 autoo32 4s8")
+        for V in ${WWARPS:-8 auto 8o32 8s4}; do  # warps, then o32 or s4/s8
           O=0 S=0 W=$V
           case $V in *o32) O=32 W=${V%o32} ;; *s4) S=4 W=${V%s4} ;; *s8) S=8 W=${V%s8} ;; esac
           NINFER_INT4_WIDE_STAGES=$S NINFER_INT4_WIDE_OCC=$O NINFER_INT4_WIDE_WARPS=$W run 150 \
