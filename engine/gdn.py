@@ -128,34 +128,41 @@ def _product(spec, a, b, ops: str):
 
 def _uw(k, v, g, beta, ops: str = "fp32"):
     """The UT transform of every chunk: inputs [..., C, ...] (a chunk on axis -2 of k and v,
-    -1 of g and beta). Returns u, w, gamma (the log decay from the chunk start, inclusive)
-    and the causal decay exp(gamma_i - gamma_j) [..., C, C]. ops="bf16": the two large
-    products (K K^T and M^-1 times the right-hand side) take bf16 operands with fp32 sums, as
-    tensor cores do; the decays, M and its inverse stay fp32."""
+    -1 of g and beta). k's leading dims may be 1 where v's are not (a key head's k shared by
+    its value heads): K K^T is then taken once a key head. Returns u, w, gamma (the log decay
+    from the chunk start, inclusive) and the causal decay exp(gamma_i - gamma_j) [..., C, C].
+    ops="bf16": the large products (K K^T and M^-1 times the right-hand sides) take bf16
+    operands with fp32 sums, as tensor cores do; beta, the decays, M and its inverse stay fp32."""
     c = k.shape[-2]
     gamma = jnp.cumsum(g, axis=-1)  # log decay from the chunk start to each step, inclusive
     causal = jnp.tril(jnp.ones((c, c), bool))
     # exp(gamma_i - gamma_j) for j <= i; masked before exp because the upper half would overflow.
     decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
-    kb = k * beta[..., None]
     # M = I + strict_lower(diag(beta) (K K^T o decay)); solving it folds the C sequential delta
     # updates of a chunk into matmuls: u = M^-1 diag(beta) V, w = M^-1 diag(beta e^gamma) K.
-    kk = _product("...ik,...jk->...ij", kb, k, ops) * decay
+    kk = beta[..., :, None] * _product("...ik,...jk->...ij", k, k, ops) * decay
     m = jnp.tril(kk, -1) + jnp.eye(c, dtype=kk.dtype)
     inv = _unit_lower_inverse(m)
     # two products, not one over [V | K] side by side: its slices were copies (v11 profile)
     u = _product("...ij,...jv->...iv", inv, v * beta[..., None], ops)
-    w = _product("...ij,...jk->...ik", inv, kb * jnp.exp(gamma)[..., None], ops)
+    w = _product("...ij,...jk->...ik", inv, k * (beta * jnp.exp(gamma))[..., None], ops)
     return u, w, gamma, decay
 
 
-def _head_chunks(x, hv: int, chunk_size: int):
-    """[B, T, H, ...] (key heads repeated onto the Hv value heads) -> [B, Hv, N, C, ...] fp32."""
+def _head_chunks(x, hk: int, chunk_size: int):
+    """[B, T, H, ...] -> [B, Hk, H / Hk, N, C, ...] fp32: value head h = j * r + i (HF's
+    repeat_interleave order) at key head j, group member i; key heads (H = Hk) get a group
+    axis of 1, which broadcasts against their value heads'."""
     b, t, h = x.shape[:3]
-    if h != hv:
-        x = jnp.repeat(x, hv // h, axis=2)
     x = jnp.moveaxis(x.astype(jnp.float32), 2, 1)
-    return x.reshape(b, hv, t // chunk_size, chunk_size, *x.shape[3:])
+    return x.reshape(b, hk, h // hk, t // chunk_size, chunk_size, *x.shape[3:])
+
+
+def _value_heads(x, hv: int):
+    """[B, Hk, r, N, C, D] (broadcast where r = 1) -> [B, Hv, T, D]."""
+    b, t = x.shape[0], x.shape[3] * x.shape[4]
+    return jnp.broadcast_to(x, (b, x.shape[1], hv // x.shape[1], *x.shape[3:])).reshape(
+        b, hv, t, x.shape[-1])
 
 
 def chunk_uw(k, v, g, beta, chunk_size: int, ops: str = "fp32"):
@@ -164,32 +171,35 @@ def chunk_uw(k, v, g, beta, chunk_size: int, ops: str = "fp32"):
     [B, T, Hv]; T a multiple of chunk_size. ops: "fp32" or "bf16" (`_uw`). Returns u [B, Hv,
     T, V], w [B, Hv, T, K] fp32."""
     _check_ops(ops)
-    b, t, hv = v.shape[:3]
-    u, w, _, _ = _uw(*(_head_chunks(x, hv, chunk_size) for x in (k, v, g, beta)), ops)
-    return u.reshape(b, hv, t, -1), w.reshape(b, hv, t, -1)
+    hk, hv = k.shape[2], v.shape[2]
+    u, w, _, _ = _uw(*(_head_chunks(x, hk, chunk_size) for x in (k, v, g, beta)), ops)
+    return _value_heads(u, hv), _value_heads(w, hv)
 
 
 def chunk_intra(q, k, v, g, beta, chunk_size: int, scale: float, ops: str = "fp32"):
     """`_intra_chunk` for a kernel whose sequential pass then only multiplies by the state
     (engine/kernels/gdn_prefill.py, prep="xla_lean"). q, k: [B, T, Hk, K]; v: [B, T, Hv, V];
-    g, beta: [B, T, Hv]; T a multiple of chunk_size; ops as for `chunk_uw`.
+    g, beta: [B, T, Hv]; T a multiple of chunk_size; ops as for `chunk_uw`. The products of
+    q and k alone (q k^T, K K^T) are taken once a key head, not once a value head.
     Returns u [B, Hv, T, V], w, q_in (scaled q decayed from its chunk's start), k_out (k
     decayed to its chunk's end) [B, Hv, T, K], qk (the causal decayed scaled q k^T of each
     chunk, row by row) [B, Hv, T, C], all fp32, and the chunks' decays [B, Hv, N] fp32."""
     _check_ops(ops)
-    b, t, hv = v.shape[:3]
-    q, k, v, g, beta = (_head_chunks(x, hv, chunk_size) for x in (q, k, v, g, beta))
+    hk, hv = k.shape[2], v.shape[2]
+    q, k, v, g, beta = (_head_chunks(x, hk, chunk_size) for x in (q, k, v, g, beta))
     u, w, q_in, qk, k_out, end = _intra_chunk(q * scale, k, v, g, beta, ops)
-    return (*(x.reshape(b, hv, t, x.shape[-1]) for x in (u, w, q_in, k_out, qk)),
-            end[..., 0])
+    end = end[..., 0]  # [B, Hk, r, N]
+    return (*(_value_heads(x, hv) for x in (u, w, q_in, k_out, qk)),
+            end.reshape(end.shape[0], hv, end.shape[-1]))
 
 
 def _intra_chunk(q, k, v, g, beta, ops: str = "fp32"):
     """Everything that does not depend on the carried state, for all chunks at once.
 
-    Inputs [B, H, N, C, ...]. Returns u (the UT-transformed values), w (the decayed keys), q
-    decayed from the chunk start, the causal decayed q k^T, k decayed to the chunk end, and
-    the chunk's decay [..., N, 1]. ops: the products' precision (`_product`).
+    Inputs [..., N, C, ...]; q and k may have 1 where v, g and beta have a key head's value
+    heads (`_uw`). Returns u (the UT-transformed values), w (the decayed keys), q decayed from
+    the chunk start, the causal decayed q k^T, k decayed to the chunk end, and the chunk's
+    decay [..., N, 1]. ops: the products' precision (`_product`).
     """
     u, w, gamma, decay = _uw(k, v, g, beta, ops)
     qk = _product("...ik,...jk->...ij", q, k, ops) * decay
