@@ -49,6 +49,13 @@ run() {  # run <seconds> <log> <command...>: the tail of the log is what the cal
 }
 
 B27="python3 bench/bench_27b.py --paged --kernels pallas"
+prefill2() {  # prefill2 <name> [VAR=value ...]: 8K/32K bf16 prefill, two reps, with that env
+  local name=$1
+  shift
+  (export "$@"; run 200 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
+     --prefill 8192,32768 --prefill-reps 2 --out "$OUT/${name}_$TAG.json")
+  grep -E '^prefill' "$OUT/${name}_$TAG.log" | sed "s/^/$name: /"
+}
 for part in "${@:-tests gemv decode profile prefill restore}"; do
   for p in $part; do
     case $p in
@@ -81,16 +88,11 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         f=$(ls -S /tmp/phlo_$TAG/*after_optimizations.txt | head -n 1)
         echo "largest module: $f"; gzip -c "$f" > "$OUT/prefill_hlo_$TAG.txt.gz" ;;
       prefbv)  # 8K/32K prefill with the lean scan's value tile at PREFBV (default 32)
-        NINFER_GDN_PREFILL_BV=${PREFBV:-32} run 200 "$OUT/prefbv_$TAG.log" $B27 --skip-peaks \
-          --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 2 \
-          --out "$OUT/prefbv_$TAG.json"
-        grep -E '^prefill' "$OUT/prefbv_$TAG.log" ;;
+        prefill2 prefbv NINFER_GDN_PREFILL_BV=${PREFBV:-32} ;;
       prefscan)  # 8K/32K prefill, the scan's warps x pipelining stages (PREFSCAN: "w:s ...")
         for ws in ${PREFSCAN:-8:1 8:2 8:3 4:2}; do
-          NINFER_GDN_PREFILL_WARPS=${ws%:*} NINFER_GDN_PREFILL_STAGES=${ws#*:} run 200 \
-            "$OUT/prefscan_${ws/:/s}_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
-            --prefill 8192,32768 --prefill-reps 2 --out "$OUT/prefscan_${ws/:/s}_$TAG.json"
-          grep -E '^prefill' "$OUT/prefscan_${ws/:/s}_$TAG.log" | sed "s/^/w$ws: /"
+          prefill2 "prefscan_${ws/:/s}" NINFER_GDN_PREFILL_WARPS=${ws%:*} \
+            NINFER_GDN_PREFILL_STAGES=${ws#*:}
         done ;;
       prefnext)  # prepared in v11, not measured: 8K/32K prefill with 128-step chunks in the
         # lean scan (and its GPU test); the weight copies before cuBLAS (~26 ms at 8K): XLA's
@@ -106,10 +108,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           [ $X = legacy ] && F="--xla_gpu_enable_cublaslt=false"
           [ $X = legacydsf ] && F="--xla_gpu_enable_cublaslt=false --xla_gpu_enable_dynamic_slice_fusion=true"
           [ $X = tritongemm ] && F="--xla_gpu_cublas_fallback=false"
-          NINFER_GDN_PREFILL_CHUNK=$C XLA_FLAGS="$F" run 200 "$OUT/prefnext_${X}_$TAG.log" $B27 \
-            --skip-peaks --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 2 \
-            --out "$OUT/prefnext_${X}_$TAG.json"
-          grep -E '^prefill' "$OUT/prefnext_${X}_$TAG.log" | sed "s/^/$X: /"
+          prefill2 "prefnext_$X" NINFER_GDN_PREFILL_CHUNK=$C "XLA_FLAGS=$F"
         done ;;
       enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
         run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -193,10 +192,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           [ $X = utbf16 ] && G=hybrid_utbf16
           [ $X = lean ] && G=hybrid_lean
           [ $X = dsf ] && F="--xla_gpu_enable_dynamic_slice_fusion=true"
-          NINFER_GDN_PREFILL=$G XLA_FLAGS="$F" run 200 "$OUT/prefillx_${X}_$TAG.log" $B27 \
-            --skip-peaks --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 2 \
-            --out "$OUT/prefillx_${X}_$TAG.json"
-          grep -E '^prefill' "$OUT/prefillx_${X}_$TAG.log" | sed "s/^/$X: /"
+          prefill2 "prefillx_$X" NINFER_GDN_PREFILL=$G "XLA_FLAGS=$F"
         done ;;
       hlo)  # the optimized HLO of the C1 decode step (what each profiled fusion is), gzipped
         XLA_FLAGS="--xla_dump_to=/tmp/hlo_$TAG --xla_dump_hlo_as_text" run 200 \

@@ -285,6 +285,18 @@ def l2_normalize(x, eps: float = 1e-6):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+# NINFER_GDN_PREFILL: how kernels="pallas" prefills a GDN layer -> gdn_prefill's `prep` for
+# the chunked kernel (any other value, e.g. "xla", keeps this module's reference rule)
+PREFILL_PREPS = {"hybrid_lean": "xla_lean", "hybrid": "xla", "hybrid_utbf16": "xla_bf16",
+                 "pallas": "pallas"}
+
+
+def prefill_prep() -> str | None:
+    """The chunked kernel's `prep` that NINFER_GDN_PREFILL names (default "hybrid_lean"), or
+    None for the reference rule."""
+    return PREFILL_PREPS.get(os.environ.get("NINFER_GDN_PREFILL", "hybrid_lean"))
+
+
 def select_rule(mode: str, kernels: str, t: int):
     """The gated delta rule for a call of T steps: `mode` ("chunk" or "recurrent") names the
     reference; kernels="pallas" swaps in the Pallas kernels (same signature and result):
@@ -302,9 +314,7 @@ def select_rule(mode: str, kernels: str, t: int):
         from engine.kernels.gdn_decode import gdn_recurrent
 
         return gdn_recurrent
-    if (kernels == "pallas" and mode == "chunk" and os.environ.get(
-            "NINFER_GDN_PREFILL", "hybrid_lean") in ("pallas", "hybrid", "hybrid_utbf16",
-                                                "hybrid_lean")):
+    if kernels == "pallas" and mode == "chunk" and prefill_prep() is not None:
         from engine.kernels.gdn_prefill import gdn_chunk_bf16_operands
 
         return gdn_chunk_bf16_operands

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.gdn import chunk_gated_delta_rule, chunk_intra, chunk_uw
+from engine.gdn import chunk_gated_delta_rule, chunk_intra, chunk_uw, prefill_prep
 from engine.kernels import resolve_interpret, triton_params
 
 gdn_chunk_ref = chunk_gated_delta_rule
@@ -229,10 +229,8 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     warps = int(os.environ.get("NINFER_GDN_PREFILL_WARPS", "4"))
     stages = int(os.environ.get("NINFER_GDN_PREFILL_STAGES", "2"))
     chunk_size = int(os.environ.get("NINFER_GDN_PREFILL_CHUNK", chunk_size))
-    prep = {"pallas": "pallas", "hybrid": "xla", "hybrid_utbf16": "xla_bf16"}.get(
-        os.environ.get("NINFER_GDN_PREFILL", "hybrid_lean"), "xla_lean")
     return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv,
-                     num_warps=warps, num_stages=stages, prep=prep)
+                     num_warps=warps, num_stages=stages, prep=prefill_prep() or "xla_lean")
 
 
 gdn_chunk_bf16_operands.bf16_operands = True
