@@ -18,12 +18,14 @@
 #   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
 #   prefetch   the register-prefetch mma GEMV      readpat    read ceilings by access pattern
 #   kvint8     C1/C2 32K/128K over int8 KV, scales folded vs dequantized
+#   l2next     the wide GEMV prefetching the next GEMV's codes into L2 (L2NEXT sizes)
 #   graphs     XLA command-buffer settings         cmdbuf     command buffers for loops too
 #   unfused    without the fused GDN decode kernel unroll     blocks unrolled
 #   inplace    GDN states updated in place (the default since v10)
 #   prefillx   prefill: base, bf16 UT transform, lean scan, dynamic-slice fusion (PREFILLX)
 #   prefbv     the scan's value tile (PREFBV)      prefscan   the scan's warps and stages
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
+#   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds.
@@ -52,7 +54,7 @@ B27="python3 bench/bench_27b.py --paged --kernels pallas"
 prefill2() {  # prefill2 <name> [VAR=value ...]: 8K/32K bf16 prefill, two reps, with that env
   local name=$1
   shift
-  (export "$@"; run 200 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
+  ([ $# -gt 0 ] && export "$@"; run 200 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
      --prefill 8192,32768 --prefill-reps 2 --out "$OUT/${name}_$TAG.json")
   grep -E '^prefill' "$OUT/${name}_$TAG.log" | sed "s/^/$name: /"
 }
@@ -110,6 +112,11 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           [ $X = tritongemm ] && F="--xla_gpu_cublas_fallback=false"
           prefill2 "prefnext_$X" NINFER_GDN_PREFILL_CHUNK=$C "XLA_FLAGS=$F"
         done ;;
+      prefab)  # 8K/32K prefill of this tree, then of the tree in PREV_TREE (default .whl/prev:
+        # an earlier commit's engine/ and bench/, `git archive <commit> engine bench`), one call
+        prefill2 prefab_cur
+        (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
+         prefill2 prefab_prev) ;;
       enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
         run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_engine_gpu.py tests/test_kernels_gdn_prefill.py
@@ -153,11 +160,13 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 200 "$OUT/wwarps_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k wide
         tail -n 2 "$OUT/wwarps_tests_$TAG.log"
-        run 240 "$OUT/wwarps_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
-          --rpw 2 --stages "" --wide 2 --wide-warps 2,4,8 --wide-bias 0 --wide-occ 0,32 \
-          --wide-stages 4,8 \
-          --shapes 2,4,9,10,11,12 --out "$OUT/cuda_gemv_micro_wwarps_$TAG.json"
-        grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log"
+        if [ "${WWARPS_MICRO:-1}" = 1 ]; then  # WWARPS_MICRO=0: the decode runs alone
+          run 240 "$OUT/wwarps_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
+            --rpw 2 --stages "" --wide 2 --wide-warps 2,4,8 --wide-bias 0 --wide-occ 0,32 \
+            --wide-stages 4,8 \
+            --shapes 2,4,9,10,11,12 --out "$OUT/cuda_gemv_micro_wwarps_$TAG.json"
+          grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log"
+        fi
         # (each decode run ~1 min: the default four keep the part under ~8 min; WWARPS picks
         # others, e.g. "4 2 autoo32 4s8")
         for V in ${WWARPS:-8 auto 8o32 8s4}; do  # warps, then o32 or s4/s8
@@ -167,6 +176,17 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             "$OUT/wwarps_decode_${V}_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
             --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "$OUT/wwarps_${V}_$TAG.json"
           grep -E '^decode' "$OUT/wwarps_decode_${V}_$TAG.log" | cut -c1-90 | sed "s/^/w$V: /"
+        done ;;
+      l2next)  # the wide GEMV asks L2 for the first NINFER_INT4_L2_NEXT_MB of the next GEMV's
+        # codes as it ends: its GPU tests, C1/C2 1K decode at each L2NEXT size (MiB; 0: off)
+        run 150 "$OUT/l2next_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_cuda_gemv.py -k "next_call or multi"
+        tail -n 2 "$OUT/l2next_tests_$TAG.log"
+        for MB in ${L2NEXT:-0 16 32}; do
+          NINFER_INT4_L2_NEXT_MB=$MB run 150 "$OUT/l2next_${MB}_$TAG.log" $B27 --skip-peaks \
+            --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 \
+            --out "$OUT/l2next_${MB}_$TAG.json"
+          grep -E '^decode' "$OUT/l2next_${MB}_$TAG.log" | cut -c1-90 | sed "s/^/l2 ${MB} MiB: /"
         done ;;
       kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16):
         # the paged kernel's int8 scales folded into scores and softmax weights (the default

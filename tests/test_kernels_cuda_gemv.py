@@ -63,17 +63,21 @@ def test_variant_choice():
 
 def test_wide_warps_setting_and_auto_choice():
     """The wide kernel's warps a tile: a setting of 2, 4, 8 or 16, or "auto", by the number of
-    16-row tiles only (the fewest warps that still give WIDE_AUTO_WARPS in all)."""
+    16-row tiles only (the fewer of WIDE_AUTO_CHOICES that still gives WIDE_AUTO_WARPS in
+    all)."""
     assert [cuda_ops.wide_warps(34816, s) for s in ("2", "4", "8", "16")] == [2, 4, 8, 16]
     with pytest.raises(ValueError, match="warps"):
         cuda_ops.wide_warps(34816, "3")
+    choices = cuda_ops.WIDE_AUTO_CHOICES
     for n in (48, 1024, 5120, 14336, 16480, 34816, 248320):
         w = cuda_ops.wide_warps(n, "auto")
         tiles = -(-n // 16)
-        assert w in cuda_ops.WIDE_WARPS
-        assert tiles * w >= cuda_ops.WIDE_AUTO_WARPS or w == cuda_ops.WIDE_WARPS[-1]
-        assert w == cuda_ops.WIDE_WARPS[0] or tiles * (w // 2) < cuda_ops.WIDE_AUTO_WARPS
-    assert cuda_ops.wide_warps(34816, "auto") == 2 and cuda_ops.wide_warps(5120, "auto") == 8
+        assert w in choices and set(choices) <= set(cuda_ops.WIDE_WARPS)
+        assert tiles * w >= cuda_ops.WIDE_AUTO_WARPS or w == choices[-1]
+        assert w == choices[0] or tiles * choices[choices.index(w) - 1] < cuda_ops.WIDE_AUTO_WARPS
+    # the step's shapes: many tiles 4 warps, few 8 (the fastest of each, H200 v12)
+    assert [cuda_ops.wide_warps(n) for n in (248320, 34816, 16480, 14336, 6144, 5120)] == \
+        [4, 4, 4, 4, 8, 8]
 
 
 @pytest.mark.gpu
@@ -358,3 +362,70 @@ def test_multi_is_bitwise_the_separate_calls_on_gpu(variant, m):
         with jax.default_matmul_precision("highest"):
             want = linear(x.astype(jnp.float32), Stacked(w, idx).materialize())
         assert_close(g, want, jnp.bfloat16)
+
+
+def test_next_call_prefetch_operands_and_lowering(monkeypatch):
+    """`then` (the weights the step's next GEMV reads) becomes the wide call's trailing
+    operands, the next index and its code stacks, with next_mats/next_bytes attributes, only
+    when NINFER_INT4_L2_NEXT_MB asks for bytes; views of other indices' shapes, mixed kinds or
+    non-int4 weights give no operands (the hint is dropped, never an error)."""
+    ws = [_qtensor(n, 256, n, lead=(3,)) for n in (64, 48)]
+    nxt = [_qtensor(n, 256, n + 1, lead=(3,)) for n in (32, 16)]
+    idx, nidx = jnp.array([1], jnp.int32), jnp.array([2], jnp.int32)
+    views = [Stacked(w, nidx) for w in nxt]
+    index, codes = cuda_ops.next_operands(views)
+    assert index.shape == (1,) and [c.shape for c in codes] == [(3, 32, 128), (3, 16, 128)]
+    assert cuda_ops.next_operands(None) is None and cuda_ops.next_operands([]) is None
+    assert cuda_ops.next_operands([views[0], nxt[1]]) is None  # a view and a plain matrix
+    assert cuda_ops.next_operands([Stacked(jnp.ones((3, 8, 8)), nidx)]) is None  # not int4
+    assert cuda_ops.next_operands(views * 3) is None  # more than MAX_MATS
+
+    def lowered():
+        return export.export(
+            jax.jit(lambda x, a, b, c, d, i, j: cuda_ops.int4_gemv_multi(
+                x, [a, b], i, variant="wide", then=[Stacked(c, j), Stacked(d, j)])),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(
+                cuda_ops.INT4_WIDE_TARGET)])(
+            jnp.ones((1, 256), jnp.bfloat16), *ws, *nxt, idx, nidx).mlir_module()
+
+    monkeypatch.delenv("NINFER_INT4_L2_NEXT_MB", raising=False)
+    off = lowered()
+    assert "next_mats = 0" in off and "next_bytes = 0" in off
+    monkeypatch.setenv("NINFER_INT4_L2_NEXT_MB", "1.5")
+    assert cuda_ops.l2_next_bytes() == 3 << 19
+    on = lowered()
+    assert "next_mats = 2" in on and f"next_bytes = {3 << 19}" in on
+    # the call takes x, corr, the index, two (codes, scales) pairs, then the next index and
+    # the two next code stacks (whole: the kernel reads the index)
+    tail = "tensor<1xi32>, tensor<3x32x128xui8>, tensor<3x16x128xui8>) -> tensor<1x112xbf16>"
+    assert tail in on and tail not in off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_next_call_prefetch_changes_no_bits_on_gpu(monkeypatch, m):
+    """The L2 prefetch of the next call's codes is a hint: the same bits with it (every
+    warps setting, the capped registers, a negative next index asking for nothing), with a
+    budget past what there is, and without it."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    ws = [_qtensor(n, 1024, n, lead=(3,)) for n in (3000, 1100)]
+    nxt = [_qtensor(n, 1024, n + 1, lead=(3,)) for n in (2048, 64)]
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((m, 1024)), jnp.bfloat16)
+    idx = jnp.array([1], jnp.int32)
+
+    def run(then, **kw):
+        return np.asarray(jax.jit(lambda x, i, t: cuda_ops.int4_gemv_multi(
+            x, ws, i, variant="wide", concat=True, then=t, **kw))(x, idx, then), np.float32)
+
+    monkeypatch.delenv("NINFER_INT4_L2_NEXT_MB", raising=False)
+    want = run(None)
+    for mb in ("0.5", "64"):
+        monkeypatch.setenv("NINFER_INT4_L2_NEXT_MB", mb)
+        for j in (0, 2, -1):
+            then = [Stacked(w, jnp.array([j], jnp.int32)) for w in nxt]
+            np.testing.assert_array_equal(run(then), want)
+        for warps in (2, 4, 8, 16):
+            np.testing.assert_array_equal(run(then, warps=warps), run(None, warps=warps))
+            np.testing.assert_array_equal(run(then, warps=warps, occupancy=32),
+                                          run(None, warps=warps))

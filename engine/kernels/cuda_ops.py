@@ -192,16 +192,18 @@ FMA_MAX_M = 1  # "fma" for bf16 x of this many rows when "wide" does not apply (
 
 
 WIDE_WARPS = (2, 4, 8, 16)
+WIDE_AUTO_CHOICES = (4, 8)  # "auto" picks from these (2 and 16 measured slower, v12)
 WIDE_AUTO_WARPS = 2048  # "auto": about 16 warps on each of the H200's 132 SMs
 
 
-def wide_warps(n: int, setting: str = "8") -> int:
+def wide_warps(n: int, setting: str = "auto") -> int:
     """Warps to a 16-row tile of the wide kernel for N output rows: the setting (2, 4, 8, 16),
-    or with "auto" the fewest of those that still give the call WIDE_AUTO_WARPS warps in all,
-    so that warps run long over K where there are many tiles (mlp gate|up: 2176 tiles, 2
-    warps; lm_head: 2) and split it where there are few (down, out_proj: 320 tiles, 8). A
-    choice by shape only, so a call's result does not depend on the batch. Not measured yet
-    (h200_session.sh `wwarps`)."""
+    or with "auto" (the default) the fewer of WIDE_AUTO_CHOICES that still gives the call
+    WIDE_AUTO_WARPS warps in all: 4 where there are many tiles (lm_head, mlp gate|up, the GDN
+    and attention input projections: 896 tiles and more), 8 where there are few (down and
+    out_proj: 320-384 tiles). A choice by shape only, so a call's result does not depend on
+    the batch. Measured on the H200 (v12, docs/benchmarks/README.md): each shape's fastest
+    of 2, 4 and 8 warps is the one this picks, but for attention q|k|v (4, within 7%)."""
     if setting != "auto":
         w = int(setting)
         if w not in WIDE_WARPS:
@@ -209,7 +211,41 @@ def wide_warps(n: int, setting: str = "8") -> int:
                              f"got {setting!r}")
         return w
     tiles = -(-n // 16)
-    return next((w for w in WIDE_WARPS if tiles * w >= WIDE_AUTO_WARPS), WIDE_WARPS[-1])
+    return next((w for w in WIDE_AUTO_CHOICES if tiles * w >= WIDE_AUTO_WARPS),
+                WIDE_AUTO_CHOICES[-1])
+
+
+def l2_next_bytes() -> int:
+    """How many bytes of the next GEMV's codes a wide call asks L2 for as it ends
+    (`int4_gemv_multi`'s `then`): NINFER_INT4_L2_NEXT_MB (MiB; 0, the default, asks for none)."""
+    return int(float(os.environ.get("NINFER_INT4_L2_NEXT_MB", "0")) * (1 << 20))
+
+
+def next_operands(then):
+    """`then` (the weights the step's next GEMV reads: `Stacked` layer views sharing one index,
+    or plain QTensors) as the wide kernel's trailing operands: (the next index, its code
+    stacks), or None where they cannot be prefetched (not int4_g64, mixed kinds, more than
+    MAX_MATS)."""
+    from engine.kernels.stacked import Stacked
+
+    then = list(then or ())
+    if not then or len(then) > MAX_MATS:
+        return None
+    if all(isinstance(t, Stacked) for t in then):  # one layer's views: equal indices
+        mats, index = [t.w for t in then], then[0].index
+        if any(t.index.shape != index.shape for t in then):
+            return None
+    elif not any(isinstance(t, Stacked) for t in then):
+        mats, index = then, jnp.zeros((0,), jnp.int32)
+    else:
+        return None
+    if not all(isinstance(w, QTensor) and w.fmt == INT4_G64 for w in mats):
+        return None
+    nlead = int(index.shape[0])
+    if nlead > 3 or any(w.data.ndim != nlead + 2 for w in mats) or any(
+            w.data.shape[:nlead] != mats[0].data.shape[:nlead] for w in mats):
+        return None
+    return jnp.asarray(index, jnp.int32).reshape(-1), [w.data for w in mats]
 
 
 def default_variant(x) -> str:
@@ -229,7 +265,7 @@ def default_variant(x) -> str:
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
               prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
-              occupancy: int | None = None):
+              occupancy: int | None = None, then=None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -238,33 +274,36 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     rows_per_warp (fma); stages (mma: copy pipeline depth, 4/6/8/12; wide: 0 for the
     register ring of `prefetch` pairs, 4 or 8 for a shared-memory ring of that many pairs
     filled by cp.async, warps 4 or 8, bias 0, the same sums bit for bit; default 0 or
-    NINFER_INT4_WIDE_STAGES; not measured yet); prefetch (mma: 0 for
+    NINFER_INT4_WIDE_STAGES; measured slower on the H200, v12); prefetch (mma: 0 for
     the shared-memory copy ring, 2/4/8 for the kernel that loads the codes into registers that
     many groups ahead, the same sums bit for bit, NINFER_INT4_PREFETCH, default 0: no faster
     on the H200, docs/benchmarks/README.md v9; wide: 2 or 4 pairs in flight, default 2 or
-    NINFER_INT4_WIDE_PREFETCH); warps (wide: 2, 4, 8 or 16 to a 16-row tile, default 8 or
+    NINFER_INT4_WIDE_PREFETCH); warps (wide: 2, 4, 8 or 16 to a 16-row tile, default "auto" or
     NINFER_INT4_WIDE_WARPS, which may also be "auto": `wide_warps`; 16 measured slower than 8
-    on the H200, v10; 2, 4 and auto not measured yet); bias (wide: 1 takes the
+    on the H200, v10; auto by shape, v12); bias (wide: 1 takes the
     codes' offset 136 * sum(x) off with MMAs inside the kernel, 0 with group sums of x that
     XLA computes; default 0 or NINFER_INT4_WIDE_BIAS: the MMAs measured slower on the H200,
     v10); occupancy (wide: resident warps an SM to ask the compiler's registers for, 0 its
     own choice (74 registers a lane, 24 warps), 32 for 64 registers (prefetch 2, bias 0
-    only); default 0 or NINFER_INT4_WIDE_OCC; 32 not measured yet). x goes to the wide
+    only); default 32 where built, else 0, or NINFER_INT4_WIDE_OCC; 32 measured faster, v12). x goes to the wide
     kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
-                           occupancy=occupancy)[0]
+                           occupancy=occupancy, then=then)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
                     prefetch: int | None = None, warps: int | None = None,
                     bias: int | None = None, occupancy: int | None = None,
-                    concat: bool = False):
+                    concat: bool = False, then=None):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
-    sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead."""
+    sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead.
+    then: the weights the step's next GEMV reads (`next_operands`); the wide kernel's last
+    blocks ask L2 for the first `l2_next_bytes()` of their codes as they end. A hint only:
+    the result is the same with or without it."""
     if not 1 <= len(ws) <= MAX_MATS:
         raise ValueError(f"int4_gemv_multi takes 1..{MAX_MATS} weights, got {len(ws)}")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -286,14 +325,20 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         else:
             corr = 136.0 * xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
         prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
-        warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "8"))
-        if occupancy is None:
-            occupancy = int(os.environ.get("NINFER_INT4_WIDE_OCC", "0"))
+        warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "auto"))
         if stages is None:
             stages = int(os.environ.get("NINFER_INT4_WIDE_STAGES", "0"))
+        if occupancy is None:  # 32 where it is built: the register ring of 2 pairs, bias 0
+            occ = os.environ.get("NINFER_INT4_WIDE_OCC")
+            occupancy = (int(occ) if occ is not None
+                         else 32 if prefetch == 2 and not bias and not stages else 0)
+        nxt = next_operands(then) if stages == 0 and l2_next_bytes() > 0 else None
+        extra = [nxt[0], *nxt[1]] if nxt else []
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
-        y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
-                 bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages))
+        y = call(xb, corr, idx, *pairs, *extra, prefetch=np.int64(prefetch),
+                 warps=np.int64(warps), bias=np.int64(bias), occupancy=np.int64(occupancy),
+                 stages=np.int64(stages), next_mats=np.int64(len(extra) - 1 if nxt else 0),
+                 next_bytes=np.int64(l2_next_bytes() if nxt else 0))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))
