@@ -18,7 +18,6 @@
 #   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
 #   prefetch   the register-prefetch mma GEMV      readpat    read ceilings by access pattern
 #   kvint8     C1/C2 32K/128K over int8 KV, scales folded vs dequantized
-#   l2next     the wide GEMV prefetching the next GEMV's codes into L2 (L2NEXT sizes)
 #   graphs     XLA command-buffer settings         cmdbuf     command buffers for loops too
 #   unfused    without the fused GDN decode kernel unroll     blocks unrolled
 #   inplace    GDN states updated in place (the default since v10)
@@ -176,17 +175,6 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             "$OUT/wwarps_decode_${V}_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
             --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "$OUT/wwarps_${V}_$TAG.json"
           grep -E '^decode' "$OUT/wwarps_decode_${V}_$TAG.log" | cut -c1-90 | sed "s/^/w$V: /"
-        done ;;
-      l2next)  # the wide GEMV asks L2 for the first NINFER_INT4_L2_NEXT_MB of the next GEMV's
-        # codes as it ends: its GPU tests, C1/C2 1K decode at each L2NEXT size (MiB; 0: off)
-        run 150 "$OUT/l2next_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "next_call or multi"
-        tail -n 2 "$OUT/l2next_tests_$TAG.log"
-        for MB in ${L2NEXT:-0 16 32}; do
-          NINFER_INT4_L2_NEXT_MB=$MB run 150 "$OUT/l2next_${MB}_$TAG.log" $B27 --skip-peaks \
-            --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 \
-            --out "$OUT/l2next_${MB}_$TAG.json"
-          grep -E '^decode' "$OUT/l2next_${MB}_$TAG.log" | cut -c1-90 | sed "s/^/l2 ${MB} MiB: /"
         done ;;
       kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16):
         # the paged kernel's int8 scales folded into scores and softmax weights (the default

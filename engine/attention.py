@@ -112,19 +112,17 @@ def attend(q, keys, vals, visible):
 
 
 def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
-                    write_attend=kv_write_attend, kernels: str = "xla", then=None):
+                    write_attend=kv_write_attend, kernels: str = "xla"):
     """Gated attention token mixer. p: the layer's `self_attn` params; x: [B, T, H] (normed).
 
     q_proj rows are grouped per head as [q (head_dim) | gate (head_dim)]. `write_attend` is
     `kv_write_attend` or `paged_kv.paged_write_attend`, matching the kind of `kv`. kernels:
-    "xla" or "pallas" (passed to the projections and to `write_attend`). then: the weights
-    the step reads after o_proj (a prefetch hint for the GEMV, `quant.linear`). Returns
+    "xla" or "pallas" (passed to the projections and to `write_attend`). Returns
     (out [B, T, H], new kv).
     """
     b, t, _ = x.shape
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qg, k, v = linear_multi(x, [p["q_proj"], p["k_proj"], p["v_proj"]], kernels,
-                            then=[p["o_proj"]])
+    qg, k, v = linear_multi(x, [p["q_proj"], p["k_proj"], p["v_proj"]], kernels)
     qg = qg.reshape(b, t, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nh * hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
@@ -137,4 +135,4 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
     else:
         out, kv = write_attend(kv, layer, q, k, v, positions, valid, kernels=kernels)
     out = out.reshape(b, t, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-    return linear(out, p["o_proj"], kernels, then=then), kv
+    return linear(out, p["o_proj"], kernels), kv

@@ -20,11 +20,10 @@ from engine.quant import linear, linear_multi
 GDN_RULES = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}
 
 
-def mlp(p, x, kernels: str = "xla", then=None):
-    """SwiGLU: down(silu(gate(x)) * up(x)). x: [B, T, H]. then: the weights the step reads
-    after down_proj (a prefetch hint for the GEMV, `quant.linear`)."""
-    gate, up = linear_multi(x, [p["gate_proj"], p["up_proj"]], kernels, then=[p["down_proj"]])
-    return linear(jax.nn.silu(gate) * up, p["down_proj"], kernels, then=then)
+def mlp(p, x, kernels: str = "xla"):
+    """SwiGLU: down(silu(gate(x)) * up(x)). x: [B, T, H]."""
+    gate, up = linear_multi(x, [p["gate_proj"], p["up_proj"]], kernels)
+    return linear(jax.nn.silu(gate) * up, p["down_proj"], kernels)
 
 
 def _gdn_rule(mode: str, kernels: str, t: int):
@@ -49,13 +48,12 @@ class StackedStates(NamedTuple):
 
 
 def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
-              kernels: str = "xla", then=None):
+              kernels: str = "xla"):
     """Gated DeltaNet token mixer. p: the layer's `linear_attn` params; x: [B, T, H] (normed).
 
     conv_state: [B, conv_dim, W-1]; rec_state: [B, Hv, Dk, Dv] fp32; lengths: [B] int32 valid
     steps per row; valid: [B, T] bool. Invalid steps get g = 0, beta = 0 so the recurrent state
-    skips them. kernels: "xla" (references) or "pallas" (engine/kernels). then: the weights
-    the step reads after out_proj (a prefetch hint for the GEMV, `quant.linear`).
+    skips them. kernels: "xla" (references) or "pallas" (engine/kernels).
     Returns (out [B, T, H], conv_state, rec_state).
     """
     b, t, _ = x.shape
@@ -65,22 +63,21 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
 
         st = conv_state
         # the four projections side by side, as the one GEMV launch writes them
-        proj = linear_multi(x, mats, kernels, concat=True, then=[p["out_proj"]])
+        proj = linear_multi(x, mats, kernels, concat=True)
         out, conv_l, rec = gdn_decode_fused_rows(st.params, cfg, proj, st.conv, st.rec,
                                                  st.layer, lengths, x.dtype)
         lead = st.conv.shape[:-3]
         conv = st.conv.reshape(-1, *st.conv.shape[-3:]).at[st.layer].set(conv_l).reshape(
             *lead, *st.conv.shape[-3:])
-        return (linear(out.reshape(b, t, -1), p["out_proj"], kernels, then=then),
+        return (linear(out.reshape(b, t, -1), p["out_proj"], kernels),
                 st._replace(conv=conv, rec=rec), None)
-    qkv, z, b_in, a_in = linear_multi(x, mats, kernels, then=[p["out_proj"]])
+    qkv, z, b_in, a_in = linear_multi(x, mats, kernels)
     core = gdn_core
     if kernels == "pallas" and t == 1 and fused_decode_enabled():
         from engine.kernels.gdn_decode_fused import gdn_decode_fused as core
     out, conv_state, rec_state = core(p, cfg, qkv, z, b_in, a_in, conv_state, rec_state,
                                       lengths, valid, mode, kernels, x.dtype)
-    return (linear(out.reshape(b, t, -1), p["out_proj"], kernels, then=then), conv_state,
-            rec_state)
+    return linear(out.reshape(b, t, -1), p["out_proj"], kernels), conv_state, rec_state
 
 
 def gdn_core(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths, valid,
@@ -132,36 +129,26 @@ def inplace_decode_enabled() -> bool:
     return os.environ.get("NINFER_GDN_INPLACE", "1") != "0"
 
 
-def _mlp_in(p):
-    """The weights a layer's MLP reads first: what its mixer's last GEMV hints at."""
-    return [p["mlp"]["gate_proj"], p["mlp"]["up_proj"]]
-
-
 def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
-              kernels: str = "xla", then=None):
-    """One GDN decoder layer (pre-norm residual mixer + MLP). x: [B, T, H]. then: the
-    weights the step reads after this layer (a prefetch hint for its last GEMV).
+              kernels: str = "xla"):
+    """One GDN decoder layer (pre-norm residual mixer + MLP). x: [B, T, H].
     Returns (x, conv_state, rec_state)."""
     h, conv_state, rec_state = gdn_mixer(
         p["linear_attn"], cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
-        conv_state, rec_state, lengths, valid, mode, kernels, then=_mlp_in(p))
+        conv_state, rec_state, lengths, valid, mode, kernels)
     x = x + h
-    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), kernels,
-                then=then)
+    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), kernels)
     return x, conv_state, rec_state
 
 
-def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid, kernels: str = "xla",
-                    then=None):
+def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid, kernels: str = "xla"):
     """One gated-attention decoder layer. x: [B, T, H]; kv: the contiguous (k, v) of
-    `attention.kv_write_attend` or a `paged_kv.PagedKV`; layer/positions/valid as there;
-    then as for `gdn_layer`. Returns (x, kv) with kv of the same kind."""
+    `attention.kv_write_attend` or a `paged_kv.PagedKV`; layer/positions/valid as there.
+    Returns (x, kv) with kv of the same kind."""
     write_attend = paged_write_attend if isinstance(kv, PagedKV) else kv_write_attend
     h, kv = attention_mixer(p["self_attn"], cfg,
                             rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
-                            kv, layer, positions, valid, write_attend, kernels,
-                            then=_mlp_in(p))
+                            kv, layer, positions, valid, write_attend, kernels)
     x = x + h
-    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), kernels,
-                then=then)
+    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), kernels)
     return x, kv

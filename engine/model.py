@@ -18,7 +18,7 @@ from jax import lax
 from engine.cache import Cache, PagedCache, init_cache, init_paged_cache  # noqa: F401
 from engine.config import ConfigError, ModelConfig
 from engine.kernels import check_kernels
-from engine.kernels.stacked import Stacked, flatten_stack, select_layer, sub_layer
+from engine.kernels.stacked import flatten_stack, select_layer, sub_layer
 from engine.layers import (GDN_RULES, StackedStates, attention_layer, fused_decode_enabled,
                            gdn_layer, inplace_decode_enabled)
 from engine.norms import rms_norm
@@ -62,14 +62,6 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
     if stacked:
         from engine.kernels.gdn_decode_fused import KERNEL_PARAMS
         gdn_flat = flatten_stack(blocks["gdn"], 2)
-        n_gdn = cfg.num_blocks * cfg.gdn_per_block
-
-        def gdn_in(layer):
-            """Flat GDN layer `layer`'s input projections, the GEMV after the layer before it
-            (a prefetch hint; a negative layer, past the last, asks for nothing)."""
-            idx = jnp.where(layer < n_gdn, layer, -1).astype(jnp.int32).reshape(1)
-            return [Stacked(gdn_flat["linear_attn"][k], idx)
-                    for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
 
     def block(carry, xs):
         x, kv, conv, rec = carry
@@ -92,10 +84,8 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
             # GEMVs, the fused kernel and the states all take the one index
             st = StackedStates(conv, rec, layer,
                                {k: gdn_flat["linear_attn"][k] for k in KERNEL_PARAMS})
-            # the next GDN layer's inputs after all but the block's last (attention follows)
-            nxt = gdn_in(jnp.where(j + 1 < cfg.gdn_per_block, layer + 1, n_gdn))
             x, st, _ = gdn_layer(select_layer(gdn_flat, layer, 1), cfg, x, st, None, lengths,
-                                 valid, mode, kernels, then=nxt)
+                                 valid, mode, kernels)
             return (x, st.conv, st.rec), None
 
         gdn_ids = jnp.arange(cfg.gdn_per_block, dtype=jnp.int32)
@@ -105,14 +95,12 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
             gdn_xs = gdn_ids if views else p["gdn"]
             x, (conv_i, rec_i) = lax.scan(gdn, x, (gdn_xs, conv[i], rec[i]), unroll=unroll)
             conv, rec = conv.at[i].set(conv_i), rec.at[i].set(rec_i)
-        nxt = gdn_in((i + 1) * cfg.gdn_per_block) if stacked else None  # the next block's
         if paged:
             x, layer_kv = attention_layer(p["attn"], cfg, x, PagedKV(kv, cache.block_table), i,
-                                          positions, valid, kernels, then=nxt)
+                                          positions, valid, kernels)
             kv = layer_kv.pool
         else:
-            x, kv = attention_layer(p["attn"], cfg, x, kv, i, positions, valid, kernels,
-                                    then=nxt)
+            x, kv = attention_layer(p["attn"], cfg, x, kv, i, positions, valid, kernels)
         return (x, kv, conv, rec), None
 
     kv = cache.pool if paged else (cache.k, cache.v)

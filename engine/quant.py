@@ -197,15 +197,13 @@ def dequantize_np(qt: QTensor) -> np.ndarray:
 
 
 # ---- the matmul the model uses ----------------------------------------------------------------
-def linear(x: jax.Array, w, kernels: str = "xla", then=None) -> jax.Array:
+def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
     """x: [..., in] -> [..., out], with w: [out, in] (a dense array or a QTensor).
 
     A QTensor is dequantized to x.dtype first, then multiplied exactly like a dense weight: this is
     the reference path that fused low-precision kernels must match. kernels="pallas" sends
     decode-sized x (at most `qgemv.MAX_ROWS` rows) to the weight-only GEMV kernel
-    (engine/kernels/qgemv.py), which reads the stored format directly. then: the weights the
-    next GEMV of the step reads (a prefetch hint for the CUDA GEMV; the result does not
-    change).
+    (engine/kernels/qgemv.py), which reads the stored format directly.
     """
     if kernels == "pallas":
         from engine.kernels import qgemv
@@ -213,23 +211,22 @@ def linear(x: jax.Array, w, kernels: str = "xla", then=None) -> jax.Array:
 
         if isinstance(w, Stacked):  # a layer of a stacked weight (engine/kernels/stacked.py)
             if qgemv.supported(x, w.w, int(w.index.shape[0])):
-                return qgemv.qmatmul(x, w.w, w.index, then=then)
+                return qgemv.qmatmul(x, w.w, w.index)
             w = w.materialize()
         if qgemv.supported(x, w):
-            return qgemv.qmatmul(x, w, then=then)
+            return qgemv.qmatmul(x, w)
     if isinstance(w, QTensor):
         w = dequantize(w, jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
 
 
-def linear_multi(x: jax.Array, ws, kernels: str = "xla", concat: bool = False, then=None):
+def linear_multi(x: jax.Array, ws, kernels: str = "xla", concat: bool = False):
     """[linear(x, w, kernels) for w in ws]: a layer's projections of one input. With
     kernels="pallas" on a GPU, int4_g64 weights (layer views of one stack, or plain QTensors)
     go to the CUDA GEMV in one launch that prepares x once (engine/kernels/cuda_ops.py
     `int4_gemv_multi`: the same result per projection as separate calls). concat=True returns
     the projections side by side in one [..., sum of outs] array instead (from the one launch,
-    no slices). NINFER_INT4_FUSE=off keeps separate calls (benchmarking switch). then: as
-    for `linear`."""
+    no slices). NINFER_INT4_FUSE=off keeps separate calls (benchmarking switch)."""
     ws = list(ws)
     if kernels == "pallas" and len(ws) > 1 and os.environ.get("NINFER_INT4_FUSE") != "off":
         from engine.kernels import cuda_ops
@@ -241,9 +238,8 @@ def linear_multi(x: jax.Array, ws, kernels: str = "xla", concat: bool = False, t
         if (views or not any(isinstance(w, Stacked) for w in ws)) and cuda_ops.takes(
                 x, mats, lead):
             return cuda_ops.int4_gemv_multi(x, mats, ws[0].index if views else None,
-                                            concat=concat, then=then)
-    outs = [linear(x, w, kernels, then=then if i == len(ws) - 1 else ws[i + 1:i + 2])
-            for i, w in enumerate(ws)]
+                                            concat=concat)
+    outs = [linear(x, w, kernels) for w in ws]
     return jnp.concatenate(outs, axis=-1) if concat else outs
 
 

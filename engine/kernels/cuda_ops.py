@@ -215,39 +215,6 @@ def wide_warps(n: int, setting: str = "auto") -> int:
                 WIDE_AUTO_CHOICES[-1])
 
 
-def l2_next_bytes() -> int:
-    """How many bytes of the next GEMV's codes a wide call asks L2 for as it ends
-    (`int4_gemv_multi`'s `then`): NINFER_INT4_L2_NEXT_MB (MiB; 0, the default, asks for none)."""
-    return int(float(os.environ.get("NINFER_INT4_L2_NEXT_MB", "0")) * (1 << 20))
-
-
-def next_operands(then):
-    """`then` (the weights the step's next GEMV reads: `Stacked` layer views sharing one index,
-    or plain QTensors) as the wide kernel's trailing operands: (the next index, its code
-    stacks), or None where they cannot be prefetched (not int4_g64, mixed kinds, more than
-    MAX_MATS)."""
-    from engine.kernels.stacked import Stacked
-
-    then = list(then or ())
-    if not then or len(then) > MAX_MATS:
-        return None
-    if all(isinstance(t, Stacked) for t in then):  # one layer's views: equal indices
-        mats, index = [t.w for t in then], then[0].index
-        if any(t.index.shape != index.shape for t in then):
-            return None
-    elif not any(isinstance(t, Stacked) for t in then):
-        mats, index = then, jnp.zeros((0,), jnp.int32)
-    else:
-        return None
-    if not all(isinstance(w, QTensor) and w.fmt == INT4_G64 for w in mats):
-        return None
-    nlead = int(index.shape[0])
-    if nlead > 3 or any(w.data.ndim != nlead + 2 for w in mats) or any(
-            w.data.shape[:nlead] != mats[0].data.shape[:nlead] for w in mats):
-        return None
-    return jnp.asarray(index, jnp.int32).reshape(-1), [w.data for w in mats]
-
-
 def default_variant(x) -> str:
     """"wide" (bf16 tensor cores, 16-byte loads) for bf16 x of M <= WIDE_MAX_M rows (it falls
     back to "mma" where K is not a multiple of 128), "mma" for bf16 x of more rows, "fma"
@@ -265,7 +232,7 @@ def default_variant(x) -> str:
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
               prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
-              occupancy: int | None = None, then=None):
+              occupancy: int | None = None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -278,32 +245,29 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     the shared-memory copy ring, 2/4/8 for the kernel that loads the codes into registers that
     many groups ahead, the same sums bit for bit, NINFER_INT4_PREFETCH, default 0: no faster
     on the H200, docs/benchmarks/README.md v9; wide: 2 or 4 pairs in flight, default 2 or
-    NINFER_INT4_WIDE_PREFETCH); warps (wide: 2, 4, 8 or 16 to a 16-row tile, default "auto" or
-    NINFER_INT4_WIDE_WARPS, which may also be "auto": `wide_warps`; 16 measured slower than 8
-    on the H200, v10; auto by shape, v12); bias (wide: 1 takes the
+    NINFER_INT4_WIDE_PREFETCH); warps (wide: 2, 4, 8 or 16 to a 16-row tile, default
+    NINFER_INT4_WIDE_WARPS or "auto": 4 or 8 by the call's tiles, `wide_warps`, the fastest
+    of each shape on the H200, v12); bias (wide: 1 takes the
     codes' offset 136 * sum(x) off with MMAs inside the kernel, 0 with group sums of x that
     XLA computes; default 0 or NINFER_INT4_WIDE_BIAS: the MMAs measured slower on the H200,
     v10); occupancy (wide: resident warps an SM to ask the compiler's registers for, 0 its
-    own choice (74 registers a lane, 24 warps), 32 for 64 registers (prefetch 2, bias 0
-    only); default 32 where built, else 0, or NINFER_INT4_WIDE_OCC; 32 measured faster, v12). x goes to the wide
-    kernel as it is."""
+    own choice (74 registers a lane, 24 warps), 32 for 64 registers (prefetch 2, bias 0,
+    stages 0 only); default NINFER_INT4_WIDE_OCC, or 32 where built and 0 elsewhere: 32
+    measured faster on the H200, v12). x goes to the wide kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
-                           occupancy=occupancy, then=then)[0]
+                           occupancy=occupancy)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
                     prefetch: int | None = None, warps: int | None = None,
                     bias: int | None = None, occupancy: int | None = None,
-                    concat: bool = False, then=None):
+                    concat: bool = False):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
-    sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead.
-    then: the weights the step's next GEMV reads (`next_operands`); the wide kernel's last
-    blocks ask L2 for the first `l2_next_bytes()` of their codes as they end. A hint only:
-    the result is the same with or without it."""
+    sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead."""
     if not 1 <= len(ws) <= MAX_MATS:
         raise ValueError(f"int4_gemv_multi takes 1..{MAX_MATS} weights, got {len(ws)}")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -332,13 +296,9 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
             occ = os.environ.get("NINFER_INT4_WIDE_OCC")
             occupancy = (int(occ) if occ is not None
                          else 32 if prefetch == 2 and not bias and not stages else 0)
-        nxt = next_operands(then) if stages == 0 and l2_next_bytes() > 0 else None
-        extra = [nxt[0], *nxt[1]] if nxt else []
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
-        y = call(xb, corr, idx, *pairs, *extra, prefetch=np.int64(prefetch),
-                 warps=np.int64(warps), bias=np.int64(bias), occupancy=np.int64(occupancy),
-                 stages=np.int64(stages), next_mats=np.int64(len(extra) - 1 if nxt else 0),
-                 next_bytes=np.int64(l2_next_bytes() if nxt else 0))
+        y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
+                 bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))

@@ -693,52 +693,6 @@ struct WideLane {
   }
 };
 
-// The codes the step's next GEMV reads, at that call's own layer index (`then` in
-// cuda_ops.int4_gemv_multi): the blocks of this call's last wave, as they finish, ask L2 for
-// the first `bytes` of them (128-byte lines, split evenly over those blocks). A decode step's
-// GEMVs leave the memory system idle at their tails and across the small kernels between two
-// of them (the norms, the GDN and attention kernels); the next call then starts on L2 hits.
-// The bytes read from memory stay the same; they move earlier, into time that was idle.
-struct Next {
-  const uint8_t* w[kMaxMats];   // [*lead, n_j, K_j/2] codes
-  int64_t layer_bytes[kMaxMats];  // one layer's codes of matrix j
-  int count;                    // 0: nothing to prefetch
-  int nlead;
-  int64_t l[3];                 // layer = sum index[d] * l[d], as in Mats
-  int64_t lines;                // 128-byte lines to prefetch in all
-  int first_block;              // the first block of the last wave
-};
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-__device__ __forceinline__ void prefetch_next(const Next& nx, const int32_t* __restrict__ nindex) {
-  if (nx.count == 0 || static_cast<int>(blockIdx.x) < nx.first_block) return;
-  for (int d = 0; d < nx.nlead; ++d)
-    if (nindex[d] < 0) return;  // a negative index: no next call to prefetch for
-  int64_t layer = 0;
-  if (nx.nlead > 0) layer += static_cast<int64_t>(nindex[0]) * nx.l[0];
-  if (nx.nlead > 1) layer += static_cast<int64_t>(nindex[1]) * nx.l[1];
-  if (nx.nlead > 2) layer += static_cast<int64_t>(nindex[2]) * nx.l[2];
-  const int64_t blocks = gridDim.x - nx.first_block;
-  const int64_t per = (nx.lines + blocks - 1) / blocks;
-  const int64_t first = (blockIdx.x - nx.first_block) * per;
-  const int64_t last = min(first + per, nx.lines);
-  for (int64_t line = first + threadIdx.x; line < last; line += blockDim.x) {
-    int64_t off = line << 7;
-    const uint8_t* at = nullptr;
-#pragma unroll
-    for (int i = 0; i < kMaxMats; ++i) {  // constant indices only (see row_ptrs)
-      if (at == nullptr && i < nx.count) {
-        if (off < nx.layer_bytes[i]) at = nx.w[i] + layer * nx.layer_bytes[i] + off;
-        else off -= nx.layer_bytes[i];
-      }
-    }
-    if (at != nullptr) prefetch_l2(at);
-  }
-}
-
 // T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
 // 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
 // warps, more codes in flight.
@@ -746,8 +700,7 @@ template <int P, int W, bool kBias, int T, typename OT>
 __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
-                   OT* __restrict__ y, int k, int m, const __grid_constant__ Next nx,
-                   const int32_t* __restrict__ nindex) {
+                   OT* __restrict__ y, int k, int m) {
   __shared__ float2 red[W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * 16;
@@ -790,7 +743,6 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     if constexpr (!kBias) cr += W * P;
   }
   wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
-  prefetch_next(nx, nindex);
 }
 
 // The wide kernel with the codes and scales of the next S - 1 pairs copied into a shared-memory
@@ -875,21 +827,9 @@ cudaError_t launch_wide_ring(cudaStream_t stream, int blocks, const uint4* x, co
 
 template <int P, int W, bool kBias, int T, typename OT>
 cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
-                        const Mats& mt, const int32_t* index, void* y, int k, int m,
-                        Next nx, const int32_t* nindex) {
-  if (nx.count > 0) {  // the last wave: the blocks past what the GPU holds at once
-    static const int resident = [] {
-      int dev = 0, sms = 0, per_sm = 0;
-      cudaGetDevice(&dev);
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, int4_gemv_wide<P, W, kBias, T, OT>,
-                                                    W * 32, 0);
-      return sms * per_sm;
-    }();
-    nx.first_block = resident > 0 ? ((blocks - 1) / resident) * resident : 0;
-  }
+                        const Mats& mt, const int32_t* index, void* y, int k, int m) {
   int4_gemv_wide<P, W, kBias, T, OT><<<blocks, W * 32, 0, stream>>>(
-      x, corr, mt, index, static_cast<OT*>(y), k, m, nx, nindex);
+      x, corr, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
 }
 
@@ -906,31 +846,27 @@ template <typename OT>
 cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
                                 int64_t occupancy, int64_t stages, int blocks, const uint4* x,
                                 const float* corr, const Mats& mt, const int32_t* index,
-                                void* y, int k, int m, const Next& nx, const int32_t* nindex,
-                                bool& known) {
+                                void* y, int k, int m, bool& known) {
   known = true;
 #define NINFER_RING(S, W)                                                                  \
   if (stages == S && warps == W && !bias && occupancy == 0)                                \
     return launch_wide_ring<S, W, OT>(stream, blocks, x, corr, mt, index, y, k, m);
   NINFER_RING(4, 4) NINFER_RING(4, 8) NINFER_RING(8, 4) NINFER_RING(8, 8)
 #undef NINFER_RING
-  if (stages != 0) {  // (the ring kernels take no next-call prefetch: a hint, dropped)
+  if (stages != 0) {
     known = false;
     return cudaSuccess;
   }
 #define NINFER_WIDE(P, W)                                                                    \
   if (prefetch == P && warps == W && occupancy == 0)                                         \
-    return bias ? launch_wide<P, W, true, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m, \
-                                                  nx, nindex)                                   \
-                : launch_wide<P, W, false, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m,  \
-                                                  nx, nindex);
+    return bias ? launch_wide<P, W, true, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m) \
+                : launch_wide<P, W, false, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m);
   NINFER_WIDE(2, 2) NINFER_WIDE(2, 4) NINFER_WIDE(2, 8) NINFER_WIDE(2, 16)
   NINFER_WIDE(4, 2) NINFER_WIDE(4, 4) NINFER_WIDE(4, 8) NINFER_WIDE(4, 16)
 #undef NINFER_WIDE
 #define NINFER_WIDE32(W)                                                                  \
   if (prefetch == 2 && warps == W && occupancy == 32 && !bias)                            \
-    return launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt, index, y, k, m, nx, \
-                                            nindex);
+    return launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt, index, y, k, m);
   NINFER_WIDE32(2) NINFER_WIDE32(4) NINFER_WIDE32(8) NINFER_WIDE32(16)
 #undef NINFER_WIDE32
   known = false;
@@ -1032,13 +968,12 @@ cudaError_t by_m(cudaStream_t stream, const Launch& a, int m, int rows_per_warp)
 // The weights of a call: pairs (codes, scales) in `rest`, all with the same stack dims and K.
 // Fills `mt`; returns an error message or nullptr.
 const char* decode_mats(const ffi::RemainingArgs& rest, const ffi::Buffer<ffi::S32>& index,
-                        Mats& mt, int64_t& k_out, size_t nargs = SIZE_MAX) {
-  if (nargs == SIZE_MAX) nargs = rest.size();  // the first nargs of rest are the pairs
-  if (nargs < 2 || nargs % 2 != 0 || nargs > 2 * kMaxMats)
+                        Mats& mt, int64_t& k_out) {
+  if (rest.size() < 2 || rest.size() % 2 != 0 || rest.size() > 2 * kMaxMats)
     return "int4_gemv: weights come as 1..4 (codes, scales) pairs";
   int64_t nlead = -1, k = -1, rows = 0;
   std::vector<int64_t> lead;
-  mt.count = static_cast<int>(nargs / 2);
+  mt.count = static_cast<int>(rest.size() / 2);
   for (int j = 0; j < mt.count; ++j) {
     auto w = rest.get<ffi::Buffer<ffi::U8>>(2 * j);
     auto sc = rest.get<ffi::Buffer<ffi::F32>>(2 * j + 1);
@@ -1075,48 +1010,6 @@ const char* decode_mats(const ffi::RemainingArgs& rest, const ffi::Buffer<ffi::S
     mt.l[d] = d < nlead ? mult : 0;
   }
   k_out = k;
-  return nullptr;
-}
-
-// The next call's codes (`Next`): rest[first] is its int32 layer index, rest[first + 1 ..]
-// its 1..4 code stacks [*lead, n_j, K_j/2] (the index has one entry a stack dim). bytes: how
-// many of one layer's codes to prefetch (clamped to what there is).
-const char* decode_next(const ffi::RemainingArgs& rest, size_t first, int64_t count,
-                        int64_t bytes, Next& nx, const int32_t*& nindex) {
-  nx = Next{};
-  nindex = nullptr;
-  if (count == 0) return nullptr;
-  if (count < 0 || count > kMaxMats || rest.size() != first + 1 + static_cast<size_t>(count))
-    return "int4_gemv_wide: next_mats must count the code stacks after the next index";
-  auto idx = rest.get<ffi::Buffer<ffi::S32>>(first);
-  if (idx.has_error()) return "int4_gemv_wide: the next index must be int32";
-  const int64_t nlead = static_cast<int64_t>(idx->element_count());
-  if (nlead > 3) return "int4_gemv_wide: the next index has at most 3 entries";
-  int64_t total = 0;
-  std::vector<int64_t> lead;
-  for (int64_t j = 0; j < count; ++j) {
-    auto w = rest.get<ffi::Buffer<ffi::U8>>(first + 1 + j);
-    if (w.has_error()) return "int4_gemv_wide: the next codes must be u8";
-    const auto wd = w->dimensions();
-    if (static_cast<int64_t>(wd.size()) != nlead + 2)
-      return "int4_gemv_wide: the next codes must be [*lead, N, K/2], one lead dim an index entry";
-    if (j == 0) lead.assign(wd.begin(), wd.begin() + nlead);
-    else if (!std::equal(lead.begin(), lead.end(), wd.begin()))
-      return "int4_gemv_wide: the next codes need the same stack dims";
-    nx.w[j] = w->typed_data();
-    nx.layer_bytes[j] = wd[nlead] * wd[nlead + 1];
-    total += nx.layer_bytes[j];
-  }
-  for (int64_t d = 0; d < 3; ++d) {
-    int64_t mult = 1;
-    for (int64_t e = d + 1; e < nlead; ++e) mult *= lead[e];
-    nx.l[d] = d < nlead ? mult : 0;
-  }
-  nx.count = static_cast<int>(count);
-  nx.nlead = static_cast<int>(nlead);
-  nx.lines = std::min(std::max<int64_t>(bytes, 0), total) >> 7;
-  if (nx.lines == 0) nx.count = 0;
-  nindex = idx->typed_data();
   return nullptr;
 }
 
@@ -1192,18 +1085,10 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
                             int64_t prefetch, int64_t warps, int64_t bias, int64_t occupancy,
-                            int64_t stages, int64_t next_mats, int64_t next_bytes) {
+                            int64_t stages) {
   Mats mt{};
   int64_t k = 0;
-  const size_t pairs = rest.size() - (next_mats > 0 ? static_cast<size_t>(next_mats) + 1 : 0);
-  if (next_mats < 0 || pairs > rest.size())
-    return ffi::Error::InvalidArgument("int4_gemv_wide: next_mats out of range");
-  if (const char* bad = decode_mats(rest, index, mt, k, pairs))
-    return ffi::Error::InvalidArgument(bad);
-  Next nx{};
-  const int32_t* nindex = nullptr;
-  if (const char* bad = decode_next(rest, pairs, next_mats, next_bytes, nx, nindex))
-    return ffi::Error::InvalidArgument(bad);
+  if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
   const int64_t n = mt.start[mt.count];
   const auto xd = x.dimensions(), cd = corr.dimensions(), yd = y->dimensions();
   if (k % 128 != 0) return ffi::Error::InvalidArgument("int4_gemv_wide: K must be a multiple of 128");
@@ -1229,10 +1114,10 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   const cudaError_t err =
       bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, occupancy,
                                                 stages, blocks, x4, c, mt, index.typed_data(),
-                                                yp, ki, mi, nx, nindex, known)
+                                                yp, ki, mi, known)
            : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, occupancy, stages,
-                                        blocks, x4, c, mt, index.typed_data(), yp, ki, mi, nx,
-                                        nindex, known);
+                                        blocks, x4, c, mt, index.typed_data(), yp, ki, mi,
+                                        known);
   if (!known)
     return ffi::Error::InvalidArgument(
         "int4_gemv_wide: stages 0 (then prefetch 2 or 4, warps 2, 4, 8 or 16, occupancy 0, "
@@ -1277,7 +1162,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("bias")
                                   .Attr<int64_t>("occupancy")
-                                  .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("next_mats")
-                                  .Attr<int64_t>("next_bytes"),
+                                  .Attr<int64_t>("stages"),
                               {ffi::Traits::kCmdBufferCompatible});
