@@ -25,6 +25,7 @@
 #   prefbv     the scan's value tile (PREFBV)      prefscan   the scan's warps and stages
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
+#   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds.
@@ -175,6 +176,18 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             "$OUT/wwarps_decode_${V}_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
             --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "$OUT/wwarps_${V}_$TAG.json"
           grep -E '^decode' "$OUT/wwarps_decode_${V}_$TAG.log" | cut -c1-90 | sed "s/^/w$V: /"
+        done ;;
+      gdnsplit)  # the fused GDN decode kernel with each value head's state over GDNSPLIT
+        # programs by its Dv columns (NINFER_GDN_FUSED_SPLIT; 1: one program a head, the
+        # default): its GPU tests, C1/C2 1K decode at each
+        run 150 "$OUT/gdnsplit_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_gdn_fused.py
+        tail -n 2 "$OUT/gdnsplit_tests_$TAG.log"
+        for S in ${GDNSPLIT:-1 2 4}; do
+          NINFER_GDN_FUSED_SPLIT=$S run 150 "$OUT/gdnsplit_${S}_$TAG.log" $B27 --skip-peaks \
+            --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 \
+            --out "$OUT/gdnsplit_${S}_$TAG.json"
+          grep -E '^decode' "$OUT/gdnsplit_${S}_$TAG.log" | cut -c1-90 | sed "s/^/split $S: /"
         done ;;
       kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16):
         # the paged kernel's int8 scales folded into scores and softmax weights (the default

@@ -210,3 +210,86 @@ def test_stacked_lowers_to_triton():
     lowers_for_cuda(lambda p, *a: gdn_decode_fused_stacked(p, QWEN38_27B, *a, jnp.bfloat16,
                                                            interpret=False),
                     p, qkv, z, b_in, a_in, conv_all, rec_all, jnp.int32(3), lens)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_heads_match_gdn_core_and_keep_the_other_layers(split):
+    """NINFER_GDN_FUSED_SPLIT: each value head's state over `split` programs by its Dv
+    columns, the output norm in XLA after the kernel. Against the reference (tiny heads,
+    a row without a token keeping its states exactly) and, on stacks, against the one-program
+    kernel: the states bit for bit (each column's update does not depend on the others), the
+    output within rounding (the norm's sum in another order), other layers untouched."""
+    from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked
+
+    cfg = preset("tiny")
+    args = _inputs(np.random.default_rng(11), cfg, 3, jnp.float32, [1, 0, 1])
+    (out, conv, rec), _ = _check(args, jnp.float32, interpret=True, split=split)
+    assert np.array_equal(np.asarray(rec[1]), np.asarray(args[7][1]))
+    assert np.array_equal(np.asarray(conv[1]), np.asarray(args[6][1]))
+    p, qkv, z, b_in, a_in, conv_all, rec_all, lens, _ = _stacked_case(
+        np.random.default_rng(12), cfg, jnp.bfloat16, [1, 1])
+    before = np.asarray(rec_all)
+    one, many = (gdn_decode_fused_stacked(p, cfg, qkv, z, b_in, a_in, conv_all, rec_all,
+                                          jnp.int32(3), lens, jnp.bfloat16, interpret=True,
+                                          split=s) for s in (1, split))
+    assert_close(many[0], one[0], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(many[1], np.float32), np.asarray(one[1], np.float32))
+    np.testing.assert_array_equal(np.asarray(many[2]), np.asarray(one[2]))
+    rec = np.array(many[2])
+    rec[1, 1] = before[1, 1]  # flat layer 3 of [3, 2]
+    np.testing.assert_array_equal(rec, before)
+
+
+def test_split_at_27b_heads_lowers_and_rejects_a_bad_split(monkeypatch):
+    """The 27B's heads split in 4 (192 programs a row): the reference in the interpreter, the
+    Triton lowering for CUDA, the setting read from the environment, and a split that does not
+    divide Dv is an error."""
+    from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked, split_setting
+
+    args = _inputs(np.random.default_rng(13), QWEN38_27B, 1, jnp.float32, [1])
+    _check(args, jnp.float32, interpret=True, split=4)
+    p, qkv, z, b_in, a_in, conv_all, rec_all, lens, _ = _stacked_case(
+        np.random.default_rng(14), QWEN38_27B, jnp.bfloat16, [1])
+    lowers_for_cuda(lambda p, *a: gdn_decode_fused_stacked(p, QWEN38_27B, *a, jnp.bfloat16,
+                                                           interpret=False, split=4),
+                    p, qkv, z, b_in, a_in, conv_all, rec_all, jnp.int32(3), lens)
+    monkeypatch.delenv("NINFER_GDN_FUSED_SPLIT", raising=False)
+    assert split_setting() == 1
+    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", "4")
+    assert split_setting() == 4
+    with pytest.raises(ValueError, match="divide Dv"):
+        gdn_decode_fused(*args, "recurrent", "pallas", jnp.float32, interpret=True, split=3)
+
+
+def test_model_decode_with_split_heads_matches(monkeypatch):
+    """The tiny model's in-place decode step with NINFER_GDN_FUSED_SPLIT=2 against the
+    reference path."""
+    from engine import model as M
+
+    cfg, params, cache, step = _tiny_model_after_prefill(15)
+    want, _, wc = M.forward(params, cfg, step, cache, kernels="xla")
+    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", "2")
+    got, _, gc = M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), kernels="pallas")
+    assert_close(got, want, jnp.float32)
+    for g, w in zip(jax.tree.leaves(gc), jax.tree.leaves(wc)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_split_heads_on_gpu_27b_heads():
+    """On the GPU: the split kernel against the one-program kernel at the 27B's heads, two rows
+    (one without a token): the conv state bit for bit, the recurrent state within fp32
+    rounding (Triton may sum a narrower tile's columns in another order), the output within
+    bf16 rounding."""
+    from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked
+
+    assert on_gpu()
+    p, qkv, z, b_in, a_in, conv_all, rec_all, lens, _ = _stacked_case(
+        np.random.default_rng(16), QWEN38_27B, jnp.bfloat16, [1, 0], lead=(2, 3))
+    one, four = (gdn_decode_fused_stacked(p, QWEN38_27B, qkv, z, b_in, a_in, conv_all,
+                                          jnp.copy(rec_all), jnp.int32(4), lens, jnp.bfloat16,
+                                          split=s) for s in (1, 4))
+    assert_close(four[0], one[0], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(four[1], np.float32), np.asarray(one[1], np.float32))
+    assert_close(four[2], one[2], jnp.float32)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from jax.experimental import pallas as pl
 from engine.config import ModelConfig
 from engine.kernels import resolve_interpret, triton_params
 from engine.layers import gdn_core
+from engine.norms import gated_rms_norm
 
 gdn_decode_fused_ref = gdn_core
 
@@ -41,9 +43,14 @@ def _silu(x):
 
 
 def _kernel(idx_ref, len_ref, proj_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref, s_ref,
-            o_ref, cso_ref, so_ref, *, r, dk, dv, key_dim, width, eps, scale, z_at, b_at, a_at):
+            o_ref, cso_ref, so_ref, *, r, dk, dv, key_dim, width, eps, scale, z_at, b_at, a_at,
+            split):
     at = (idx_ref[0],)  # the layer's index in the stacks [L, ...] of states and parameters
     b, h = pl.program_id(0), pl.program_id(1)
+    # split > 1: program (b, h, c) owns columns [c dvs, (c + 1) dvs) of the head's state and
+    # output (the other work of the head, a few hundred values, is done by each of them)
+    c = pl.program_id(2) if split > 1 else 0
+    dvs = dv // split
     valid = len_ref[b] > 0
 
     def conv(ch0, n):
@@ -66,10 +73,11 @@ def _kernel(idx_ref, len_ref, proj_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref
     hk = h // r
     q, write_q = conv(hk * dk, dk)
     k, write_k = conv(key_dim + hk * dk, dk)
-    v, write_v = conv(2 * key_dim + h * dv, dv)
+    v, write_v = conv(2 * key_dim + h * dv + c * dvs, dvs)
     write_v()
 
-    @pl.when(h % r == 0)  # the first value head of a key head writes the key head's window
+    # the first value head of a key head (its first column block) writes the key head's window
+    @pl.when(jnp.logical_and(h % r == 0, c == 0))
     def _():
         write_q()
         write_k()
@@ -82,12 +90,15 @@ def _kernel(idx_ref, len_ref, proj_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref
     g = -jnp.exp(alog_ref[(*at, h)].astype(jnp.float32)) * softplus
     g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
 
-    whole = (slice(None), slice(None))
-    state = s_ref[(*at, b, h, *whole)] * jnp.exp(g)                         # [Dk, Dv] fp32
-    pred = jnp.sum(state * k[:, None], axis=0)                              # [Dv]
+    mine = (slice(None), pl.ds(c * dvs, dvs))
+    state = s_ref[(*at, b, h, *mine)] * jnp.exp(g)                          # [Dk, dvs] fp32
+    pred = jnp.sum(state * k[:, None], axis=0)                              # [dvs]
     state = state + k[:, None] * ((v - pred) * beta)[None, :]
-    so_ref[(*at, b, h, *whole)] = state
-    out = jnp.sum(state * q[:, None], axis=0)                               # [Dv]
+    so_ref[(*at, b, h, *mine)] = state
+    out = jnp.sum(state * q[:, None], axis=0)                               # [dvs]
+    if split > 1:  # the output norm spans the head's Dv: the caller takes it (fp32 out)
+        o_ref[b, pl.ds(h * dv + c * dvs, dvs)] = out
+        return
 
     zc = pl.ds(h * dv, dv)
     out = out * lax.rsqrt(jnp.mean(out * out) + eps)
@@ -97,10 +108,10 @@ def _kernel(idx_ref, len_ref, proj_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mode", "kernels", "out_dtype",
-                                             "interpret", "num_warps"))
+                                             "interpret", "num_warps", "split"))
 def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths,
                      valid, mode: str, kernels: str, out_dtype, *, interpret: bool | None = None,
-                     num_warps: int = 8):
+                     num_warps: int = 8, split: int = 1):
     """`engine.layers.gdn_core` for T == 1 as one Pallas kernel; same arguments and result
     (mode/kernels are accepted for the signature: one step is the recurrent rule either way).
     A program holds a whole [Dk, Dv] fp32 state (64 KB at the 27B heads): 8 warps keep it at
@@ -108,7 +119,8 @@ def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_st
     del mode, kernels, valid  # T == 1: a row is valid iff its length is > 0
     out, conv_state, rec_state = gdn_decode_fused_stacked(
         p, cfg, qkv, z, b_in, a_in, conv_state[None], rec_state.astype(jnp.float32)[None],
-        jnp.int32(0), lengths, out_dtype, interpret=interpret, num_warps=num_warps)
+        jnp.int32(0), lengths, out_dtype, interpret=interpret, num_warps=num_warps,
+        split=split)
     return out, conv_state, rec_state[0]
 
 
@@ -117,10 +129,11 @@ def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_st
 KERNEL_PARAMS = ("conv1d", "A_log", "dt_bias", "norm")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps",
+                                             "split"))
 def gdn_decode_fused_stacked(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_all, rec_all,
                              layer, lengths, out_dtype, *, interpret: bool | None = None,
-                             num_warps: int = 8):
+                             num_warps: int = 8, split: int = 1):
     """`gdn_decode_fused` on the states of every GDN layer at once: conv_all [*L, B, conv_dim,
     W - 1] and rec_all [*L, B, Hv, Dk, Dv] fp32 (the cache's stacks), `layer` the int32 flat
     index of this layer among the L layers. The kernel reads this layer's states in place and
@@ -137,18 +150,35 @@ def gdn_decode_fused_stacked(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_all, 
     params = {k: jnp.broadcast_to(p[k], (n, *p[k].shape)) for k in KERNEL_PARAMS}
     out, conv_state, rec_flat = gdn_decode_fused_rows(
         params, cfg, proj, conv_all, rec_all, layer, lengths, out_dtype, interpret=interpret,
-        num_warps=num_warps)
+        num_warps=num_warps, split=split)
     return out, conv_state, rec_flat
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps"))
+def split_setting() -> int:
+    """Programs a value head's state is split over by its Dv columns: NINFER_GDN_FUSED_SPLIT
+    (1, the default: one program a head, the output norm inside; 2, 4, ...: the norm, which
+    spans the head's Dv, in XLA after the kernel). At the 27B's heads one program a head is
+    48 programs for one row on 132 SMs."""
+    return int(os.environ.get("NINFER_GDN_FUSED_SPLIT", "1"))
+
+
 def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths,
-                          out_dtype, *, interpret: bool | None = None, num_warps: int = 8):
+                          out_dtype, *, interpret: bool | None = None, num_warps: int = 8,
+                          split: int | None = None):
     """The kernel itself: proj [B, 1, conv_dim + Hv Dv + 2 Hv], the layer's input projections
     as one GEMV gives them (qkv, z, b, a side by side: no slices), `params` the KERNEL_PARAMS
     stacked [*L, ...] as the states are (the model's weight stacks), read at `layer` like the
-    states, which are as `gdn_decode_fused_stacked` takes them."""
-    interpret = resolve_interpret(interpret)
+    states, which are as `gdn_decode_fused_stacked` takes them. split: `split_setting()` by
+    default (read here, outside the jit cache); it must divide Dv."""
+    return _rows(params, cfg, proj, conv_all, rec_all, layer, lengths, out_dtype,
+                 interpret=resolve_interpret(interpret), num_warps=num_warps,
+                 split=split_setting() if split is None else int(split))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps",
+                                             "split"))
+def _rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths, out_dtype, *,
+          interpret: bool, num_warps: int, split: int):
     bsz, t, width_in = proj.shape
     if t != 1:
         raise ValueError(f"gdn_decode_fused takes one step (T == 1), got T = {t}")
@@ -159,18 +189,21 @@ def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, lay
     if width_in != conv_dim + hv * dv + 2 * hv:
         raise ValueError(f"proj has {width_in} columns, expected conv_dim + Hv Dv + 2 Hv = "
                          f"{conv_dim + hv * dv + 2 * hv}")
+    if split < 1 or dv % split:
+        raise ValueError(f"the state split ({split}) must divide Dv = {dv}")
     width = cfg.linear_conv_kernel
     kern = functools.partial(_kernel, r=hv // hk, dk=dk, dv=dv, key_dim=cfg.key_dim,
                              width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5,
                              z_at=conv_dim, b_at=conv_dim + hv * dv,
-                             a_at=conv_dim + hv * dv + hv)
+                             a_at=conv_dim + hv * dv + hv, split=split)
     conv_flat = conv_all.reshape(n, *conv_all.shape[-3:])
     rec_flat = rec_all.reshape(n, *rec_all.shape[-4:])
     flat = {k: params[k].reshape(-1, *params[k].shape[-(2 if k == "conv1d" else 1):])
             for k in KERNEL_PARAMS}
     out, conv_state, rec_flat = pl.pallas_call(
-        kern, grid=(bsz, hv),
-        out_shape=(jax.ShapeDtypeStruct((bsz, hv * dv), out_dtype),
+        kern, grid=(bsz, hv) if split == 1 else (bsz, hv, split),
+        out_shape=(jax.ShapeDtypeStruct((bsz, hv * dv), out_dtype if split == 1 else
+                                        jnp.float32),
                    jax.ShapeDtypeStruct(conv_flat.shape[1:], conv_all.dtype),
                    jax.ShapeDtypeStruct(rec_flat.shape, jnp.float32)),
         input_output_aliases={8: 2}, interpret=interpret,
@@ -179,4 +212,10 @@ def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, lay
             jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths.astype(jnp.int32),
             proj[:, 0], flat["conv1d"], conv_flat, flat["A_log"], flat["dt_bias"],
             flat["norm"], rec_flat)
-    return out.reshape(bsz, 1, hv, dv), conv_state, rec_flat.reshape(rec_all.shape)
+    out = out.reshape(bsz, 1, hv, dv)
+    if split > 1:  # the gated output norm over each head's Dv, as the one-program kernel does
+        z = proj[:, :, conv_dim:conv_dim + hv * dv].reshape(bsz, 1, hv, dv)
+        norm_w = lax.dynamic_index_in_dim(flat["norm"], jnp.asarray(layer, jnp.int32),
+                                          keepdims=False)
+        out = gated_rms_norm(out, z, norm_w, cfg.rms_norm_eps).astype(out_dtype)
+    return out, conv_state, rec_flat.reshape(rec_all.shape)
