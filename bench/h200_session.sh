@@ -26,6 +26,7 @@
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
+#   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds.
@@ -177,6 +178,13 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "$OUT/wwarps_${V}_$TAG.json"
           grep -E '^decode' "$OUT/wwarps_decode_${V}_$TAG.log" | cut -c1-90 | sed "s/^/w$V: /"
         done ;;
+      prefcudnn)  # 8K/32K prefill: a prompt's first chunk on cuDNN's fused attention
+        # (NINFER_PREFILL_ATTN=cudnn) against the flash kernel, with its GPU test
+        run 120 "$OUT/prefcudnn_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_attention.py -k "from_start or flash"
+        tail -n 2 "$OUT/prefcudnn_tests_$TAG.log"
+        prefill2 prefcudnn_flash
+        prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;
       gdnsplit)  # the fused GDN decode kernel with each value head's state over GDNSPLIT
         # programs by its Dv columns (NINFER_GDN_FUSED_SPLIT; 1: one program a head, the
         # default): its GPU tests, C1/C2 1K decode at each

@@ -81,6 +81,12 @@ def _kernel_attend(k_cache, v_cache, layer, q, positions):
 
     nl, b, s, kvh, hd = k_cache.shape
     if flash_prefill.supported(k_cache, q):
+        impl = flash_prefill.library_setting()
+        # "cudnn" only where cuDNN runs it: on the GPU, for 16-bit activations
+        if impl == "xla" or (impl == "cudnn" and jax.default_backend() == "gpu"
+                             and q.dtype in (jnp.bfloat16, jnp.float16)):
+            return flash_prefill.from_start_attend(k_cache, v_cache, layer, q, positions,
+                                                   implementation=impl)
         return flash_prefill.flash_attend(k_cache, v_cache, layer, q, positions)
     page = 64
     if q.shape[1] == 1 and s % page == 0:
