@@ -55,7 +55,8 @@ B27="python3 bench/bench_27b.py --paged --kernels pallas"
 prefill2() {  # prefill2 <name> [VAR=value ...]: 8K/32K bf16 prefill, two reps, with that env
   local name=$1
   shift
-  ([ $# -gt 0 ] && export "$@"; run 200 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
+  ([ $# -gt 0 ] && export "$@"
+   run 200 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
      --prefill 8192,32768 --prefill-reps 2 --out "$OUT/${name}_$TAG.json")
   grep -E '^prefill' "$OUT/${name}_$TAG.log" | sed "s/^/$name: /"
 }

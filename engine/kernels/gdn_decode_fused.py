@@ -158,7 +158,8 @@ def split_setting() -> int:
     """Programs a value head's state is split over by its Dv columns: NINFER_GDN_FUSED_SPLIT
     (1, the default: one program a head, the output norm inside; 2, 4, ...: the norm, which
     spans the head's Dv, in XLA after the kernel). At the 27B's heads one program a head is
-    48 programs for one row on 132 SMs."""
+    48 programs for one row on 132 SMs. Read by `gdn_decode_fused_rows`, the in-place decode
+    path (the default); `gdn_decode_fused` and `_stacked` take `split` as an argument."""
     return int(os.environ.get("NINFER_GDN_FUSED_SPLIT", "1"))
 
 
