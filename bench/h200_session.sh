@@ -182,7 +182,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
       prefcudnn)  # 8K/32K prefill: a prompt's first chunk on cuDNN's fused attention
         # (NINFER_PREFILL_ATTN=cudnn) against the flash kernel, with its GPU test
         run 120 "$OUT/prefcudnn_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_attention.py -k "from_start or flash"
+          tests/test_kernels_attention.py -k "flash_prefill_gpu"
         tail -n 2 "$OUT/prefcudnn_tests_$TAG.log"
         prefill2 prefcudnn_flash
         prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;

@@ -139,17 +139,26 @@ def test_paged_decode_gpu_27b_heads(kv_dtype, batch):
 
 
 @pytest.mark.gpu
-def test_flash_prefill_gpu_27b_heads():
+@pytest.mark.parametrize("library", [False, True])
+def test_flash_prefill_gpu_27b_heads(library):
+    """The flash kernel at the 27B's heads (head dim 256, 24 query heads on 4 KV heads) after
+    a 512-token prefix and from slot 0; with `library`, `from_start_attend` on cuDNN (a
+    prompt's first chunk on cuDNN's fused attention, the chunk after a prefix still on the
+    flash kernel)."""
+    from engine.kernels.flash_prefill import from_start_attend
+
     assert on_gpu()
     rng = np.random.default_rng()
     L, B, S, T = 1, 1, 2048, 1024
     kc = jnp.asarray(rng.standard_normal((L, B, S, 4, 256)), jnp.bfloat16)
     vc = jnp.asarray(rng.standard_normal((L, B, S, 4, 256)), jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((B, T, 24, 256)), jnp.bfloat16)
-    pos = jnp.arange(T, dtype=jnp.int32)[None] + 512
-    got = flash_attend(kc, vc, jnp.int32(0), q, pos)
-    assert_close(got, flash_attend_ref(kc, vc, jnp.int32(0), q.astype(jnp.float32), pos),
-                 jnp.bfloat16)
+    for start in (512, 0):
+        pos = jnp.arange(T, dtype=jnp.int32)[None] + start
+        got = (from_start_attend(kc, vc, jnp.int32(0), q, pos, implementation="cudnn")
+               if library else flash_attend(kc, vc, jnp.int32(0), q, pos))
+        assert_close(got, flash_attend_ref(kc, vc, jnp.int32(0), q.astype(jnp.float32), pos),
+                     jnp.bfloat16)
 
 
 @pytest.mark.parametrize("start", [0, 37])
@@ -199,22 +208,3 @@ def test_model_prefill_with_library_attention_matches(monkeypatch):
     monkeypatch.delenv("NINFER_PREFILL_ATTN")
     assert library_setting() == ""
 
-
-@pytest.mark.gpu
-def test_from_start_attend_cudnn_gpu_27b_heads():
-    """cuDNN's fused attention for a prompt's first chunk at the 27B's heads (head dim 256,
-    24 query heads on 4 KV heads) against the reference; a chunk after a prefix still takes
-    the flash kernel."""
-    from engine.kernels.flash_prefill import from_start_attend
-
-    assert on_gpu()
-    rng = np.random.default_rng()
-    L, B, S, T = 1, 1, 2048, 1024
-    kc = jnp.asarray(rng.standard_normal((L, B, S, 4, 256)), jnp.bfloat16)
-    vc = jnp.asarray(rng.standard_normal((L, B, S, 4, 256)), jnp.bfloat16)
-    q = jnp.asarray(rng.standard_normal((B, T, 24, 256)), jnp.bfloat16)
-    for start in (0, 512):
-        pos = jnp.arange(T, dtype=jnp.int32)[None] + start
-        got = from_start_attend(kc, vc, jnp.int32(0), q, pos, implementation="cudnn")
-        assert_close(got, flash_attend_ref(kc, vc, jnp.int32(0), q.astype(jnp.float32), pos),
-                     jnp.bfloat16)
