@@ -60,6 +60,14 @@ prefill2() {  # prefill2 <name> [VAR=value ...]: 8K/32K bf16 prefill, two reps, 
      --prefill 8192,32768 --prefill-reps 2 --out "$OUT/${name}_$TAG.json")
   grep -E '^prefill' "$OUT/${name}_$TAG.log" | sed "s/^/$name: /"
 }
+decode1k() {  # decode1k <name> [VAR=value ...]: C1/C2 int4 decode at 1K context with that env
+  local name=$1
+  shift
+  ([ $# -gt 0 ] && export "$@"
+   run 150 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
+     --contexts 1024 --prefill "" --steps 10 --out "$OUT/${name}_$TAG.json")
+  grep -E '^decode' "$OUT/${name}_$TAG.log" | cut -c1-90 | sed "s/^/$name: /"
+}
 for part in "${@:-tests gemv decode profile prefill restore}"; do
   for p in $part; do
     case $p in
@@ -170,14 +178,12 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log"
         fi
         # (each decode run ~1 min: the default four keep the part under ~8 min; WWARPS picks
-        # others, e.g. "4 2 autoo32 4s8")
-        for V in ${WWARPS:-8 auto 8o32 8s4}; do  # warps, then o32 or s4/s8
+        # others, e.g. "4 2 4o32 4s8"; autoo32 is the default since v12)
+        for V in ${WWARPS:-autoo32 8o32 auto 8}; do  # warps, then o32 or s4/s8
           O=0 S=0 W=$V
           case $V in *o32) O=32 W=${V%o32} ;; *s4) S=4 W=${V%s4} ;; *s8) S=8 W=${V%s8} ;; esac
-          NINFER_INT4_WIDE_STAGES=$S NINFER_INT4_WIDE_OCC=$O NINFER_INT4_WIDE_WARPS=$W run 150 \
-            "$OUT/wwarps_decode_${V}_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
-            --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "$OUT/wwarps_${V}_$TAG.json"
-          grep -E '^decode' "$OUT/wwarps_decode_${V}_$TAG.log" | cut -c1-90 | sed "s/^/w$V: /"
+          decode1k "wwarps_$V" NINFER_INT4_WIDE_STAGES=$S NINFER_INT4_WIDE_OCC=$O \
+            NINFER_INT4_WIDE_WARPS=$W
         done ;;
       prefcudnn)  # 8K/32K prefill: a prompt's first chunk on cuDNN's fused attention
         # (NINFER_PREFILL_ATTN=cudnn) against the flash kernel, with its GPU test
@@ -193,10 +199,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           tests/test_kernels_gdn_fused.py
         tail -n 2 "$OUT/gdnsplit_tests_$TAG.log"
         for S in ${GDNSPLIT:-1 2 4}; do
-          NINFER_GDN_FUSED_SPLIT=$S run 150 "$OUT/gdnsplit_${S}_$TAG.log" $B27 --skip-peaks \
-            --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 \
-            --out "$OUT/gdnsplit_${S}_$TAG.json"
-          grep -E '^decode' "$OUT/gdnsplit_${S}_$TAG.log" | cut -c1-90 | sed "s/^/split $S: /"
+          decode1k "gdnsplit_$S" NINFER_GDN_FUSED_SPLIT=$S
         done ;;
       kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16):
         # the paged kernel's int8 scales folded into scores and softmax weights (the default

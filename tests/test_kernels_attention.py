@@ -193,6 +193,7 @@ def test_model_prefill_with_library_attention_matches(monkeypatch):
     cfg = preset("tiny")
     params = stack_params(random_flat_params(cfg, seed=3), cfg)
     toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (1, 32)), jnp.int32)
+
     def conds():  # the library call sits in a cond beside the flash kernel
         return str(jax.make_jaxpr(lambda c: M.forward(params, cfg, toks, c, kernels="pallas"))(
             M.init_cache(cfg, 1, 64, jnp.float32))).count(" cond[")
@@ -207,4 +208,3 @@ def test_model_prefill_with_library_attention_matches(monkeypatch):
     assert_close(got, want, jnp.float32)
     monkeypatch.delenv("NINFER_PREFILL_ATTN")
     assert library_setting() == ""
-
