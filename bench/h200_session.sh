@@ -14,6 +14,7 @@
 #   prefprof   one bf16 prefill by kernel          prefhlo    its optimized HLO
 #   hlo        the C1 decode step's optimized HLO
 #   gemv       int4 GEMV sweep of the big shapes   ncu        the wide GEMV under Nsight Compute
+#              (NCU_ARGS: bench/ncu_gemv.py's --shapes, --warps)
 #   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS), decode with WIDE_BIAS
 #   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
 #   prefetch   the register-prefetch mma GEMV      readpat    read ceilings by access pattern
@@ -26,6 +27,7 @@
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
+#   w10        10 warps a tile for down and out_proj (NINFER_INT4_WIDE_WARPS=auto:4,10)
 #   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
@@ -192,6 +194,20 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         tail -n 2 "$OUT/prefcudnn_tests_$TAG.log"
         prefill2 prefcudnn_flash
         prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;
+      w10)  # 10 warps to a tile for the 320-tile shapes (down, out_proj: every tile resident
+        # at once, 3,200 warps against 2,560 at 8): the wide GPU tests (every warps setting),
+        # C1/C2 1K decode with "auto" (4 or 8) and "auto:4,10", twice in turn, and the
+        # engine's GPU tests with "auto:4,10"
+        run 200 "$OUT/w10_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_cuda_gemv.py -k "wide"
+        tail -n 2 "$OUT/w10_tests_$TAG.log"
+        for rep in a b; do
+          decode1k "w_auto_$rep"
+          decode1k "w_auto410_$rep" NINFER_INT4_WIDE_WARPS=auto:4,10
+        done
+        NINFER_INT4_WIDE_WARPS=auto:4,10 run 300 "$OUT/w10_enginegpu_$TAG.log" python3 -m \
+          pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py
+        tail -n 2 "$OUT/w10_enginegpu_$TAG.log" ;;
       gdnsplit)  # the fused GDN decode kernel with each value head's state over GDNSPLIT
         # programs by its Dv columns (NINFER_GDN_FUSED_SPLIT; 1: one program a head, the
         # default): its GPU tests, C1/C2 1K decode at each
@@ -273,9 +289,10 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --clock-control none --kernel-name regex:int4_gemv --launch-skip 0 --launch-count 48 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
           --section WarpStateStats --section SchedulerStats --section LaunchStats \
-          --section ComputeWorkloadAnalysis --section SourceCounters --csv \
-          python3 bench/ncu_gemv.py > $OUT/ncu_gemv_$TAG.csv"
-        tail -n 3 "$OUT/ncu_$TAG.log" ;;
+          --section ComputeWorkloadAnalysis --csv \
+          python3 bench/ncu_gemv.py ${NCU_ARGS:-} > $OUT/ncu_gemv_$TAG.csv"
+        tail -n 3 "$OUT/ncu_$TAG.log"
+        python3 bench/ncu_summary.py "$OUT/ncu_gemv_$TAG.csv" ;;
       prefill)
         run 300 "$OUT/prefill_$TAG.log" $B27 --weights bf16 --contexts "" \
           --prefill 8192,32768,131072 --prefill-reps 1 --out "$OUT/prefill_$TAG.json"

@@ -1,22 +1,23 @@
 """A small driver for profiling the int4 GEMV kernels with Nsight Compute on the GPU machine:
-int4_g64 matrices of the 27B decode step (lm_head 248320 x 5120, 0.7 GB: far past the L2; a
-layer's gate|up 34816 x 5120 and down 5120 x 17408), each variant of the wide tensor-core
-kernel (the default; its registers capped for 32 resident warps an SM, `occupancy=32`; two
-warps to a tile; the shared-memory ring of 4 pairs, `stages=4`) called a few times at M = 1, plus a plain device copy of the lm_head bytes
-for comparison. The questions: what holds the default at 2.2-2.9 TB/s (stall reasons, issue
-use, achieved occupancy), and does either change move it.
+the int4_g64 matrices of the 27B decode step (lm_head 248320 x 5120, 0.7 GB: far past the L2;
+a layer's in_proj, q|k|v and gate|up at K = 5120, down and out_proj), the wide tensor-core
+kernel as the model calls it (warps by the call's tiles, registers capped) and with 4 and 8
+warps to a tile, called a few times at M = 1, plus a plain device copy of the lm_head bytes for
+comparison. The questions: what holds each shape under the copy rate (stall reasons, issue
+use, achieved occupancy, waves), and does the warps' choice move it.
 
     ncu --clock-control none --kernel-name regex:'int4_gemv' \
         --launch-skip 0 --launch-count 48 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-        --section SchedulerStats --section WarpStateStats --csv \
+        --section SchedulerStats --section WarpStateStats --section LaunchStats --csv \
         python3 bench/ncu_gemv.py > ncu_gemv.csv
 
-(--clock-control none: leave the clocks alone, METHOD.md.) Without ncu it prints each
-variant's time and bytes/s, so it doubles as a quick check.
+(--clock-control none: leave the clocks alone, METHOD.md; --shapes and --warps narrow the
+run.) Without ncu it prints each variant's time and bytes/s, so it doubles as a quick check.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -29,26 +30,34 @@ import jax.numpy as jnp  # noqa: E402
 from bench.bench_27b import _random_qtensor  # noqa: E402
 from engine.kernels import cuda_ops, qgemv  # noqa: E402
 
-SHAPES = [("lm_head", 248320, 5120), ("gate|up", 34816, 5120), ("down", 5120, 17408)]
-REPS = 3
+SHAPES = [("lm_head", 248320, 5120), ("gate|up", 34816, 5120), ("down", 5120, 17408),
+          ("in_proj", 16480, 5120), ("q|k|v", 14336, 5120), ("out_proj", 5120, 6144)]
+REPS = 2
+WARPS = (4, 8, 10)  # the warps to a tile each shape also runs with, registers capped
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(s for s, _, _ in SHAPES),
+                    help="comma-separated names from SHAPES")
+    ap.add_argument("--warps", default="4,8", help="warps a tile to run beside the default "
+                    f"(of {WARPS}; lm_head runs the default only)")
+    args = ap.parse_args()
+    shapes = args.shapes.split(",")
+    warps = [int(w) for w in args.warps.split(",") if w]
     x_of = {}
     for shape, n, k in SHAPES:
+        if shape not in shapes:
+            continue
         w = _random_qtensor(jax.random.key(n), (n, k), "int4_g64")
         nbytes = w.data.size + w.scale.size * 4
         x = x_of.setdefault(k, jax.random.normal(jax.random.key(k), (1, k), jnp.bfloat16))
-        variants = {
-            "wide": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0,
-                                                            warps=8, occupancy=0)),
-            "wide_o32": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0,
-                                                                warps=8, occupancy=32)),
-            "wide_w2": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0,
-                                                               warps=2, occupancy=0)),
-            "wide_ring4": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", bias=0,
-                                                                  warps=8, stages=4)),
-        }
+        # the default (warps by the call's tiles, registers capped) and the other warp
+        # counts, capped: which of them waits on what
+        variants = {"default": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide"))}
+        for wp in warps if shape != "lm_head" else ():
+            variants[f"w{wp}o32"] = jax.jit(
+                lambda x, w, wp=wp: cuda_ops.int4_gemv(x, w, variant="wide", warps=wp))
         if shape == "lm_head":
             variants["pallas"] = jax.jit(
                 lambda x, w: qgemv.qmatmul(x, w, config=qgemv.default_config(w, 1)))

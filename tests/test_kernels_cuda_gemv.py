@@ -62,12 +62,16 @@ def test_variant_choice():
 
 
 def test_wide_warps_setting_and_auto_choice():
-    """The wide kernel's warps a tile: a setting of 2, 4, 8 or 16, or "auto", by the number of
-    16-row tiles only (the fewer of WIDE_AUTO_CHOICES that still gives WIDE_AUTO_WARPS in
-    all)."""
-    assert [cuda_ops.wide_warps(34816, s) for s in ("2", "4", "8", "16")] == [2, 4, 8, 16]
-    with pytest.raises(ValueError, match="warps"):
-        cuda_ops.wide_warps(34816, "3")
+    """The wide kernel's warps a tile: a setting of 2, 4, 8, 10 or 16, or "auto", by the number
+    of 16-row tiles only (the fewer of WIDE_AUTO_CHOICES that still gives WIDE_AUTO_WARPS in
+    all), or "auto:a,b" from the choices it names."""
+    assert [cuda_ops.wide_warps(34816, s) for s in ("2", "4", "8", "10", "16")] == \
+        [2, 4, 8, 10, 16]
+    for bad in ("3", "auto:4,6"):
+        with pytest.raises(ValueError, match="warps"):
+            cuda_ops.wide_warps(34816, bad)
+    assert [cuda_ops.wide_warps(n, "auto:10,4") for n in (34816, 16480, 6144, 5120)] == \
+        [4, 4, 10, 10]
     choices = cuda_ops.WIDE_AUTO_CHOICES
     for n in (48, 1024, 5120, 14336, 16480, 34816, 248320):
         w = cuda_ops.wide_warps(n, "auto")
@@ -155,9 +159,9 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
     other = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide",
                                                     prefetch=6 - prefetch))(x, w)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(other, np.float32))
-    # 2, 4 or 16 warps to a tile: other partial sums, the same result within bf16; with
-    # registers capped for 32 warps an SM (prefetch 2 only): the same code, the same bits
-    for warps in (2, 4, 8, 16):
+    # every warps setting (2 .. 16) to a tile: other partial sums, the same result within
+    # bf16; with registers capped for 32 warps an SM (prefetch 2 only): the same bits
+    for warps in cuda_ops.WIDE_WARPS:
         other_w = jax.jit(lambda x, w, wp=warps: cuda_ops.int4_gemv(
             x, w, variant="wide", prefetch=prefetch, warps=wp))(x, w)
         assert_close(other_w, want, jnp.bfloat16)

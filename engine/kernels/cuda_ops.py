@@ -191,28 +191,34 @@ MIN_ROWS = 2048
 FMA_MAX_M = 1  # "fma" for bf16 x of this many rows when "wide" does not apply (K % 128 != 0)
 
 
-WIDE_WARPS = (2, 4, 8, 16)
+WIDE_WARPS = (2, 4, 8, 10, 16)
 WIDE_AUTO_CHOICES = (4, 8)  # "auto" picks from these (2 and 16 measured slower, v12)
 WIDE_AUTO_WARPS = 2048  # "auto": about 16 warps on each of the H200's 132 SMs
 
 
 def wide_warps(n: int, setting: str = "auto") -> int:
-    """Warps to a 16-row tile of the wide kernel for N output rows: the setting (2, 4, 8, 16),
-    or with "auto" (the default) the fewer of WIDE_AUTO_CHOICES that still gives the call
-    WIDE_AUTO_WARPS warps in all: 4 where there are many tiles (lm_head, mlp gate|up, the GDN
-    and attention input projections: 896 tiles and more), 8 where there are few (down and
-    out_proj: 320-384 tiles). A choice by shape only, so a call's result does not depend on
-    the batch. Measured on the H200 (v12, docs/benchmarks/README.md): each shape's fastest
-    of 2, 4 and 8 warps is the one this picks, but for attention q|k|v (4, within 7%)."""
-    if setting != "auto":
+    """Warps to a 16-row tile of the wide kernel for N output rows: the setting (one of
+    WIDE_WARPS), or with "auto" (the default) the fewer of WIDE_AUTO_CHOICES that still gives
+    the call WIDE_AUTO_WARPS warps in all: 4 where there are many tiles (lm_head, mlp gate|up,
+    the GDN and attention input projections: 896 tiles and more), 8 where there are few (down
+    and out_proj: 320-384 tiles). "auto:4,10" picks the same way from the choices it names.
+    A choice by shape only, so a call's result does not depend on the batch. Measured on the
+    H200 (v12, docs/benchmarks/README.md): each shape's fastest of 2, 4 and 8 warps is the one
+    "auto" picks, but for attention q|k|v (4, within 7%)."""
+    name, _, listed = setting.partition(":")
+    if name != "auto":
         w = int(setting)
         if w not in WIDE_WARPS:
             raise ValueError(f"wide kernel warps must be one of {WIDE_WARPS} or 'auto', "
                              f"got {setting!r}")
         return w
+    choices = WIDE_AUTO_CHOICES
+    if listed:
+        choices = tuple(sorted(int(c) for c in listed.split(",")))
+        if not set(choices) <= set(WIDE_WARPS):
+            raise ValueError(f"wide kernel warps must be among {WIDE_WARPS}, got {setting!r}")
     tiles = -(-n // 16)
-    return next((w for w in WIDE_AUTO_CHOICES if tiles * w >= WIDE_AUTO_WARPS),
-                WIDE_AUTO_CHOICES[-1])
+    return next((w for w in choices if tiles * w >= WIDE_AUTO_WARPS), choices[-1])
 
 
 def default_variant(x) -> str:
@@ -245,7 +251,7 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     the shared-memory copy ring, 2/4/8 for the kernel that loads the codes into registers that
     many groups ahead, the same sums bit for bit, NINFER_INT4_PREFETCH, default 0: no faster
     on the H200, docs/benchmarks/README.md v9; wide: 2 or 4 pairs in flight, default 2 or
-    NINFER_INT4_WIDE_PREFETCH); warps (wide: 2, 4, 8 or 16 to a 16-row tile, default
+    NINFER_INT4_WIDE_PREFETCH); warps (wide: 2, 4, 8, 10 or 16 to a 16-row tile, default
     NINFER_INT4_WIDE_WARPS or "auto": 4 or 8 by the call's tiles, `wide_warps`, the fastest
     of each shape on the H200, v12); bias (wide: 1 takes the
     codes' offset 136 * sum(x) off with MMAs inside the kernel, 0 with group sums of x that

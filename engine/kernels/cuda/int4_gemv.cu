@@ -839,7 +839,9 @@ cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const f
 // compiler (0: its choice; 32 is built for P = 2 without the bias MMAs). `known` is false for
 // a combination not built.
 // W spreads a tile's pairs over its warps: 16 for few rows (measured slower than 8 on the
-// H200, v10); 2 and 4 give each warp longer runs of pairs (a 5120-wide row is 40 pairs: 5 a
+// H200, v10); 10 for the 320 tiles of down and out_proj (3 blocks of 10 warps an SM at
+// T = 32: all 320 tiles resident at once on 132 SMs, 3,200 warps against 2,560 at W = 8,
+// which leaves 40% of the warp slots empty); 2 and 4 give each warp longer runs of pairs (a 5120-wide row is 40 pairs: 5 a
 // warp at W = 8) and the block less of its fixed cost (row pointers, the first loads'
 // latency, the reduction).
 template <typename OT>
@@ -861,13 +863,13 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
   if (prefetch == P && warps == W && occupancy == 0)                                         \
     return bias ? launch_wide<P, W, true, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m) \
                 : launch_wide<P, W, false, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m);
-  NINFER_WIDE(2, 2) NINFER_WIDE(2, 4) NINFER_WIDE(2, 8) NINFER_WIDE(2, 16)
-  NINFER_WIDE(4, 2) NINFER_WIDE(4, 4) NINFER_WIDE(4, 8) NINFER_WIDE(4, 16)
+  NINFER_WIDE(2, 2) NINFER_WIDE(2, 4) NINFER_WIDE(2, 8) NINFER_WIDE(2, 10) NINFER_WIDE(2, 16)
+  NINFER_WIDE(4, 2) NINFER_WIDE(4, 4) NINFER_WIDE(4, 8) NINFER_WIDE(4, 10) NINFER_WIDE(4, 16)
 #undef NINFER_WIDE
 #define NINFER_WIDE32(W)                                                                  \
   if (prefetch == 2 && warps == W && occupancy == 32 && !bias)                            \
     return launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt, index, y, k, m);
-  NINFER_WIDE32(2) NINFER_WIDE32(4) NINFER_WIDE32(8) NINFER_WIDE32(16)
+  NINFER_WIDE32(2) NINFER_WIDE32(4) NINFER_WIDE32(8) NINFER_WIDE32(10) NINFER_WIDE32(16)
 #undef NINFER_WIDE32
   known = false;
   return cudaSuccess;
@@ -1120,7 +1122,7 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                                         known);
   if (!known)
     return ffi::Error::InvalidArgument(
-        "int4_gemv_wide: stages 0 (then prefetch 2 or 4, warps 2, 4, 8 or 16, occupancy 0, "
+        "int4_gemv_wide: stages 0 (then prefetch 2 or 4, warps 2, 4, 8, 10 or 16, occupancy 0, "
         "or 32 with prefetch 2 and bias 0) or stages 4 or 8 (warps 4 or 8, bias 0, "
         "occupancy 0)");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
