@@ -26,6 +26,7 @@
 #   prefbv     the scan's value tile (PREFBV)      prefscan   the scan's warps and stages
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
+#   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
 #   w10        10 warps a tile for down and out_proj (NINFER_INT4_WIDE_WARPS=auto:4,10)
 #   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
@@ -129,6 +130,13 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         prefill2 prefab_cur
         (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
          prefill2 prefab_prev) ;;
+      decab)  # C1/C2 1K decode of this tree, then of the tree in PREV_TREE (as prefab), in
+        # turn DECAB_REPS times (default 1), one call
+        for rep in $(seq "${DECAB_REPS:-1}"); do
+          decode1k "decab_cur_$rep"
+          (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
+           decode1k "decab_prev_$rep")
+        done ;;
       enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
         run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_engine_gpu.py tests/test_kernels_gdn_prefill.py

@@ -293,7 +293,9 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         if bias:  # the kernel's MMAs take 136 * sum(x) off: nothing to prepare (slower, v10)
             corr = jnp.zeros((m, 0), jnp.float32)
         else:
-            corr = 136.0 * xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
+            # the group sums alone: the kernel takes 136 x them off (an XLA multiply after
+            # the sums is a kernel of its own, 4 a layer)
+            corr = xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
         prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
         warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "auto"))
         if stages is None:

@@ -575,8 +575,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // - bias = 1: before each of the eight MMAs, one more with A = -136 everywhere and the same B:
 //   D then collects x * (q - 8) chunk by chunk (its partial sums stay small), and nothing
 //   else is read;
-// - bias = 0: corr [M, K/64] fp32 = 136 * the group sums of x, computed by the caller, is
-//   taken off each group's sum.
+// - bias = 0: corr [M, K/64] fp32 = the group sums of x, computed by the caller; each group's
+//   sum takes 136 * corr off in one FMA (d - 136 c rounded once). The caller's sums come out
+//   of the fusion that makes x; a separate x 136 would be one more kernel a call (v13).
 // Warps take pairs warp, warp + W, ... of a 16-row tile, P pairs of codes and scales in flight
 // in registers; their sums are added in shared memory in warp order. Column m's result does
 // not depend on M (its B column and its A are the same): batch invariant.
@@ -621,11 +622,11 @@ __device__ __forceinline__ void wide_pair(const uint4 ca, const uint4 cb, const 
     tot[1] = fmaf(sb.x, d[2], tot[1]);
     tot[1] = fmaf(sb.y, d[3], tot[1]);
   } else {
-    const float2 c = __ldg(cp);  // groups 2p, 2p + 1 of x row t
-    tot[0] = fmaf(sa.x, d[0] - c.x, tot[0]);
-    tot[0] = fmaf(sa.y, d[1] - c.y, tot[0]);
-    tot[1] = fmaf(sb.x, d[2] - c.x, tot[1]);
-    tot[1] = fmaf(sb.y, d[3] - c.y, tot[1]);
+    const float2 c = __ldg(cp);  // group sums 2p, 2p + 1 of x row t
+    tot[0] = fmaf(sa.x, fmaf(-136.0f, c.x, d[0]), tot[0]);
+    tot[0] = fmaf(sa.y, fmaf(-136.0f, c.y, d[1]), tot[0]);
+    tot[1] = fmaf(sb.x, fmaf(-136.0f, c.x, d[2]), tot[1]);
+    tot[1] = fmaf(sb.y, fmaf(-136.0f, c.y, d[3]), tot[1]);
   }
 }
 
