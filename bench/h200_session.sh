@@ -29,6 +29,7 @@
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
 #   w10        10 warps a tile for down and out_proj (NINFER_INT4_WIDE_WARPS=auto:4,10)
+#   xperm      x permuted for the wide GEMV's B registers (NINFER_INT4_WIDE_XPERM=1)
 #   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
@@ -202,6 +203,20 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         tail -n 2 "$OUT/prefcudnn_tests_$TAG.log"
         prefill2 prefcudnn_flash
         prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;
+      xperm)  # x permuted by XLA so that the wide GEMV skips its 16 byte permutations a pair
+        # (NINFER_INT4_WIDE_XPERM=1; main loop 252 -> 214 instructions for two pairs, sm_90
+        # SASS): its GPU tests (bitwise the default), C1/C2 1K decode without and with it,
+        # twice in turn, and the engine's GPU tests with it
+        run 200 "$OUT/xperm_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_cuda_gemv.py -k "wide_tensor_core"
+        tail -n 2 "$OUT/xperm_tests_$TAG.log"
+        for rep in a b; do
+          decode1k "xperm_off_$rep"
+          decode1k "xperm_on_$rep" NINFER_INT4_WIDE_XPERM=1
+        done
+        NINFER_INT4_WIDE_XPERM=1 run 300 "$OUT/xperm_enginegpu_$TAG.log" python3 -m \
+          pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py
+        tail -n 2 "$OUT/xperm_enginegpu_$TAG.log" ;;
       w10)  # 10 warps to a tile for the 320-tile shapes (down, out_proj: every tile resident
         # at once, 3,200 warps against 2,560 at 8): the wide GPU tests (every warps setting),
         # C1/C2 1K decode with "auto" (4 or 8) and "auto:4,10", twice in turn, and the

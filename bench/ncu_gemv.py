@@ -42,6 +42,8 @@ def main() -> None:
                     help="comma-separated names from SHAPES")
     ap.add_argument("--warps", default="4,8", help="warps a tile to run beside the default "
                     f"(of {WARPS}; lm_head runs the default only)")
+    ap.add_argument("--xperm", action="store_true", help="also the default with x permuted "
+                    "by XLA (`xperm`: no byte permutations in the kernel)")
     args = ap.parse_args()
     shapes = args.shapes.split(",")
     warps = [int(w) for w in args.warps.split(",") if w]
@@ -55,6 +57,9 @@ def main() -> None:
         # the default (warps by the call's tiles, registers capped) and the other warp
         # counts, capped: which of them waits on what
         variants = {"default": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide"))}
+        if args.xperm:
+            variants["xperm"] = jax.jit(
+                lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", xperm=True))
         for wp in warps if shape != "lm_head" else ():
             variants[f"w{wp}o32"] = jax.jit(
                 lambda x, w, wp=wp: cuda_ops.int4_gemv(x, w, variant="wide", warps=wp))

@@ -170,6 +170,12 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
                 x, w, variant="wide", prefetch=2, warps=wp, occupancy=32))(x, w)
             np.testing.assert_array_equal(np.asarray(capped, np.float32),
                                           np.asarray(other_w, np.float32))
+        if prefetch == 2 and warps in cuda_ops.WIDE_XPERM_WARPS:
+            # x permuted by the caller: the same B registers, the same bits
+            permuted = jax.jit(lambda x, w, wp=warps: cuda_ops.int4_gemv(
+                x, w, variant="wide", prefetch=2, warps=wp, occupancy=32, xperm=True))(x, w)
+            np.testing.assert_array_equal(np.asarray(permuted, np.float32),
+                                          np.asarray(capped, np.float32))
         # the shared-memory ring: the same pairs per warp in the same order, the same bits
         for stages in ((4, 8) if warps in (4, 8) else ()):
             ring = jax.jit(lambda x, w, wp=warps, st=stages: cuda_ops.int4_gemv(
@@ -343,6 +349,7 @@ def test_wide_call_takes_x_as_it_is_and_concat_returns_one_array(bias):
     assert ("tensor<2x0xf32>" in text) == bool(bias)
     # registers capped for 32 warps an SM by default, where that kernel is built (bias 0)
     assert f"occupancy = {0 if bias else 32} : i64" in text
+    assert "xperm = 0 : i64" in text  # x as it is unless NINFER_INT4_WIDE_XPERM=1
     assert [a.shape for a in exp.out_avals] == [(2, 112)]
     views = [Stacked(w, idx) for w in ws]
     got = linear_multi(x, views, "pallas", concat=True)
@@ -368,3 +375,41 @@ def test_multi_is_bitwise_the_separate_calls_on_gpu(variant, m):
         with jax.default_matmul_precision("highest"):
             want = linear(x.astype(jnp.float32), Stacked(w, idx).materialize())
         assert_close(g, want, jnp.bfloat16)
+
+
+def _byte_perm(a, b, sel):
+    """CUDA's __byte_perm(a, b, sel) on uint32 arrays: result byte i is byte (sel >> 4 i) & 7
+    of the 8 bytes b:a (a's bytes 0-3, b's 4-7)."""
+    src = np.stack([(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF
+                                                               for i in range(4)])
+    return sum(src[(sel >> 4 * i) & 7].astype(np.uint32) << np.uint32(8 * i) for i in range(4))
+
+
+def test_x_perm_words_are_the_kernels_b_registers(monkeypatch):
+    """x_perm's 32-bit words are what the wide kernel's byte permutations make of x (inputs
+    0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7) for each 16 bytes' two uint4 halves), so the
+    kernel taking x_perm reads the same B registers; the group sums do not change; with
+    NINFER_INT4_WIDE_XPERM=1 the lowered call takes the permuted x and says so, where that
+    kernel is built."""
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 256)), jnp.bfloat16)
+    words = np.asarray(x).view(np.uint16).astype(np.uint32)
+    words = (words[:, 0::2] | (words[:, 1::2] << 16)).reshape(2, -1, 4)  # uint4s of x
+    xx, xy, xz, xw = (words[..., i] for i in range(4))
+    want = np.stack([_byte_perm(xx, xz, 0x5410), _byte_perm(xx, xz, 0x7632),
+                     _byte_perm(xy, xw, 0x5410), _byte_perm(xy, xw, 0x7632)], -1)
+    got = np.asarray(cuda_ops.x_perm(x)).view(np.uint16).astype(np.uint32)
+    got = (got[:, 0::2] | (got[:, 1::2] << 16)).reshape(2, -1, 4)
+    np.testing.assert_array_equal(got, want)
+    sums = lambda a: np.asarray(a, np.float32).reshape(2, -1, 64).sum(-1)  # noqa: E731
+    np.testing.assert_allclose(sums(cuda_ops.x_perm(x)), sums(x), rtol=1e-6)
+
+    w = _qtensor(64, 256, 5)
+    monkeypatch.setenv("NINFER_INT4_WIDE_XPERM", "1")
+    for kwargs, on in (({}, True), ({"occupancy": 0}, False), ({"warps": 2}, False)):
+        text = export.export(
+            jax.jit(lambda x, w, kw=kwargs: cuda_ops.int4_gemv(x, w, variant="wide", **kw)),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(
+                cuda_ops.INT4_WIDE_TARGET)])(x, w).mlir_module()
+        assert f"xperm = {int(on)} : i64" in text
+        assert ("stablehlo.transpose" in text) == on

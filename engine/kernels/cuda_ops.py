@@ -196,6 +196,18 @@ WIDE_AUTO_CHOICES = (4, 8)  # "auto" picks from these (2 and 16 measured slower,
 WIDE_AUTO_WARPS = 2048  # "auto": about 16 warps on each of the H200's 132 SMs
 
 
+WIDE_XPERM_WARPS = (4, 8, 10)  # the warps the kernel taking x_perm is built for
+
+
+def x_perm(x):
+    """x [M, K] with each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7: its 32-bit words are
+    then the pairs (r, r + 4) that the wide kernel's MMA B registers hold, so the kernel takes
+    them as they load (`xperm`) in place of 16 byte permutations a pair of groups. The group
+    sums of x do not change (a permutation inside each group)."""
+    m, k = x.shape
+    return x.reshape(m, k // 8, 2, 4).swapaxes(-1, -2).reshape(m, k)
+
+
 def wide_warps(n: int, setting: str = "auto") -> int:
     """Warps to a 16-row tile of the wide kernel for N output rows: the setting (one of
     WIDE_WARPS), or with "auto" (the default) the fewer of WIDE_AUTO_CHOICES that still gives
@@ -238,7 +250,7 @@ def default_variant(x) -> str:
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
               prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
-              occupancy: int | None = None):
+              occupancy: int | None = None, xperm: bool | None = None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -259,17 +271,20 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     v10); occupancy (wide: resident warps an SM to ask the compiler's registers for, 0 its
     own choice (74 registers a lane, 24 warps), 32 for 64 registers (prefetch 2, bias 0,
     stages 0 only); default NINFER_INT4_WIDE_OCC, or 32 where built and 0 elsewhere: 32
-    measured faster on the H200, v12). x goes to the wide kernel as it is."""
+    measured faster on the H200, v12); xperm (wide: x goes in permuted by `x_perm` and the
+    kernel skips its byte permutations, the same bits; built for prefetch 2, occupancy 32,
+    bias 0, stages 0 and WIDE_XPERM_WARPS; default: NINFER_INT4_WIDE_XPERM=1 where built, off
+    otherwise: not measured yet). Otherwise x goes to the wide kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
-                           occupancy=occupancy)[0]
+                           occupancy=occupancy, xperm=xperm)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
                     prefetch: int | None = None, warps: int | None = None,
                     bias: int | None = None, occupancy: int | None = None,
-                    concat: bool = False):
+                    xperm: bool | None = None, concat: bool = False):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
@@ -288,7 +303,7 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
         variant = "fma" if m <= FMA_MAX_M else "mma"
     if variant == "wide":
-        xb = x.reshape(m, k).astype(jnp.bfloat16)  # read as it is: the kernel permutes it
+        xb = x.reshape(m, k).astype(jnp.bfloat16)  # as it is: the kernel permutes it
         bias = int(os.environ.get("NINFER_INT4_WIDE_BIAS", "0")) if bias is None else int(bias)
         if bias:  # the kernel's MMAs take 136 * sum(x) off: nothing to prepare (slower, v10)
             corr = jnp.zeros((m, 0), jnp.float32)
@@ -304,9 +319,16 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
             occ = os.environ.get("NINFER_INT4_WIDE_OCC")
             occupancy = (int(occ) if occ is not None
                          else 32 if prefetch == 2 and not bias and not stages else 0)
+        if xperm is None:  # where built: the defaults' kernels (prefetch 2, capped, bias 0)
+            xperm = (os.environ.get("NINFER_INT4_WIDE_XPERM", "0") == "1" and prefetch == 2
+                     and occupancy == 32 and not bias and not stages
+                     and warps in WIDE_XPERM_WARPS)
+        if xperm:
+            xb = x_perm(xb)
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
-                 bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages))
+                 bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages),
+                 xperm=np.int64(bool(xperm)))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))

@@ -586,7 +586,10 @@ constexpr uint32_t kNeg136x2 = 0xC308C308u;  // two bf16 -136.0
 // One pair of groups of a wide tile for lane (g, t): codes ca (row g) and cb (row g + 8), their
 // scales sa and sb, x at xp (the pair's 64 bytes of x row g / 2 from this lane's quarter), the
 // pair's corr at cp (kBias = false). Shared by both wide kernels: the same sums bit for bit.
-template <bool kBias>
+// kXPerm: x arrives with each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7 (`x_perm` of the
+// caller), so its 32-bit words are already the B registers' pairs (r, r + 4): the same
+// registers without the 16 byte permutations a pair.
+template <bool kBias, bool kXPerm = false>
 __device__ __forceinline__ void wide_pair(const uint4 ca, const uint4 cb, const float2 sa,
                                           const float2 sb, const uint4* __restrict__ xp,
                                           bool has_x, const float2* __restrict__ cp,
@@ -596,10 +599,17 @@ __device__ __forceinline__ void wide_pair(const uint4 ca, const uint4 cb, const 
 #pragma unroll
     for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
       const uint4 xv = __ldg(xp + v);
-      b[4 * v] = __byte_perm(xv.x, xv.z, 0x5410);
-      b[4 * v + 1] = __byte_perm(xv.x, xv.z, 0x7632);
-      b[4 * v + 2] = __byte_perm(xv.y, xv.w, 0x5410);
-      b[4 * v + 3] = __byte_perm(xv.y, xv.w, 0x7632);
+      if constexpr (kXPerm) {
+        b[4 * v] = xv.x;
+        b[4 * v + 1] = xv.y;
+        b[4 * v + 2] = xv.z;
+        b[4 * v + 3] = xv.w;
+      } else {
+        b[4 * v] = __byte_perm(xv.x, xv.z, 0x5410);
+        b[4 * v + 1] = __byte_perm(xv.x, xv.z, 0x7632);
+        b[4 * v + 2] = __byte_perm(xv.y, xv.w, 0x5410);
+        b[4 * v + 3] = __byte_perm(xv.y, xv.w, 0x7632);
+      }
     }
   } else {
 #pragma unroll
@@ -697,7 +707,7 @@ struct WideLane {
 // T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
 // 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
 // warps, more codes in flight.
-template <int P, int W, bool kBias, int T, typename OT>
+template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false>
 __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
@@ -726,7 +736,7 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       if (i0 + j < count) {  // the same for the whole warp
-        wide_pair<kBias>(ca[j], cb[j], sa[j], sb[j], xr + 16 * W * j, in.has_x,
+        wide_pair<kBias, kXPerm>(ca[j], cb[j], sa[j], sb[j], xr + 16 * W * j, in.has_x,
                          kBias ? nullptr : cr + W * j, tot);
         if (i0 + j + P < count) {  // the slot is free: refill it with the pair P ahead
           ca[j] = load_stream(pa + 4 * W * (j + P));
@@ -826,10 +836,10 @@ cudaError_t launch_wide_ring(cudaStream_t stream, int blocks, const uint4* x, co
   return cudaGetLastError();
 }
 
-template <int P, int W, bool kBias, int T, typename OT>
+template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false>
 cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
                         const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  int4_gemv_wide<P, W, kBias, T, OT><<<blocks, W * 32, 0, stream>>>(
+  int4_gemv_wide<P, W, kBias, T, OT, kXPerm><<<blocks, W * 32, 0, stream>>>(
       x, corr, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
 }
@@ -847,10 +857,21 @@ cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const f
 // latency, the reduction).
 template <typename OT>
 cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
-                                int64_t occupancy, int64_t stages, int blocks, const uint4* x,
-                                const float* corr, const Mats& mt, const int32_t* index,
-                                void* y, int k, int m, bool& known) {
+                                int64_t occupancy, int64_t stages, bool xperm, int blocks,
+                                const uint4* x, const float* corr, const Mats& mt,
+                                const int32_t* index, void* y, int k, int m, bool& known) {
   known = true;
+  // x permuted by the caller: built for the defaults' kernels only (prefetch 2, registers
+  // capped, bias 0, no ring)
+#define NINFER_WIDE_XPERM(W)                                                                \
+  if (xperm && prefetch == 2 && warps == W && occupancy == 32 && !bias && stages == 0)     \
+    return launch_wide<2, W, false, 32, OT, true>(stream, blocks, x, corr, mt, index, y, k, m);
+  NINFER_WIDE_XPERM(4) NINFER_WIDE_XPERM(8) NINFER_WIDE_XPERM(10)
+#undef NINFER_WIDE_XPERM
+  if (xperm) {
+    known = false;
+    return cudaSuccess;
+  }
 #define NINFER_RING(S, W)                                                                  \
   if (stages == S && warps == W && !bias && occupancy == 0)                                \
     return launch_wide_ring<S, W, OT>(stream, blocks, x, corr, mt, index, y, k, m);
@@ -1088,7 +1109,7 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
                             int64_t prefetch, int64_t warps, int64_t bias, int64_t occupancy,
-                            int64_t stages) {
+                            int64_t stages, int64_t xperm) {
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
@@ -1116,16 +1137,17 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   bool known = false;
   const cudaError_t err =
       bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, occupancy,
-                                                stages, blocks, x4, c, mt, index.typed_data(),
-                                                yp, ki, mi, known)
+                                                stages, xperm != 0, blocks, x4, c, mt,
+                                                index.typed_data(), yp, ki, mi, known)
            : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, occupancy, stages,
-                                        blocks, x4, c, mt, index.typed_data(), yp, ki, mi,
-                                        known);
+                                        xperm != 0, blocks, x4, c, mt, index.typed_data(), yp,
+                                        ki, mi, known);
   if (!known)
     return ffi::Error::InvalidArgument(
         "int4_gemv_wide: stages 0 (then prefetch 2 or 4, warps 2, 4, 8, 10 or 16, occupancy 0, "
         "or 32 with prefetch 2 and bias 0) or stages 4 or 8 (warps 4 or 8, bias 0, "
-        "occupancy 0)");
+        "occupancy 0); xperm 1 with prefetch 2, warps 4, 8 or 10, occupancy 32, bias 0, "
+        "stages 0 only");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -1165,5 +1187,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("bias")
                                   .Attr<int64_t>("occupancy")
-                                  .Attr<int64_t>("stages"),
+                                  .Attr<int64_t>("stages")
+                                  .Attr<int64_t>("xperm"),
                               {ffi::Traits::kCmdBufferCompatible});
