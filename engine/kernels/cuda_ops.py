@@ -213,10 +213,11 @@ def wide_warps(n: int, setting: str = "auto") -> int:
     WIDE_WARPS), or with "auto" (the default) the fewer of WIDE_AUTO_CHOICES that still gives
     the call WIDE_AUTO_WARPS warps in all: 4 where there are many tiles (lm_head, mlp gate|up,
     the GDN and attention input projections: 896 tiles and more), 8 where there are few (down
-    and out_proj: 320-384 tiles). "auto:4,10" picks the same way from the choices it names.
-    A choice by shape only, so a call's result does not depend on the batch. Measured on the
-    H200 (v12, docs/benchmarks/README.md): each shape's fastest of 2, 4 and 8 warps is the one
-    "auto" picks, but for attention q|k|v (4, within 7%)."""
+    and out_proj: 320-384 tiles). "auto:4,10" picks the same way from the choices it names
+    (10 warps for down and out_proj: as fast in the decode step as 8, v13). A choice by shape
+    only, so a call's result does not depend on the batch. Measured on the H200 (v12,
+    docs/benchmarks/README.md): each shape's fastest of 2, 4 and 8 warps is the one "auto"
+    picks, but for attention q|k|v (4, within 7%)."""
     name, _, listed = setting.partition(":")
     if name != "auto":
         w = int(setting)
@@ -303,7 +304,7 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
         variant = "fma" if m <= FMA_MAX_M else "mma"
     if variant == "wide":
-        xb = x.reshape(m, k).astype(jnp.bfloat16)  # as it is: the kernel permutes it
+        xb = x.reshape(m, k).astype(jnp.bfloat16)  # the kernel permutes it (or x_perm below)
         bias = int(os.environ.get("NINFER_INT4_WIDE_BIAS", "0")) if bias is None else int(bias)
         if bias:  # the kernel's MMAs take 136 * sum(x) off: nothing to prepare (slower, v10)
             corr = jnp.zeros((m, 0), jnp.float32)

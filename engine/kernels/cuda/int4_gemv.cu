@@ -851,10 +851,10 @@ cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const f
 // a combination not built.
 // W spreads a tile's pairs over its warps: 16 for few rows (measured slower than 8 on the
 // H200, v10); 10 for the 320 tiles of down and out_proj (3 blocks of 10 warps an SM at
-// T = 32: all 320 tiles resident at once on 132 SMs, 3,200 warps against 2,560 at W = 8,
-// which leaves 40% of the warp slots empty); 2 and 4 give each warp longer runs of pairs (a 5120-wide row is 40 pairs: 5 a
-// warp at W = 8) and the block less of its fixed cost (row pointers, the first loads'
-// latency, the reduction).
+// T = 32: all 320 tiles resident at once on 132 SMs, 3,200 warps against 2,560 at W = 8;
+// 4% faster a call under ncu, no faster in the decode step, v13); 2 and 4 give each warp
+// longer runs of pairs (a 5120-wide row is 40 pairs: 5 a warp at W = 8) and the block less
+// of its fixed cost (row pointers, the first loads' latency, the reduction).
 template <typename OT>
 cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
                                 int64_t occupancy, int64_t stages, bool xperm, int blocks,
