@@ -33,19 +33,23 @@
 #   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
-# session_$TAG.tgz (PACK=0: not packed); times are in seconds.
+# session_$TAG.tgz (PACK=0: not packed); times are in seconds. Sourced (`source
+# bench/h200_session.sh`), it only defines its helpers (run, prefill2, decode1k) and runs no
+# part.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 TAG="${TAG:-run}"
 mkdir -p "$OUT"
-source "$(dirname "$0")/gpu_env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv,noheader
-# SM/memory clocks, power and load once a second for the whole call: is a part held back by
-# the clocks under sustained load (the int4 GEMV question of v5/v6)?
-nvidia-smi dmon -s pcu -d 1 > "$OUT/dmon_$TAG.log" 2>&1 &
-DMON=$!
-trap 'kill $DMON 2>/dev/null' EXIT
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv,noheader
+  # SM/memory clocks, power and load once a second for the whole call: is a part held back
+  # by the clocks under sustained load (the int4 GEMV question of v5/v6)?
+  nvidia-smi dmon -s pcu -d 1 > "$OUT/dmon_$TAG.log" 2>&1 &
+  DMON=$!
+  trap 'kill $DMON 2>/dev/null' EXIT
+fi
 
 run() {  # run <seconds> <log> <command...>: the tail of the log is what the caller sees
   local limit=$1 log=$2
@@ -72,6 +76,7 @@ decode1k() {  # decode1k <name> [VAR=value ...]: C1/C2 int4 decode at 1K context
      --contexts 1024 --prefill "" --steps 10 --out "$OUT/${name}_$TAG.json")
   grep -E '^decode' "$OUT/${name}_$TAG.log" | cut -c1-90 | sed "s/^/$name: /"
 }
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced: the helpers only
 for part in "${@:-tests gemv decode profile prefill restore}"; do
   for p in $part; do
     case $p in
