@@ -413,3 +413,99 @@ def test_x_perm_words_are_the_kernels_b_registers(monkeypatch):
                 cuda_ops.INT4_WIDE_TARGET)])(x, w).mlir_module()
         assert f"xperm = {int(on)} : i64" in text
         assert ("stablehlo.transpose" in text) == on
+
+
+def _mlp_case(m, k1=512, n1=1024, n2=1000, lead=(2,)):
+    """x, h [m, ...] bf16 and stacked int4 gate / up [*lead, n1, k1], down [*lead, n2, n1]."""
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, k1)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((m, n2)), jnp.bfloat16)
+    return x, h, [_qtensor(n, k, 40 + n + k, lead) for n, k in ((n1, k1), (n1, k1), (n2, n1))]
+
+
+def _mlp_reference(x, h, gate, up, down, index):
+    """h + down(silu(gate(x)) * up(x)), the layer's matrices dequantized, fp32 throughout."""
+    from engine.quant import dequantize
+
+    def mat(w):
+        layer = type(w)(w.data[index], w.scale[index], w.fmt, w.shape[-2:])
+        return dequantize(layer, jnp.float32)
+
+    with jax.default_matmul_precision("highest"):
+        xf = x.astype(jnp.float32)
+        a = jax.nn.silu(xf @ mat(gate).T) * (xf @ mat(up).T)
+        return h.astype(jnp.float32) + a @ mat(down).T
+
+
+def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
+    """int4_mlp lowers for CUDA to one call of the persistent kernel (three results: the
+    output and the launch's two scratch arrays, of which the output alone is used) and rejects
+    shapes the kernel does not take, with a clear error."""
+    x, h, (gate, up, down) = _mlp_case(2)
+    idx = jnp.array([1], jnp.int32)
+    exp = export.export(
+        jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_MLP_TARGET)])(
+        x, h, gate, up, down, idx)
+    text = exp.mlir_module()
+    assert text.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1
+    assert "warps = 8 : i64" in text and "occupancy = 24 : i64" in text
+    assert [a.shape for a in exp.out_avals] == [(2, 1000)]
+    with pytest.raises(ValueError, match="rows"):
+        cuda_ops.int4_mlp(jnp.zeros((5, 512), jnp.bfloat16), jnp.zeros((5, 1000), jnp.bfloat16),
+                          gate, up, down, idx)
+    with pytest.raises(ValueError, match="gate and up"):
+        cuda_ops.int4_mlp(x, h, gate, down, down, idx)
+    with pytest.raises(ValueError, match="h must be"):
+        cuda_ops.int4_mlp(x, h[:, :999], gate, up, down, idx)
+    with pytest.raises(ValueError, match="warps"):
+        cuda_ops.int4_mlp(x, h, gate, up, down, idx, warps=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps,occupancy", [(8, 24), (8, 32), (4, 24), (4, 32)])
+def test_persistent_mlp_matches_reference_on_gpu(warps, occupancy):
+    """The persistent MLP kernel against the fp32 reference (bf16 tolerance: its GEMV outputs
+    and activations are rounded to bf16 as the separate calls round them) and against the
+    separate calls (wide GEMVs, XLA's SwiGLU and residual add); a row's result the same bits
+    whatever the other rows (batch invariant); repeated launches the same bits (the grid
+    barrier resets itself)."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    idx = jnp.array([1], jnp.int32)
+    fused = jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(
+        x, h, g, u, d, i, warps=warps, occupancy=occupancy))
+
+    def separate(x, h, g, u, d, i):
+        gate, up = cuda_ops.int4_gemv_multi(x, [g, u], i)
+        return h + cuda_ops.int4_gemv(jax.nn.silu(gate) * up, d, i)
+
+    outs = {}
+    for m in (1, 2, 3):
+        x, h, (gate, up, down) = _mlp_case(m)
+        got = fused(x, h, gate, up, down, idx)
+        assert got.shape == (m, 1000) and got.dtype == jnp.bfloat16
+        assert_close(got, _mlp_reference(x, h, gate, up, down, 1), jnp.bfloat16)
+        assert_close(got, jax.jit(separate)(x, h, gate, up, down, idx).astype(jnp.float32),
+                     jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(fused(x, h, gate, up, down, idx), np.float32),
+                                      np.asarray(got, np.float32))
+        outs[m] = (x, h, got)
+    # row 0 of a 3-row call alone: the same bits
+    x3, h3, got3 = outs[3]
+    _, _, (gate, up, down) = _mlp_case(3)
+    alone = fused(x3[:1], h3[:1], gate, up, down, idx)
+    np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(got3[:1], np.float32))
+
+
+@pytest.mark.gpu
+def test_persistent_mlp_at_27b_shapes_on_gpu():
+    """The 27B's MLP shapes (gate|up 17408 x 5120 each, down 5120 x 17408), one and two rows:
+    against the separate calls within bf16 tolerance."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    for m in (1, 2):
+        x, h, (gate, up, down) = _mlp_case(m, k1=5120, n1=17408, n2=5120, lead=())
+        got = jax.jit(cuda_ops.int4_mlp)(x, h, gate, up, down)
+        gate_o, up_o = cuda_ops.int4_gemv_multi(x, [gate, up])
+        want = h + cuda_ops.int4_gemv(jax.nn.silu(gate_o) * up_o, down)
+        assert_close(got, want.astype(jnp.float32), jnp.bfloat16)

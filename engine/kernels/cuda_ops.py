@@ -39,6 +39,7 @@ INT4_SOURCE = SOURCE_DIR / "int4_gemv.cu"
 INT4_TARGET = "ninfer_int4_gemv"
 INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
+INT4_MLP_TARGET = "ninfer_int4_mlp"
 WIDE_MAX_M = 4  # the wide kernel's B columns: 2 per row of x
 # Within a group of 64 inputs, lane t of the MMA kernel multiplies its 16 codes in this order
 # (see the kernel's comment): x is permuted to match.
@@ -132,6 +133,8 @@ def _load_int4_locked() -> bool:
                                     jax.ffi.pycapsule(lib.NinferInt4GemvMma), platform="CUDA")
         jax.ffi.register_ffi_target(INT4_WIDE_TARGET,
                                     jax.ffi.pycapsule(lib.NinferInt4GemvWide), platform="CUDA")
+        jax.ffi.register_ffi_target(INT4_MLP_TARGET, jax.ffi.pycapsule(lib.NinferInt4Mlp),
+                                    platform="CUDA")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _why_not.append(f"build or load failed: {e}")
         log.warning("CUDA int4 GEMV unavailable, using the Pallas kernel: %s", e)
@@ -358,3 +361,45 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         outs.append(y[:, at:at + nj].reshape(*lead, nj))
         at += nj
     return outs
+
+
+MLP_WARPS = (4, 8)
+MLP_OCCUPANCY = (24, 32)
+
+
+def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
+             warps: int = 8, occupancy: int = 24):
+    """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
+    bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
+    N1], or stacks read at `index`) in one launch of the persistent CUDA kernel (engine/
+    kernels/cuda/int4_gemv.cu `int4_mlp_persistent`): gate|up and down as the wide GEMV
+    computes them, with a grid barrier between, and the next GEMV's first codes in flight
+    across it. Each op rounded to bf16 as the separate calls round them; down's group sums
+    of the activations come from per-tile sums (another order of the same fp32 sums, so
+    close to the separate calls, not bitwise). warps (4 or 8 a tile), occupancy (resident
+    warps an SM the registers are capped for: 24 or 32). Not measured yet; not used by the
+    model."""
+    lead, k1 = x.shape[:-1], x.shape[-1]
+    m = int(np.prod(lead, dtype=np.int64))
+    n1, n2 = gate.shape[-2], down.shape[-2]
+    if not 1 <= m <= WIDE_MAX_M:
+        raise ValueError(f"int4_mlp takes 1..{WIDE_MAX_M} rows, got {m}")
+    if up.shape != gate.shape or down.shape[-1] != n1 or k1 % 128 or n1 % 128:
+        raise ValueError("int4_mlp: gate and up [*d, N1, K1], down [*d, N2, N1], K1 and N1 "
+                         f"multiples of 128; got {gate.shape}, {up.shape}, {down.shape}")
+    if h.shape[:-1] != lead or h.shape[-1] != n2:
+        raise ValueError(f"int4_mlp: h must be [..., {n2}], got {h.shape}")
+    if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
+        raise ValueError(f"int4_mlp: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")
+    idx = (jnp.zeros((1,), jnp.int32) if index is None
+           else jnp.asarray(index, jnp.int32).reshape(-1))
+    xb = x.reshape(m, k1).astype(jnp.bfloat16)
+    corr = xb.astype(jnp.float32).reshape(m, k1 // GROUP, GROUP).sum(-1)
+    pairs = [a for w in (gate, up, down) for a in (w.data, w.scale.astype(jnp.float32))]
+    call = jax.ffi.ffi_call(INT4_MLP_TARGET, (
+        jax.ShapeDtypeStruct((m, n2), jnp.bfloat16),  # h + the MLP
+        jax.ShapeDtypeStruct((m, n1), jnp.bfloat16),  # scratch: the activations
+        jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
+    out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
+                     warps=np.int64(warps), occupancy=np.int64(occupancy))
+    return out.reshape(*lead, n2)

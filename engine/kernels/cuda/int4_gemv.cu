@@ -589,16 +589,18 @@ constexpr uint32_t kNeg136x2 = 0xC308C308u;  // two bf16 -136.0
 // kXPerm: x arrives with each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7 (`x_perm` of the
 // caller), so its 32-bit words are already the B registers' pairs (r, r + 4): the same
 // registers without the 16 byte permutations a pair.
-template <bool kBias, bool kXPerm = false>
-__device__ __forceinline__ void wide_pair(const uint4 ca, const uint4 cb, const float2 sa,
-                                          const float2 sb, const uint4* __restrict__ xp,
-                                          bool has_x, const float2* __restrict__ cp,
-                                          float (&tot)[2]) {
+// `wide_pair_with` takes the pair's group sums of x from `corr()` (called where the sums are
+// used) and, with kCoherentX, loads x through L2 only (`__ldcg`): x written earlier in the
+// same launch (the persistent MLP kernel's activations) must not come from the read-only path.
+template <bool kBias, bool kXPerm, bool kCoherentX, typename Corr>
+__device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, const float2 sa,
+                                               const float2 sb, const uint4* __restrict__ xp,
+                                               bool has_x, Corr corr, float (&tot)[2]) {
   uint32_t b[16];
   if (has_x) {
 #pragma unroll
     for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
-      const uint4 xv = __ldg(xp + v);
+      const uint4 xv = kCoherentX ? __ldcg(xp + v) : __ldg(xp + v);
       if constexpr (kXPerm) {
         b[4 * v] = xv.x;
         b[4 * v + 1] = xv.y;
@@ -632,12 +634,21 @@ __device__ __forceinline__ void wide_pair(const uint4 ca, const uint4 cb, const 
     tot[1] = fmaf(sb.x, d[2], tot[1]);
     tot[1] = fmaf(sb.y, d[3], tot[1]);
   } else {
-    const float2 c = __ldg(cp);  // group sums 2p, 2p + 1 of x row t
+    const float2 c = corr();  // group sums 2p, 2p + 1 of x row t
     tot[0] = fmaf(sa.x, fmaf(-136.0f, c.x, d[0]), tot[0]);
     tot[0] = fmaf(sa.y, fmaf(-136.0f, c.y, d[1]), tot[0]);
     tot[1] = fmaf(sb.x, fmaf(-136.0f, c.x, d[2]), tot[1]);
     tot[1] = fmaf(sb.y, fmaf(-136.0f, c.y, d[3]), tot[1]);
   }
+}
+
+template <bool kBias, bool kXPerm = false>
+__device__ __forceinline__ void wide_pair(const uint4 ca, const uint4 cb, const float2 sa,
+                                          const float2 sb, const uint4* __restrict__ xp,
+                                          bool has_x, const float2* __restrict__ cp,
+                                          float (&tot)[2]) {
+  wide_pair_with<kBias, kXPerm, false>(ca, cb, sa, sb, xp, has_x,
+                                       [cp]() { return __ldg(cp); }, tot);
 }
 
 // A wide tile's warp sums added in shared memory in warp order and stored by warp 0.
@@ -754,6 +765,273 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     if constexpr (!kBias) cr += W * P;
   }
   wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
+}
+
+// ---- Persistent MLP for decode (M <= 4): gate|up, SwiGLU, down and the residual, one launch --
+//
+// A decode step's MLP is two dependent GEMVs (gate|up 34816 x 5120, down 5120 x 17408 for the
+// 27B) with small XLA kernels around them; each GEMV call pays a ramp (the first codes'
+// latency) and a tail (its last blocks) of ~6-10 us on the H200 (v13 ncu). Here one launch
+// of G co-resident blocks (W warps each) runs
+//   phase A: for tile u = b, b + G, ...: gate rows 16u.. and up rows 16u.. (the wide kernel's
+//            tile loop and reduction for each), then act = SwiGLU of the two (bf16, rounded
+//            as XLA's silu(gate) * up of bf16 GEMV outputs) and the tile's sums of act for
+//            each x row, into `act` [M, N1] and `psum` [M, N1 / 16];
+//   a grid barrier (a self-resetting counter: the grid is sized to the blocks that fit at
+//            once, so every block arrives);
+//   phase B: for tile v = b, b + G, ...: down rows 16v.. over act, with down's group sums of
+//            act from psum (4 tile sums a group, added in a fixed order); out = h + y (bf16).
+// Each warp's codes ring (P = 2 pairs) runs on across tiles: the next tile's first pairs are
+// in flight while a tile is reduced, and a block's first down tile is in flight across the
+// barrier (down's codes do not depend on act). act and psum are read through L2 only
+// (`__ldcg`): they are written in the same launch. A row's result depends on its own x row
+// only: batch invariant. The barrier state is one counter per loaded module, so launches of
+// this kernel must not run concurrently (one decode step at a time per device).
+__device__ unsigned int g_mlp_arrived = 0;
+__device__ unsigned int g_mlp_generation = 0;
+
+__device__ __forceinline__ void grid_barrier(unsigned int blocks) {
+  __threadfence();  // this thread's act / psum stores, before its block arrives
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int gen = atomicAdd(&g_mlp_generation, 0u);
+    __threadfence();
+    if (atomicAdd(&g_mlp_arrived, 1u) == blocks - 1) {
+      atomicExch(&g_mlp_arrived, 0u);
+      __threadfence();
+      atomicAdd(&g_mlp_generation, 1u);
+    } else {  // a block that never arrives would hang the GPU: give up after ~2 s
+      const long long t0 = clock64();
+      while (atomicAdd(&g_mlp_generation, 0u) == gen) {
+        __nanosleep(64);
+        if (clock64() - t0 > 4000000000LL) __trap();
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// One warp's codes and scales of a 16-row tile (rows row0 .. row0 + 15 of mt) and how many of
+// its pairs the warp takes (pairs warp, warp + W, ...); count 0: no tile.
+template <int W>
+struct WideTile {
+  const uint4 *pa = nullptr, *pb = nullptr;
+  const float2 *qa = nullptr, *qb = nullptr;
+  int count = 0;
+
+  __device__ __forceinline__ WideTile() {}
+  __device__ __forceinline__ WideTile(const Mats& mt, int64_t layer, int k, int row0, int warp,
+                                      int lane) {
+    const int n = mt.start[mt.count], g = lane >> 2, t = lane & 3, pairs = k >> 7;
+    const uint8_t *wa, *wb;
+    const float *sa_p, *sb_p;
+    row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
+    row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
+    pa = reinterpret_cast<const uint4*>(wa + warp * 64) + t;
+    pb = reinterpret_cast<const uint4*>(wb + warp * 64) + t;
+    qa = reinterpret_cast<const float2*>(sa_p) + warp;
+    qb = reinterpret_cast<const float2*>(sb_p) + warp;
+    count = warp < pairs ? (pairs - warp + W - 1) / W : 0;
+  }
+};
+
+// The register ring of P = 2 pairs in flight (slot j holds items j, j + 2, ... of a tile).
+struct WideRing {
+  uint4 ca[2], cb[2];
+  float2 sa[2], sb[2];
+};
+
+template <int W>
+__device__ __forceinline__ void ring_fill(WideRing& r, const WideTile<W>& tl) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (j < tl.count) {
+      r.ca[j] = load_stream(tl.pa + 4 * W * j);
+      r.cb[j] = load_stream(tl.pb + 4 * W * j);
+      r.sa[j] = __ldg(tl.qa + W * j);
+      r.sb[j] = __ldg(tl.qb + W * j);
+    }
+  }
+}
+
+// The warp's pairs of one tile, from the ring (filled with the tile's first two), refilling
+// it from the same tile; x at the warp's first pair, corr(i) the group sums of its i-th.
+template <int W, bool kCoherentX, typename Corr>
+__device__ __forceinline__ void ring_run(WideRing& r, const WideTile<W>& tl,
+                                         const uint4* __restrict__ x, bool has_x, Corr corr,
+                                         float (&tot)[2]) {
+  const uint4 *pa = tl.pa, *pb = tl.pb;
+  const float2 *qa = tl.qa, *qb = tl.qb;
+  for (int i0 = 0; i0 < tl.count; i0 += 2) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int i = i0 + j;
+      if (i < tl.count) {
+        wide_pair_with<false, false, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
+                                                 x + 16 * W * i, has_x,
+                                                 [&corr, i]() { return corr(i); }, tot);
+        if (i + 2 < tl.count) {
+          r.ca[j] = load_stream(pa + 4 * W * (j + 2));
+          r.cb[j] = load_stream(pb + 4 * W * (j + 2));
+          r.sa[j] = __ldg(qa + W * (j + 2));
+          r.sb[j] = __ldg(qb + W * (j + 2));
+        }
+      }
+    }
+    pa += 8 * W;
+    pb += 8 * W;
+    qa += 2 * W;
+    qb += 2 * W;
+  }
+}
+
+// A tile's warp sums added in shared memory in warp order (as `wide_reduce_store`): the
+// result is warp 0's; the caller alternates `red` buffers, so one barrier a tile suffices.
+template <int W>
+__device__ __forceinline__ float2 tile_sums(float2 (&red)[W][32], const float (&tot)[2],
+                                            int warp, int lane) {
+  red[warp][lane] = make_float2(tot[0], tot[1]);
+  __syncthreads();
+  float2 s = make_float2(0.0f, 0.0f);
+  if (warp == 0) {
+    s = red[0][lane];
+#pragma unroll
+    for (int v = 1; v < W; ++v) {
+      const float2 o = red[v][lane];
+      s.x += o.x;
+      s.y += o.y;
+    }
+  }
+  return s;
+}
+
+__device__ __forceinline__ float bf16_round(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+// silu(gate) * up as XLA computes it from the GEMV's bf16 outputs: each op rounded to bf16
+__device__ __forceinline__ float swiglu_bf16(float gate_sum, float up_sum) {
+  const float g = bf16_round(gate_sum), u = bf16_round(up_sum);
+  const float sig = bf16_round(1.0f / (1.0f + expf(-g)));
+  return bf16_round(bf16_round(g * sig) * u);
+}
+
+// T: resident warps an SM the registers are capped for (32: 64 registers, 144 bytes of
+// spills at W = 8; 24: 80 registers, 20 bytes).
+template <int W, int T>
+__global__ void __launch_bounds__(W * 32, T / W)
+    int4_mlp_persistent(const uint4* __restrict__ x, const float* __restrict__ corr,
+                        const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats gu,
+                        const __grid_constant__ Mats dn, const int32_t* __restrict__ index,
+                        __nv_bfloat16* act, float* psum, __nv_bfloat16* __restrict__ out,
+                        int k1, int m) {
+  __shared__ float2 red[2][W][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.x, blocks = gridDim.x;
+  const int n1 = gu.start[1], n2 = dn.start[dn.count], k2 = n1;  // down's K is act's width
+  const int nt1 = (n1 + 15) / 16, nt2 = (n2 + 15) / 16;
+  const int64_t layer1 = layer_of(gu, index), layer2 = layer_of(dn, index);
+  const bool has_x = g < 2 * m && (g & 1) == (t >> 1);
+  const int xrow = min(g >> 1, m - 1), crow = min(t, m - 1);
+  const int count_a = b < nt1 ? (nt1 - b + blocks - 1) / blocks : 0;
+  const int count_b = b < nt2 ? (nt2 - b + blocks - 1) / blocks : 0;
+  // phase A's j-th tile of this block: gate tile u (j even) or up tile u (j odd), u = b + G j/2
+  auto tile_a = [&](int j) {
+    return WideTile<W>(gu, layer1, k1, (j & 1 ? n1 : 0) + 16 * (b + blocks * (j >> 1)), warp,
+                       lane);
+  };
+  auto tile_b = [&](int j) { return WideTile<W>(dn, layer2, k2, 16 * (b + blocks * j), warp,
+                                                lane); };
+  const uint4* xa = x + static_cast<int64_t>(xrow) * (k1 >> 3) + warp * 16 + 4 * t;
+  const float2* ca = reinterpret_cast<const float2*>(corr + static_cast<int64_t>(crow) *
+                                                                (k1 >> 6)) + warp;
+  auto corr_a = [ca](int i) { return __ldg(ca + W * i); };
+
+  WideRing ring;
+  WideTile<W> cur;
+  if (count_a > 0) cur = tile_a(0);
+  else if (count_b > 0) cur = tile_b(0);
+  ring_fill(ring, cur);
+  int parity = 0;
+  float2 gate = make_float2(0.0f, 0.0f);  // warp 0: the gate sums of the tile pair at hand
+  for (int j = 0; j < 2 * count_a; ++j) {
+    float tot[2] = {0.0f, 0.0f};
+    ring_run<W, false>(ring, cur, xa, has_x, corr_a, tot);
+    // the next tile's first pairs in flight while this one is reduced (after phase A's last
+    // tile: the first down tile, across the barrier)
+    cur = j + 1 < 2 * count_a ? tile_a(j + 1) : count_b > 0 ? tile_b(0) : WideTile<W>();
+    ring_fill(ring, cur);
+    const float2 s = tile_sums<W>(red[parity], tot, warp, lane);
+    if (warp == 0) {
+      if ((j & 1) == 0) {
+        gate = s;
+      } else {
+        const int u = b + blocks * (j >> 1), ra = 16 * u + g, rb = ra + 8;
+        const float a0 = t < m && ra < n1 ? swiglu_bf16(gate.x, s.x) : 0.0f;
+        const float a1 = t < m && rb < n1 ? swiglu_bf16(gate.y, s.y) : 0.0f;
+        if (t < m && ra < n1) act[static_cast<int64_t>(t) * n1 + ra] = __float2bfloat16_rn(a0);
+        if (t < m && rb < n1) act[static_cast<int64_t>(t) * n1 + rb] = __float2bfloat16_rn(a1);
+        float p = a0 + a1;  // the tile's 16 rows for x row t, added over g in a fixed tree
+        p += __shfl_xor_sync(0xffffffffu, p, 4);
+        p += __shfl_xor_sync(0xffffffffu, p, 8);
+        p += __shfl_xor_sync(0xffffffffu, p, 16);
+        if (g == 0 && t < m) psum[static_cast<int64_t>(t) * nt1 + u] = p;
+      }
+    }
+    parity ^= 1;
+  }
+  grid_barrier(blocks);
+  const uint4* xb = reinterpret_cast<const uint4*>(act) + static_cast<int64_t>(xrow) * (k2 >> 3)
+                    + warp * 16 + 4 * t;
+  const float4* pb = reinterpret_cast<const float4*>(psum + static_cast<int64_t>(crow) * nt1)
+                     + 2 * warp;
+  auto corr_b = [pb](int i) {  // groups 2p, 2p + 1 of act: tiles 8p .. 8p + 7, p = warp + W i
+    const float4 lo = __ldcg(pb + 2 * W * i), hi = __ldcg(pb + 2 * W * i + 1);
+    return make_float2(((lo.x + lo.y) + lo.z) + lo.w, ((hi.x + hi.y) + hi.z) + hi.w);
+  };
+  for (int j = 0; j < count_b; ++j) {
+    float tot[2] = {0.0f, 0.0f};
+    ring_run<W, true>(ring, cur, xb, has_x, corr_b, tot);
+    cur = j + 1 < count_b ? tile_b(j + 1) : WideTile<W>();
+    ring_fill(ring, cur);
+    const float2 s = tile_sums<W>(red[parity], tot, warp, lane);
+    if (warp == 0) {
+      const int ra = 16 * (b + blocks * j) + g, rb = ra + 8;
+      if (t < m) {
+        const int64_t o = static_cast<int64_t>(t) * n2;
+        if (ra < n2)
+          out[o + ra] = __float2bfloat16_rn(__bfloat162float(h[o + ra]) + bf16_round(s.x));
+        if (rb < n2)
+          out[o + rb] = __float2bfloat16_rn(__bfloat162float(h[o + rb]) + bf16_round(s.y));
+      }
+    }
+    parity ^= 1;
+  }
+}
+
+// The persistent MLP's grid: as many blocks as fit on the device at once (every block must
+// reach the barrier), no more than the larger phase has tiles.
+template <int W, int T>
+cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
+                       const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
+                       const int32_t* index, __nv_bfloat16* act, float* psum,
+                       __nv_bfloat16* out, int k1, int m, int tiles) {
+  static int fit = 0;  // blocks of this kernel that fit on the device at once
+  if (fit == 0) {
+    int dev = 0, sms = 0, per_sm = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, int4_mlp_persistent<W, T>,
+                                                          W * 32, 0);
+    if (err != cudaSuccess) return err;
+    fit = sms * per_sm;
+  }
+  const int blocks = std::max(1, std::min(fit, tiles));
+  int4_mlp_persistent<W, T><<<blocks, W * 32, 0, stream>>>(x, corr, h, gu, dn, index, act, psum,
+                                                         out, k1, m);
+  return cudaGetLastError();
 }
 
 // The wide kernel with the codes and scales of the next S - 1 pairs copied into a shared-memory
@@ -991,16 +1269,19 @@ cudaError_t by_m(cudaStream_t stream, const Launch& a, int m, int rows_per_warp)
 
 // The weights of a call: pairs (codes, scales) in `rest`, all with the same stack dims and K.
 // Fills `mt`; returns an error message or nullptr.
+// The (codes, scales) pairs rest[2 first ..] (`pairs` of them, all of rest by default).
 const char* decode_mats(const ffi::RemainingArgs& rest, const ffi::Buffer<ffi::S32>& index,
-                        Mats& mt, int64_t& k_out) {
-  if (rest.size() < 2 || rest.size() % 2 != 0 || rest.size() > 2 * kMaxMats)
+                        Mats& mt, int64_t& k_out, size_t first = 0, size_t pairs = 0) {
+  if (pairs == 0) pairs = (rest.size() - 2 * first) / 2;
+  if (rest.size() < 2 * (first + pairs) || rest.size() % 2 != 0 || pairs < 1 ||
+      pairs > kMaxMats)
     return "int4_gemv: weights come as 1..4 (codes, scales) pairs";
   int64_t nlead = -1, k = -1, rows = 0;
   std::vector<int64_t> lead;
-  mt.count = static_cast<int>(rest.size() / 2);
+  mt.count = static_cast<int>(pairs);
   for (int j = 0; j < mt.count; ++j) {
-    auto w = rest.get<ffi::Buffer<ffi::U8>>(2 * j);
-    auto sc = rest.get<ffi::Buffer<ffi::F32>>(2 * j + 1);
+    auto w = rest.get<ffi::Buffer<ffi::U8>>(2 * (first + j));
+    auto sc = rest.get<ffi::Buffer<ffi::F32>>(2 * (first + j) + 1);
     if (w.has_error() || sc.has_error()) return "int4_gemv: codes must be u8, scales f32";
     const auto wd = w->dimensions(), sd = sc->dimensions();
     const int64_t nl = static_cast<int64_t>(wd.size()) - 2;
@@ -1151,6 +1432,61 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
+
+// x [M, K1] bf16 (the MLP's normed input), corr [M, K1/64] its group sums, h [M, N2] the
+// residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
+// [M, N2], act [M, N1] and psum [M, N1/16] the launch's scratch.
+ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> corr,
+                       ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> index,
+                       ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                       ffi::Result<ffi::Buffer<ffi::BF16>> act,
+                       ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
+                       int64_t occupancy) {
+  if (rest.size() != 6)
+    return ffi::Error::InvalidArgument("int4_mlp: gate, up and down as (codes, scales) pairs");
+  Mats gu{}, dn{};
+  int64_t k1 = 0, k2 = 0;
+  if (const char* bad = decode_mats(rest, index, gu, k1, 0, 2))
+    return ffi::Error::InvalidArgument(bad);
+  if (const char* bad = decode_mats(rest, index, dn, k2, 2, 1))
+    return ffi::Error::InvalidArgument(bad);
+  const int64_t n1 = gu.start[1], n2 = dn.start[1];
+  if (gu.start[2] != 2 * n1)
+    return ffi::Error::InvalidArgument("int4_mlp: gate and up need the same rows");
+  if (k1 % 128 != 0 || k2 % 128 != 0 || k2 != n1)
+    return ffi::Error::InvalidArgument(
+        "int4_mlp: K of gate|up and of down (= gate's rows) must be multiples of 128");
+  const auto xd = x.dimensions(), cd = corr.dimensions(), hd = h.dimensions();
+  const auto od = out->dimensions(), ad = act->dimensions(), pd = psum->dimensions();
+  const int64_t m = xd.size() == 2 ? xd[0] : 0;
+  if (m < 1 || m > 4 || xd[1] != k1)
+    return ffi::Error::InvalidArgument("int4_mlp: x must be [M <= 4, K1]");
+  if (cd.size() != 2 || cd[0] != m || cd[1] != k1 / 64)
+    return ffi::Error::InvalidArgument("int4_mlp: corr must be [M, K1/64]");
+  if (hd.size() != 2 || hd[0] != m || hd[1] != n2 || od.size() != 2 || od[0] != m ||
+      od[1] != n2)
+    return ffi::Error::InvalidArgument("int4_mlp: h and out must be [M, N2]");
+  if (ad.size() != 2 || ad[0] != m || ad[1] != n1 || pd.size() != 2 || pd[0] != m ||
+      pd[1] != n1 / 16)
+    return ffi::Error::InvalidArgument("int4_mlp: act must be [M, N1], psum [M, N1/16]");
+  const int tiles = static_cast<int>(std::max((n1 + 15) / 16, (n2 + 15) / 16));
+  const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
+  const auto* hp = reinterpret_cast<const __nv_bfloat16*>(h.typed_data());
+  auto* ap = reinterpret_cast<__nv_bfloat16*>(act->typed_data());
+  auto* op = reinterpret_cast<__nv_bfloat16*>(out->typed_data());
+  const int ki = static_cast<int>(k1), mi = static_cast<int>(m);
+  cudaError_t err;
+#define NINFER_MLP(W, T)                                                                     \
+  if (warps == W && occupancy == T)                                                          \
+    err = launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(), ap, \
+                           psum->typed_data(), op, ki, mi, tiles);                           \
+  else
+  NINFER_MLP(4, 24) NINFER_MLP(4, 32) NINFER_MLP(8, 24) NINFER_MLP(8, 32)
+#undef NINFER_MLP
+    return ffi::Error::InvalidArgument("int4_mlp: warps 4 or 8, occupancy 24 or 32");
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Gemv, Int4GemvImpl,
@@ -1189,4 +1525,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Attr<int64_t>("occupancy")
                                   .Attr<int64_t>("stages")
                                   .Attr<int64_t>("xperm"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("warps")
+                                  .Attr<int64_t>("occupancy"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,93 @@
+"""A decode step's MLP at the 27B's shapes (gate|up 34816 x 5120, down 5120 x 17408, int4_g64,
+stacks of 4 layers read in place so that the L2 holds none of it): the persistent CUDA kernel
+(`cuda_ops.int4_mlp`: one launch, a grid barrier between the two GEMVs) at each warps and
+register setting, against the separate calls the model makes today (the wide GEMV for
+gate|up, XLA's SwiGLU, the wide GEMV for down, XLA's residual add). Per call: microseconds,
+bytes of codes and scales per second over the measured copy rate, and the error against the
+separate calls.
+
+  python bench/mlp_micro.py --out mlp_micro.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+from bench.bench_27b import _random_qtensor, torch_peaks  # noqa: E402
+from bench.kernels_micro import LAYERS, REPEAT, bench  # noqa: E402
+from engine.kernels import cuda_ops  # noqa: E402
+
+HIDDEN, INTER = 5120, 17408
+
+
+def separate(x, h, gate, up, down, idx):
+    g, u = cuda_ops.int4_gemv_multi(x, [gate, up], idx)
+    return h + cuda_ops.int4_gemv(jax.nn.silu(g) * u, down, idx)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2")
+    ap.add_argument("--variants", default="8/24,8/32,4/24,4/32",
+                    help="warps/occupancy settings of the persistent kernel")
+    ap.add_argument("--out", default="mlp_micro.json")
+    args = ap.parse_args()
+    peaks = torch_peaks()
+    copy = peaks.get("torch_copy_bytes_per_s", 1.0)
+    res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
+           "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
+           "peaks": peaks, "cuda_available": cuda_ops.available(), "rows": []}
+    if not res["cuda_available"]:
+        print(f"CUDA op unavailable: {cuda_ops.why_unavailable()}")
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        return
+    key = jax.random.key(0)
+    gate, up, down = (_random_qtensor(jax.random.fold_in(key, i), (LAYERS, n, k), "int4_g64")
+                      for i, (n, k) in enumerate(((INTER, HIDDEN), (INTER, HIDDEN),
+                                                  (HIDDEN, INTER))))
+    nbytes = sum(w.data.size + w.scale.size * 4 for w in (gate, up, down)) / LAYERS
+    for m in [int(r) for r in args.rows.split(",")]:
+        x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.bfloat16)
+        h = jax.random.normal(jax.random.key(m + 10), (m, HIDDEN), jnp.bfloat16)
+        idx = jnp.array([LAYERS - 1], jnp.int32)
+        want = jax.jit(separate)(x, h, gate, up, down, idx).astype(jnp.float32)
+        impls = {"separate": separate}
+        for v in args.variants.split(","):
+            wp, occ = (int(a) for a in v.split("/"))
+            impls[f"persistent_w{wp}o{occ}"] = (
+                lambda x, h, g, u, d, i, wp=wp, occ=occ: cuda_ops.int4_mlp(
+                    x, h, g, u, d, i, warps=wp, occupancy=occ))
+        for name, fn in impls.items():
+            def run(x, h, g, u, d, fn=fn):
+                def body(i, acc):
+                    return acc + fn(x, h, g, u, d, jnp.reshape(i % LAYERS, (1,))).astype(
+                        jnp.float32)
+                return lax.fori_loop(0, LAYERS * REPEAT, body, jnp.zeros(h.shape, jnp.float32))
+            try:
+                got = jax.jit(fn)(x, h, gate, up, down, idx).astype(jnp.float32)
+                err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+                t = bench(jax.jit(run), x, h, gate, up, down, reps=7) / (LAYERS * REPEAT)
+            except Exception as e:  # noqa: BLE001  (a failing variant is a result)
+                print(f"M{m} {name:>20}: {type(e).__name__} {str(e)[:300]}", flush=True)
+                continue
+            row = {"rows": m, "impl": name, "us": t * 1e6, "bytes_per_s": nbytes / t,
+                   "fraction_of_copy": nbytes / t / copy, "rel_err_vs_separate": err}
+            res["rows"].append(row)
+            print(f"M{m} {name:>20}: {t * 1e6:8.1f} us {nbytes / t / 1e12:5.2f} TB/s "
+                  f"({row['fraction_of_copy'] * 100:4.0f}% of copy) err {err:.1e}", flush=True)
+            Path(args.out).write_text(json.dumps(res, indent=2))
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
