@@ -210,13 +210,16 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         prefill2 prefcudnn_flash
         prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;
       mlp)  # the persistent MLP kernel (gate|up, SwiGLU, down and the residual in one launch,
-        # cuda_ops.int4_mlp; not used by the model yet): its GPU tests, then the micro
-        # benchmark against the separate calls at the 27B's shapes
+        # cuda_ops.int4_mlp; NINFER_MLP_FUSED=1, off by default): its GPU tests, the micro
+        # benchmark against the separate calls at the 27B's shapes, C1/C2 1K decode without
+        # and with it
         run 300 "$OUT/mlp_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k "persistent"
         tail -n 2 "$OUT/mlp_tests_$TAG.log"
         run 200 "$OUT/mlp_micro_$TAG.log" python3 bench/mlp_micro.py --out "$OUT/mlp_micro_$TAG.json"
-        grep -E "^M[0-9]" "$OUT/mlp_micro_$TAG.log" ;;
+        grep -E "^M[0-9]" "$OUT/mlp_micro_$TAG.log"
+        decode1k mlp_off
+        decode1k mlp_on NINFER_MLP_FUSED=1 ;;
       xperm)  # x permuted by XLA so that the wide GEMV skips its 16 byte permutations a pair
         # (NINFER_INT4_WIDE_XPERM=1; main loop 252 -> 214 instructions for two pairs, sm_90
         # SASS): its GPU tests (bitwise the default), C1/C2 1K decode without and with it,

@@ -26,6 +26,22 @@ def mlp(p, x, kernels: str = "xla"):
     return linear(jax.nn.silu(gate) * up, p["down_proj"], kernels)
 
 
+def mlp_residual(p, x, h, kernels: str = "xla"):
+    """h + mlp(p, x). With NINFER_MLP_FUSED=1 (off by default: not measured yet), kernels
+    "pallas" and a decode step's rows (M <= 4 bf16, int4_g64 layer views of stacks) on a GPU
+    where the CUDA op builds: the persistent MLP kernel, one launch for the two GEMVs, the
+    SwiGLU and the residual (engine/kernels/cuda_ops.py `int4_mlp`)."""
+    if kernels == "pallas" and os.environ.get("NINFER_MLP_FUSED", "0") == "1":
+        from engine.kernels import cuda_ops
+        from engine.kernels.stacked import Stacked
+
+        ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
+        if all(isinstance(w, Stacked) for w in ws) and cuda_ops.mlp_takes(
+                x, h, *(w.w for w in ws), int(ws[0].index.shape[0])):
+            return cuda_ops.int4_mlp(x, h, *(w.w for w in ws), ws[0].index)
+    return h + mlp(p, x, kernels)
+
+
 def _gdn_rule(mode: str, kernels: str, t: int):
     """The gated delta rule for this call (engine/gdn.py `select_rule`): the references, or
     with kernels="pallas" the recurrent kernel for decode-sized steps and the chunked prefill
@@ -140,7 +156,8 @@ def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
         p["linear_attn"], cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
         conv_state, rec_state, lengths, valid, mode, kernels)
     x = x + h
-    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), kernels)
+    x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
+                     kernels)
     return x, conv_state, rec_state
 
 
@@ -153,5 +170,6 @@ def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid, kernels
                             rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
                             kv, layer, positions, valid, write_attend, kernels)
     x = x + h
-    x = x + mlp(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), kernels)
+    x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
+                     kernels)
     return x, kv

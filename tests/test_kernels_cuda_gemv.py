@@ -509,3 +509,33 @@ def test_persistent_mlp_at_27b_shapes_on_gpu():
         gate_o, up_o = cuda_ops.int4_gemv_multi(x, [gate, up])
         want = h + cuda_ops.int4_gemv(jax.nn.silu(gate_o) * up_o, down)
         assert_close(got, want.astype(jnp.float32), jnp.bfloat16)
+
+
+def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
+    """`mlp_takes`, the model's test for the persistent MLP kernel (the op's build aside,
+    which needs a GPU): bf16 rows of a decode step over int4 stacks whose K1 and N1 are
+    multiples of 128, and nothing else; and on a machine without the op, the model's
+    `mlp_residual` with NINFER_MLP_FUSED=1 is h + mlp exactly."""
+    from engine.kernels.stacked import Stacked
+    from engine.layers import mlp, mlp_residual
+
+    x, h, (gate, up, down) = _mlp_case(2)
+    monkeypatch.setattr(cuda_ops, "available", lambda: True)
+    assert cuda_ops.mlp_takes(x, h, gate, up, down, 1)
+    assert not cuda_ops.mlp_takes(jnp.zeros((5, 512), jnp.bfloat16),
+                                  jnp.zeros((5, 1000), jnp.bfloat16), gate, up, down, 1)
+    assert not cuda_ops.mlp_takes(x.astype(jnp.float32), h, gate, up, down, 1)
+    assert not cuda_ops.mlp_takes(x, h[:, :999], gate, up, down, 1)
+    assert not cuda_ops.mlp_takes(x, h, gate, up, up, 1)  # down's K is not gate's N
+    assert not cuda_ops.mlp_takes(x, h, gate, up, down, 0)  # stacks, not a layer
+    x3, h3, ws3 = _mlp_case(1, k1=320, n1=1024)  # K1 not a multiple of 128
+    assert not cuda_ops.mlp_takes(x3, h3, *ws3, 1)
+    monkeypatch.undo()
+
+    idx = jnp.array([1], jnp.int32)
+    p = {name: Stacked(w, idx) for name, w in zip(("gate_proj", "up_proj", "down_proj"),
+                                                  (gate, up, down))}
+    monkeypatch.setenv("NINFER_MLP_FUSED", "1")
+    got = mlp_residual(p, x[:, None], h[:, None], "pallas")
+    want = h[:, None] + mlp(p, x[:, None], "pallas")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -367,6 +367,21 @@ MLP_WARPS = (4, 8)
 MLP_OCCUPANCY = (24, 32)
 
 
+def mlp_takes(x, h, gate, up, down, lead: int = 0) -> bool:
+    """Whether `int4_mlp` runs x's MLP here: bf16 x and h of a decode step's rows (M <= 4),
+    int4_g64 gate and up [*d, N1, K1] and down [*d, N2, N1] with K1 and N1 multiples of 128,
+    and the op built on this machine."""
+    m = int(np.prod(x.shape[:-1], dtype=np.int64))
+    n1 = gate.shape[0] if isinstance(gate, QTensor) else 0
+    return (x.dtype == jnp.bfloat16 and h.dtype == jnp.bfloat16 and m <= WIDE_MAX_M
+            and h.shape[:-1] == x.shape[:-1] and supported(x, gate, lead)
+            and supported(x, up, lead) and up.shape == gate.shape
+            and isinstance(down, QTensor) and down.fmt == INT4_G64
+            and jnp.ndim(down.data) == lead + 2 and down.shape[1] == n1
+            and h.shape[-1] == down.shape[0] and x.shape[-1] % 128 == 0 and n1 % 128 == 0
+            and available())
+
+
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
              warps: int = 8, occupancy: int = 24):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
