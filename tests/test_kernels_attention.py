@@ -182,6 +182,8 @@ def test_from_start_attend_matches_reference(start):
         np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
 
 
+# slow tier: a setting off by default (v13); the kernel-level test of it stays in the default tier
+@pytest.mark.slow
 def test_model_prefill_with_library_attention_matches(monkeypatch):
     """The tiny model's prefill over the contiguous cache with NINFER_PREFILL_ATTN=xla against
     the reference path, and the setting read by `library_setting`."""

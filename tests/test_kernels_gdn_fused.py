@@ -261,6 +261,9 @@ def test_split_at_27b_heads_lowers_and_rejects_a_bad_split(monkeypatch):
         gdn_decode_fused(*args, "recurrent", "pallas", jnp.float32, interpret=True, split=3)
 
 
+# slow tier: a setting measured no faster (v13); the kernel-level split tests stay in the
+# default tier
+@pytest.mark.slow
 def test_model_decode_with_split_heads_matches(monkeypatch):
     """The tiny model's in-place decode step with NINFER_GDN_FUSED_SPLIT=2 against the
     reference path."""
