@@ -19,10 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
 
 from bench.bench_27b import _random_qtensor, torch_peaks  # noqa: E402
-from bench.kernels_micro import LAYERS, REPEAT, bench  # noqa: E402
+from bench.kernels_micro import LAYERS, per_call  # noqa: E402
 from engine.kernels import cuda_ops, qgemv  # noqa: E402
 from engine.kernels.stacked import Stacked  # noqa: E402
 from engine.quant import linear  # noqa: E402
@@ -109,17 +108,11 @@ def main() -> None:
                     return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],
                                               prefetch=0)
 
-                def run(x, w, one=one):
-                    def body(i, acc):
-                        return acc + one(x, w, jnp.reshape(i % layers, (1,))).astype(
-                            jnp.float32)
-                    return lax.fori_loop(0, layers * REPEAT, body,
-                                         jnp.zeros((m, n), jnp.float32))
                 try:
                     got = jax.jit(one)(x, w, jnp.array([layers - 1], jnp.int32))
                     err = float(jnp.linalg.norm((got - ref).astype(jnp.float32))
                                 / jnp.linalg.norm(ref.astype(jnp.float32)))
-                    t = bench(jax.jit(run), x, w, reps=7) / (layers * REPEAT)
+                    t = per_call(one, x, w, layers=layers, reps=7)
                 except Exception as e:  # noqa: BLE001  (an unsupported M x R is a result)
                     print(f"{name:>16} {n:>6}x{k:<5} M{m} {impl:>8}: {type(e).__name__} "
                           f"{str(e)[:200]}", flush=True)

@@ -35,8 +35,8 @@
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds. Sourced (`source
-# bench/h200_session.sh`), it only defines its helpers (run, prefill2, decode1k) and runs no
-# part.
+# bench/h200_session.sh`), it only defines its helpers (run, prefill2, decode1k, envab) and
+# runs no part.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 TAG="${TAG:-run}"
@@ -76,6 +76,22 @@ decode1k() {  # decode1k <name> [VAR=value ...]: C1/C2 int4 decode at 1K context
    run 150 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
      --contexts 1024 --prefill "" --steps 10 --out "$OUT/${name}_$TAG.json")
   grep -E '^decode' "$OUT/${name}_$TAG.log" | cut -c1-90 | sed "s/^/$name: /"
+}
+envab() {  # envab <name> <pytest -k expr> VAR=value: the wide GEMV's GPU tests named by the
+  # expression, C1/C2 1K decode without and with VAR=value twice in turn, and the engine's
+  # GPU tests (greedy C1 == C2) with it
+  local name=$1 tests=$2 setting=$3
+  run 200 "$OUT/${name}_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_kernels_cuda_gemv.py -k "$tests"
+  tail -n 2 "$OUT/${name}_tests_$TAG.log"
+  for rep in a b; do
+    decode1k "${name}_off_$rep"
+    decode1k "${name}_on_$rep" "$setting"
+  done
+  (export "$setting"
+   run 300 "$OUT/${name}_enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+     tests/test_engine_gpu.py)
+  tail -n 2 "$OUT/${name}_enginegpu_$TAG.log"
 }
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced: the helpers only
 for part in "${@:-tests gemv decode profile prefill restore}"; do
@@ -222,32 +238,12 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         decode1k mlp_on NINFER_MLP_FUSED=1 ;;
       xperm)  # x permuted by XLA so that the wide GEMV skips its 16 byte permutations a pair
         # (NINFER_INT4_WIDE_XPERM=1; main loop 252 -> 214 instructions for two pairs, sm_90
-        # SASS): its GPU tests (bitwise the default), C1/C2 1K decode without and with it,
-        # twice in turn, and the engine's GPU tests with it
-        run 200 "$OUT/xperm_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "wide_tensor_core"
-        tail -n 2 "$OUT/xperm_tests_$TAG.log"
-        for rep in a b; do
-          decode1k "xperm_off_$rep"
-          decode1k "xperm_on_$rep" NINFER_INT4_WIDE_XPERM=1
-        done
-        NINFER_INT4_WIDE_XPERM=1 run 300 "$OUT/xperm_enginegpu_$TAG.log" python3 -m \
-          pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py
-        tail -n 2 "$OUT/xperm_enginegpu_$TAG.log" ;;
+        # SASS): its GPU tests (bitwise the default), decode and engine tests (envab)
+        envab xperm "wide_tensor_core" NINFER_INT4_WIDE_XPERM=1 ;;
       w10)  # 10 warps to a tile for the 320-tile shapes (down, out_proj: every tile resident
         # at once, 3,200 warps against 2,560 at 8): the wide GPU tests (every warps setting),
-        # C1/C2 1K decode with "auto" (4 or 8) and "auto:4,10", twice in turn, and the
-        # engine's GPU tests with "auto:4,10"
-        run 200 "$OUT/w10_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "wide"
-        tail -n 2 "$OUT/w10_tests_$TAG.log"
-        for rep in a b; do
-          decode1k "w_auto_$rep"
-          decode1k "w_auto410_$rep" NINFER_INT4_WIDE_WARPS=auto:4,10
-        done
-        NINFER_INT4_WIDE_WARPS=auto:4,10 run 300 "$OUT/w10_enginegpu_$TAG.log" python3 -m \
-          pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py
-        tail -n 2 "$OUT/w10_enginegpu_$TAG.log" ;;
+        # decode with "auto" (4 or 8) and "auto:4,10", the engine tests with it (envab)
+        envab w10 "wide" NINFER_INT4_WIDE_WARPS=auto:4,10 ;;
       gdnsplit)  # the fused GDN decode kernel with each value head's state over GDNSPLIT
         # programs by its Dv columns (NINFER_GDN_FUSED_SPLIT; 1: one program a head, the
         # default): its GPU tests, C1/C2 1K decode at each

@@ -45,6 +45,19 @@ CONFIGS = [qgemv.GemvConfig(),
            qgemv.GemvConfig(dot=True, bn=32, bk=1024, programs=512, num_warps=8)]
 
 
+def per_call(fn, *args, layers=LAYERS, reps=20):
+    """Seconds a call of fn(*args, index) takes, index an int32 [1] cycling over `layers`
+    stacked layers (so the L2 holds no layer's weights from the call before): REPEAT calls a
+    layer inside one jit, their fp32 results added up so none is dropped."""
+    out = jax.eval_shape(fn, *args, jnp.zeros((1,), jnp.int32))
+
+    def run(*args):
+        def body(i, acc):
+            return acc + fn(*args, jnp.reshape(i % layers, (1,))).astype(jnp.float32)
+        return lax.fori_loop(0, layers * REPEAT, body, jnp.zeros(out.shape, jnp.float32))
+    return bench(jax.jit(run), *args, reps=reps) / (layers * REPEAT)
+
+
 def bench(fn, *args, reps=20):
     out = fn(*args)
     jax.block_until_ready(out)
@@ -74,19 +87,12 @@ def gemv_rows(res):
                 variants = {"xla": None}
                 variants.update({f"pallas{i}": c for i, c in enumerate(CONFIGS)})
                 for name, cfg in variants.items():
-                    def run(x, w, cfg=cfg):
-                        def body(i, acc):
-                            idx = jnp.reshape(i, (1,))
-                            if cfg is None:
-                                y = linear(x, Stacked(w, idx).materialize())
-                            else:
-                                y = qgemv.qmatmul(x, w, idx, config=cfg)
-                            return acc + y.astype(jnp.float32)
-                        return lax.fori_loop(0, LAYERS * REPEAT,
-                                             lambda i, a: body(i % LAYERS, a),
-                                             jnp.zeros((rows, n), jnp.float32))
+                    def one(x, w, idx, cfg=cfg):
+                        if cfg is None:
+                            return linear(x, Stacked(w, idx).materialize())
+                        return qgemv.qmatmul(x, w, idx, config=cfg)
                     try:
-                        t = bench(jax.jit(run), x, w, reps=5) / (LAYERS * REPEAT)
+                        t = per_call(one, x, w, reps=5)
                     except Exception as e:  # noqa: BLE001
                         print(f"gemv {fmt} {n}x{k} M{rows} {name}: {type(e).__name__} "
                               f"{str(e)[:400]}", flush=True)

@@ -21,10 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
 
 from bench.bench_27b import _random_qtensor, torch_peaks  # noqa: E402
-from bench.kernels_micro import LAYERS, REPEAT, bench  # noqa: E402
+from bench.kernels_micro import LAYERS, per_call  # noqa: E402
 from engine.kernels import cuda_ops  # noqa: E402
 
 HIDDEN, INTER = 5120, 17408
@@ -68,15 +67,10 @@ def main() -> None:
                 lambda x, h, g, u, d, i, wp=wp, occ=occ: cuda_ops.int4_mlp(
                     x, h, g, u, d, i, warps=wp, occupancy=occ))
         for name, fn in impls.items():
-            def run(x, h, g, u, d, fn=fn):
-                def body(i, acc):
-                    return acc + fn(x, h, g, u, d, jnp.reshape(i % LAYERS, (1,))).astype(
-                        jnp.float32)
-                return lax.fori_loop(0, LAYERS * REPEAT, body, jnp.zeros(h.shape, jnp.float32))
             try:
                 got = jax.jit(fn)(x, h, gate, up, down, idx).astype(jnp.float32)
                 err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-                t = bench(jax.jit(run), x, h, gate, up, down, reps=7) / (LAYERS * REPEAT)
+                t = per_call(fn, x, h, gate, up, down, reps=7)
             except Exception as e:  # noqa: BLE001  (a failing variant is a result)
                 print(f"M{m} {name:>20}: {type(e).__name__} {str(e)[:300]}", flush=True)
                 continue

@@ -37,7 +37,7 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
 
         ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
         if all(isinstance(w, Stacked) for w in ws) and cuda_ops.mlp_takes(
-                x, h, *(w.w for w in ws), int(ws[0].index.shape[0])):
+                x, h, *(w.w for w in ws)):
             return cuda_ops.int4_mlp(x, h, *(w.w for w in ws), ws[0].index)
     return h + mlp(p, x, kernels)
 

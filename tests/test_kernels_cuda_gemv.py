@@ -461,6 +461,8 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
         cuda_ops.int4_mlp(x, h[:, :999], gate, up, down, idx)
     with pytest.raises(ValueError, match="warps"):
         cuda_ops.int4_mlp(x, h, gate, up, down, idx, warps=16)
+    with pytest.raises(ValueError, match="bf16"):
+        cuda_ops.int4_mlp(x.astype(jnp.float32), h, gate, up, down, idx)
 
 
 @pytest.mark.gpu
@@ -521,15 +523,16 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
 
     x, h, (gate, up, down) = _mlp_case(2)
     monkeypatch.setattr(cuda_ops, "available", lambda: True)
-    assert cuda_ops.mlp_takes(x, h, gate, up, down, 1)
+    assert cuda_ops.mlp_takes(x, h, gate, up, down)
     assert not cuda_ops.mlp_takes(jnp.zeros((5, 512), jnp.bfloat16),
-                                  jnp.zeros((5, 1000), jnp.bfloat16), gate, up, down, 1)
-    assert not cuda_ops.mlp_takes(x.astype(jnp.float32), h, gate, up, down, 1)
-    assert not cuda_ops.mlp_takes(x, h[:, :999], gate, up, down, 1)
-    assert not cuda_ops.mlp_takes(x, h, gate, up, up, 1)  # down's K is not gate's N
-    assert not cuda_ops.mlp_takes(x, h, gate, up, down, 0)  # stacks, not a layer
+                                  jnp.zeros((5, 1000), jnp.bfloat16), gate, up, down)
+    assert not cuda_ops.mlp_takes(x.astype(jnp.float32), h, gate, up, down)
+    assert not cuda_ops.mlp_takes(x, h[:, :999], gate, up, down)
+    assert not cuda_ops.mlp_takes(x, h, gate, up, up)  # down's K is not gate's N
+    _, _, (_, _, one_down) = _mlp_case(2, lead=())  # down of another stack's dims
+    assert not cuda_ops.mlp_takes(x, h, gate, up, one_down)
     x3, h3, ws3 = _mlp_case(1, k1=320, n1=1024)  # K1 not a multiple of 128
-    assert not cuda_ops.mlp_takes(x3, h3, *ws3, 1)
+    assert not cuda_ops.mlp_takes(x3, h3, *ws3)
     monkeypatch.undo()
 
     idx = jnp.array([1], jnp.int32)

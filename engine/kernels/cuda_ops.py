@@ -202,6 +202,14 @@ WIDE_AUTO_WARPS = 2048  # "auto": about 16 warps on each of the H200's 132 SMs
 WIDE_XPERM_WARPS = (4, 8, 10)  # the warps the kernel taking x_perm is built for
 
 
+def group_sums(xb):
+    """x [M, K] bf16 -> [M, K/64] fp32: the group sums the wide kernels take the codes'
+    offset with (136 x each, inside the kernel: an XLA multiply after the sums would be a
+    kernel of its own, 4 a layer)."""
+    m, k = xb.shape
+    return xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
+
+
 def x_perm(x):
     """x [M, K] with each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7: its 32-bit words are
     then the pairs (r, r + 4) that the wide kernel's MMA B registers hold, so the kernel takes
@@ -312,9 +320,7 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         if bias:  # the kernel's MMAs take 136 * sum(x) off: nothing to prepare (slower, v10)
             corr = jnp.zeros((m, 0), jnp.float32)
         else:
-            # the group sums alone: the kernel takes 136 x them off (an XLA multiply after
-            # the sums is a kernel of its own, 4 a layer)
-            corr = xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
+            corr = group_sums(xb)
         prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
         warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "auto"))
         if stages is None:
@@ -367,19 +373,34 @@ MLP_WARPS = (4, 8)
 MLP_OCCUPANCY = (24, 32)
 
 
-def mlp_takes(x, h, gate, up, down, lead: int = 0) -> bool:
-    """Whether `int4_mlp` runs x's MLP here: bf16 x and h of a decode step's rows (M <= 4),
-    int4_g64 gate and up [*d, N1, K1] and down [*d, N2, N1] with K1 and N1 multiples of 128,
-    and the op built on this machine."""
+def mlp_shape_error(x, h, gate, up, down) -> str | None:
+    """Why `int4_mlp` does not take these operands (None: it does): bf16 x and h of a decode
+    step's rows (M <= 4), int4_g64 gate and up [*d, N1, K1] and down [*d, N2, N1] of the same
+    stack dims, K1 and N1 multiples of 128."""
     m = int(np.prod(x.shape[:-1], dtype=np.int64))
-    n1 = gate.shape[0] if isinstance(gate, QTensor) else 0
-    return (x.dtype == jnp.bfloat16 and h.dtype == jnp.bfloat16 and m <= WIDE_MAX_M
-            and h.shape[:-1] == x.shape[:-1] and supported(x, gate, lead)
-            and supported(x, up, lead) and up.shape == gate.shape
-            and isinstance(down, QTensor) and down.fmt == INT4_G64
-            and jnp.ndim(down.data) == lead + 2 and down.shape[1] == n1
-            and h.shape[-1] == down.shape[0] and x.shape[-1] % 128 == 0 and n1 % 128 == 0
-            and available())
+    if not 1 <= m <= WIDE_MAX_M:
+        return f"int4_mlp takes 1..{WIDE_MAX_M} rows, got {m}"
+    if x.dtype != jnp.bfloat16 or h.dtype != jnp.bfloat16:
+        return f"int4_mlp: x and h must be bf16, got {x.dtype} and {h.dtype}"
+    ws = (gate, up, down)
+    if not all(isinstance(w, QTensor) and w.fmt == INT4_G64 for w in ws):
+        return "int4_mlp: gate, up and down must be int4_g64"
+    n1, k1 = gate.shape
+    lead = jnp.ndim(gate.data) - 2
+    if (up.shape != gate.shape or down.shape[1] != n1 or x.shape[-1] != k1 or k1 % 128
+            or n1 % 128 or any(jnp.ndim(w.data) != lead + 2 for w in ws)):
+        return ("int4_mlp: gate and up [*d, N1, K1], down [*d, N2, N1], K1 and N1 multiples "
+                f"of 128; got {gate.shape}, {up.shape}, {down.shape} for x [..., "
+                f"{x.shape[-1]}]")
+    if h.shape[:-1] != x.shape[:-1] or h.shape[-1] != down.shape[0]:
+        return f"int4_mlp: h must be [..., {down.shape[0]}], got {h.shape}"
+    return None
+
+
+def mlp_takes(x, h, gate, up, down) -> bool:
+    """Whether `int4_mlp` runs x's MLP here: operands it takes (`mlp_shape_error`) and the op
+    built on this machine."""
+    return mlp_shape_error(x, h, gate, up, down) is None and available()
 
 
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
@@ -392,24 +413,19 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     across it. Each op rounded to bf16 as the separate calls round them; down's group sums
     of the activations come from per-tile sums (another order of the same fp32 sums, so
     close to the separate calls, not bitwise). warps (4 or 8 a tile), occupancy (resident
-    warps an SM the registers are capped for: 24 or 32). Not measured yet; not used by the
-    model."""
-    lead, k1 = x.shape[:-1], x.shape[-1]
-    m = int(np.prod(lead, dtype=np.int64))
-    n1, n2 = gate.shape[-2], down.shape[-2]
-    if not 1 <= m <= WIDE_MAX_M:
-        raise ValueError(f"int4_mlp takes 1..{WIDE_MAX_M} rows, got {m}")
-    if up.shape != gate.shape or down.shape[-1] != n1 or k1 % 128 or n1 % 128:
-        raise ValueError("int4_mlp: gate and up [*d, N1, K1], down [*d, N2, N1], K1 and N1 "
-                         f"multiples of 128; got {gate.shape}, {up.shape}, {down.shape}")
-    if h.shape[:-1] != lead or h.shape[-1] != n2:
-        raise ValueError(f"int4_mlp: h must be [..., {n2}], got {h.shape}")
+    warps an SM the registers are capped for: 24 or 32). Not measured yet; the model takes
+    it with NINFER_MLP_FUSED=1 (`layers.mlp_residual`)."""
+    if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
+        raise ValueError(err)
     if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
         raise ValueError(f"int4_mlp: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")
+    lead, k1 = x.shape[:-1], x.shape[-1]
+    m = int(np.prod(lead, dtype=np.int64))
+    n1, n2 = gate.shape[0], down.shape[0]
     idx = (jnp.zeros((1,), jnp.int32) if index is None
            else jnp.asarray(index, jnp.int32).reshape(-1))
     xb = x.reshape(m, k1).astype(jnp.bfloat16)
-    corr = xb.astype(jnp.float32).reshape(m, k1 // GROUP, GROUP).sum(-1)
+    corr = group_sums(xb)
     pairs = [a for w in (gate, up, down) for a in (w.data, w.scale.astype(jnp.float32))]
     call = jax.ffi.ffi_call(INT4_MLP_TARGET, (
         jax.ShapeDtypeStruct((m, n2), jnp.bfloat16),  # h + the MLP

@@ -651,21 +651,33 @@ __device__ __forceinline__ void wide_pair(const uint4 ca, const uint4 cb, const 
                                        [cp]() { return __ldg(cp); }, tot);
 }
 
-// A wide tile's warp sums added in shared memory in warp order and stored by warp 0.
-template <int W, typename OT>
-__device__ __forceinline__ void wide_reduce_store(float2 (&red)[W][32], const float (&tot)[2],
-                                                  int warp, int lane, int row0, int n, int m,
-                                                  OT* __restrict__ y) {
+// A tile's warp sums added in shared memory in warp order: the result is warp 0's. A block
+// that reduces tile after tile alternates two `red` buffers, so one barrier a tile suffices.
+template <int W>
+__device__ __forceinline__ float2 tile_sums(float2 (&red)[W][32], const float (&tot)[2],
+                                            int warp, int lane) {
   red[warp][lane] = make_float2(tot[0], tot[1]);
   __syncthreads();
+  float2 s = make_float2(0.0f, 0.0f);
   if (warp == 0) {
-    float2 s = red[0][lane];
+    s = red[0][lane];
 #pragma unroll
     for (int v = 1; v < W; ++v) {
       const float2 o = red[v][lane];
       s.x += o.x;
       s.y += o.y;
     }
+  }
+  return s;
+}
+
+// A wide tile's warp sums added in shared memory in warp order and stored by warp 0.
+template <int W, typename OT>
+__device__ __forceinline__ void wide_reduce_store(float2 (&red)[W][32], const float (&tot)[2],
+                                                  int warp, int lane, int row0, int n, int m,
+                                                  OT* __restrict__ y) {
+  const float2 s = tile_sums<W>(red, tot, warp, lane);
+  if (warp == 0) {
     const int g = lane >> 2, t = lane & 3;
     const int ra = row0 + g, rb = ra + 8;
     if (t < m) {
@@ -675,43 +687,125 @@ __device__ __forceinline__ void wide_reduce_store(float2 (&red)[W][32], const fl
   }
 }
 
-// What lane (g, t) of warp `warp` reads of a wide tile: its rows' codes and scales at its
-// first pair, x and corr at its first pair, and how many pairs the warp takes.
+// One warp's codes and scales of a 16-row tile (rows row0 .. row0 + 15 of mt) and how many of
+// its pairs the warp takes; count 0: no tile. The warp's i-th pair is pair warp + W i: the
+// lane's codes at byte 64 (warp + W i) + 16 t of the row (+ 4 W uint4 per i), the pair's two
+// scales at float2 warp + W i.
 template <int W>
-struct WideLane {
-  const uint4 *pa, *pb;     // codes of rows g and g + 8 (+ 4 W uint4 a pair of the warp)
-  const float2 *qa, *qb;    // their pair scales (+ W a pair)
-  const uint4* xr;          // x (+ 16 W uint4 a pair)
-  const float2* cr;         // corr (+ W a pair); null with the bias MMAs
-  bool has_x;
-  int count;
+struct WideTile {
+  const uint4 *pa = nullptr, *pb = nullptr;
+  const float2 *qa = nullptr, *qb = nullptr;
+  int count = 0;
 
-  __device__ __forceinline__ WideLane(const uint4* __restrict__ x,
-                                      const float* __restrict__ corr, const Mats& mt,
-                                      const int32_t* __restrict__ index, int k, int m,
-                                      int warp, int lane, int row0, bool bias) {
-    const int n = mt.start[mt.count];
-    const int64_t layer = layer_of(mt, index);
-    const int groups = k >> 6, pairs = k >> 7;
-    const int g = lane >> 2, t = lane & 3;
+  __device__ __forceinline__ WideTile() {}
+  __device__ __forceinline__ WideTile(const Mats& mt, int64_t layer, int k, int row0, int warp,
+                                      int lane) {
+    const int n = mt.start[mt.count], g = lane >> 2, t = lane & 3, pairs = k >> 7;
     const uint8_t *wa, *wb;
     const float *sa_p, *sb_p;
     row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
     row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
-    // The warp's i-th pair is pair warp + W i: the lane's codes at byte 64 (warp + W i) + 16 t
-    // of the row (+ 4 W uint4 per i), the pair's two scales at float2 warp + W i.
     pa = reinterpret_cast<const uint4*>(wa + warp * 64) + t;
     pb = reinterpret_cast<const uint4*>(wb + warp * 64) + t;
     qa = reinterpret_cast<const float2*>(sa_p) + warp;
     qb = reinterpret_cast<const float2*>(sb_p) + warp;
+    count = warp < pairs ? (pairs - warp + W - 1) / W : 0;
+  }
+};
+
+// The register ring of P pairs in flight (slot j holds items j, j + P, ... of a tile).
+template <int P>
+struct WideRing {
+  uint4 ca[P], cb[P];
+  float2 sa[P], sb[P];
+};
+
+template <int P, int W>
+__device__ __forceinline__ void ring_fill(WideRing<P>& r, const WideTile<W>& tl) {
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    if (j < tl.count) {
+      r.ca[j] = load_stream(tl.pa + 4 * W * j);
+      r.cb[j] = load_stream(tl.pb + 4 * W * j);
+      r.sa[j] = __ldg(tl.qa + W * j);
+      r.sb[j] = __ldg(tl.qb + W * j);
+    }
+  }
+}
+
+// Where a warp's pairs find their group sums of x: `at(j)` for the j-th pair from the
+// current one, `step(n)` moves n pairs on. CorrPairs: corr [M, K/64] as float2 a pair (read
+// through the read-only path); CorrTiles: 4 sums of 16 rows a group, float4s written in the
+// same launch (the persistent MLP's down), added in a fixed order, read through L2 only.
+template <int W>
+struct CorrPairs {
+  const float2* p;
+  __device__ __forceinline__ float2 at(int j) const { return __ldg(p + W * j); }
+  __device__ __forceinline__ void step(int n) { p += W * n; }
+};
+template <int W>
+struct CorrTiles {
+  const float4* p;
+  __device__ __forceinline__ float2 at(int j) const {
+    const float4 lo = __ldcg(p + 2 * W * j), hi = __ldcg(p + 2 * W * j + 1);
+    return make_float2(((lo.x + lo.y) + lo.z) + lo.w, ((hi.x + hi.y) + hi.z) + hi.w);
+  }
+  __device__ __forceinline__ void step(int n) { p += 2 * W * n; }
+};
+
+// The warp's pairs of one tile, from the ring (filled with the tile's first P), refilling
+// it from the same tile; x and corr at the warp's first pair (corr unused with kBias).
+template <int P, int W, bool kBias, bool kXPerm, bool kCoherentX, typename Corr>
+__device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
+                                         const uint4* __restrict__ xr, bool has_x, Corr corr,
+                                         float (&tot)[2]) {
+  const uint4 *pa = tl.pa, *pb = tl.pb;
+  const float2 *qa = tl.qa, *qb = tl.qb;
+  for (int i0 = 0; i0 < tl.count; i0 += P) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      if (i0 + j < tl.count) {  // the same for the whole warp
+        wide_pair_with<kBias, kXPerm, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
+                                                  xr + 16 * W * j, has_x,
+                                                  [&corr, j]() { return corr.at(j); }, tot);
+        if (i0 + j + P < tl.count) {  // the slot is free: refill it with the pair P ahead
+          r.ca[j] = load_stream(pa + 4 * W * (j + P));
+          r.cb[j] = load_stream(pb + 4 * W * (j + P));
+          r.sa[j] = __ldg(qa + W * (j + P));
+          r.sb[j] = __ldg(qb + W * (j + P));
+        }
+      }
+    }
+    pa += 4 * W * P;
+    pb += 4 * W * P;
+    qa += W * P;
+    qb += W * P;
+    xr += 16 * W * P;
+    if constexpr (!kBias) corr.step(P);
+  }
+}
+
+// What lane (g, t) of warp `warp` reads of a wide tile: its rows' codes and scales at its
+// first pair (`WideTile`), x and corr at its first pair, whether it holds x.
+template <int W>
+struct WideLane : WideTile<W> {
+  const uint4* xr;   // x (+ 16 W uint4 a pair)
+  const float2* cr;  // corr (+ W a pair); null with the bias MMAs
+  bool has_x;
+
+  __device__ __forceinline__ WideLane(const uint4* __restrict__ x,
+                                      const float* __restrict__ corr, const Mats& mt,
+                                      const int32_t* __restrict__ index, int k, int m,
+                                      int warp, int lane, int row0, bool bias)
+      : WideTile<W>(mt, layer_of(mt, index), k, row0, warp, lane) {
+    const int g = lane >> 2, t = lane & 3;
     // Column g of B: x row g / 2 where (g & 1) == t / 2 (the lane's codes are of group
     // 2p + t / 2).
     has_x = g < 2 * m && (g & 1) == (t >> 1);
     xr = x + static_cast<int64_t>(min(g >> 1, m - 1)) * (k >> 3) + warp * 16 + 4 * t;
     cr = bias ? nullptr
               : reinterpret_cast<const float2*>(corr + static_cast<int64_t>(min(t, m - 1)) *
-                                                           groups) + warp;
-    count = warp < pairs ? (pairs - warp + W - 1) / W : 0;
+                                                           (k >> 6)) + warp;
   }
 };
 
@@ -726,44 +820,11 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
   __shared__ float2 red[W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * 16;
-  WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0, kBias);
-  const uint4 *pa = in.pa, *pb = in.pb, *xr = in.xr;
-  const float2 *qa = in.qa, *qb = in.qb, *cr = in.cr;
-  const int count = in.count;
-
-  uint4 ca[P], cb[P];
-  float2 sa[P], sb[P];
-#pragma unroll
-  for (int j = 0; j < P; ++j) {
-    if (j < count) {
-      ca[j] = load_stream(pa + 4 * W * j);
-      cb[j] = load_stream(pb + 4 * W * j);
-      sa[j] = __ldg(qa + W * j);
-      sb[j] = __ldg(qb + W * j);
-    }
-  }
+  const WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0, kBias);
+  WideRing<P> ring;
+  ring_fill(ring, static_cast<const WideTile<W>&>(in));
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
-  for (int i0 = 0; i0 < count; i0 += P) {
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      if (i0 + j < count) {  // the same for the whole warp
-        wide_pair<kBias, kXPerm>(ca[j], cb[j], sa[j], sb[j], xr + 16 * W * j, in.has_x,
-                         kBias ? nullptr : cr + W * j, tot);
-        if (i0 + j + P < count) {  // the slot is free: refill it with the pair P ahead
-          ca[j] = load_stream(pa + 4 * W * (j + P));
-          cb[j] = load_stream(pb + 4 * W * (j + P));
-          sa[j] = __ldg(qa + W * (j + P));
-          sb[j] = __ldg(qb + W * (j + P));
-        }
-      }
-    }
-    pa += 4 * W * P;
-    pb += 4 * W * P;
-    qa += W * P;
-    qb += W * P;
-    xr += 16 * W * P;
-    if constexpr (!kBias) cr += W * P;
-  }
+  ring_run<P, W, kBias, kXPerm, false>(ring, in, in.xr, in.has_x, CorrPairs<W>{in.cr}, tot);
   wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
 }
 
@@ -812,100 +873,6 @@ __device__ __forceinline__ void grid_barrier(unsigned int blocks) {
   __syncthreads();
 }
 
-// One warp's codes and scales of a 16-row tile (rows row0 .. row0 + 15 of mt) and how many of
-// its pairs the warp takes (pairs warp, warp + W, ...); count 0: no tile.
-template <int W>
-struct WideTile {
-  const uint4 *pa = nullptr, *pb = nullptr;
-  const float2 *qa = nullptr, *qb = nullptr;
-  int count = 0;
-
-  __device__ __forceinline__ WideTile() {}
-  __device__ __forceinline__ WideTile(const Mats& mt, int64_t layer, int k, int row0, int warp,
-                                      int lane) {
-    const int n = mt.start[mt.count], g = lane >> 2, t = lane & 3, pairs = k >> 7;
-    const uint8_t *wa, *wb;
-    const float *sa_p, *sb_p;
-    row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
-    row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
-    pa = reinterpret_cast<const uint4*>(wa + warp * 64) + t;
-    pb = reinterpret_cast<const uint4*>(wb + warp * 64) + t;
-    qa = reinterpret_cast<const float2*>(sa_p) + warp;
-    qb = reinterpret_cast<const float2*>(sb_p) + warp;
-    count = warp < pairs ? (pairs - warp + W - 1) / W : 0;
-  }
-};
-
-// The register ring of P = 2 pairs in flight (slot j holds items j, j + 2, ... of a tile).
-struct WideRing {
-  uint4 ca[2], cb[2];
-  float2 sa[2], sb[2];
-};
-
-template <int W>
-__device__ __forceinline__ void ring_fill(WideRing& r, const WideTile<W>& tl) {
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    if (j < tl.count) {
-      r.ca[j] = load_stream(tl.pa + 4 * W * j);
-      r.cb[j] = load_stream(tl.pb + 4 * W * j);
-      r.sa[j] = __ldg(tl.qa + W * j);
-      r.sb[j] = __ldg(tl.qb + W * j);
-    }
-  }
-}
-
-// The warp's pairs of one tile, from the ring (filled with the tile's first two), refilling
-// it from the same tile; x at the warp's first pair, corr(i) the group sums of its i-th.
-template <int W, bool kCoherentX, typename Corr>
-__device__ __forceinline__ void ring_run(WideRing& r, const WideTile<W>& tl,
-                                         const uint4* __restrict__ x, bool has_x, Corr corr,
-                                         float (&tot)[2]) {
-  const uint4 *pa = tl.pa, *pb = tl.pb;
-  const float2 *qa = tl.qa, *qb = tl.qb;
-  for (int i0 = 0; i0 < tl.count; i0 += 2) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int i = i0 + j;
-      if (i < tl.count) {
-        wide_pair_with<false, false, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
-                                                 x + 16 * W * i, has_x,
-                                                 [&corr, i]() { return corr(i); }, tot);
-        if (i + 2 < tl.count) {
-          r.ca[j] = load_stream(pa + 4 * W * (j + 2));
-          r.cb[j] = load_stream(pb + 4 * W * (j + 2));
-          r.sa[j] = __ldg(qa + W * (j + 2));
-          r.sb[j] = __ldg(qb + W * (j + 2));
-        }
-      }
-    }
-    pa += 8 * W;
-    pb += 8 * W;
-    qa += 2 * W;
-    qb += 2 * W;
-  }
-}
-
-// A tile's warp sums added in shared memory in warp order (as `wide_reduce_store`): the
-// result is warp 0's; the caller alternates `red` buffers, so one barrier a tile suffices.
-template <int W>
-__device__ __forceinline__ float2 tile_sums(float2 (&red)[W][32], const float (&tot)[2],
-                                            int warp, int lane) {
-  red[warp][lane] = make_float2(tot[0], tot[1]);
-  __syncthreads();
-  float2 s = make_float2(0.0f, 0.0f);
-  if (warp == 0) {
-    s = red[0][lane];
-#pragma unroll
-    for (int v = 1; v < W; ++v) {
-      const float2 o = red[v][lane];
-      s.x += o.x;
-      s.y += o.y;
-    }
-  }
-  return s;
-}
-
 __device__ __forceinline__ float bf16_round(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
 }
@@ -946,9 +913,8 @@ __global__ void __launch_bounds__(W * 32, T / W)
   const uint4* xa = x + static_cast<int64_t>(xrow) * (k1 >> 3) + warp * 16 + 4 * t;
   const float2* ca = reinterpret_cast<const float2*>(corr + static_cast<int64_t>(crow) *
                                                                 (k1 >> 6)) + warp;
-  auto corr_a = [ca](int i) { return __ldg(ca + W * i); };
 
-  WideRing ring;
+  WideRing<2> ring;
   WideTile<W> cur;
   if (count_a > 0) cur = tile_a(0);
   else if (count_b > 0) cur = tile_b(0);
@@ -957,7 +923,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   float2 gate = make_float2(0.0f, 0.0f);  // warp 0: the gate sums of the tile pair at hand
   for (int j = 0; j < 2 * count_a; ++j) {
     float tot[2] = {0.0f, 0.0f};
-    ring_run<W, false>(ring, cur, xa, has_x, corr_a, tot);
+    ring_run<2, W, false, false, false>(ring, cur, xa, has_x, CorrPairs<W>{ca}, tot);
     // the next tile's first pairs in flight while this one is reduced (after phase A's last
     // tile: the first down tile, across the barrier)
     cur = j + 1 < 2 * count_a ? tile_a(j + 1) : count_b > 0 ? tile_b(0) : WideTile<W>();
@@ -986,13 +952,9 @@ __global__ void __launch_bounds__(W * 32, T / W)
                     + warp * 16 + 4 * t;
   const float4* pb = reinterpret_cast<const float4*>(psum + static_cast<int64_t>(crow) * nt1)
                      + 2 * warp;
-  auto corr_b = [pb](int i) {  // groups 2p, 2p + 1 of act: tiles 8p .. 8p + 7, p = warp + W i
-    const float4 lo = __ldcg(pb + 2 * W * i), hi = __ldcg(pb + 2 * W * i + 1);
-    return make_float2(((lo.x + lo.y) + lo.z) + lo.w, ((hi.x + hi.y) + hi.z) + hi.w);
-  };
   for (int j = 0; j < count_b; ++j) {
     float tot[2] = {0.0f, 0.0f};
-    ring_run<W, true>(ring, cur, xb, has_x, corr_b, tot);
+    ring_run<2, W, false, false, true>(ring, cur, xb, has_x, CorrTiles<W>{pb}, tot);
     cur = j + 1 < count_b ? tile_b(j + 1) : WideTile<W>();
     ring_fill(ring, cur);
     const float2 s = tile_sums<W>(red[parity], tot, warp, lane);
