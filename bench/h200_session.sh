@@ -30,7 +30,7 @@
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
 #   w10        10 warps a tile for down and out_proj (NINFER_INT4_WIDE_WARPS=auto:4,10)
 #   xperm      x permuted for the wide GEMV's B registers (NINFER_INT4_WIDE_XPERM=1)
-#   mlp        the persistent MLP kernel: GPU tests, against the separate calls (micro)
+#   mlp        the CUDA MLP op (persistent, two launches): GPU tests, micro, decode A/B
 #   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
@@ -225,17 +225,21 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         tail -n 2 "$OUT/prefcudnn_tests_$TAG.log"
         prefill2 prefcudnn_flash
         prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;
-      mlp)  # the persistent MLP kernel (gate|up, SwiGLU, down and the residual in one launch,
-        # cuda_ops.int4_mlp; NINFER_MLP_FUSED=1, off by default): its GPU tests, the micro
-        # benchmark against the separate calls at the 27B's shapes, C1/C2 1K decode without
-        # and with it
+      mlp)  # the CUDA MLP op (gate|up, SwiGLU, down and the residual in one call,
+        # cuda_ops.int4_mlp; NINFER_MLP_FUSED=<launches>, off by default): its GPU tests, the
+        # micro benchmark against the separate calls at the 27B's shapes, C1/C2 1K decode
+        # without it and with two launches chained by programmatic dependent launch (2),
+        # twice in turn, then with the two in stream order (3)
         run 300 "$OUT/mlp_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "persistent"
+          tests/test_kernels_cuda_gemv.py -k "mlp"
         tail -n 2 "$OUT/mlp_tests_$TAG.log"
         run 200 "$OUT/mlp_micro_$TAG.log" python3 bench/mlp_micro.py --out "$OUT/mlp_micro_$TAG.json"
         grep -E "^M[0-9]" "$OUT/mlp_micro_$TAG.log"
-        decode1k mlp_off
-        decode1k mlp_on NINFER_MLP_FUSED=1 ;;
+        for rep in a b; do
+          decode1k "mlp_off_$rep"
+          decode1k "mlp_pdl_$rep" NINFER_MLP_FUSED=2
+        done
+        decode1k mlp_two NINFER_MLP_FUSED=3 ;;
       xperm)  # x permuted by XLA so that the wide GEMV skips its 16 byte permutations a pair
         # (NINFER_INT4_WIDE_XPERM=1; main loop 252 -> 214 instructions for two pairs, sm_90
         # SASS): its GPU tests (bitwise the default), decode and engine tests (envab)

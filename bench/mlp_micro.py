@@ -1,8 +1,10 @@
 """A decode step's MLP at the 27B's shapes (gate|up 34816 x 5120, down 5120 x 17408, int4_g64,
-stacks of 4 layers read in place so that the L2 holds none of it): the persistent CUDA kernel
-(`cuda_ops.int4_mlp`: one launch, a grid barrier between the two GEMVs) at each warps and
-register setting, against the separate calls the model makes today (the wide GEMV for
-gate|up, XLA's SwiGLU, the wide GEMV for down, XLA's residual add). Per call: microseconds,
+stacks of 4 layers read in place so that the L2 holds none of it): the CUDA MLP op
+(`cuda_ops.int4_mlp`; launches 1: the persistent kernel, a grid barrier between the two
+GEMVs; 2: two launches chained by programmatic dependent launch; 3: the two in stream order)
+at several warps and register settings, against the separate calls the model makes today
+(the wide GEMV for gate|up, XLA's SwiGLU, the wide GEMV for down, XLA's residual add). Per
+call: microseconds,
 bytes of codes and scales per second over the measured copy rate, and the error against the
 separate calls.
 
@@ -37,8 +39,10 @@ def separate(x, h, gate, up, down, idx):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2")
-    ap.add_argument("--variants", default="8/24,8/32,4/24,4/32",
-                    help="warps/occupancy settings of the persistent kernel")
+    ap.add_argument("--variants", default="1:8/24,2:4/32,2:4/24,2:8/32,3:4/32",
+                    help="launches:warps/occupancy of the MLP op (launches 1: the persistent "
+                         "kernel; 2: two launches chained by programmatic dependent launch; "
+                         "3: the two in stream order)")
     ap.add_argument("--out", default="mlp_micro.json")
     args = ap.parse_args()
     peaks = torch_peaks()
@@ -62,10 +66,12 @@ def main() -> None:
         want = jax.jit(separate)(x, h, gate, up, down, idx).astype(jnp.float32)
         impls = {"separate": separate}
         for v in args.variants.split(","):
-            wp, occ = (int(a) for a in v.split("/"))
-            impls[f"persistent_w{wp}o{occ}"] = (
-                lambda x, h, g, u, d, i, wp=wp, occ=occ: cuda_ops.int4_mlp(
-                    x, h, g, u, d, i, warps=wp, occupancy=occ))
+            n, setting = v.split(":")
+            wp, occ = (int(a) for a in setting.split("/"))
+            name = {"1": "persistent", "2": "pdl", "3": "two"}[n]
+            impls[f"{name}_w{wp}o{occ}"] = (
+                lambda x, h, g, u, d, i, n=int(n), wp=wp, occ=occ: cuda_ops.int4_mlp(
+                    x, h, g, u, d, i, warps=wp, occupancy=occ, launches=n))
         for name, fn in impls.items():
             try:
                 got = jax.jit(fn)(x, h, gate, up, down, idx).astype(jnp.float32)

@@ -27,18 +27,21 @@ def mlp(p, x, kernels: str = "xla"):
 
 
 def mlp_residual(p, x, h, kernels: str = "xla"):
-    """h + mlp(p, x). With NINFER_MLP_FUSED=1 (off by default: not measured yet), kernels
-    "pallas" and a decode step's rows (M <= 4 bf16, int4_g64 layer views of stacks) on a GPU
-    where the CUDA op builds: the persistent MLP kernel, one launch for the two GEMVs, the
-    SwiGLU and the residual (engine/kernels/cuda_ops.py `int4_mlp`)."""
-    if kernels == "pallas" and os.environ.get("NINFER_MLP_FUSED", "0") == "1":
+    """h + mlp(p, x). With NINFER_MLP_FUSED=1, 2 or 3 (off by default), kernels "pallas" and
+    a decode step's rows (M <= 4 bf16, int4_g64 layer views of stacks) on a GPU where the
+    CUDA op builds: the MLP's two GEMVs, the SwiGLU and the residual in one call of
+    `cuda_ops.int4_mlp` with that many `launches` (1 the persistent kernel, 2 two launches
+    chained by programmatic dependent launch, 3 the two in stream order)."""
+    fused = os.environ.get("NINFER_MLP_FUSED", "0")
+    if kernels == "pallas" and fused in ("1", "2", "3"):
         from engine.kernels import cuda_ops
         from engine.kernels.stacked import Stacked
 
         ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
         if all(isinstance(w, Stacked) for w in ws) and cuda_ops.mlp_takes(
                 x, h, *(w.w for w in ws)):
-            return cuda_ops.int4_mlp(x, h, *(w.w for w in ws), ws[0].index)
+            return cuda_ops.int4_mlp(x, h, *(w.w for w in ws), ws[0].index,
+                                     launches=int(fused))
     return h + mlp(p, x, kernels)
 
 

@@ -451,7 +451,19 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
     text = exp.mlir_module()
     assert text.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1
     assert "warps = 8 : i64" in text and "occupancy = 24 : i64" in text
+    assert "launches = 1 : i64" in text
     assert [a.shape for a in exp.out_avals] == [(2, 1000)]
+    # two launches: the same one call, with its own defaults (gate|up 4 warps, 32 an SM)
+    text2 = export.export(
+        jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i, launches=2)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_MLP_TARGET)])(
+        x, h, gate, up, down, idx).mlir_module()
+    assert text2.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1
+    assert "launches = 2 : i64" in text2
+    assert "warps = 4 : i64" in text2 and "occupancy = 32 : i64" in text2
+    with pytest.raises(ValueError, match="launches"):
+        cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=4)
     with pytest.raises(ValueError, match="rows"):
         cuda_ops.int4_mlp(jnp.zeros((5, 512), jnp.bfloat16), jnp.zeros((5, 1000), jnp.bfloat16),
                           gate, up, down, idx)
@@ -466,17 +478,19 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps,occupancy", [(8, 24), (8, 32), (4, 24), (4, 32)])
-def test_persistent_mlp_matches_reference_on_gpu(warps, occupancy):
-    """The persistent MLP kernel against the fp32 reference (bf16 tolerance: its GEMV outputs
-    and activations are rounded to bf16 as the separate calls round them) and against the
+@pytest.mark.parametrize("launches,warps,occupancy", [
+    (1, 8, 24), (1, 8, 32), (1, 4, 24), (1, 4, 32), (2, 4, 32), (2, 8, 24), (3, 4, 32)])
+def test_persistent_mlp_matches_reference_on_gpu(launches, warps, occupancy):
+    """The MLP op (the persistent kernel, or the two launches with and without programmatic
+    dependent launch) against the fp32 reference (bf16 tolerance: its GEMV outputs and
+    activations are rounded to bf16 as the separate calls round them) and against the
     separate calls (wide GEMVs, XLA's SwiGLU and residual add); a row's result the same bits
     whatever the other rows (batch invariant); repeated launches the same bits (the grid
-    barrier resets itself)."""
+    barrier resets itself; down waits for gate|up)."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
     idx = jnp.array([1], jnp.int32)
     fused = jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(
-        x, h, g, u, d, i, warps=warps, occupancy=occupancy))
+        x, h, g, u, d, i, warps=warps, occupancy=occupancy, launches=launches))
 
     def separate(x, h, g, u, d, i):
         gate, up = cuda_ops.int4_gemv_multi(x, [g, u], i)
@@ -501,16 +515,36 @@ def test_persistent_mlp_matches_reference_on_gpu(warps, occupancy):
 
 
 @pytest.mark.gpu
+def test_mlp_two_launches_are_the_persistent_kernels_bits_on_gpu():
+    """With 8 warps a tile for gate|up, the two launches (chained by programmatic dependent
+    launch or in stream order) compute what the persistent kernel computes, in the same
+    order: the same bits, at the test shapes and the 27B's. A down launch that read act
+    before gate|up had written it would not."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    for kw in ({}, dict(k1=5120, n1=17408, n2=5120, lead=())):
+        for m in (1, 2):
+            x, h, (gate, up, down) = _mlp_case(m, **kw)
+            idx = jnp.array([1], jnp.int32) if kw == {} else None
+            outs = [np.asarray(jax.jit(lambda x, h, g, u, d, i, n=n: cuda_ops.int4_mlp(
+                x, h, g, u, d, i, warps=8, occupancy=24, launches=n))(
+                    x, h, gate, up, down, idx), np.float32) for n in (1, 2, 3)]
+            np.testing.assert_array_equal(outs[1], outs[0])
+            np.testing.assert_array_equal(outs[2], outs[0])
+
+
+@pytest.mark.gpu
 def test_persistent_mlp_at_27b_shapes_on_gpu():
     """The 27B's MLP shapes (gate|up 17408 x 5120 each, down 5120 x 17408), one and two rows:
     against the separate calls within bf16 tolerance."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
     for m in (1, 2):
         x, h, (gate, up, down) = _mlp_case(m, k1=5120, n1=17408, n2=5120, lead=())
-        got = jax.jit(cuda_ops.int4_mlp)(x, h, gate, up, down)
         gate_o, up_o = cuda_ops.int4_gemv_multi(x, [gate, up])
         want = h + cuda_ops.int4_gemv(jax.nn.silu(gate_o) * up_o, down)
-        assert_close(got, want.astype(jnp.float32), jnp.bfloat16)
+        for launches in cuda_ops.MLP_LAUNCHES:
+            got = jax.jit(lambda *a, n=launches: cuda_ops.int4_mlp(*a, launches=n))(
+                x, h, gate, up, down)
+            assert_close(got, want.astype(jnp.float32), jnp.bfloat16)
 
 
 def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
@@ -538,7 +572,8 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
     idx = jnp.array([1], jnp.int32)
     p = {name: Stacked(w, idx) for name, w in zip(("gate_proj", "up_proj", "down_proj"),
                                                   (gate, up, down))}
-    monkeypatch.setenv("NINFER_MLP_FUSED", "1")
-    got = mlp_residual(p, x[:, None], h[:, None], "pallas")
     want = h[:, None] + mlp(p, x[:, None], "pallas")
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for fused in ("1", "2", "3"):
+        monkeypatch.setenv("NINFER_MLP_FUSED", fused)
+        got = mlp_residual(p, x[:, None], h[:, None], "pallas")
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -371,6 +371,12 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
 
 MLP_WARPS = (4, 8)
 MLP_OCCUPANCY = (24, 32)
+# `int4_mlp`'s launches: 1 the persistent kernel (grid barrier), 2 gate|up then down chained by
+# programmatic dependent launch, 3 the same two launches in plain stream order; and the
+# (warps, occupancy) each takes when not given (the two-launch gate|up as the wide GEMV's
+# "auto" runs it: 4 warps a tile, registers for 32 warps an SM).
+MLP_LAUNCHES = (1, 2, 3)
+MLP_DEFAULTS = {1: (8, 24), 2: (4, 32), 3: (4, 32)}
 
 
 def mlp_shape_error(x, h, gate, up, down) -> str | None:
@@ -404,19 +410,28 @@ def mlp_takes(x, h, gate, up, down) -> bool:
 
 
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
-             warps: int = 8, occupancy: int = 24):
+             warps: int | None = None, occupancy: int | None = None, launches: int = 1):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
     bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
-    N1], or stacks read at `index`) in one launch of the persistent CUDA kernel (engine/
-    kernels/cuda/int4_gemv.cu `int4_mlp_persistent`): gate|up and down as the wide GEMV
-    computes them, with a grid barrier between, and the next GEMV's first codes in flight
-    across it. Each op rounded to bf16 as the separate calls round them; down's group sums
-    of the activations come from per-tile sums (another order of the same fp32 sums, so
-    close to the separate calls, not bitwise). warps (4 or 8 a tile), occupancy (resident
-    warps an SM the registers are capped for: 24 or 32). Not measured yet; the model takes
-    it with NINFER_MLP_FUSED=1 (`layers.mlp_residual`)."""
+    N1], or stacks read at `index`) in one call of the CUDA op (engine/kernels/cuda/
+    int4_gemv.cu): gate|up and down as the wide GEMV computes them, SwiGLU between, the
+    residual added. launches (MLP_LAUNCHES): 1, one launch of the persistent kernel
+    (`int4_mlp_persistent`, a grid barrier between the GEMVs, down's first codes in flight
+    across it); 2, `int4_mlp_gate_up` then `int4_mlp_down` chained by programmatic dependent
+    launch (down's blocks fill their rings while gate|up's last blocks run); 3, those two in
+    plain stream order. Each op rounded to bf16 as the separate calls round them; down's
+    group sums of the activations come from per-tile sums (another order of the same fp32
+    sums, so close to the separate calls, not bitwise). warps (4 or 8 a tile; gate|up's with
+    2 launches, down's is 8), occupancy (resident warps an SM the registers are capped for:
+    24 or 32); None: MLP_DEFAULTS. The model takes it with NINFER_MLP_FUSED=<launches>
+    (`layers.mlp_residual`; off by default: v14 measured launches 1 slower than the separate
+    calls)."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)
+    if launches not in MLP_LAUNCHES:
+        raise ValueError(f"int4_mlp: launches {MLP_LAUNCHES}, got {launches}")
+    dw, do = MLP_DEFAULTS[launches]
+    warps, occupancy = dw if warps is None else warps, do if occupancy is None else occupancy
     if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
         raise ValueError(f"int4_mlp: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")
     lead, k1 = x.shape[:-1], x.shape[-1]
@@ -432,5 +447,6 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         jax.ShapeDtypeStruct((m, n1), jnp.bfloat16),  # scratch: the activations
         jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
-                     warps=np.int64(warps), occupancy=np.int64(occupancy))
+                     warps=np.int64(warps), occupancy=np.int64(occupancy),
+                     launches=np.int64(launches))
     return out.reshape(*lead, n2)

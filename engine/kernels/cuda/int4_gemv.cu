@@ -56,6 +56,21 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+// load_stream through the coherent path (LDG.E.NA, not .CONSTANT): ptxas keeps these ahead of
+// a `griddepcontrol.wait` that follows them, where it moves the wait above read-only loads.
+__device__ __forceinline__ uint4 load_stream_coherent(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float2 load_coherent(const float2* p) {
+  float2 v;
+  asm volatile("ld.global.L1::no_allocate.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ uint2 load_stream64(const uint2* p) {
   uint2 v;
   asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
@@ -126,11 +141,16 @@ struct Mats {
   int64_t l[3];                // layer = sum index[d] * l[d]
 };
 
+// kCoherent: index read through L2 (`__ldcg`), as a load ahead of `griddepcontrol.wait` must
+// be (see load_stream_coherent).
+template <bool kCoherent = false>
 __device__ __forceinline__ int64_t layer_of(const Mats& mt, const int32_t* index) {
+  auto at = [index](int i) { return static_cast<int64_t>(kCoherent ? __ldcg(index + i)
+                                                                    : index[i]); };
   int64_t layer = 0;
-  if (mt.nlead > 0) layer += static_cast<int64_t>(index[0]) * mt.l[0];
-  if (mt.nlead > 1) layer += static_cast<int64_t>(index[1]) * mt.l[1];
-  if (mt.nlead > 2) layer += static_cast<int64_t>(index[2]) * mt.l[2];
+  if (mt.nlead > 0) layer += at(0) * mt.l[0];
+  if (mt.nlead > 1) layer += at(1) * mt.l[1];
+  if (mt.nlead > 2) layer += at(2) * mt.l[2];
   return layer;
 }
 
@@ -720,15 +740,24 @@ struct WideRing {
   float2 sa[P], sb[P];
 };
 
-template <int P, int W>
+// kCoherent: through the coherent path, for a fill that must stay ahead of a
+// `griddepcontrol.wait` (the MLP's down launch).
+template <int P, int W, bool kCoherent = false>
 __device__ __forceinline__ void ring_fill(WideRing<P>& r, const WideTile<W>& tl) {
 #pragma unroll
   for (int j = 0; j < P; ++j) {
     if (j < tl.count) {
-      r.ca[j] = load_stream(tl.pa + 4 * W * j);
-      r.cb[j] = load_stream(tl.pb + 4 * W * j);
-      r.sa[j] = __ldg(tl.qa + W * j);
-      r.sb[j] = __ldg(tl.qb + W * j);
+      if constexpr (kCoherent) {
+        r.ca[j] = load_stream_coherent(tl.pa + 4 * W * j);
+        r.cb[j] = load_stream_coherent(tl.pb + 4 * W * j);
+        r.sa[j] = load_coherent(tl.qa + W * j);
+        r.sb[j] = load_coherent(tl.qb + W * j);
+      } else {
+        r.ca[j] = load_stream(tl.pa + 4 * W * j);
+        r.cb[j] = load_stream(tl.pb + 4 * W * j);
+        r.sa[j] = __ldg(tl.qa + W * j);
+        r.sb[j] = __ldg(tl.qb + W * j);
+      }
     }
   }
 }
@@ -884,6 +913,61 @@ __device__ __forceinline__ float swiglu_bf16(float gate_sum, float up_sum) {
   return bf16_round(bf16_round(g * sig) * u);
 }
 
+// Warp 0 of the block that reduced gate tile u (sums `gate`) and up tile u (sums `up`): act =
+// SwiGLU of rows 16u + g and 16u + g + 8 for x row t, and the tile's sum of act for x row t
+// (over g in a fixed tree) into psum [M, N1 / 16].
+__device__ __forceinline__ void mlp_act_store(float2 gate, float2 up, int u, int n1, int m,
+                                              int lane, __nv_bfloat16* act, float* psum) {
+  const int g = lane >> 2, t = lane & 3, ra = 16 * u + g, rb = ra + 8;
+  const float a0 = t < m && ra < n1 ? swiglu_bf16(gate.x, up.x) : 0.0f;
+  const float a1 = t < m && rb < n1 ? swiglu_bf16(gate.y, up.y) : 0.0f;
+  if (t < m && ra < n1) act[static_cast<int64_t>(t) * n1 + ra] = __float2bfloat16_rn(a0);
+  if (t < m && rb < n1) act[static_cast<int64_t>(t) * n1 + rb] = __float2bfloat16_rn(a1);
+  float p = a0 + a1;
+  p += __shfl_xor_sync(0xffffffffu, p, 4);
+  p += __shfl_xor_sync(0xffffffffu, p, 8);
+  p += __shfl_xor_sync(0xffffffffu, p, 16);
+  if (g == 0 && t < m) psum[static_cast<int64_t>(t) * ((n1 + 15) / 16) + u] = p;
+}
+
+// Warp 0 of the block that reduced down's tile at row0 (sums s): out = h + the sums, rows
+// row0 + g and row0 + g + 8 of x row t, each rounded to bf16 as the separate calls round.
+__device__ __forceinline__ void mlp_out_store(float2 s, int row0, int n2, int m, int lane,
+                                              const __nv_bfloat16* __restrict__ h,
+                                              __nv_bfloat16* __restrict__ out) {
+  const int g = lane >> 2, t = lane & 3, ra = row0 + g, rb = ra + 8;
+  if (t < m) {
+    const int64_t o = static_cast<int64_t>(t) * n2;
+    if (ra < n2)
+      out[o + ra] = __float2bfloat16_rn(__bfloat162float(h[o + ra]) + bf16_round(s.x));
+    if (rb < n2)
+      out[o + rb] = __float2bfloat16_rn(__bfloat162float(h[o + rb]) + bf16_round(s.y));
+  }
+}
+
+// Where lane (g, t) of warp `warp` reads its x row of the MLP's first GEMV (x [M, K1], corr
+// [M, K1/64]) and of down (act [M, N1], psum [M, N1/16]): as `WideLane` does for one GEMV.
+struct MlpLane {
+  bool has_x;
+  int xrow, crow;
+  __device__ __forceinline__ MlpLane(int lane, int m) {
+    const int g = lane >> 2, t = lane & 3;
+    has_x = g < 2 * m && (g & 1) == (t >> 1);
+    xrow = min(g >> 1, m - 1);
+    crow = min(t, m - 1);
+  }
+  __device__ __forceinline__ const uint4* x_at(const uint4* x, int k, int warp, int lane) const {
+    return x + static_cast<int64_t>(xrow) * (k >> 3) + warp * 16 + 4 * (lane & 3);
+  }
+  __device__ __forceinline__ const float2* corr_at(const float* corr, int k, int warp) const {
+    return reinterpret_cast<const float2*>(corr + static_cast<int64_t>(crow) * (k >> 6)) + warp;
+  }
+  __device__ __forceinline__ const float4* psum_at(const float* psum, int n1, int warp) const {
+    return reinterpret_cast<const float4*>(psum + static_cast<int64_t>(crow) * ((n1 + 15) / 16)) +
+           2 * warp;
+  }
+};
+
 // T: resident warps an SM the registers are capped for (32: 64 registers, 144 bytes of
 // spills at W = 8; 24: 80 registers, 20 bytes).
 template <int W, int T>
@@ -894,13 +978,12 @@ __global__ void __launch_bounds__(W * 32, T / W)
                         __nv_bfloat16* act, float* psum, __nv_bfloat16* __restrict__ out,
                         int k1, int m) {
   __shared__ float2 red[2][W][32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int b = blockIdx.x, blocks = gridDim.x;
   const int n1 = gu.start[1], n2 = dn.start[dn.count], k2 = n1;  // down's K is act's width
   const int nt1 = (n1 + 15) / 16, nt2 = (n2 + 15) / 16;
   const int64_t layer1 = layer_of(gu, index), layer2 = layer_of(dn, index);
-  const bool has_x = g < 2 * m && (g & 1) == (t >> 1);
-  const int xrow = min(g >> 1, m - 1), crow = min(t, m - 1);
+  const MlpLane ln(lane, m);
   const int count_a = b < nt1 ? (nt1 - b + blocks - 1) / blocks : 0;
   const int count_b = b < nt2 ? (nt2 - b + blocks - 1) / blocks : 0;
   // phase A's j-th tile of this block: gate tile u (j even) or up tile u (j odd), u = b + G j/2
@@ -910,9 +993,8 @@ __global__ void __launch_bounds__(W * 32, T / W)
   };
   auto tile_b = [&](int j) { return WideTile<W>(dn, layer2, k2, 16 * (b + blocks * j), warp,
                                                 lane); };
-  const uint4* xa = x + static_cast<int64_t>(xrow) * (k1 >> 3) + warp * 16 + 4 * t;
-  const float2* ca = reinterpret_cast<const float2*>(corr + static_cast<int64_t>(crow) *
-                                                                (k1 >> 6)) + warp;
+  const uint4* xa = ln.x_at(x, k1, warp, lane);
+  const float2* ca = ln.corr_at(corr, k1, warp);
 
   WideRing<2> ring;
   WideTile<W> cur;
@@ -923,51 +1005,28 @@ __global__ void __launch_bounds__(W * 32, T / W)
   float2 gate = make_float2(0.0f, 0.0f);  // warp 0: the gate sums of the tile pair at hand
   for (int j = 0; j < 2 * count_a; ++j) {
     float tot[2] = {0.0f, 0.0f};
-    ring_run<2, W, false, false, false>(ring, cur, xa, has_x, CorrPairs<W>{ca}, tot);
+    ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, tot);
     // the next tile's first pairs in flight while this one is reduced (after phase A's last
     // tile: the first down tile, across the barrier)
     cur = j + 1 < 2 * count_a ? tile_a(j + 1) : count_b > 0 ? tile_b(0) : WideTile<W>();
     ring_fill(ring, cur);
     const float2 s = tile_sums<W>(red[parity], tot, warp, lane);
     if (warp == 0) {
-      if ((j & 1) == 0) {
-        gate = s;
-      } else {
-        const int u = b + blocks * (j >> 1), ra = 16 * u + g, rb = ra + 8;
-        const float a0 = t < m && ra < n1 ? swiglu_bf16(gate.x, s.x) : 0.0f;
-        const float a1 = t < m && rb < n1 ? swiglu_bf16(gate.y, s.y) : 0.0f;
-        if (t < m && ra < n1) act[static_cast<int64_t>(t) * n1 + ra] = __float2bfloat16_rn(a0);
-        if (t < m && rb < n1) act[static_cast<int64_t>(t) * n1 + rb] = __float2bfloat16_rn(a1);
-        float p = a0 + a1;  // the tile's 16 rows for x row t, added over g in a fixed tree
-        p += __shfl_xor_sync(0xffffffffu, p, 4);
-        p += __shfl_xor_sync(0xffffffffu, p, 8);
-        p += __shfl_xor_sync(0xffffffffu, p, 16);
-        if (g == 0 && t < m) psum[static_cast<int64_t>(t) * nt1 + u] = p;
-      }
+      if ((j & 1) == 0) gate = s;
+      else mlp_act_store(gate, s, b + blocks * (j >> 1), n1, m, lane, act, psum);
     }
     parity ^= 1;
   }
   grid_barrier(blocks);
-  const uint4* xb = reinterpret_cast<const uint4*>(act) + static_cast<int64_t>(xrow) * (k2 >> 3)
-                    + warp * 16 + 4 * t;
-  const float4* pb = reinterpret_cast<const float4*>(psum + static_cast<int64_t>(crow) * nt1)
-                     + 2 * warp;
+  const uint4* xb = ln.x_at(reinterpret_cast<const uint4*>(act), k2, warp, lane);
+  const float4* pb = ln.psum_at(psum, n1, warp);
   for (int j = 0; j < count_b; ++j) {
     float tot[2] = {0.0f, 0.0f};
-    ring_run<2, W, false, false, true>(ring, cur, xb, has_x, CorrTiles<W>{pb}, tot);
+    ring_run<2, W, false, false, true>(ring, cur, xb, ln.has_x, CorrTiles<W>{pb}, tot);
     cur = j + 1 < count_b ? tile_b(j + 1) : WideTile<W>();
     ring_fill(ring, cur);
     const float2 s = tile_sums<W>(red[parity], tot, warp, lane);
-    if (warp == 0) {
-      const int ra = 16 * (b + blocks * j) + g, rb = ra + 8;
-      if (t < m) {
-        const int64_t o = static_cast<int64_t>(t) * n2;
-        if (ra < n2)
-          out[o + ra] = __float2bfloat16_rn(__bfloat162float(h[o + ra]) + bf16_round(s.x));
-        if (rb < n2)
-          out[o + rb] = __float2bfloat16_rn(__bfloat162float(h[o + rb]) + bf16_round(s.y));
-      }
-    }
+    if (warp == 0) mlp_out_store(s, 16 * (b + blocks * j), n2, m, lane, h, out);
     parity ^= 1;
   }
 }
@@ -994,6 +1053,106 @@ cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
   int4_mlp_persistent<W, T><<<blocks, W * 32, 0, stream>>>(x, corr, h, gu, dn, index, act, psum,
                                                          out, k1, m);
   return cudaGetLastError();
+}
+
+// ---- The MLP in two launches chained by programmatic dependent launch (sm_90) -------------
+//
+// The same work as the persistent kernel, with the hardware in place of its grid barrier:
+// - int4_mlp_gate_up: block u reduces gate tile u and up tile u (the ring runs on from one to
+//   the other) and stores act and psum as phase A does. Each block first signals
+//   `griddepcontrol.launch_dependents`, so the down launch may start once every block of this
+//   grid has begun;
+// - int4_mlp_down (launched with programmaticStreamSerialization): block v fills its ring
+//   with down tile v's first codes and scales (weights: they do not depend on this MLP's
+//   act), then `griddepcontrol.wait`s for the gate|up grid to finish and its stores to be
+//   visible, then reduces the tile over act and adds the residual.
+// Down's blocks become resident as gate|up's last blocks leave, so its ramp overlaps gate|up's
+// tail, with no co-residency requirement and no counters: launches may overlap. Without the
+// attribute (or on a GPU without it) the wait returns at once and stream order holds.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <int W, int T>
+__global__ void __launch_bounds__(W * 32, T / W)
+    int4_mlp_gate_up(const uint4* __restrict__ x, const float* __restrict__ corr,
+                     const __grid_constant__ Mats gu, const int32_t* __restrict__ index,
+                     __nv_bfloat16* __restrict__ act, float* __restrict__ psum, int k1,
+                     int m) {
+  pdl_launch_dependents();
+  __shared__ float2 red[2][W][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, u = blockIdx.x;
+  const int n1 = gu.start[1];
+  const int64_t layer = layer_of(gu, index);
+  const MlpLane ln(lane, m);
+  const uint4* xa = ln.x_at(x, k1, warp, lane);
+  const float2* ca = ln.corr_at(corr, k1, warp);
+  WideRing<2> ring;
+  WideTile<W> cur(gu, layer, k1, 16 * u, warp, lane);
+  ring_fill(ring, cur);
+  float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
+  ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, gt);
+  cur = WideTile<W>(gu, layer, k1, n1 + 16 * u, warp, lane);  // up's tile u in flight
+  ring_fill(ring, cur);
+  const float2 gate = tile_sums<W>(red[0], gt, warp, lane);
+  ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, ut);
+  const float2 up = tile_sums<W>(red[1], ut, warp, lane);
+  if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
+}
+
+template <int W, int T>
+__global__ void __launch_bounds__(W * 32, T / W)
+    int4_mlp_down(const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats dn,
+                  const int32_t* __restrict__ index, const __nv_bfloat16* act,
+                  const float* psum, __nv_bfloat16* __restrict__ out, int k2, int m) {
+  __shared__ float2 red[W][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = 16 * blockIdx.x;
+  const MlpLane ln(lane, m);
+  WideRing<2> ring;
+  const WideTile<W> tl(dn, layer_of<true>(dn, index), k2, row0, warp, lane);
+  ring_fill<2, W, true>(ring, tl);
+  pdl_wait();  // act and psum: the gate|up grid's, complete and visible from here on
+  float tot[2] = {0.0f, 0.0f};
+  ring_run<2, W, false, false, true>(ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2,
+                                                       warp, lane),
+                                     ln.has_x, CorrTiles<W>{ln.psum_at(psum, k2, warp)}, tot);
+  const float2 s = tile_sums<W>(red, tot, warp, lane);
+  if (warp == 0) mlp_out_store(s, row0, dn.start[dn.count], m, lane, h, out);
+}
+
+// The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
+// warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
+// programmatic stream serialization when `pdl` (else a plain launch: stream order).
+template <int W, int T>
+cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
+                           const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
+                           const int32_t* index, __nv_bfloat16* act, float* psum,
+                           __nv_bfloat16* out, int k1, int m, bool pdl) {
+  const int n1 = gu.start[1], n2 = dn.start[dn.count];
+  int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
+                                                                k1, m);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((n2 + 15) / 16);
+  cfg.blockDim = dim3(8 * 32);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, int4_mlp_down<8, T>, h, dn, index,
+                            static_cast<const __nv_bfloat16*>(act),
+                            static_cast<const float*>(psum), out, n1, m);
 }
 
 // The wide kernel with the codes and scales of the next S - 1 pairs copied into a shared-memory
@@ -1397,13 +1556,15 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
 
 // x [M, K1] bf16 (the MLP's normed input), corr [M, K1/64] its group sums, h [M, N2] the
 // residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
-// [M, N2], act [M, N1] and psum [M, N1/16] the launch's scratch.
+// [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. launches: 1 the persistent
+// kernel; 2 gate|up then down chained by programmatic dependent launch; 3 the same two
+// launches in plain stream order.
 ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> corr,
                        ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> index,
                        ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                        ffi::Result<ffi::Buffer<ffi::BF16>> act,
                        ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
-                       int64_t occupancy) {
+                       int64_t occupancy, int64_t launches) {
   if (rest.size() != 6)
     return ffi::Error::InvalidArgument("int4_mlp: gate, up and down as (codes, scales) pairs");
   Mats gu{}, dn{};
@@ -1440,9 +1601,16 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   cudaError_t err;
 #define NINFER_MLP(W, T)                                                                     \
   if (warps == W && occupancy == T)                                                          \
-    err = launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(), ap, \
-                           psum->typed_data(), op, ki, mi, tiles);                           \
+    err = launches == 1                                                                      \
+              ? launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn,                  \
+                                 index.typed_data(), ap, psum->typed_data(), op, ki, mi,     \
+                                 tiles)                                                      \
+              : launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn,              \
+                                     index.typed_data(), ap, psum->typed_data(), op, ki, mi, \
+                                     launches == 2);                                         \
   else
+  if (launches < 1 || launches > 3)
+    return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
   NINFER_MLP(4, 24) NINFER_MLP(4, 32) NINFER_MLP(8, 24) NINFER_MLP(8, 32)
 #undef NINFER_MLP
     return ffi::Error::InvalidArgument("int4_mlp: warps 4 or 8, occupancy 24 or 32");
@@ -1501,5 +1669,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("warps")
-                                  .Attr<int64_t>("occupancy"),
+                                  .Attr<int64_t>("occupancy")
+                                  .Attr<int64_t>("launches"),
                               {ffi::Traits::kCmdBufferCompatible});
