@@ -764,19 +764,21 @@ __device__ __forceinline__ void ring_fill(WideRing<P>& r, const WideTile<W>& tl)
 
 // Where a warp's pairs find their group sums of x: `at(j)` for the j-th pair from the
 // current one, `step(n)` moves n pairs on. CorrPairs: corr [M, K/64] as float2 a pair (read
-// through the read-only path); CorrTiles: 4 sums of 16 rows a group, float4s written in the
-// same launch (the persistent MLP's down), added in a fixed order, read through L2 only.
+// through the read-only path); CorrTiles: 4 sums of 16 rows a group (the MLP's down), added
+// in a fixed order, read through L2 only where they were written in the same launch
+// (kCoherent: the persistent kernel), else through the read-only path.
 template <int W>
 struct CorrPairs {
   const float2* p;
   __device__ __forceinline__ float2 at(int j) const { return __ldg(p + W * j); }
   __device__ __forceinline__ void step(int n) { p += W * n; }
 };
-template <int W>
+template <int W, bool kCoherent>
 struct CorrTiles {
   const float4* p;
   __device__ __forceinline__ float2 at(int j) const {
-    const float4 lo = __ldcg(p + 2 * W * j), hi = __ldcg(p + 2 * W * j + 1);
+    const float4* q = p + 2 * W * j;
+    const float4 lo = kCoherent ? __ldcg(q) : __ldg(q), hi = kCoherent ? __ldcg(q + 1) : __ldg(q + 1);
     return make_float2(((lo.x + lo.y) + lo.z) + lo.w, ((hi.x + hi.y) + hi.z) + hi.w);
   }
   __device__ __forceinline__ void step(int n) { p += 2 * W * n; }
@@ -1022,7 +1024,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   const float4* pb = ln.psum_at(psum, n1, warp);
   for (int j = 0; j < count_b; ++j) {
     float tot[2] = {0.0f, 0.0f};
-    ring_run<2, W, false, false, true>(ring, cur, xb, ln.has_x, CorrTiles<W>{pb}, tot);
+    ring_run<2, W, false, false, true>(ring, cur, xb, ln.has_x, CorrTiles<W, true>{pb}, tot);
     cur = j + 1 < count_b ? tile_b(j + 1) : WideTile<W>();
     ring_fill(ring, cur);
     const float2 s = tile_sums<W>(red[parity], tot, warp, lane);
@@ -1065,7 +1067,8 @@ cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
 // - int4_mlp_down (launched with programmaticStreamSerialization): block v fills its ring
 //   with down tile v's first codes and scales (weights: they do not depend on this MLP's
 //   act), then `griddepcontrol.wait`s for the gate|up grid to finish and its stores to be
-//   visible, then reduces the tile over act and adds the residual.
+//   visible, then reduces the tile over act (through the read-only path: L1 hits, where the
+//   persistent kernel must go to L2) and adds the residual.
 // Down's blocks become resident as gate|up's last blocks leave, so its ramp overlaps gate|up's
 // tail, with no co-residency requirement and no counters: launches may overlap. Without the
 // attribute (or on a GPU without it) the wait returns at once and stream order holds.
@@ -1118,11 +1121,14 @@ __global__ void __launch_bounds__(W * 32, T / W)
   WideRing<2> ring;
   const WideTile<W> tl(dn, layer_of<true>(dn, index), k2, row0, warp, lane);
   ring_fill<2, W, true>(ring, tl);
-  pdl_wait();  // act and psum: the gate|up grid's, complete and visible from here on
+  // act and psum: the gate|up grid's, complete and visible from here on, so read through the
+  // read-only path (L1 hits for the blocks of an SM, as the wide kernel's x)
+  pdl_wait();
   float tot[2] = {0.0f, 0.0f};
-  ring_run<2, W, false, false, true>(ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2,
-                                                       warp, lane),
-                                     ln.has_x, CorrTiles<W>{ln.psum_at(psum, k2, warp)}, tot);
+  ring_run<2, W, false, false, false>(ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2,
+                                                        warp, lane),
+                                      ln.has_x, CorrTiles<W, false>{ln.psum_at(psum, k2, warp)},
+                                      tot);
   const float2 s = tile_sums<W>(red, tot, warp, lane);
   if (warp == 0) mlp_out_store(s, row0, dn.start[dn.count], m, lane, h, out);
 }
