@@ -27,12 +27,13 @@ def mlp(p, x, kernels: str = "xla"):
 
 
 def mlp_residual(p, x, h, kernels: str = "xla"):
-    """h + mlp(p, x). With NINFER_MLP_FUSED=1, 2 or 3 (off by default), kernels "pallas" and
-    a decode step's rows (M <= 4 bf16, int4_g64 layer views of stacks) on a GPU where the
-    CUDA op builds: the MLP's two GEMVs, the SwiGLU and the residual in one call of
-    `cuda_ops.int4_mlp` with that many `launches` (1 the persistent kernel, 2 two launches
-    chained by programmatic dependent launch, 3 the two in stream order)."""
-    fused = os.environ.get("NINFER_MLP_FUSED", "0")
+    """h + mlp(p, x). With kernels "pallas" and a decode step's rows (M <= 4 bf16, int4_g64
+    layer views of stacks) on a GPU where the CUDA op builds: the MLP's two GEMVs, the SwiGLU
+    and the residual in one call of `cuda_ops.int4_mlp` with NINFER_MLP_FUSED `launches`
+    (default 2: two launches chained by programmatic dependent launch, v14f; 1 the
+    persistent kernel; 3 the two in stream order; 0 the separate calls), and
+    NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`)."""
+    fused = os.environ.get("NINFER_MLP_FUSED", "2")
     if kernels == "pallas" and fused in ("1", "2", "3"):
         from engine.kernels import cuda_ops
         from engine.kernels.stacked import Stacked
@@ -40,8 +41,10 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
         ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
         if all(isinstance(w, Stacked) for w in ws) and cuda_ops.mlp_takes(
                 x, h, *(w.w for w in ws)):
+            setting = os.environ.get("NINFER_MLP_WARPS")  # "warps/occupancy", e.g. "8/32"
+            wp, occ = (None, None) if not setting else (int(a) for a in setting.split("/"))
             return cuda_ops.int4_mlp(x, h, *(w.w for w in ws), ws[0].index,
-                                     launches=int(fused))
+                                     warps=wp, occupancy=occ, launches=int(fused))
     return h + mlp(p, x, kernels)
 
 

@@ -453,7 +453,7 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
     assert "warps = 8 : i64" in text and "occupancy = 24 : i64" in text
     assert "launches = 1 : i64" in text
     assert [a.shape for a in exp.out_avals] == [(2, 1000)]
-    # two launches: the same one call, with its own defaults (gate|up 4 warps, 32 an SM)
+    # two launches: the same one call, with its own defaults (8 warps a tile, 32 an SM)
     text2 = export.export(
         jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i, launches=2)),
         platforms=["cuda"],
@@ -461,7 +461,7 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
         x, h, gate, up, down, idx).mlir_module()
     assert text2.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1
     assert "launches = 2 : i64" in text2
-    assert "warps = 4 : i64" in text2 and "occupancy = 32 : i64" in text2
+    assert "warps = 8 : i64" in text2 and "occupancy = 32 : i64" in text2
     with pytest.raises(ValueError, match="launches"):
         cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=4)
     with pytest.raises(ValueError, match="rows"):
@@ -479,7 +479,8 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("launches,warps,occupancy", [
-    (1, 8, 24), (1, 8, 32), (1, 4, 24), (1, 4, 32), (2, 4, 32), (2, 8, 24), (3, 4, 32)])
+    (1, 8, 24), (1, 8, 32), (1, 4, 24), (1, 4, 32), (2, 8, 32), (2, 4, 32), (2, 8, 24),
+    (3, 8, 32)])
 def test_persistent_mlp_matches_reference_on_gpu(launches, warps, occupancy):
     """The MLP op (the persistent kernel, or the two launches with and without programmatic
     dependent launch) against the fp32 reference (bf16 tolerance: its GEMV outputs and
@@ -551,7 +552,7 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
     """`mlp_takes`, the model's test for the persistent MLP kernel (the op's build aside,
     which needs a GPU): bf16 rows of a decode step over int4 stacks whose K1 and N1 are
     multiples of 128, and nothing else; and on a machine without the op, the model's
-    `mlp_residual` with NINFER_MLP_FUSED=1 is h + mlp exactly."""
+    `mlp_residual`, by default and with any NINFER_MLP_FUSED, is h + mlp exactly."""
     from engine.kernels.stacked import Stacked
     from engine.layers import mlp, mlp_residual
 
@@ -573,7 +574,10 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
     p = {name: Stacked(w, idx) for name, w in zip(("gate_proj", "up_proj", "down_proj"),
                                                   (gate, up, down))}
     want = h[:, None] + mlp(p, x[:, None], "pallas")
-    for fused in ("1", "2", "3"):
+    monkeypatch.delenv("NINFER_MLP_FUSED", raising=False)  # the default
+    got = mlp_residual(p, x[:, None], h[:, None], "pallas")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for fused in ("0", "1", "2", "3"):
         monkeypatch.setenv("NINFER_MLP_FUSED", fused)
         got = mlp_residual(p, x[:, None], h[:, None], "pallas")
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -372,11 +372,12 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
 MLP_WARPS = (4, 8)
 MLP_OCCUPANCY = (24, 32)
 # `int4_mlp`'s launches: 1 the persistent kernel (grid barrier), 2 gate|up then down chained by
-# programmatic dependent launch, 3 the same two launches in plain stream order; and the
-# (warps, occupancy) each takes when not given (the two-launch gate|up as the wide GEMV's
-# "auto" runs it: 4 warps a tile, registers for 32 warps an SM).
+# programmatic dependent launch (the model's default, v14f), 3 the same two launches in plain
+# stream order; and the (warps, occupancy) each takes when not given (v14: the persistent
+# kernel's best, and for two launches 8 warps a gate|up tile with registers for 32 warps an
+# SM, the fastest of 4/24, 4/32 and 8/32 in the decode step).
 MLP_LAUNCHES = (1, 2, 3)
-MLP_DEFAULTS = {1: (8, 24), 2: (4, 32), 3: (4, 32)}
+MLP_DEFAULTS = {1: (8, 24), 2: (8, 32), 3: (8, 32)}
 
 
 def mlp_shape_error(x, h, gate, up, down) -> str | None:
@@ -423,9 +424,10 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     group sums of the activations come from per-tile sums (another order of the same fp32
     sums, so close to the separate calls, not bitwise). warps (4 or 8 a tile; gate|up's with
     2 launches, down's is 8), occupancy (resident warps an SM the registers are capped for:
-    24 or 32); None: MLP_DEFAULTS. The model takes it with NINFER_MLP_FUSED=<launches>
-    (`layers.mlp_residual`; off by default: v14 measured launches 1 slower than the separate
-    calls)."""
+    24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual`, with 2
+    launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
+    persistent kernel is slower than the separate calls, two launches with programmatic
+    dependent launch faster)."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)
     if launches not in MLP_LAUNCHES:
