@@ -228,18 +228,19 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
       mlp)  # the CUDA MLP op (gate|up, SwiGLU, down and the residual in one call,
         # cuda_ops.int4_mlp; NINFER_MLP_FUSED=<launches>, off by default): its GPU tests, the
         # micro benchmark against the separate calls at the 27B's shapes, C1/C2 1K decode
-        # without it and with two launches chained by programmatic dependent launch (2),
-        # twice in turn, then with the two in stream order (3)
+        # with the separate calls (0), the default (two launches chained by programmatic
+        # dependent launch) and with down's tiles asked into L2 (NINFER_MLP_L2=1), twice in
+        # turn
         run 300 "$OUT/mlp_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k "mlp"
         tail -n 2 "$OUT/mlp_tests_$TAG.log"
         run 200 "$OUT/mlp_micro_$TAG.log" python3 bench/mlp_micro.py --out "$OUT/mlp_micro_$TAG.json"
         grep -E "^M[0-9]" "$OUT/mlp_micro_$TAG.log"
         for rep in a b; do
-          decode1k "mlp_off_$rep"
-          decode1k "mlp_pdl_$rep" NINFER_MLP_FUSED=2
-        done
-        decode1k mlp_two NINFER_MLP_FUSED=3 ;;
+          decode1k "mlp_off_$rep" NINFER_MLP_FUSED=0
+          decode1k "mlp_pdl_$rep"
+          decode1k "mlp_l2_$rep" NINFER_MLP_L2=1
+        done ;;
       xperm)  # x permuted by XLA so that the wide GEMV skips its 16 byte permutations a pair
         # (NINFER_INT4_WIDE_XPERM=1; main loop 252 -> 214 instructions for two pairs, sm_90
         # SASS): its GPU tests (bitwise the default), decode and engine tests (envab)

@@ -39,10 +39,11 @@ def separate(x, h, gate, up, down, idx):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2")
-    ap.add_argument("--variants", default="1:8/24,2:4/32,2:4/24,2:8/32,3:4/32",
-                    help="launches:warps/occupancy of the MLP op (launches 1: the persistent "
-                         "kernel; 2: two launches chained by programmatic dependent launch; "
-                         "3: the two in stream order)")
+    ap.add_argument("--variants", default="1:8/24,2:8/32,2:8/32+l2,2:4/24,3:8/32,3:8/32+l2",
+                    help="launches:warps/occupancy[+l2] of the MLP op (launches 1: the "
+                         "persistent kernel; 2: two launches chained by programmatic dependent "
+                         "launch; 3: the two in stream order; +l2: down's tiles asked into L2 "
+                         "before the wait)")
     ap.add_argument("--out", default="mlp_micro.json")
     args = ap.parse_args()
     peaks = torch_peaks()
@@ -67,23 +68,24 @@ def main() -> None:
         impls = {"separate": separate}
         for v in args.variants.split(","):
             n, setting = v.split(":")
+            setting, l2 = setting.removesuffix("+l2"), setting.endswith("+l2")
             wp, occ = (int(a) for a in setting.split("/"))
             name = {"1": "persistent", "2": "pdl", "3": "two"}[n]
-            impls[f"{name}_w{wp}o{occ}"] = (
-                lambda x, h, g, u, d, i, n=int(n), wp=wp, occ=occ: cuda_ops.int4_mlp(
-                    x, h, g, u, d, i, warps=wp, occupancy=occ, launches=n))
+            impls[f"{name}_w{wp}o{occ}{'_l2' if l2 else ''}"] = (
+                lambda x, h, g, u, d, i, n=int(n), wp=wp, occ=occ, l2=l2: cuda_ops.int4_mlp(
+                    x, h, g, u, d, i, warps=wp, occupancy=occ, launches=n, l2_prefetch=l2))
         for name, fn in impls.items():
             try:
                 got = jax.jit(fn)(x, h, gate, up, down, idx).astype(jnp.float32)
                 err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
                 t = per_call(fn, x, h, gate, up, down, reps=7)
             except Exception as e:  # noqa: BLE001  (a failing variant is a result)
-                print(f"M{m} {name:>20}: {type(e).__name__} {str(e)[:300]}", flush=True)
+                print(f"M{m} {name:>22}: {type(e).__name__} {str(e)[:300]}", flush=True)
                 continue
             row = {"rows": m, "impl": name, "us": t * 1e6, "bytes_per_s": nbytes / t,
                    "fraction_of_copy": nbytes / t / copy, "rel_err_vs_separate": err}
             res["rows"].append(row)
-            print(f"M{m} {name:>20}: {t * 1e6:8.1f} us {nbytes / t / 1e12:5.2f} TB/s "
+            print(f"M{m} {name:>22}: {t * 1e6:8.1f} us {nbytes / t / 1e12:5.2f} TB/s "
                   f"({row['fraction_of_copy'] * 100:4.0f}% of copy) err {err:.1e}", flush=True)
             Path(args.out).write_text(json.dumps(res, indent=2))
     Path(args.out).write_text(json.dumps(res, indent=2))

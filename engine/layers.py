@@ -32,7 +32,8 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
     and the residual in one call of `cuda_ops.int4_mlp` with NINFER_MLP_FUSED `launches`
     (default 2: two launches chained by programmatic dependent launch, v14f; 1 the
     persistent kernel; 3 the two in stream order; 0 the separate calls), and
-    NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`)."""
+    NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`);
+    NINFER_MLP_L2=1: down's tiles asked into L2 while gate|up ends (not measured yet)."""
     fused = os.environ.get("NINFER_MLP_FUSED", "2")
     if kernels == "pallas" and fused in ("1", "2", "3"):
         from engine.kernels import cuda_ops
@@ -44,7 +45,9 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
             setting = os.environ.get("NINFER_MLP_WARPS")  # "warps/occupancy", e.g. "8/32"
             wp, occ = (None, None) if not setting else (int(a) for a in setting.split("/"))
             return cuda_ops.int4_mlp(x, h, *(w.w for w in ws), ws[0].index,
-                                     warps=wp, occupancy=occ, launches=int(fused))
+                                     warps=wp, occupancy=occ, launches=int(fused),
+                                     l2_prefetch=fused != "1" and
+                                     os.environ.get("NINFER_MLP_L2", "0") == "1")
     return h + mlp(p, x, kernels)
 
 

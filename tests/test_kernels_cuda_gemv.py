@@ -451,7 +451,7 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
     text = exp.mlir_module()
     assert text.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1
     assert "warps = 8 : i64" in text and "occupancy = 24 : i64" in text
-    assert "launches = 1 : i64" in text
+    assert "launches = 1 : i64" in text and "l2_prefetch = 0 : i64" in text
     assert [a.shape for a in exp.out_avals] == [(2, 1000)]
     # two launches: the same one call, with its own defaults (8 warps a tile, 32 an SM)
     text2 = export.export(
@@ -464,6 +464,8 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
     assert "warps = 8 : i64" in text2 and "occupancy = 32 : i64" in text2
     with pytest.raises(ValueError, match="launches"):
         cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=4)
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=1, l2_prefetch=True)
     with pytest.raises(ValueError, match="rows"):
         cuda_ops.int4_mlp(jnp.zeros((5, 512), jnp.bfloat16), jnp.zeros((5, 1000), jnp.bfloat16),
                           gate, up, down, idx)
@@ -518,19 +520,20 @@ def test_persistent_mlp_matches_reference_on_gpu(launches, warps, occupancy):
 @pytest.mark.gpu
 def test_mlp_two_launches_are_the_persistent_kernels_bits_on_gpu():
     """With 8 warps a tile for gate|up, the two launches (chained by programmatic dependent
-    launch or in stream order) compute what the persistent kernel computes, in the same
-    order: the same bits, at the test shapes and the 27B's. A down launch that read act
-    before gate|up had written it would not."""
+    launch or in stream order, down's tiles asked into L2 or not) compute what the
+    persistent kernel computes, in the same order: the same bits, at the test shapes and the
+    27B's. A down launch that read act before gate|up had written it would not."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
     for kw in ({}, dict(k1=5120, n1=17408, n2=5120, lead=())):
         for m in (1, 2):
             x, h, (gate, up, down) = _mlp_case(m, **kw)
             idx = jnp.array([1], jnp.int32) if kw == {} else None
-            outs = [np.asarray(jax.jit(lambda x, h, g, u, d, i, n=n: cuda_ops.int4_mlp(
-                x, h, g, u, d, i, warps=8, occupancy=24, launches=n))(
-                    x, h, gate, up, down, idx), np.float32) for n in (1, 2, 3)]
-            np.testing.assert_array_equal(outs[1], outs[0])
-            np.testing.assert_array_equal(outs[2], outs[0])
+            outs = [np.asarray(jax.jit(lambda x, h, g, u, d, i, n=n, l2=l2: cuda_ops.int4_mlp(
+                x, h, g, u, d, i, warps=8, occupancy=24, launches=n, l2_prefetch=l2))(
+                    x, h, gate, up, down, idx), np.float32)
+                for n, l2 in ((1, False), (2, False), (3, False), (2, True), (3, True))]
+            for other in outs[1:]:
+                np.testing.assert_array_equal(other, outs[0])
 
 
 @pytest.mark.gpu
@@ -577,6 +580,7 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
     monkeypatch.delenv("NINFER_MLP_FUSED", raising=False)  # the default
     got = mlp_residual(p, x[:, None], h[:, None], "pallas")
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    monkeypatch.setenv("NINFER_MLP_L2", "1")
     for fused in ("0", "1", "2", "3"):
         monkeypatch.setenv("NINFER_MLP_FUSED", fused)
         got = mlp_residual(p, x[:, None], h[:, None], "pallas")

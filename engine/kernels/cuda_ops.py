@@ -411,7 +411,8 @@ def mlp_takes(x, h, gate, up, down) -> bool:
 
 
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
-             warps: int | None = None, occupancy: int | None = None, launches: int = 1):
+             warps: int | None = None, occupancy: int | None = None, launches: int = 1,
+             l2_prefetch: bool = False):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
     bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
     N1], or stacks read at `index`) in one call of the CUDA op (engine/kernels/cuda/
@@ -424,7 +425,8 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     group sums of the activations come from per-tile sums (another order of the same fp32
     sums, so close to the separate calls, not bitwise). warps (4 or 8 a tile; gate|up's with
     2 launches, down's is 8), occupancy (resident warps an SM the registers are capped for:
-    24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual`, with 2
+    24 or 32); None: MLP_DEFAULTS. l2_prefetch (launches 2 or 3): down's blocks ask their
+    whole tile into L2 before they wait for gate|up. The model takes it through `layers.mlp_residual`, with 2
     launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
     persistent kernel is slower than the separate calls, two launches with programmatic
     dependent launch faster)."""
@@ -432,6 +434,8 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         raise ValueError(err)
     if launches not in MLP_LAUNCHES:
         raise ValueError(f"int4_mlp: launches {MLP_LAUNCHES}, got {launches}")
+    if l2_prefetch and launches == 1:
+        raise ValueError("int4_mlp: l2_prefetch with launches 2 or 3 only")
     dw, do = MLP_DEFAULTS[launches]
     warps, occupancy = dw if warps is None else warps, do if occupancy is None else occupancy
     if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
@@ -450,5 +454,5 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
                      warps=np.int64(warps), occupancy=np.int64(occupancy),
-                     launches=np.int64(launches))
+                     launches=np.int64(launches), l2_prefetch=np.int64(bool(l2_prefetch)))
     return out.reshape(*lead, n2)

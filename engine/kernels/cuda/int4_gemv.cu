@@ -1110,7 +1110,25 @@ __global__ void __launch_bounds__(W * 32, T / W)
   if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
 }
 
-template <int W, int T>
+// A block's whole down tile (16 rows of codes and their scales) asked into L2 (evict_last),
+// 128-byte lines spread over the block's threads: issued while the block waits for gate|up,
+// whose last blocks leave the memory system mostly idle.
+template <int W>
+__device__ __forceinline__ void prefetch_tile_l2(const Mats& mt, int64_t layer, int k,
+                                                 int row0) {
+  constexpr int kPerRow = W * 32 / 16;  // threads a row
+  const int r = threadIdx.x / kPerRow, part = threadIdx.x % kPerRow;
+  const uint8_t* w;
+  const float* sc;
+  row_ptrs(mt, min(row0 + r, mt.start[mt.count] - 1), layer, k, w, sc);
+  for (int off = 128 * part; off < k / 2; off += 128 * kPerRow)
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(w + off));
+  for (int off = 128 * part; off < 4 * (k / 64); off += 128 * kPerRow)
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(
+        reinterpret_cast<const uint8_t*>(sc) + off));
+}
+
+template <int W, int T, bool kL2>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_down(const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats dn,
                   const int32_t* __restrict__ index, const __nv_bfloat16* act,
@@ -1119,7 +1137,9 @@ __global__ void __launch_bounds__(W * 32, T / W)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = 16 * blockIdx.x;
   const MlpLane ln(lane, m);
   WideRing<2> ring;
-  const WideTile<W> tl(dn, layer_of<true>(dn, index), k2, row0, warp, lane);
+  const int64_t layer = layer_of<true>(dn, index);
+  if constexpr (kL2) prefetch_tile_l2<W>(dn, layer, k2, row0);
+  const WideTile<W> tl(dn, layer, k2, row0, warp, lane);
   ring_fill<2, W, true>(ring, tl);
   // act and psum: the gate|up grid's, complete and visible from here on, so read through the
   // read-only path (L1 hits for the blocks of an SM, as the wide kernel's x)
@@ -1135,12 +1155,13 @@ __global__ void __launch_bounds__(W * 32, T / W)
 
 // The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
 // warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
-// programmatic stream serialization when `pdl` (else a plain launch: stream order).
+// programmatic stream serialization when `pdl` (else a plain launch: stream order), and with
+// its tile asked into L2 before the wait when `l2`.
 template <int W, int T>
 cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
                            const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
                            const int32_t* index, __nv_bfloat16* act, float* psum,
-                           __nv_bfloat16* out, int k1, int m, bool pdl) {
+                           __nv_bfloat16* out, int k1, int m, bool pdl, bool l2) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
   int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
                                                                 k1, m);
@@ -1156,8 +1177,8 @@ cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* cor
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, int4_mlp_down<8, T>, h, dn, index,
-                            static_cast<const __nv_bfloat16*>(act),
+  return cudaLaunchKernelEx(&cfg, l2 ? int4_mlp_down<8, T, true> : int4_mlp_down<8, T, false>,
+                            h, dn, index, static_cast<const __nv_bfloat16*>(act),
                             static_cast<const float*>(psum), out, n1, m);
 }
 
@@ -1564,13 +1585,14 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
 // residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
 // [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. launches: 1 the persistent
 // kernel; 2 gate|up then down chained by programmatic dependent launch; 3 the same two
-// launches in plain stream order.
+// launches in plain stream order. l2_prefetch (launches 2, 3): down's blocks ask their tile
+// into L2 before they wait.
 ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> corr,
                        ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> index,
                        ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                        ffi::Result<ffi::Buffer<ffi::BF16>> act,
                        ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
-                       int64_t occupancy, int64_t launches) {
+                       int64_t occupancy, int64_t launches, int64_t l2_prefetch) {
   if (rest.size() != 6)
     return ffi::Error::InvalidArgument("int4_mlp: gate, up and down as (codes, scales) pairs");
   Mats gu{}, dn{};
@@ -1613,10 +1635,12 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
                                  tiles)                                                      \
               : launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn,              \
                                      index.typed_data(), ap, psum->typed_data(), op, ki, mi, \
-                                     launches == 2);                                         \
+                                     launches == 2, l2_prefetch != 0);                       \
   else
   if (launches < 1 || launches > 3)
     return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
+  if (l2_prefetch != 0 && launches == 1)
+    return ffi::Error::InvalidArgument("int4_mlp: l2_prefetch with launches 2 or 3 only");
   NINFER_MLP(4, 24) NINFER_MLP(4, 32) NINFER_MLP(8, 24) NINFER_MLP(8, 32)
 #undef NINFER_MLP
     return ffi::Error::InvalidArgument("int4_mlp: warps 4 or 8, occupancy 24 or 32");
@@ -1676,5 +1700,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("occupancy")
-                                  .Attr<int64_t>("launches"),
+                                  .Attr<int64_t>("launches")
+                                  .Attr<int64_t>("l2_prefetch"),
                               {ffi::Traits::kCmdBufferCompatible});
