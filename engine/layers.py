@@ -26,6 +26,34 @@ def mlp(p, x, kernels: str = "xla"):
     return linear(jax.nn.silu(gate) * up, p["down_proj"], kernels)
 
 
+def mlp_block(p, norm_w, eps: float, x, h, kernels: str = "xla"):
+    """A decoder layer's second half: y + mlp(p, rms_norm(y)) for y = x + h (the residual
+    stream and the mixer's output). With NINFER_MLP_NORM=1 (off by default: not measured
+    yet), kernels "pallas" and a decode step's rows over int4_g64 stacks on a GPU where the
+    CUDA op builds: `cuda_ops.int4_mlp_block`, the add, the norm and the MLP in one call of
+    three chained launches (NINFER_MLP_WARPS and NINFER_MLP_L2 as `mlp_residual` reads them).
+    Otherwise the add, `rms_norm` and `mlp_residual`."""
+    if kernels == "pallas" and os.environ.get("NINFER_MLP_NORM", "0") == "1":
+        from engine.kernels import cuda_ops
+        from engine.kernels.stacked import Stacked
+
+        ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
+        if all(isinstance(w, Stacked) for w in ws) and cuda_ops.mlp_block_takes(
+                x, h, norm_w, *(w.w for w in ws)):
+            wp, occ = _mlp_setting()
+            return cuda_ops.int4_mlp_block(
+                x, h, norm_w, eps, *(w.w for w in ws), ws[0].index, warps=wp, occupancy=occ,
+                l2_prefetch=os.environ.get("NINFER_MLP_L2", "0") == "1")
+    y = x + h
+    return mlp_residual(p, rms_norm(y, norm_w, eps), y, kernels)
+
+
+def _mlp_setting():
+    """NINFER_MLP_WARPS ("warps/occupancy", e.g. "8/32") or (None, None): the op's defaults."""
+    setting = os.environ.get("NINFER_MLP_WARPS")
+    return (None, None) if not setting else tuple(int(a) for a in setting.split("/"))
+
+
 def mlp_residual(p, x, h, kernels: str = "xla"):
     """h + mlp(p, x). With kernels "pallas" and a decode step's rows (M <= 4 bf16, int4_g64
     layer views of stacks) on a GPU where the CUDA op builds: the MLP's two GEMVs, the SwiGLU
@@ -42,8 +70,7 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
         ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
         if all(isinstance(w, Stacked) for w in ws) and cuda_ops.mlp_takes(
                 x, h, *(w.w for w in ws)):
-            setting = os.environ.get("NINFER_MLP_WARPS")  # "warps/occupancy", e.g. "8/32"
-            wp, occ = (None, None) if not setting else (int(a) for a in setting.split("/"))
+            wp, occ = _mlp_setting()
             return cuda_ops.int4_mlp(x, h, *(w.w for w in ws), ws[0].index,
                                      warps=wp, occupancy=occ, launches=int(fused),
                                      l2_prefetch=fused != "1" and
@@ -164,9 +191,7 @@ def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
     h, conv_state, rec_state = gdn_mixer(
         p["linear_attn"], cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
         conv_state, rec_state, lengths, valid, mode, kernels)
-    x = x + h
-    x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
-                     kernels)
+    x = mlp_block(p["mlp"], p["post_attention_layernorm"], cfg.rms_norm_eps, x, h, kernels)
     return x, conv_state, rec_state
 
 
@@ -178,7 +203,5 @@ def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid, kernels
     h, kv = attention_mixer(p["self_attn"], cfg,
                             rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
                             kv, layer, positions, valid, write_attend, kernels)
-    x = x + h
-    x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
-                     kernels)
+    x = mlp_block(p["mlp"], p["post_attention_layernorm"], cfg.rms_norm_eps, x, h, kernels)
     return x, kv

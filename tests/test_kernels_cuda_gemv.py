@@ -585,3 +585,102 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
         monkeypatch.setenv("NINFER_MLP_FUSED", fused)
         got = mlp_residual(p, x[:, None], h[:, None], "pallas")
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def _block_case(m, k1=512, n1=1024, lead=(2,)):
+    """x, hm [m, k1] bf16, a norm weight [k1] and stacked int4 gate / up [*lead, n1, k1],
+    down [*lead, k1, n1]: a layer's second half, down back to x's width."""
+    x, _, ws = _mlp_case(m, k1=k1, n1=n1, n2=k1, lead=lead)
+    rng = np.random.default_rng(100 + m)
+    hm = jnp.asarray(rng.standard_normal((m, k1)), jnp.bfloat16)
+    w = jnp.asarray(0.1 * rng.standard_normal(k1), jnp.float32)
+    return x, hm, w, ws
+
+
+def test_mlp_block_lowers_to_one_call_and_checks_its_shapes(monkeypatch):
+    """int4_mlp_block lowers for CUDA to one call (six results: the output and the launches'
+    scratch), rejects operands it does not take with a clear error, `mlp_block_takes` agrees,
+    and on a machine without the op the model's `mlp_block` with NINFER_MLP_NORM=1 is x + h +
+    mlp(rms_norm(x + h)) exactly."""
+    from engine.kernels.stacked import Stacked
+    from engine.layers import mlp, mlp_block
+    from engine.norms import rms_norm
+
+    x, hm, w, (gate, up, down) = _block_case(2)
+    idx = jnp.array([1], jnp.int32)
+    exp = export.export(
+        jax.jit(lambda x, hm, w, g, u, d, i: cuda_ops.int4_mlp_block(x, hm, w, 1e-6, g, u, d, i)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(
+            cuda_ops.INT4_MLP_BLOCK_TARGET)])(x, hm, w, gate, up, down, idx)
+    text = exp.mlir_module()
+    assert text.count(f"@{cuda_ops.INT4_MLP_BLOCK_TARGET}(") == 1
+    assert "pdl = 1 : i64" in text and "warps = 8 : i64" in text and "eps = 9.99" in text
+    assert [a.shape for a in exp.out_avals] == [(2, 512)]
+    with pytest.raises(ValueError, match="hm must be"):
+        cuda_ops.int4_mlp_block(x, hm[:, :256], w, 1e-6, gate, up, down, idx)
+    with pytest.raises(ValueError, match="weight must be"):
+        cuda_ops.int4_mlp_block(x, hm, w[:256], 1e-6, gate, up, down, idx)
+    _, _, (_, _, wide_down) = _mlp_case(2)  # down of 1000 rows: not back to x's width
+    with pytest.raises(ValueError, match="int4_mlp_block"):
+        cuda_ops.int4_mlp_block(x, hm, w, 1e-6, gate, up, wide_down, idx)
+    with pytest.raises(ValueError, match="warps"):
+        cuda_ops.int4_mlp_block(x, hm, w, 1e-6, gate, up, down, idx, warps=16)
+    monkeypatch.setattr(cuda_ops, "available", lambda: True)
+    assert cuda_ops.mlp_block_takes(x, hm, w, gate, up, down)
+    assert not cuda_ops.mlp_block_takes(x, hm.astype(jnp.float32), w, gate, up, down)
+    assert not cuda_ops.mlp_block_takes(x, hm, w, gate, up, wide_down)
+    monkeypatch.undo()
+
+    p = {name: Stacked(wt, idx) for name, wt in zip(("gate_proj", "up_proj", "down_proj"),
+                                                    (gate, up, down))}
+    y = x[:, None] + hm[:, None]
+    want = y + mlp(p, rms_norm(y, w, 1e-6), "pallas")
+    monkeypatch.setenv("NINFER_MLP_NORM", "1")
+    got = mlp_block(p, w, 1e-6, x[:, None], hm[:, None], "pallas")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps,occupancy", [(8, 32), (4, 24)])
+def test_mlp_block_matches_reference_on_gpu(warps, occupancy):
+    """The MLP block op (norm, gate|up, down in three chained launches) against the fp32
+    reference and against `rms_norm` + `int4_mlp` (bf16 tolerance: the norm's sums are in
+    another order); chained and in stream order the same bits (a launch that read its input
+    before the one before had written it would not match); a row's result the same bits
+    whatever the other rows; repeated calls the same bits; the 27B's shapes."""
+    from engine.norms import rms_norm
+
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    eps = 1e-6
+
+    def block(pdl, l2=False):
+        return jax.jit(lambda x, hm, w, g, u, d, i: cuda_ops.int4_mlp_block(
+            x, hm, w, eps, g, u, d, i, warps=warps, occupancy=occupancy, pdl=pdl,
+            l2_prefetch=l2))
+
+    def unfused(x, hm, w, g, u, d, i):
+        y = x + hm
+        return cuda_ops.int4_mlp(rms_norm(y, w, eps), y, g, u, d, i, warps=warps,
+                                 occupancy=occupancy, launches=2)
+
+    for kw, idx in (({}, jnp.array([1], jnp.int32)),
+                    (dict(k1=5120, n1=17408, lead=()), None)):
+        outs = {}
+        for m in (1, 2, 3):
+            x, hm, w, (gate, up, down) = _block_case(m, **kw)
+            args = (x, hm, w, gate, up, down, idx)
+            got = block(True)(*args)
+            assert got.shape == x.shape and got.dtype == jnp.bfloat16
+            y = (x.astype(jnp.float32) + hm.astype(jnp.float32)).astype(jnp.bfloat16)
+            ref = _mlp_reference(rms_norm(y, w, eps), y, gate, up, down,
+                                 1 if idx is not None else ())
+            assert_close(got, ref, jnp.bfloat16)
+            assert_close(got, jax.jit(unfused)(*args).astype(jnp.float32), jnp.bfloat16)
+            g = np.asarray(got, np.float32)
+            for other in (block(True)(*args), block(False)(*args), block(True, True)(*args)):
+                np.testing.assert_array_equal(np.asarray(other, np.float32), g)
+            outs[m] = (args, g)
+        args3, g3 = outs[3]
+        alone = block(True)(args3[0][:1], args3[1][:1], *args3[2:])
+        np.testing.assert_array_equal(np.asarray(alone, np.float32), g3[:1])

@@ -40,6 +40,7 @@ INT4_TARGET = "ninfer_int4_gemv"
 INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
 INT4_MLP_TARGET = "ninfer_int4_mlp"
+INT4_MLP_BLOCK_TARGET = "ninfer_int4_mlp_block"
 WIDE_MAX_M = 4  # the wide kernel's B columns: 2 per row of x
 # Within a group of 64 inputs, lane t of the MMA kernel multiplies its 16 codes in this order
 # (see the kernel's comment): x is permuted to match.
@@ -135,6 +136,8 @@ def _load_int4_locked() -> bool:
                                     jax.ffi.pycapsule(lib.NinferInt4GemvWide), platform="CUDA")
         jax.ffi.register_ffi_target(INT4_MLP_TARGET, jax.ffi.pycapsule(lib.NinferInt4Mlp),
                                     platform="CUDA")
+        jax.ffi.register_ffi_target(INT4_MLP_BLOCK_TARGET,
+                                    jax.ffi.pycapsule(lib.NinferInt4MlpBlock), platform="CUDA")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _why_not.append(f"build or load failed: {e}")
         log.warning("CUDA int4 GEMV unavailable, using the Pallas kernel: %s", e)
@@ -456,3 +459,61 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
                      warps=np.int64(warps), occupancy=np.int64(occupancy),
                      launches=np.int64(launches), l2_prefetch=np.int64(bool(l2_prefetch)))
     return out.reshape(*lead, n2)
+
+
+def mlp_block_shape_error(x, hm, norm_w, gate, up, down) -> str | None:
+    """Why `int4_mlp_block` does not take these operands (None: it does): `mlp_shape_error`'s
+    conditions with the residual x as the MLP's input, the mixer's output hm of x's shape,
+    down back to x's width and the norm's weight [K1]."""
+    if (err := mlp_shape_error(x, x, gate, up, down)) is not None:
+        return err.replace("int4_mlp", "int4_mlp_block")
+    if hm.shape != x.shape or hm.dtype != jnp.bfloat16:
+        return f"int4_mlp_block: hm must be bf16 {x.shape}, got {hm.dtype} {hm.shape}"
+    if tuple(norm_w.shape) != (x.shape[-1],):
+        return f"int4_mlp_block: the norm's weight must be [{x.shape[-1]}], got {norm_w.shape}"
+    return None
+
+
+def mlp_block_takes(x, hm, norm_w, gate, up, down) -> bool:
+    """Whether `int4_mlp_block` runs this layer half here: operands it takes and the op built
+    on this machine."""
+    return mlp_block_shape_error(x, hm, norm_w, gate, up, down) is None and available()
+
+
+def int4_mlp_block(x, hm, norm_w, eps: float, gate: QTensor, up: QTensor, down: QTensor,
+                   index=None, *, warps: int | None = None, occupancy: int | None = None,
+                   pdl: bool = True, l2_prefetch: bool = False):
+    """A decoder layer's second half after its mixer, y + MLP(rms_norm(y, norm_w, eps)) for y
+    = x + hm (x the residual stream, hm the mixer's output, [..., K1] bf16, M <= 4 rows;
+    `norms.rms_norm`'s zero-centred norm; the MLP as `int4_mlp` computes it), in one call of
+    three launches (engine/kernels/cuda/int4_gemv.cu `launch_mlp_block`): the norm (one block a
+    row: y, the normed rows and their group sums), gate|up, down; with `pdl` each chained to
+    the one before by programmatic dependent launch, so gate|up's and down's blocks fill their
+    rings while the launch before ends. The norm's sums are in another order than XLA's: close
+    to `rms_norm` + `int4_mlp`, not bitwise. warps / occupancy / l2_prefetch as `int4_mlp`
+    with two launches (None: its defaults). The model takes it with NINFER_MLP_NORM=1
+    (`layers.mlp_block`; off by default, not measured yet)."""
+    if (err := mlp_block_shape_error(x, hm, norm_w, gate, up, down)) is not None:
+        raise ValueError(err)
+    dw, do = MLP_DEFAULTS[2]
+    warps, occupancy = dw if warps is None else warps, do if occupancy is None else occupancy
+    if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
+        raise ValueError(f"int4_mlp_block: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")
+    lead, k1 = x.shape[:-1], x.shape[-1]
+    m = int(np.prod(lead, dtype=np.int64))
+    n1 = gate.shape[0]
+    idx = (jnp.zeros((1,), jnp.int32) if index is None
+           else jnp.asarray(index, jnp.int32).reshape(-1))
+    pairs = [a for w in (gate, up, down) for a in (w.data, w.scale.astype(jnp.float32))]
+    bf = jnp.bfloat16
+    call = jax.ffi.ffi_call(INT4_MLP_BLOCK_TARGET, (
+        jax.ShapeDtypeStruct((m, k1), bf),  # y + the MLP
+        jax.ShapeDtypeStruct((m, k1), bf),  # scratch: y
+        jax.ShapeDtypeStruct((m, k1), bf),  # scratch: the normed rows
+        jax.ShapeDtypeStruct((m, k1 // GROUP), jnp.float32),  # scratch: their group sums
+        jax.ShapeDtypeStruct((m, n1), bf),  # scratch: the activations
+        jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
+    out, *_ = call(x.reshape(m, k1), hm.reshape(m, k1), norm_w.astype(jnp.float32), idx, *pairs,
+                   warps=np.int64(warps), occupancy=np.int64(occupancy), pdl=np.int64(bool(pdl)),
+                   l2_prefetch=np.int64(bool(l2_prefetch)), eps=np.float32(eps))
+    return out.reshape(*lead, k1)

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -1083,7 +1084,9 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-template <int W, int T>
+// kWait: x and corr come from the launch before (the MLP block's norm): the first tile's ring
+// is filled through the coherent path, then the kernel waits for it.
+template <int W, int T, bool kWait = false>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_gate_up(const uint4* __restrict__ x, const float* __restrict__ corr,
                      const __grid_constant__ Mats gu, const int32_t* __restrict__ index,
@@ -1093,13 +1096,14 @@ __global__ void __launch_bounds__(W * 32, T / W)
   __shared__ float2 red[2][W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, u = blockIdx.x;
   const int n1 = gu.start[1];
-  const int64_t layer = layer_of(gu, index);
+  const int64_t layer = layer_of<kWait>(gu, index);
   const MlpLane ln(lane, m);
   const uint4* xa = ln.x_at(x, k1, warp, lane);
   const float2* ca = ln.corr_at(corr, k1, warp);
   WideRing<2> ring;
   WideTile<W> cur(gu, layer, k1, 16 * u, warp, lane);
-  ring_fill(ring, cur);
+  ring_fill<2, W, kWait>(ring, cur);
+  if constexpr (kWait) pdl_wait();
   float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
   ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, gt);
   cur = WideTile<W>(gu, layer, k1, n1 + 16 * u, warp, lane);  // up's tile u in flight
@@ -1157,29 +1161,115 @@ __global__ void __launch_bounds__(W * 32, T / W)
 // warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
 // programmatic stream serialization when `pdl` (else a plain launch: stream order), and with
 // its tile asked into L2 before the wait when `l2`.
+// A launch configuration on `stream`, with programmatic stream serialization when `pdl`.
+struct PdlLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  PdlLaunch(cudaStream_t stream, int blocks, int threads, bool pdl) {
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+  }
+};
+
+// after_norm: gate|up reads x and corr from the MLP block's norm launch just before it, and
+// is chained to it as down is to gate|up.
 template <int W, int T>
 cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
                            const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
                            const int32_t* index, __nv_bfloat16* act, float* psum,
-                           __nv_bfloat16* out, int k1, int m, bool pdl, bool l2) {
+                           __nv_bfloat16* out, int k1, int m, bool pdl, bool l2,
+                           bool after_norm = false) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
-                                                                k1, m);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err;
+  if (after_norm) {
+    PdlLaunch a(stream, (n1 + 15) / 16, W * 32, pdl);
+    err = cudaLaunchKernelEx(&a.cfg, int4_mlp_gate_up<W, T, true>, x, corr, gu, index, act,
+                             psum, k1, m);
+  } else {
+    int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
+                                                                  psum, k1, m);
+    err = cudaGetLastError();
+  }
   if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((n2 + 15) / 16);
-  cfg.blockDim = dim3(8 * 32);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, l2 ? int4_mlp_down<8, T, true> : int4_mlp_down<8, T, false>,
+  PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl);
+  return cudaLaunchKernelEx(&b.cfg, l2 ? int4_mlp_down<8, T, true> : int4_mlp_down<8, T, false>,
                             h, dn, index, static_cast<const __nv_bfloat16*>(act),
                             static_cast<const float*>(psum), out, n1, m);
+}
+
+// ---- The MLP block: y = r + hm, out = y + MLP(RMSNorm(y)), three chained launches --------
+//
+// A decoder layer's second half after its mixer. XLA would run the residual add and the
+// zero-centred RMSNorm as two kernels (the row's sum of squares, then the normalized row
+// with its group sums) before the MLP's first GEMV. int4_mlp_norm does both in one launch
+// of one block a row, and gate|up's blocks (launched chained to it) fill their rings with
+// their first codes while it runs. Its arithmetic follows XLA's: y = bf16(r + hm); xn =
+// bf16((y * rsqrt(sum(y^2) / K + eps)) * (1 + w)), fp32 between; the sum in a fixed order
+// (per thread, then a warp tree, then the warps in order), so a row's result depends on
+// that row only.
+constexpr int kNormThreads = 256;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__global__ void __launch_bounds__(kNormThreads)
+    int4_mlp_norm(const __nv_bfloat16* __restrict__ r, const __nv_bfloat16* __restrict__ hm,
+                  const float* __restrict__ w, float eps, int k, __nv_bfloat16* __restrict__ y,
+                  __nv_bfloat16* __restrict__ xn, float* __restrict__ corr) {
+  pdl_launch_dependents();
+  __shared__ float part[kNormThreads / 32];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * k;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  auto sum_at = [&](int i) {
+    return bf16_round(__bfloat162float(r[row + i]) + __bfloat162float(hm[row + i]));
+  };
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < k; i += kNormThreads) {
+    const float v = sum_at(i);
+    y[row + i] = __float2bfloat16_rn(v);
+    ss = fmaf(v, v, ss);
+  }
+  ss = warp_sum(ss);
+  if (lane == 0) part[warp] = ss;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int v = 0; v < kNormThreads / 32; ++v) total += part[v];
+  const float inv = rsqrtf(total / static_cast<float>(k) + eps);
+  for (int g = warp; g < k / 64; g += kNormThreads / 32) {  // a warp a group of 64
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int i = 64 * g + 2 * lane + e;
+      const float q = bf16_round((sum_at(i) * inv) * (1.0f + w[i]));
+      xn[row + i] = __float2bfloat16_rn(q);
+      s += q;
+    }
+    s = warp_sum(s);
+    if (lane == 0) corr[static_cast<int64_t>(blockIdx.x) * (k / 64) + g] = s;
+  }
+}
+
+template <int W, int T>
+cudaError_t launch_mlp_block(cudaStream_t stream, const __nv_bfloat16* r,
+                             const __nv_bfloat16* hm, const float* w, float eps, const Mats& gu,
+                             const Mats& dn, const int32_t* index, __nv_bfloat16* y,
+                             __nv_bfloat16* xn, float* corr, __nv_bfloat16* act, float* psum,
+                             __nv_bfloat16* out, int k1, int m, bool pdl, bool l2) {
+  int4_mlp_norm<<<m, kNormThreads, 0, stream>>>(r, hm, w, eps, k1, y, xn, corr);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_mlp_pdl<W, T>(stream, reinterpret_cast<const uint4*>(xn), corr, y, gu, dn,
+                              index, act, psum, out, k1, m, pdl, l2, true);
 }
 
 // The wide kernel with the codes and scales of the next S - 1 pairs copied into a shared-memory
@@ -1581,6 +1671,37 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   return ffi::Error::Success();
 }
 
+// gate, up and down as (codes, scales) pairs in `rest`, decoded into gu (gate | up) and dn and
+// checked against each other; null or why not.
+const char* decode_mlp(ffi::RemainingArgs& rest, ffi::Buffer<ffi::S32>& index, Mats& gu,
+                       Mats& dn, int64_t& k1) {
+  if (rest.size() != 6) return "int4_mlp: gate, up and down as (codes, scales) pairs";
+  int64_t k2 = 0;
+  if (const char* bad = decode_mats(rest, index, gu, k1, 0, 2)) return bad;
+  if (const char* bad = decode_mats(rest, index, dn, k2, 2, 1)) return bad;
+  if (gu.start[2] != 2 * gu.start[1]) return "int4_mlp: gate and up need the same rows";
+  if (k1 % 128 != 0 || k2 % 128 != 0 || k2 != gu.start[1])
+    return "int4_mlp: K of gate|up and of down (= gate's rows) must be multiples of 128";
+  return nullptr;
+}
+
+// Calls f(W, T) as compile-time constants for a (warps, occupancy) the MLP kernels are built
+// for; false for another.
+template <typename F>
+bool with_mlp_setting(int64_t warps, int64_t occupancy, F f) {
+  using std::integral_constant;
+  if (warps == 4 && occupancy == 24) f(integral_constant<int, 4>{}, integral_constant<int, 24>{});
+  else if (warps == 4 && occupancy == 32) f(integral_constant<int, 4>{}, integral_constant<int, 32>{});
+  else if (warps == 8 && occupancy == 24) f(integral_constant<int, 8>{}, integral_constant<int, 24>{});
+  else if (warps == 8 && occupancy == 32) f(integral_constant<int, 8>{}, integral_constant<int, 32>{});
+  else return false;
+  return true;
+}
+
+bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
+  return d.size() == 2 && d[0] == rows && d[1] == cols;
+}
+
 // x [M, K1] bf16 (the MLP's normed input), corr [M, K1/64] its group sums, h [M, N2] the
 // residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
 // [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. launches: 1 the persistent
@@ -1593,57 +1714,91 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
                        ffi::Result<ffi::Buffer<ffi::BF16>> act,
                        ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
                        int64_t occupancy, int64_t launches, int64_t l2_prefetch) {
-  if (rest.size() != 6)
-    return ffi::Error::InvalidArgument("int4_mlp: gate, up and down as (codes, scales) pairs");
   Mats gu{}, dn{};
-  int64_t k1 = 0, k2 = 0;
-  if (const char* bad = decode_mats(rest, index, gu, k1, 0, 2))
-    return ffi::Error::InvalidArgument(bad);
-  if (const char* bad = decode_mats(rest, index, dn, k2, 2, 1))
+  int64_t k1 = 0;
+  if (const char* bad = decode_mlp(rest, index, gu, dn, k1))
     return ffi::Error::InvalidArgument(bad);
   const int64_t n1 = gu.start[1], n2 = dn.start[1];
-  if (gu.start[2] != 2 * n1)
-    return ffi::Error::InvalidArgument("int4_mlp: gate and up need the same rows");
-  if (k1 % 128 != 0 || k2 % 128 != 0 || k2 != n1)
-    return ffi::Error::InvalidArgument(
-        "int4_mlp: K of gate|up and of down (= gate's rows) must be multiples of 128");
-  const auto xd = x.dimensions(), cd = corr.dimensions(), hd = h.dimensions();
-  const auto od = out->dimensions(), ad = act->dimensions(), pd = psum->dimensions();
+  const auto xd = x.dimensions();
   const int64_t m = xd.size() == 2 ? xd[0] : 0;
   if (m < 1 || m > 4 || xd[1] != k1)
     return ffi::Error::InvalidArgument("int4_mlp: x must be [M <= 4, K1]");
-  if (cd.size() != 2 || cd[0] != m || cd[1] != k1 / 64)
+  if (!is_matrix(corr.dimensions(), m, k1 / 64))
     return ffi::Error::InvalidArgument("int4_mlp: corr must be [M, K1/64]");
-  if (hd.size() != 2 || hd[0] != m || hd[1] != n2 || od.size() != 2 || od[0] != m ||
-      od[1] != n2)
+  if (!is_matrix(h.dimensions(), m, n2) || !is_matrix(out->dimensions(), m, n2))
     return ffi::Error::InvalidArgument("int4_mlp: h and out must be [M, N2]");
-  if (ad.size() != 2 || ad[0] != m || ad[1] != n1 || pd.size() != 2 || pd[0] != m ||
-      pd[1] != n1 / 16)
+  if (!is_matrix(act->dimensions(), m, n1) || !is_matrix(psum->dimensions(), m, n1 / 16))
     return ffi::Error::InvalidArgument("int4_mlp: act must be [M, N1], psum [M, N1/16]");
+  if (launches < 1 || launches > 3)
+    return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
+  if (l2_prefetch != 0 && launches == 1)
+    return ffi::Error::InvalidArgument("int4_mlp: l2_prefetch with launches 2 or 3 only");
   const int tiles = static_cast<int>(std::max((n1 + 15) / 16, (n2 + 15) / 16));
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const auto* hp = reinterpret_cast<const __nv_bfloat16*>(h.typed_data());
   auto* ap = reinterpret_cast<__nv_bfloat16*>(act->typed_data());
   auto* op = reinterpret_cast<__nv_bfloat16*>(out->typed_data());
   const int ki = static_cast<int>(k1), mi = static_cast<int>(m);
-  cudaError_t err;
-#define NINFER_MLP(W, T)                                                                     \
-  if (warps == W && occupancy == T)                                                          \
-    err = launches == 1                                                                      \
-              ? launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn,                  \
-                                 index.typed_data(), ap, psum->typed_data(), op, ki, mi,     \
-                                 tiles)                                                      \
-              : launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn,              \
-                                     index.typed_data(), ap, psum->typed_data(), op, ki, mi, \
-                                     launches == 2, l2_prefetch != 0);                       \
-  else
-  if (launches < 1 || launches > 3)
-    return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
-  if (l2_prefetch != 0 && launches == 1)
-    return ffi::Error::InvalidArgument("int4_mlp: l2_prefetch with launches 2 or 3 only");
-  NINFER_MLP(4, 24) NINFER_MLP(4, 32) NINFER_MLP(8, 24) NINFER_MLP(8, 32)
-#undef NINFER_MLP
-    return ffi::Error::InvalidArgument("int4_mlp: warps 4 or 8, occupancy 24 or 32");
+  cudaError_t err = cudaSuccess;
+  const bool known = with_mlp_setting(warps, occupancy, [&](auto w, auto t) {
+    constexpr int W = decltype(w)::value, T = decltype(t)::value;
+    err = launches == 1
+              ? launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
+                                 ap, psum->typed_data(), op, ki, mi, tiles)
+              : launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn,
+                                     index.typed_data(), ap, psum->typed_data(), op, ki, mi,
+                                     launches == 2, l2_prefetch != 0);
+  });
+  if (!known) return ffi::Error::InvalidArgument("int4_mlp: warps 4 or 8, occupancy 24 or 32");
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+// r [M, K1] bf16 (the residual stream), hm [M, K1] (the mixer's output), w [K1] fp32 (the
+// zero-centred norm's weight), index, then gate, up and down as (codes, scales) pairs, with
+// down's rows = K1; out = y + MLP(RMSNorm(y)) [M, K1] for y = r + hm; y, xn (the normed rows),
+// corr (their group sums), act and psum the launches' scratch. pdl: the three launches
+// chained by programmatic dependent launch (0: plain stream order).
+ffi::Error Int4MlpBlockImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> r,
+                            ffi::Buffer<ffi::BF16> hm, ffi::Buffer<ffi::F32> w,
+                            ffi::Buffer<ffi::S32> index, ffi::RemainingArgs rest,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> y,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> xn,
+                            ffi::Result<ffi::Buffer<ffi::F32>> corr,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> act,
+                            ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
+                            int64_t occupancy, int64_t pdl, int64_t l2_prefetch, float eps) {
+  Mats gu{}, dn{};
+  int64_t k1 = 0;
+  if (const char* bad = decode_mlp(rest, index, gu, dn, k1))
+    return ffi::Error::InvalidArgument(bad);
+  const int64_t n1 = gu.start[1], n2 = dn.start[1];
+  const auto rd = r.dimensions();
+  const int64_t m = rd.size() == 2 ? rd[0] : 0;
+  if (m < 1 || m > 4 || rd[1] != k1 || n2 != k1)
+    return ffi::Error::InvalidArgument("int4_mlp_block: r must be [M <= 4, K1], down [K1, N1]");
+  if (!is_matrix(hm.dimensions(), m, k1) || !is_matrix(out->dimensions(), m, k1) ||
+      !is_matrix(y->dimensions(), m, k1) || !is_matrix(xn->dimensions(), m, k1))
+    return ffi::Error::InvalidArgument("int4_mlp_block: hm, out, y and xn must be [M, K1]");
+  if (w.dimensions().size() != 1 || w.dimensions()[0] != k1)
+    return ffi::Error::InvalidArgument("int4_mlp_block: w must be [K1]");
+  if (!is_matrix(corr->dimensions(), m, k1 / 64) || !is_matrix(act->dimensions(), m, n1) ||
+      !is_matrix(psum->dimensions(), m, n1 / 16))
+    return ffi::Error::InvalidArgument(
+        "int4_mlp_block: corr must be [M, K1/64], act [M, N1], psum [M, N1/16]");
+  auto bf = [](auto& b) { return reinterpret_cast<__nv_bfloat16*>(b->typed_data()); };
+  cudaError_t err = cudaSuccess;
+  const bool known = with_mlp_setting(warps, occupancy, [&](auto wc, auto tc) {
+    constexpr int W = decltype(wc)::value, T = decltype(tc)::value;
+    err = launch_mlp_block<W, T>(
+        stream, reinterpret_cast<const __nv_bfloat16*>(r.typed_data()),
+        reinterpret_cast<const __nv_bfloat16*>(hm.typed_data()), w.typed_data(), eps, gu, dn,
+        index.typed_data(), bf(y), bf(xn), corr->typed_data(), bf(act), psum->typed_data(),
+        bf(out), static_cast<int>(k1), static_cast<int>(m), pdl != 0, l2_prefetch != 0);
+  });
+  if (!known)
+    return ffi::Error::InvalidArgument("int4_mlp_block: warps 4 or 8, occupancy 24 or 32");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -1702,4 +1857,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
                                   .Attr<int64_t>("occupancy")
                                   .Attr<int64_t>("launches")
                                   .Attr<int64_t>("l2_prefetch"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4MlpBlock, Int4MlpBlockImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("warps")
+                                  .Attr<int64_t>("occupancy")
+                                  .Attr<int64_t>("pdl")
+                                  .Attr<int64_t>("l2_prefetch")
+                                  .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
