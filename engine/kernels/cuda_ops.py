@@ -429,10 +429,10 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     sums, so close to the separate calls, not bitwise). warps (4 or 8 a tile; gate|up's with
     2 launches, down's is 8), occupancy (resident warps an SM the registers are capped for:
     24 or 32); None: MLP_DEFAULTS. l2_prefetch (launches 2 or 3): down's blocks ask their
-    whole tile into L2 before they wait for gate|up. The model takes it through `layers.mlp_residual`, with 2
-    launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
-    persistent kernel is slower than the separate calls, two launches with programmatic
-    dependent launch faster)."""
+    whole tile into L2 before they wait for gate|up. The model takes it through
+    `layers.mlp_residual`, with 2 launches by default (NINFER_MLP_FUSED: the launches, 0 the
+    separate calls; v14: the persistent kernel is slower than the separate calls, two
+    launches with programmatic dependent launch faster)."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)
     if launches not in MLP_LAUNCHES:

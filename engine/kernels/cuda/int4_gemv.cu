@@ -779,7 +779,8 @@ struct CorrTiles {
   const float4* p;
   __device__ __forceinline__ float2 at(int j) const {
     const float4* q = p + 2 * W * j;
-    const float4 lo = kCoherent ? __ldcg(q) : __ldg(q), hi = kCoherent ? __ldcg(q + 1) : __ldg(q + 1);
+    const float4 lo = kCoherent ? __ldcg(q) : __ldg(q);
+    const float4 hi = kCoherent ? __ldcg(q + 1) : __ldg(q + 1);
     return make_float2(((lo.x + lo.y) + lo.z) + lo.w, ((hi.x + hi.y) + hi.z) + hi.w);
   }
   __device__ __forceinline__ void step(int n) { p += 2 * W * n; }
@@ -966,8 +967,8 @@ struct MlpLane {
     return reinterpret_cast<const float2*>(corr + static_cast<int64_t>(crow) * (k >> 6)) + warp;
   }
   __device__ __forceinline__ const float4* psum_at(const float* psum, int n1, int warp) const {
-    return reinterpret_cast<const float4*>(psum + static_cast<int64_t>(crow) * ((n1 + 15) / 16)) +
-           2 * warp;
+    const int64_t tiles = (n1 + 15) / 16;
+    return reinterpret_cast<const float4*>(psum + crow * tiles) + 2 * warp;
   }
 };
 
@@ -1157,14 +1158,13 @@ __global__ void __launch_bounds__(W * 32, T / W)
   if (warp == 0) mlp_out_store(s, row0, dn.start[dn.count], m, lane, h, out);
 }
 
-// The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
-// warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
-// programmatic stream serialization when `pdl` (else a plain launch: stream order), and with
-// its tile asked into L2 before the wait when `l2`.
-// A launch configuration on `stream`, with programmatic stream serialization when `pdl`.
+// A launch configuration on `stream`, with programmatic stream serialization when `pdl`
+// (cfg points into the object: not to be copied).
 struct PdlLaunch {
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
+  PdlLaunch(const PdlLaunch&) = delete;
+  PdlLaunch& operator=(const PdlLaunch&) = delete;
   PdlLaunch(cudaStream_t stream, int blocks, int threads, bool pdl) {
     cfg.gridDim = dim3(blocks);
     cfg.blockDim = dim3(threads);
@@ -1177,8 +1177,11 @@ struct PdlLaunch {
   }
 };
 
-// after_norm: gate|up reads x and corr from the MLP block's norm launch just before it, and
-// is chained to it as down is to gate|up.
+// The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
+// warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
+// programmatic stream serialization when `pdl` (else a plain launch: stream order), and with
+// its tile asked into L2 before the wait when `l2`. after_norm: gate|up reads x and corr
+// from the MLP block's norm launch just before it, and is chained to it as down is to gate|up.
 template <int W, int T>
 cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
                            const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
@@ -1687,15 +1690,16 @@ const char* decode_mlp(ffi::RemainingArgs& rest, ffi::Buffer<ffi::S32>& index, M
 
 // Calls f(W, T) as compile-time constants for a (warps, occupancy) the MLP kernels are built
 // for; false for another.
+template <int W, int T, typename F>
+bool mlp_setting_is(int64_t warps, int64_t occupancy, F& f) {
+  if (warps != W || occupancy != T) return false;
+  f(std::integral_constant<int, W>{}, std::integral_constant<int, T>{});
+  return true;
+}
 template <typename F>
 bool with_mlp_setting(int64_t warps, int64_t occupancy, F f) {
-  using std::integral_constant;
-  if (warps == 4 && occupancy == 24) f(integral_constant<int, 4>{}, integral_constant<int, 24>{});
-  else if (warps == 4 && occupancy == 32) f(integral_constant<int, 4>{}, integral_constant<int, 32>{});
-  else if (warps == 8 && occupancy == 24) f(integral_constant<int, 8>{}, integral_constant<int, 24>{});
-  else if (warps == 8 && occupancy == 32) f(integral_constant<int, 8>{}, integral_constant<int, 32>{});
-  else return false;
-  return true;
+  return mlp_setting_is<4, 24>(warps, occupancy, f) || mlp_setting_is<4, 32>(warps, occupancy, f) ||
+         mlp_setting_is<8, 24>(warps, occupancy, f) || mlp_setting_is<8, 32>(warps, occupancy, f);
 }
 
 bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
