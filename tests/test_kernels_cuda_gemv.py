@@ -622,8 +622,11 @@ def test_mlp_block_lowers_to_one_call_and_checks_its_shapes(monkeypatch):
     with pytest.raises(ValueError, match="weight must be"):
         cuda_ops.int4_mlp_block(x, hm, w[:256], 1e-6, gate, up, down, idx)
     _, _, (_, _, wide_down) = _mlp_case(2)  # down of 1000 rows: not back to x's width
-    with pytest.raises(ValueError, match="int4_mlp_block"):
+    with pytest.raises(ValueError, match="map back to x's width"):
         cuda_ops.int4_mlp_block(x, hm, w, 1e-6, gate, up, wide_down, idx)
+    with pytest.raises(ValueError, match="int4_mlp_block takes 1..4 rows"):
+        five = jnp.zeros((5, 512), jnp.bfloat16)
+        cuda_ops.int4_mlp_block(five, five, w, 1e-6, gate, up, down, idx)
     with pytest.raises(ValueError, match="warps"):
         cuda_ops.int4_mlp_block(x, hm, w, 1e-6, gate, up, down, idx, warps=16)
     monkeypatch.setattr(cuda_ops, "available", lambda: True)

@@ -465,6 +465,9 @@ def mlp_block_shape_error(x, hm, norm_w, gate, up, down) -> str | None:
     """Why `int4_mlp_block` does not take these operands (None: it does): `mlp_shape_error`'s
     conditions with the residual x as the MLP's input, the mixer's output hm of x's shape,
     down back to x's width and the norm's weight [K1]."""
+    if isinstance(down, QTensor) and down.shape[0] != x.shape[-1]:
+        return (f"int4_mlp_block: down must map back to x's width {x.shape[-1]}, got "
+                f"{down.shape}")
     if (err := mlp_shape_error(x, x, gate, up, down)) is not None:
         return err.replace("int4_mlp", "int4_mlp_block")
     if hm.shape != x.shape or hm.dtype != jnp.bfloat16:
