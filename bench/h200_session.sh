@@ -226,7 +226,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         prefill2 prefcudnn_flash
         prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;
       mlp)  # the CUDA MLP op (gate|up, SwiGLU, down and the residual in one call,
-        # cuda_ops.int4_mlp; NINFER_MLP_FUSED=<launches>, off by default): its GPU tests, the
+        # cuda_ops.int4_mlp; NINFER_MLP_FUSED=<launches>, 2 by default): its GPU tests, the
         # micro benchmark against the separate calls at the 27B's shapes (and the block op
         # with the residual add and norm), C1/C2 1K decode with the separate calls (0), then
         # twice in turn the default (two launches chained by programmatic dependent launch),
