@@ -30,7 +30,8 @@
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
 #   w10        10 warps a tile for down and out_proj (NINFER_INT4_WIDE_WARPS=auto:4,10)
 #   xperm      x permuted for the wide GEMV's B registers (NINFER_INT4_WIDE_XPERM=1)
-#   mlp        the CUDA MLP ops (two launches, L2, block): GPU tests, micro, decode A/B
+#   mlp        the CUDA MLP ops (two launches, L2, block): GPU tests, micro
+#   mlpab      C1/C2 1K decode with each MLP setting, twice in turn
 #   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
@@ -225,22 +226,24 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         tail -n 2 "$OUT/prefcudnn_tests_$TAG.log"
         prefill2 prefcudnn_flash
         prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;
-      mlp)  # the CUDA MLP op (gate|up, SwiGLU, down and the residual in one call,
-        # cuda_ops.int4_mlp; NINFER_MLP_FUSED=<launches>, 2 by default): its GPU tests, the
-        # micro benchmark against the separate calls at the 27B's shapes (and the block op
-        # with the residual add and norm), C1/C2 1K decode with the separate calls (0), then
-        # twice in turn the default (two launches chained by programmatic dependent launch),
-        # down's tiles asked into L2 (NINFER_MLP_L2=1) and the block op (NINFER_MLP_NORM=1)
-        run 300 "$OUT/mlp_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      mlp)  # the CUDA MLP ops (cuda_ops.int4_mlp: gate|up, SwiGLU, down and the residual in
+        # one call, NINFER_MLP_FUSED=<launches>, 2 by default; int4_mlp_block: with the
+        # residual add and norm before, NINFER_MLP_NORM=1, and the mixer's out projection
+        # too, =2): their GPU tests and the micro benchmark at the 27B's shapes (~4 min)
+        run 360 "$OUT/mlp_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k "mlp"
         tail -n 2 "$OUT/mlp_tests_$TAG.log"
         run 200 "$OUT/mlp_micro_$TAG.log" python3 bench/mlp_micro.py --out "$OUT/mlp_micro_$TAG.json"
-        grep -E "^M[0-9]" "$OUT/mlp_micro_$TAG.log"
+        grep -E "^M[0-9]" "$OUT/mlp_micro_$TAG.log" ;;
+      mlpab)  # C1/C2 1K decode: the separate MLP calls (NINFER_MLP_FUSED=0) once, then twice
+        # in turn the default, down's tiles asked into L2 (NINFER_MLP_L2=1), the block op
+        # (NINFER_MLP_NORM=1) and the block op with the out projection (=2) (~4 min)
         decode1k mlp_off NINFER_MLP_FUSED=0
         for rep in a b; do
           decode1k "mlp_pdl_$rep"
           decode1k "mlp_l2_$rep" NINFER_MLP_L2=1
           decode1k "mlp_norm_$rep" NINFER_MLP_NORM=1
+          decode1k "mlp_norm2_$rep" NINFER_MLP_NORM=2
         done ;;
       xperm)  # x permuted by XLA so that the wide GEMV skips its 16 byte permutations a pair
         # (NINFER_INT4_WIDE_XPERM=1; main loop 252 -> 214 instructions for two pairs, sm_90

@@ -5,7 +5,8 @@ GEMVs; 2: two launches chained by programmatic dependent launch; 3: the two in s
 at several warps and register settings, against the separate calls (the wide GEMV for
 gate|up, XLA's SwiGLU, the wide GEMV for down, XLA's residual add: NINFER_MLP_FUSED=0); then
 the layer's whole second half (residual add, norm and MLP) as the block op
-(`cuda_ops.int4_mlp_block`) against XLA's add and norm before the MLP. Per call: microseconds,
+(`cuda_ops.int4_mlp_block`) against XLA's add and norm before the MLP, and the same with the
+mixer's output projection (6144 -> 5120) first. Per call: microseconds,
 bytes of codes and scales per second over the measured copy rate, and the error against the
 first row of the same comparison.
 
@@ -31,6 +32,7 @@ from engine.kernels import cuda_ops  # noqa: E402
 from engine.norms import rms_norm  # noqa: E402
 
 HIDDEN, INTER = 5120, 17408
+PROJ_IN = 6144  # the mixers' outputs before their projections (GDN value dim, attention heads)
 
 
 def separate(x, h, gate, up, down, idx):
@@ -59,6 +61,27 @@ def block_impls(variants: str) -> dict:
         impls[f"block_w{wp}o{occ}{'_l2' if l2 else ''}"] = (
             lambda x, hm, w, g, u, d, i, wp=wp, occ=occ, l2=l2: cuda_ops.int4_mlp_block(
                 x, hm, w, EPS, g, u, d, i, warps=wp, occupancy=occ, l2_prefetch=l2))
+    return impls
+
+
+def proj_impls(variants: str) -> dict:
+    """The same with the mixer's output projection first (y = x + wo a), each fn(x, a, w, gate,
+    up, down, wo, idx): XLA's add and norm between the wide GEMV for wo and the MLP's calls,
+    and the block op with the projection as its first launch (`proj=`)."""
+    def xla_norm(mlp_fn):
+        def fn(x, a, w, g, u, d, wo, i):
+            y = x + cuda_ops.int4_gemv(a, wo, i)
+            return mlp_fn(rms_norm(y, w, EPS), y, g, u, d, i)
+        return fn
+
+    impls = {"proj+norm+separate": xla_norm(separate),
+             "proj+norm+pdl_w8o32": xla_norm(lambda *a: cuda_ops.int4_mlp(*a, launches=2))}
+    for v in variants.split(","):
+        setting, l2 = v.removesuffix("+l2"), v.endswith("+l2")
+        wp, occ = (int(a) for a in setting.split("/"))
+        impls[f"block_proj_w{wp}o{occ}{'_l2' if l2 else ''}"] = (
+            lambda x, a, w, g, u, d, wo, i, wp=wp, occ=occ, l2=l2: cuda_ops.int4_mlp_block(
+                x, a, w, EPS, g, u, d, i, proj=wo, warps=wp, occupancy=occ, l2_prefetch=l2))
     return impls
 
 
@@ -111,6 +134,7 @@ def main() -> None:
                       for i, (n, k) in enumerate(((INTER, HIDDEN), (INTER, HIDDEN),
                                                   (HIDDEN, INTER))))
     nbytes = sum(w.data.size + w.scale.size * 4 for w in (gate, up, down)) / LAYERS
+    wo = _random_qtensor(jax.random.fold_in(key, 3), (LAYERS, HIDDEN, PROJ_IN), "int4_g64")
     for m in [int(r) for r in args.rows.split(",")]:
         x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.bfloat16)
         h = jax.random.normal(jax.random.key(m + 10), (m, HIDDEN), jnp.bfloat16)
@@ -130,6 +154,9 @@ def main() -> None:
             w = 0.1 * jax.random.normal(jax.random.key(m + 30), (HIDDEN,), jnp.float32)
             run_impls(res, f"M{m} block", block_impls(args.blocks), (x, hm, w, gate, up, down),
                       idx, nbytes, copy, args.out)
+            a = jax.random.normal(jax.random.key(m + 40), (m, PROJ_IN), jnp.bfloat16)
+            run_impls(res, f"M{m} proj", proj_impls(args.blocks), (x, a, w, gate, up, down, wo),
+                      idx, nbytes + (wo.data.size + wo.scale.size * 4) / LAYERS, copy, args.out)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
 

@@ -687,3 +687,77 @@ def test_mlp_block_matches_reference_on_gpu(warps, occupancy):
         args3, g3 = outs[3]
         alone = block(True)(args3[0][:1], args3[1][:1], *args3[2:])
         np.testing.assert_array_equal(np.asarray(alone, np.float32), g3[:1])
+
+
+def _proj_case(m, k1=512, ka=768, lead=(2,)):
+    """The mixer's output before its projection a [m, ka] bf16 and the projection wo
+    [*lead, k1, ka] int4."""
+    rng = np.random.default_rng(200 + m)
+    a = jnp.asarray(rng.standard_normal((m, ka)), jnp.bfloat16)
+    return a, _qtensor(k1, ka, 300 + ka, lead)
+
+
+def test_mlp_block_with_projection_lowers_and_checks_its_shapes(monkeypatch):
+    """With `proj`, int4_mlp_block is still one call (the projection's weights first, `project
+    = 1`), rejects a projection or an input of the wrong shape, and on a machine without the
+    op the model's `mlp_block` with NINFER_MLP_NORM=2 and `out_proj` is x + linear(a, wo) +
+    mlp(rms_norm(...)) exactly, as it is with the switch off."""
+    from engine.layers import mlp, mlp_block
+    from engine.norms import rms_norm
+
+    x, _, w, (gate, up, down) = _block_case(2)
+    a, wo = _proj_case(2)
+    idx = jnp.array([1], jnp.int32)
+    text = export.export(
+        jax.jit(lambda x, a, w, g, u, d, wo, i: cuda_ops.int4_mlp_block(
+            x, a, w, 1e-6, g, u, d, i, proj=wo)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(
+            cuda_ops.INT4_MLP_BLOCK_TARGET)])(x, a, w, gate, up, down, wo, idx).mlir_module()
+    assert text.count(f"@{cuda_ops.INT4_MLP_BLOCK_TARGET}(") == 1
+    assert "project = 1 : i64" in text and "proj_warps = 8 : i64" in text
+    with pytest.raises(ValueError, match="a must be"):
+        cuda_ops.int4_mlp_block(x, a[:, :512], w, 1e-6, gate, up, down, idx, proj=wo)
+    _, wo_short = _proj_case(2, k1=256)
+    with pytest.raises(ValueError, match="projection must be"):
+        cuda_ops.int4_mlp_block(x, a, w, 1e-6, gate, up, down, idx, proj=wo_short)
+    _, wo_flat = _proj_case(2, lead=())  # not of gate's stack dims
+    with pytest.raises(ValueError, match="projection must be"):
+        cuda_ops.int4_mlp_block(x, a, w, 1e-6, gate, up, down, idx, proj=wo_flat)
+
+    p = {name: Stacked(wt, idx) for name, wt in zip(("gate_proj", "up_proj", "down_proj"),
+                                                    (gate, up, down))}
+    y = x[:, None] + linear(a[:, None], Stacked(wo, idx), "pallas")
+    want = y + mlp(p, rms_norm(y, w, 1e-6), "pallas")
+    for setting in ("0", "1", "2"):
+        monkeypatch.setenv("NINFER_MLP_NORM", setting)
+        got = mlp_block(p, w, 1e-6, x[:, None], a[:, None], "pallas", out_proj=Stacked(wo, idx))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.gpu
+def test_mlp_block_with_projection_on_gpu():
+    """The block with the mixer's output projection as its first launch computes, bit for bit,
+    the block over the projection that `int4_gemv` makes (the same wide kernel and group
+    sums), chained or in stream order; a row's result the same bits whatever the other rows;
+    at the test shapes and the 27B's (K1 5120, Ka 6144)."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    eps = 1e-6
+    for kw, ka, idx in (({}, 768, jnp.array([1], jnp.int32)),
+                        (dict(k1=5120, n1=17408, lead=()), 6144, None)):
+        for m in (1, 3):
+            x, _, w, (gate, up, down) = _block_case(m, **kw)
+            a, wo = _proj_case(m, k1=x.shape[-1], ka=ka, lead=kw.get("lead", (2,)))
+            hm = jax.jit(lambda a, wo, i: cuda_ops.int4_gemv(a, wo, i))(a, wo, idx)
+            want = np.asarray(jax.jit(lambda *args: cuda_ops.int4_mlp_block(*args[:3], eps,
+                                                                            *args[3:]))(
+                x, hm, w, gate, up, down, idx), np.float32)
+            for pdl in (True, False):
+                got = jax.jit(lambda x, a, w, g, u, d, wo, i, pdl=pdl: cuda_ops.int4_mlp_block(
+                    x, a, w, eps, g, u, d, i, proj=wo, pdl=pdl))(x, a, w, gate, up, down, wo,
+                                                                   idx)
+                np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+            if m == 3:
+                alone = jax.jit(lambda x, a, w, g, u, d, wo, i: cuda_ops.int4_mlp_block(
+                    x, a, w, eps, g, u, d, i, proj=wo))(x[:1], a[:1], w, gate, up, down, wo, idx)
+                np.testing.assert_array_equal(np.asarray(alone, np.float32), want[:1])

@@ -842,14 +842,32 @@ struct WideLane : WideTile<W> {
   }
 };
 
+// Programmatic dependent launch (sm_90; no-ops below): `pdl_launch_dependents` lets the next
+// launch on the stream, if launched with programmatic stream serialization, start once every
+// block of this grid has signalled or exited; its `pdl_wait` returns when this grid has
+// finished and its stores are visible. Without the attribute the wait returns at once.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
 // 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
-// warps, more codes in flight.
-template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false>
+// warps, more codes in flight. kTrigger: the grid lets a chained launch start at once (the
+// MLP block's projection, which its norm waits for).
+template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false,
+          bool kTrigger = false>
 __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
                    OT* __restrict__ y, int k, int m) {
+  if constexpr (kTrigger) pdl_launch_dependents();
   __shared__ float2 red[W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * 16;
@@ -1074,16 +1092,6 @@ cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
 // Down's blocks become resident as gate|up's last blocks leave, so its ramp overlaps gate|up's
 // tail, with no co-residency requirement and no counters: launches may overlap. Without the
 // attribute (or on a GPU without it) the wait returns at once and stream order holds.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 // kWait: x and corr come from the launch before (the MLP block's norm): the first tile's ring
 // is filled through the coherent path, then the kernel waits for it.
@@ -1224,11 +1232,14 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// kWait: hm comes from the launch before (the block's projection of the mixer's output).
+template <bool kWait>
 __global__ void __launch_bounds__(kNormThreads)
     int4_mlp_norm(const __nv_bfloat16* __restrict__ r, const __nv_bfloat16* __restrict__ hm,
                   const float* __restrict__ w, float eps, int k, __nv_bfloat16* __restrict__ y,
                   __nv_bfloat16* __restrict__ xn, float* __restrict__ corr) {
   pdl_launch_dependents();
+  if constexpr (kWait) pdl_wait();
   __shared__ float part[kNormThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * k;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1262,14 +1273,40 @@ __global__ void __launch_bounds__(kNormThreads)
   }
 }
 
+// The block's launches. With a projection (`proj`: wo [K1, Ka] over a [M, Ka] with its group
+// sums a_corr, the wide kernel at `proj_warps` warps a tile, registers for 32 warps an SM)
+// hm is its output, written into `hm_out` by a first launch that the norm is chained to.
+struct MlpProj {
+  const Mats* wo = nullptr;
+  const uint4* a = nullptr;
+  const float* a_corr = nullptr;
+  int ka = 0, warps = 8;
+  __nv_bfloat16* hm_out = nullptr;
+};
+
 template <int W, int T>
 cudaError_t launch_mlp_block(cudaStream_t stream, const __nv_bfloat16* r,
                              const __nv_bfloat16* hm, const float* w, float eps, const Mats& gu,
                              const Mats& dn, const int32_t* index, __nv_bfloat16* y,
                              __nv_bfloat16* xn, float* corr, __nv_bfloat16* act, float* psum,
-                             __nv_bfloat16* out, int k1, int m, bool pdl, bool l2) {
-  int4_mlp_norm<<<m, kNormThreads, 0, stream>>>(r, hm, w, eps, k1, y, xn, corr);
-  const cudaError_t err = cudaGetLastError();
+                             __nv_bfloat16* out, int k1, int m, bool pdl, bool l2,
+                             const MlpProj& proj = MlpProj()) {
+  cudaError_t err;
+  if (proj.wo != nullptr) {
+    const int blocks = (k1 + 15) / 16;
+    auto kernel = proj.warps == 4 ? int4_gemv_wide<2, 4, false, 32, __nv_bfloat16, false, true>
+                                  : int4_gemv_wide<2, 8, false, 32, __nv_bfloat16, false, true>;
+    kernel<<<blocks, proj.warps * 32, 0, stream>>>(proj.a, proj.a_corr, *proj.wo, index,
+                                                   proj.hm_out, proj.ka, m);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    PdlLaunch n(stream, m, kNormThreads, pdl);
+    err = cudaLaunchKernelEx(&n.cfg, int4_mlp_norm<true>, r,
+                             static_cast<const __nv_bfloat16*>(proj.hm_out), w, eps, k1, y, xn,
+                             corr);
+  } else {
+    int4_mlp_norm<false><<<m, kNormThreads, 0, stream>>>(r, hm, w, eps, k1, y, xn, corr);
+    err = cudaGetLastError();
+  }
   if (err != cudaSuccess) return err;
   return launch_mlp_pdl<W, T>(stream, reinterpret_cast<const uint4*>(xn), corr, y, gu, dn,
                               index, act, psum, out, k1, m, pdl, l2, true);
@@ -1676,12 +1713,14 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
 
 // gate, up and down as (codes, scales) pairs in `rest`, decoded into gu (gate | up) and dn and
 // checked against each other; null or why not.
+// `first` pairs before them (the MLP block's projection).
 const char* decode_mlp(ffi::RemainingArgs& rest, ffi::Buffer<ffi::S32>& index, Mats& gu,
-                       Mats& dn, int64_t& k1) {
-  if (rest.size() != 6) return "int4_mlp: gate, up and down as (codes, scales) pairs";
+                       Mats& dn, int64_t& k1, size_t first = 0) {
+  if (rest.size() != 6 + 2 * first)
+    return "int4_mlp: gate, up and down as (codes, scales) pairs";
   int64_t k2 = 0;
-  if (const char* bad = decode_mats(rest, index, gu, k1, 0, 2)) return bad;
-  if (const char* bad = decode_mats(rest, index, dn, k2, 2, 1)) return bad;
+  if (const char* bad = decode_mats(rest, index, gu, k1, first, 2)) return bad;
+  if (const char* bad = decode_mats(rest, index, dn, k2, first + 2, 1)) return bad;
   if (gu.start[2] != 2 * gu.start[1]) return "int4_mlp: gate and up need the same rows";
   if (k1 % 128 != 0 || k2 % 128 != 0 || k2 != gu.start[1])
     return "int4_mlp: K of gate|up and of down (= gate's rows) must be multiples of 128";
@@ -1758,33 +1797,58 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-// r [M, K1] bf16 (the residual stream), hm [M, K1] (the mixer's output), w [K1] fp32 (the
-// zero-centred norm's weight), index, then gate, up and down as (codes, scales) pairs, with
-// down's rows = K1; out = y + MLP(RMSNorm(y)) [M, K1] for y = r + hm; y, xn (the normed rows),
-// corr (their group sums), act and psum the launches' scratch. pdl: the three launches
-// chained by programmatic dependent launch (0: plain stream order).
+// r [M, K1] bf16 (the residual stream), hm [M, K1] (the mixer's output) or with `project`
+// a [M, Ka] (the mixer's output before its projection) with a_corr [M, Ka/64] its group sums
+// (without: any [M, *] f32, unread), w [K1] fp32 (the zero-centred norm's weight), index, then
+// with `project` wo [K1, Ka] and then gate, up and down as (codes, scales) pairs, with down's
+// rows = K1; out = y + MLP(RMSNorm(y)) [M, K1] for y = r + hm, hm = wo a with `project`; hm
+// (with `project`), y, xn (the normed rows), corr (their group sums), act and psum the
+// launches' scratch. pdl: the launches chained by programmatic dependent launch (0: plain
+// stream order); proj_warps: the projection's warps a tile (4 or 8).
 ffi::Error Int4MlpBlockImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> r,
-                            ffi::Buffer<ffi::BF16> hm, ffi::Buffer<ffi::F32> w,
-                            ffi::Buffer<ffi::S32> index, ffi::RemainingArgs rest,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                            ffi::Buffer<ffi::BF16> hm, ffi::Buffer<ffi::F32> a_corr,
+                            ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> index,
+                            ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> hm_out,
                             ffi::Result<ffi::Buffer<ffi::BF16>> y,
                             ffi::Result<ffi::Buffer<ffi::BF16>> xn,
                             ffi::Result<ffi::Buffer<ffi::F32>> corr,
                             ffi::Result<ffi::Buffer<ffi::BF16>> act,
                             ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
-                            int64_t occupancy, int64_t pdl, int64_t l2_prefetch, float eps) {
-  Mats gu{}, dn{};
-  int64_t k1 = 0;
-  if (const char* bad = decode_mlp(rest, index, gu, dn, k1))
+                            int64_t occupancy, int64_t pdl, int64_t l2_prefetch, int64_t project,
+                            int64_t proj_warps, float eps) {
+  Mats gu{}, dn{}, wo{};
+  int64_t k1 = 0, ka = 0;
+  if (project != 0 && project != 1)
+    return ffi::Error::InvalidArgument("int4_mlp_block: project 0 or 1");
+  if (const char* bad = decode_mlp(rest, index, gu, dn, k1, project))
     return ffi::Error::InvalidArgument(bad);
   const int64_t n1 = gu.start[1], n2 = dn.start[1];
   const auto rd = r.dimensions();
   const int64_t m = rd.size() == 2 ? rd[0] : 0;
   if (m < 1 || m > 4 || rd[1] != k1 || n2 != k1)
     return ffi::Error::InvalidArgument("int4_mlp_block: r must be [M <= 4, K1], down [K1, N1]");
-  if (!is_matrix(hm.dimensions(), m, k1) || !is_matrix(out->dimensions(), m, k1) ||
+  MlpProj proj;
+  if (project) {
+    if (const char* bad = decode_mats(rest, index, wo, ka, 0, 1))
+      return ffi::Error::InvalidArgument(bad);
+    if (wo.start[1] != k1 || ka % 128 != 0 || (proj_warps != 4 && proj_warps != 8))
+      return ffi::Error::InvalidArgument(
+          "int4_mlp_block: wo must be [K1, Ka], Ka a multiple of 128; proj_warps 4 or 8");
+    if (!is_matrix(hm.dimensions(), m, ka) || !is_matrix(a_corr.dimensions(), m, ka / 64))
+      return ffi::Error::InvalidArgument("int4_mlp_block: a must be [M, Ka], a_corr [M, Ka/64]");
+    proj.wo = &wo;
+    proj.a = reinterpret_cast<const uint4*>(hm.typed_data());
+    proj.a_corr = a_corr.typed_data();
+    proj.ka = static_cast<int>(ka);
+    proj.warps = static_cast<int>(proj_warps);
+    proj.hm_out = reinterpret_cast<__nv_bfloat16*>(hm_out->typed_data());
+  } else if (!is_matrix(hm.dimensions(), m, k1)) {
+    return ffi::Error::InvalidArgument("int4_mlp_block: hm must be [M, K1]");
+  }
+  if (!is_matrix(out->dimensions(), m, k1) || !is_matrix(hm_out->dimensions(), m, k1) ||
       !is_matrix(y->dimensions(), m, k1) || !is_matrix(xn->dimensions(), m, k1))
-    return ffi::Error::InvalidArgument("int4_mlp_block: hm, out, y and xn must be [M, K1]");
+    return ffi::Error::InvalidArgument("int4_mlp_block: out, hm_out, y and xn must be [M, K1]");
   if (w.dimensions().size() != 1 || w.dimensions()[0] != k1)
     return ffi::Error::InvalidArgument("int4_mlp_block: w must be [K1]");
   if (!is_matrix(corr->dimensions(), m, k1 / 64) || !is_matrix(act->dimensions(), m, n1) ||
@@ -1799,7 +1863,7 @@ ffi::Error Int4MlpBlockImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> r,
         stream, reinterpret_cast<const __nv_bfloat16*>(r.typed_data()),
         reinterpret_cast<const __nv_bfloat16*>(hm.typed_data()), w.typed_data(), eps, gu, dn,
         index.typed_data(), bf(y), bf(xn), corr->typed_data(), bf(act), psum->typed_data(),
-        bf(out), static_cast<int>(k1), static_cast<int>(m), pdl != 0, l2_prefetch != 0);
+        bf(out), static_cast<int>(k1), static_cast<int>(m), pdl != 0, l2_prefetch != 0, proj);
   });
   if (!known)
     return ffi::Error::InvalidArgument("int4_mlp_block: warps 4 or 8, occupancy 24 or 32");
@@ -1869,8 +1933,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4MlpBlock, Int4MlpBlockImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
@@ -1881,5 +1947,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4MlpBlock, Int4MlpBlockImpl,
                                   .Attr<int64_t>("occupancy")
                                   .Attr<int64_t>("pdl")
                                   .Attr<int64_t>("l2_prefetch")
+                                  .Attr<int64_t>("project")
+                                  .Attr<int64_t>("proj_warps")
                                   .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
