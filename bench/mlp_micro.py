@@ -43,45 +43,32 @@ def separate(x, h, gate, up, down, idx):
 EPS = 1e-6
 
 
-def block_impls(variants: str) -> dict:
+def block_impls(variants: str, proj: bool) -> dict:
     """A layer's second half (y = x + hm; y + MLP(rms_norm(y))), each fn(x, hm, w, gate, up,
-    down, idx): XLA's add and norm before the separate calls or the two-launch MLP op, and
-    the block op (`int4_mlp_block`, three chained launches) at each "warps/occupancy[+l2]"."""
+    down, idx), or with `proj` the mixer's output projection first (y = x + wo a), each fn(x,
+    a, w, gate, up, down, wo, idx): XLA's add and norm (after the wide GEMV for wo) before the
+    separate calls or the two-launch MLP op, and the block op (`int4_mlp_block`, chained
+    launches; `proj=wo`) at each "warps/occupancy[+l2]"."""
     def xla_norm(mlp_fn):
-        def fn(x, hm, w, g, u, d, i):
-            y = x + hm
+        def fn(x, hm, w, g, u, d, *rest):
+            *wo, i = rest
+            y = x + (cuda_ops.int4_gemv(hm, wo[0], i) if proj else hm)
             return mlp_fn(rms_norm(y, w, EPS), y, g, u, d, i)
         return fn
 
-    impls = {"norm+separate": xla_norm(separate),
-             "norm+pdl_w8o32": xla_norm(lambda *a: cuda_ops.int4_mlp(*a, launches=2))}
+    pre = "proj+" if proj else ""
+    impls = {f"{pre}norm+separate": xla_norm(separate),
+             f"{pre}norm+pdl_w8o32": xla_norm(lambda *a: cuda_ops.int4_mlp(*a, launches=2))}
     for v in variants.split(","):
         setting, l2 = v.removesuffix("+l2"), v.endswith("+l2")
         wp, occ = (int(a) for a in setting.split("/"))
-        impls[f"block_w{wp}o{occ}{'_l2' if l2 else ''}"] = (
-            lambda x, hm, w, g, u, d, i, wp=wp, occ=occ, l2=l2: cuda_ops.int4_mlp_block(
-                x, hm, w, EPS, g, u, d, i, warps=wp, occupancy=occ, l2_prefetch=l2))
-    return impls
 
-
-def proj_impls(variants: str) -> dict:
-    """The same with the mixer's output projection first (y = x + wo a), each fn(x, a, w, gate,
-    up, down, wo, idx): XLA's add and norm between the wide GEMV for wo and the MLP's calls,
-    and the block op with the projection as its first launch (`proj=`)."""
-    def xla_norm(mlp_fn):
-        def fn(x, a, w, g, u, d, wo, i):
-            y = x + cuda_ops.int4_gemv(a, wo, i)
-            return mlp_fn(rms_norm(y, w, EPS), y, g, u, d, i)
-        return fn
-
-    impls = {"proj+norm+separate": xla_norm(separate),
-             "proj+norm+pdl_w8o32": xla_norm(lambda *a: cuda_ops.int4_mlp(*a, launches=2))}
-    for v in variants.split(","):
-        setting, l2 = v.removesuffix("+l2"), v.endswith("+l2")
-        wp, occ = (int(a) for a in setting.split("/"))
-        impls[f"block_proj_w{wp}o{occ}{'_l2' if l2 else ''}"] = (
-            lambda x, a, w, g, u, d, wo, i, wp=wp, occ=occ, l2=l2: cuda_ops.int4_mlp_block(
-                x, a, w, EPS, g, u, d, i, proj=wo, warps=wp, occupancy=occ, l2_prefetch=l2))
+        def block(x, hm, w, g, u, d, *rest, wp=wp, occ=occ, l2=l2):
+            *wo, i = rest
+            return cuda_ops.int4_mlp_block(x, hm, w, EPS, g, u, d, i,
+                                           proj=wo[0] if proj else None, warps=wp,
+                                           occupancy=occ, l2_prefetch=l2)
+        impls[f"block{'_proj' if proj else ''}_w{wp}o{occ}{'_l2' if l2 else ''}"] = block
     return impls
 
 
@@ -152,11 +139,12 @@ def main() -> None:
         if args.blocks:
             hm = jax.random.normal(jax.random.key(m + 20), (m, HIDDEN), jnp.bfloat16)
             w = 0.1 * jax.random.normal(jax.random.key(m + 30), (HIDDEN,), jnp.float32)
-            run_impls(res, f"M{m} block", block_impls(args.blocks), (x, hm, w, gate, up, down),
-                      idx, nbytes, copy, args.out)
+            run_impls(res, f"M{m} block", block_impls(args.blocks, False),
+                      (x, hm, w, gate, up, down), idx, nbytes, copy, args.out)
             a = jax.random.normal(jax.random.key(m + 40), (m, PROJ_IN), jnp.bfloat16)
-            run_impls(res, f"M{m} proj", proj_impls(args.blocks), (x, a, w, gate, up, down, wo),
-                      idx, nbytes + (wo.data.size + wo.scale.size * 4) / LAYERS, copy, args.out)
+            run_impls(res, f"M{m} proj", block_impls(args.blocks, True),
+                      (x, a, w, gate, up, down, wo), idx,
+                      nbytes + (wo.data.size + wo.scale.size * 4) / LAYERS, copy, args.out)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
 
