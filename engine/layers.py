@@ -42,24 +42,34 @@ def mlp_block(p, norm_w, eps: float, x, h, kernels: str = "xla", out_proj=None):
 
         if out_proj is not None and not (fused == "2" and isinstance(out_proj, Stacked)):
             h, out_proj = linear(h, out_proj, kernels), None  # projected here, not in the op
-        ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
         proj = None if out_proj is None else out_proj.w
-        if all(isinstance(w, Stacked) for w in ws) and cuda_ops.mlp_block_takes(
-                x, h, norm_w, *(w.w for w in ws), proj):
-            wp, occ = _mlp_setting()
-            return cuda_ops.int4_mlp_block(
-                x, h, norm_w, eps, *(w.w for w in ws), ws[0].index, proj=proj, warps=wp,
-                occupancy=occ, l2_prefetch=os.environ.get("NINFER_MLP_L2", "0") == "1")
+        if (st := _mlp_stacks(p)) and cuda_ops.mlp_block_takes(x, h, norm_w, *st[0], proj):
+            return cuda_ops.int4_mlp_block(x, h, norm_w, eps, *st[0], st[1], proj=proj,
+                                           **_mlp_settings())
     if out_proj is not None:
         h = linear(h, out_proj, kernels)
     y = x + h
     return mlp_residual(p, rms_norm(y, norm_w, eps), y, kernels)
 
 
-def _mlp_setting():
-    """NINFER_MLP_WARPS ("warps/occupancy", e.g. "8/32") or (None, None): the op's defaults."""
+def _mlp_stacks(p):
+    """((gate, up, down) QTensor stacks, their layer index) where the MLP's weights are
+    `Stacked` views (the decode scans with kernels="pallas"), else None."""
+    from engine.kernels.stacked import Stacked
+
+    ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
+    if not all(isinstance(w, Stacked) for w in ws):
+        return None
+    return tuple(w.w for w in ws), ws[0].index
+
+
+def _mlp_settings() -> dict:
+    """The MLP ops' keyword settings from the environment: NINFER_MLP_WARPS ("warps/occupancy",
+    e.g. "8/32"; unset: the op's defaults) and NINFER_MLP_L2=1 (down's tiles into L2)."""
     setting = os.environ.get("NINFER_MLP_WARPS")
-    return (None, None) if not setting else tuple(int(a) for a in setting.split("/"))
+    wp, occ = (None, None) if not setting else (int(a) for a in setting.split("/"))
+    return dict(warps=wp, occupancy=occ,
+                l2_prefetch=os.environ.get("NINFER_MLP_L2", "0") == "1")
 
 
 def mlp_residual(p, x, h, kernels: str = "xla"):
@@ -73,16 +83,11 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
     fused = os.environ.get("NINFER_MLP_FUSED", "2")
     if kernels == "pallas" and fused in ("1", "2", "3"):
         from engine.kernels import cuda_ops
-        from engine.kernels.stacked import Stacked
 
-        ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
-        if all(isinstance(w, Stacked) for w in ws) and cuda_ops.mlp_takes(
-                x, h, *(w.w for w in ws)):
-            wp, occ = _mlp_setting()
-            return cuda_ops.int4_mlp(x, h, *(w.w for w in ws), ws[0].index,
-                                     warps=wp, occupancy=occ, launches=int(fused),
-                                     l2_prefetch=fused != "1" and
-                                     os.environ.get("NINFER_MLP_L2", "0") == "1")
+        if (st := _mlp_stacks(p)) and cuda_ops.mlp_takes(x, h, *st[0]):
+            settings = _mlp_settings()
+            settings["l2_prefetch"] &= fused != "1"  # the persistent kernel has no such step
+            return cuda_ops.int4_mlp(x, h, *st[0], st[1], launches=int(fused), **settings)
     return h + mlp(p, x, kernels)
 
 

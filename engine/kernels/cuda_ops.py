@@ -383,6 +383,16 @@ MLP_LAUNCHES = (1, 2, 3)
 MLP_DEFAULTS = {1: (8, 24), 2: (8, 32), 3: (8, 32)}
 
 
+def _mlp_setting(op: str, launches: int, warps, occupancy) -> tuple[int, int]:
+    """(warps, occupancy) for an MLP call with that many launches: MLP_DEFAULTS where None,
+    checked against what the kernels are built for."""
+    dw, do = MLP_DEFAULTS[launches]
+    warps, occupancy = dw if warps is None else warps, do if occupancy is None else occupancy
+    if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
+        raise ValueError(f"{op}: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")
+    return warps, occupancy
+
+
 def mlp_shape_error(x, h, gate, up, down) -> str | None:
     """Why `int4_mlp` does not take these operands (None: it does): bf16 x and h of a decode
     step's rows (M <= 4), int4_g64 gate and up [*d, N1, K1] and down [*d, N2, N1] of the same
@@ -439,10 +449,7 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         raise ValueError(f"int4_mlp: launches {MLP_LAUNCHES}, got {launches}")
     if l2_prefetch and launches == 1:
         raise ValueError("int4_mlp: l2_prefetch with launches 2 or 3 only")
-    dw, do = MLP_DEFAULTS[launches]
-    warps, occupancy = dw if warps is None else warps, do if occupancy is None else occupancy
-    if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
-        raise ValueError(f"int4_mlp: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")
+    warps, occupancy = _mlp_setting("int4_mlp", launches, warps, occupancy)
     lead, k1 = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
     n1, n2 = gate.shape[0], down.shape[0]
@@ -516,10 +523,7 @@ def int4_mlp_block(x, hm, norm_w, eps: float, gate: QTensor, up: QTensor, down: 
     `layers.mlp_block`; off by default, not measured yet)."""
     if (err := mlp_block_shape_error(x, hm, norm_w, gate, up, down, proj)) is not None:
         raise ValueError(err)
-    dw, do = MLP_DEFAULTS[2]
-    warps, occupancy = dw if warps is None else warps, do if occupancy is None else occupancy
-    if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
-        raise ValueError(f"int4_mlp_block: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")
+    warps, occupancy = _mlp_setting("int4_mlp_block", 2, warps, occupancy)
     lead, k1 = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
     n1 = gate.shape[0]

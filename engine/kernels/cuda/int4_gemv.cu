@@ -72,6 +72,13 @@ __device__ __forceinline__ float2 load_coherent(const float2* p) {
   return v;
 }
 
+// The sum over a warp's 32 lanes, every lane the same (a fixed xor tree).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 __device__ __forceinline__ uint2 load_stream64(const uint2* p) {
   uint2 v;
   asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
@@ -257,10 +264,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float v = tot[m][r];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-      tot[m][r] = v;
+      tot[m][r] = warp_sum(tot[m][r]);
     }
   if (lane == 0) {
 #pragma unroll
@@ -818,6 +822,30 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
   }
 }
 
+// Which x row lane (g, t) of a wide tile reads (column g of B: x row g / 2 where (g & 1) ==
+// t / 2, the lane's codes being of group 2p + t / 2) and where: x [M, K] (and the MLP's act
+// [M, N1]), corr [M, K/64] and the MLP's psum [M, N1/16], each at warp `warp`'s first pair.
+struct LaneRows {
+  bool has_x;
+  int xrow, crow;
+  __device__ __forceinline__ LaneRows(int lane, int m) {
+    const int g = lane >> 2, t = lane & 3;
+    has_x = g < 2 * m && (g & 1) == (t >> 1);
+    xrow = min(g >> 1, m - 1);
+    crow = min(t, m - 1);
+  }
+  __device__ __forceinline__ const uint4* x_at(const uint4* x, int k, int warp, int lane) const {
+    return x + static_cast<int64_t>(xrow) * (k >> 3) + warp * 16 + 4 * (lane & 3);
+  }
+  __device__ __forceinline__ const float2* corr_at(const float* corr, int k, int warp) const {
+    return reinterpret_cast<const float2*>(corr + static_cast<int64_t>(crow) * (k >> 6)) + warp;
+  }
+  __device__ __forceinline__ const float4* psum_at(const float* psum, int n1, int warp) const {
+    const int64_t tiles = (n1 + 15) / 16;
+    return reinterpret_cast<const float4*>(psum + crow * tiles) + 2 * warp;
+  }
+};
+
 // What lane (g, t) of warp `warp` reads of a wide tile: its rows' codes and scales at its
 // first pair (`WideTile`), x and corr at its first pair, whether it holds x.
 template <int W>
@@ -831,14 +859,10 @@ struct WideLane : WideTile<W> {
                                       const int32_t* __restrict__ index, int k, int m,
                                       int warp, int lane, int row0, bool bias)
       : WideTile<W>(mt, layer_of(mt, index), k, row0, warp, lane) {
-    const int g = lane >> 2, t = lane & 3;
-    // Column g of B: x row g / 2 where (g & 1) == t / 2 (the lane's codes are of group
-    // 2p + t / 2).
-    has_x = g < 2 * m && (g & 1) == (t >> 1);
-    xr = x + static_cast<int64_t>(min(g >> 1, m - 1)) * (k >> 3) + warp * 16 + 4 * t;
-    cr = bias ? nullptr
-              : reinterpret_cast<const float2*>(corr + static_cast<int64_t>(min(t, m - 1)) *
-                                                           (k >> 6)) + warp;
+    const LaneRows rows(lane, m);
+    has_x = rows.has_x;
+    xr = rows.x_at(x, k, warp, lane);
+    cr = bias ? nullptr : rows.corr_at(corr, k, warp);
   }
 };
 
@@ -967,28 +991,6 @@ __device__ __forceinline__ void mlp_out_store(float2 s, int row0, int n2, int m,
   }
 }
 
-// Where lane (g, t) of warp `warp` reads its x row of the MLP's first GEMV (x [M, K1], corr
-// [M, K1/64]) and of down (act [M, N1], psum [M, N1/16]): as `WideLane` does for one GEMV.
-struct MlpLane {
-  bool has_x;
-  int xrow, crow;
-  __device__ __forceinline__ MlpLane(int lane, int m) {
-    const int g = lane >> 2, t = lane & 3;
-    has_x = g < 2 * m && (g & 1) == (t >> 1);
-    xrow = min(g >> 1, m - 1);
-    crow = min(t, m - 1);
-  }
-  __device__ __forceinline__ const uint4* x_at(const uint4* x, int k, int warp, int lane) const {
-    return x + static_cast<int64_t>(xrow) * (k >> 3) + warp * 16 + 4 * (lane & 3);
-  }
-  __device__ __forceinline__ const float2* corr_at(const float* corr, int k, int warp) const {
-    return reinterpret_cast<const float2*>(corr + static_cast<int64_t>(crow) * (k >> 6)) + warp;
-  }
-  __device__ __forceinline__ const float4* psum_at(const float* psum, int n1, int warp) const {
-    const int64_t tiles = (n1 + 15) / 16;
-    return reinterpret_cast<const float4*>(psum + crow * tiles) + 2 * warp;
-  }
-};
 
 // T: resident warps an SM the registers are capped for (32: 64 registers, 144 bytes of
 // spills at W = 8; 24: 80 registers, 20 bytes).
@@ -1005,7 +1007,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   const int n1 = gu.start[1], n2 = dn.start[dn.count], k2 = n1;  // down's K is act's width
   const int nt1 = (n1 + 15) / 16, nt2 = (n2 + 15) / 16;
   const int64_t layer1 = layer_of(gu, index), layer2 = layer_of(dn, index);
-  const MlpLane ln(lane, m);
+  const LaneRows ln(lane, m);
   const int count_a = b < nt1 ? (nt1 - b + blocks - 1) / blocks : 0;
   const int count_b = b < nt2 ? (nt2 - b + blocks - 1) / blocks : 0;
   // phase A's j-th tile of this block: gate tile u (j even) or up tile u (j odd), u = b + G j/2
@@ -1106,7 +1108,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, u = blockIdx.x;
   const int n1 = gu.start[1];
   const int64_t layer = layer_of<kWait>(gu, index);
-  const MlpLane ln(lane, m);
+  const LaneRows ln(lane, m);
   const uint4* xa = ln.x_at(x, k1, warp, lane);
   const float2* ca = ln.corr_at(corr, k1, warp);
   WideRing<2> ring;
@@ -1148,7 +1150,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
                   const float* psum, __nv_bfloat16* __restrict__ out, int k2, int m) {
   __shared__ float2 red[W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = 16 * blockIdx.x;
-  const MlpLane ln(lane, m);
+  const LaneRows ln(lane, m);
   WideRing<2> ring;
   const int64_t layer = layer_of<true>(dn, index);
   if constexpr (kL2) prefetch_tile_l2<W>(dn, layer, k2, row0);
@@ -1225,12 +1227,6 @@ cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* cor
 // (per thread, then a warp tree, then the warps in order), so a row's result depends on
 // that row only.
 constexpr int kNormThreads = 256;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // kWait: hm comes from the launch before (the block's projection of the mixer's output).
 template <bool kWait>
