@@ -203,11 +203,31 @@ def _start_backend() -> None:
         pass
 
 
+def worker_count(requested: int | None, rest: list[str]) -> int:
+    """How many pytest-xdist workers `./ninfer test` runs: --workers if given; 1 when the
+    arguments pick the workers themselves (-n, -p no:xdist) or select the GPU tests (one
+    device); otherwise one a core, at most 2 (a worker holds JAX, torch and the servers its
+    modules start: a few GiB)."""
+    if requested is not None:
+        return max(1, requested)
+    picks = any(a.startswith(("-n", "--numprocesses")) or a == "no:xdist"
+                for a in rest)
+    gpu = any(a == "gpu" and i > 0 and rest[i - 1] == "-m" for i, a in enumerate(rest))
+    if picks or gpu:
+        return 1
+    return max(1, min(2, len(os.sched_getaffinity(0))))
+
+
 def cmd_test(args, rest: list[str]) -> int:
     import pytest
 
-    argv = ["-q", "-p", "no:cacheprovider"] + (["--slow"] if args.slow else []) + rest
-    return pytest.main(argv)
+    argv = ["-q", "-p", "no:cacheprovider"] + (["--slow"] if args.slow else [])
+    workers = worker_count(args.workers, rest)
+    if workers > 1:
+        # Whole files to a worker: a module's shared server and engine fixtures stay in one
+        # process. The workers share the run's JAX compilation cache (tests/conftest.py).
+        argv += ["-n", str(workers), "--dist", "loadfile"]
+    return pytest.main(argv + rest)
 
 
 def cmd_convert(rest: list[str]) -> int:
@@ -240,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_arguments(s)
     t = sub.add_parser("test", help="run the test suite")
     t.add_argument("--slow", action="store_true", help="include the slow tier")
+    t.add_argument("--workers", type=int, default=None,
+                   help="test processes (pytest-xdist); default: one a core, at most 2")
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to .ninfer",
                    add_help=False)
     sub.add_parser("omp-config", help="write the Oh My Pi client config for this server",
