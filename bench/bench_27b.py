@@ -268,11 +268,26 @@ def profile_steps(step, cache, n: int, batch: int, ctx: int) -> dict:
     return profiled(run, n)
 
 
-def run_prefill(cfg, params, args, res, dt):
+def decode_weight_params(params) -> int:
+    """Parameters one token multiplies with (the weights of `decode_weight_bytes`), counted as
+    logical elements whatever their storage: an int4 byte holds two."""
+    from engine.quant import INT4_G64, QTensor
+
+    tree = {k: v for k, v in params.items() if k not in ("embed_tokens", "mtp")}
+    n = 0
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QTensor)):
+        if isinstance(leaf, QTensor):
+            n += leaf.data.size * (2 if leaf.fmt == INT4_G64 else 1)
+        else:
+            n += leaf.size
+    return n
+
+
+def run_prefill(cfg, params, fmt, args, res, dt):
     fwd = M.jit_forward()
     step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll,  # noqa: E731
                                kernels=args.kernels)
-    n_params = decode_weight_bytes(params) / 2  # bf16: 2 bytes a parameter
+    n_params = decode_weight_params(params)  # the same FLOP count for every format
     for T in [int(c) for c in args.prefill.split(",") if c]:
         max_len = -(-T // 64) * 64  # whole 64-token tiles: the flash kernel's key tile
         toks = jax.random.randint(jax.random.key(5), (1, T), 0, cfg.vocab_size, jnp.int32)
@@ -294,20 +309,22 @@ def run_prefill(cfg, params, args, res, dt):
                 del out, c
         except Exception as e:  # noqa: BLE001  (out of memory at 128K is a result too)
             print(f"prefill {T}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            res["prefill"].append({"tokens": T, "kernels": args.kernels,
+            res["prefill"].append({"tokens": T, "kernels": args.kernels, "weights": fmt,
                                    "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
         t = float(np.median(times))
         attn = cfg.num_blocks * 2 * 2 * (T * T / 2) * cfg.num_heads * cfg.head_dim
         flops = 2 * n_params * T + attn
-        row = {"tokens": T, "kernels": args.kernels, "seconds": t, "tokens_per_s": T / t,
+        row = {"tokens": T, "kernels": args.kernels, "weights": fmt, "seconds": t,
+               "tokens_per_s": T / t,
                "flops": flops, "first_call_s": compile_s}
         if args.profile:
             row["profile"] = profiled(
                 lambda: jax.block_until_ready(step(params, toks, fresh())), 1)
         res["prefill"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=2))
-        print(f"prefill {args.kernels} {T:>6}: {t:7.3f} s {T / t:8.0f} tok/s "
+        print(f"prefill {args.kernels} {'' if fmt == 'bf16' else fmt + ' '}{T:>6}: "
+              f"{t:7.3f} s {T / t:8.0f} tok/s "
               f"first call {compile_s:.1f}s", flush=True)
 
 
@@ -319,7 +336,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batches", default="1", help="decode batch sizes, e.g. 1,2")
     ap.add_argument("--weights", default="bf16", help="weight formats for decode, e.g. "
-                    "int4_g64,bf16 (prefill runs with bf16 weights)")
+                    "int4_g64,bf16")
+    ap.add_argument("--prefill-weights", default="bf16", help="weight formats for prefill, "
+                    "e.g. bf16,int4_g64 (int4: each layer dequantized to bf16 as the engine "
+                    "does for prompts)")
     ap.add_argument("--kernels", default="xla", choices=["xla", "pallas"])
     ap.add_argument("--out", default="bench_27b.json")
     ap.add_argument("--preset", default=QWEN38_27B.name, help="model preset (tiny ones for a "
@@ -349,19 +369,18 @@ def main() -> None:
            "int4_kernel": os.environ.get("NINFER_INT4_KERNEL", "default"),
            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     res["decode"], res["prefill"] = [], []
-    fmts = [f for f in args.weights.split(",") if f]
-    if args.prefill and "bf16" not in fmts:
-        fmts.append("bf16")
-    for fmt in fmts:
+    dec_fmts = [f for f in args.weights.split(",") if f]
+    pre_fmts = [f for f in args.prefill_weights.split(",") if f] if args.prefill else []
+    for fmt in dict.fromkeys(dec_fmts + pre_fmts):  # each format's params built once
         t0 = time.perf_counter()
         params = random_params(cfg, dt, fmt)
         jax.block_until_ready(params)
         print(f"{fmt} params built in {time.perf_counter() - t0:.1f}s, "
               f"{decode_weight_bytes(params) / 1e9:.2f} GB read per decode step", flush=True)
-        if fmt in args.weights.split(","):
+        if fmt in dec_fmts:
             run_decode(cfg, params, fmt, args, res, dt)
-        if fmt == "bf16":
-            run_prefill(cfg, params, args, res, dt)
+        if fmt in pre_fmts:
+            run_prefill(cfg, params, fmt, args, res, dt)
         del params
         Path(args.out).write_text(json.dumps(res, indent=2))
     if not args.skip_peaks:
@@ -404,7 +423,8 @@ def add_fractions(res: dict, pk: dict) -> None:
             continue
         row["fraction_of_bf16_peak"] = row["flops"] / row["seconds"] / pk["bf16_flops_per_s"]
         row["floor_seconds"] = row["flops"] / pk["bf16_flops_per_s"]
-        print(f"prefill {row['tokens']:>6}: {row['seconds']:7.3f} s, "
+        print(f"prefill {row.get('weights', 'bf16')} {row['tokens']:>6}: "
+              f"{row['seconds']:7.3f} s, "
               f"{row['fraction_of_bf16_peak'] * 100:5.1f}% of the bf16 peak (floor "
               f"{row['floor_seconds']:.2f} s)", flush=True)
 

@@ -33,6 +33,7 @@
 #   mlp        the CUDA MLP ops (two launches, L2, block): GPU tests, micro
 #   mlpab      C1/C2 1K decode with each MLP setting, twice in turn
 #   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
+#   prefint4   8K/32K prefill from int4_g64 weights against bf16
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds. Sourced (`source
@@ -219,6 +220,12 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           decode1k "wwarps_$V" NINFER_INT4_WIDE_STAGES=$S NINFER_INT4_WIDE_OCC=$O \
             NINFER_INT4_WIDE_WARPS=$W
         done ;;
+      prefint4)  # 8K/32K prefill from the int4_g64 weights the product ships (each layer
+        # dequantized to bf16 before its GEMMs), then from bf16 weights, one process
+        run 240 "$OUT/prefint4_$TAG.log" $B27 --skip-peaks --weights int4_g64 --contexts "" \
+          --prefill 8192,32768 --prefill-reps 2 --prefill-weights int4_g64,bf16 \
+          --out "$OUT/prefint4_$TAG.json"
+        grep -E '^prefill' "$OUT/prefint4_$TAG.log" ;;
       prefcudnn)  # 8K/32K prefill: a prompt's first chunk on cuDNN's fused attention
         # (NINFER_PREFILL_ATTN=cudnn) against the flash kernel, with its GPU test
         run 120 "$OUT/prefcudnn_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -43,7 +43,7 @@ def main():
     ax1.set_title(f"decode, kernels={res['kernels']}, {res['device']}")
     ax1.legend(fontsize=7)
     pre_res = json.loads(Path(args.prefill_from).read_text()) if args.prefill_from else res
-    pre = [r for r in pre_res["prefill"] if "seconds" in r]
+    pre = [r for r in pre_res["prefill"] if "seconds" in r and r.get("weights", "bf16") == "bf16"]
     px = range(len(pre))
     ax2.bar(px, [r["seconds"] for r in pre], color="#37a", label="measured")
     ax2.bar(px, [r["floor_seconds"] for r in pre], color="#ddd", width=0.4,
