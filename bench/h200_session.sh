@@ -336,12 +336,17 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 180 "$OUT/readpat_$TAG.log" python3 bench/read_patterns.py \
           --out "$OUT/read_patterns_$TAG.json"
         grep -E "copy|stream_h1_u4 grid 8|rows_alu|scale|16-row" "$OUT/readpat_$TAG.log" ;;
-      ncu)
+      ncu)  # the stall reasons too: the per-issue stall metrics this ncu names (none if its
+        # names differ: the sections alone then)
+        STALLS=$(ncu --query-metrics 2>/dev/null | awk '{print $1}' \
+          | grep -E '^smsp__average_warps_issue_stalled_[a-z_]+_per_issue_active$' \
+          | sed 's/$/.ratio/' | paste -sd, -)
+        echo "stall metrics: $(echo "$STALLS" | tr ',' '\n' | grep -c . || true)"
         XLA_PYTHON_CLIENT_PREALLOCATE=false run 500 "$OUT/ncu_$TAG.log" bash -c "ncu \
           --clock-control none --kernel-name regex:int4_gemv --launch-skip 0 --launch-count 48 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
           --section WarpStateStats --section SchedulerStats --section LaunchStats \
-          --section ComputeWorkloadAnalysis --csv \
+          --section ComputeWorkloadAnalysis ${STALLS:+--metrics $STALLS} --csv \
           python3 bench/ncu_gemv.py ${NCU_ARGS:-} > $OUT/ncu_gemv_$TAG.csv"
         tail -n 3 "$OUT/ncu_$TAG.log"
         python3 bench/ncu_summary.py "$OUT/ncu_gemv_$TAG.csv" ;;

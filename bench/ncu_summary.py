@@ -33,6 +33,23 @@ def launches(path: str) -> list[dict]:
     return [out[i] for i in sorted(out)]
 
 
+STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+
+
+def top_stalls(r: dict, n: int = 4) -> str:
+    """The launch's n largest stall reasons (cycles a warp waits per issued instruction, by
+    reason), where the CSV has the per-issue stall metrics (the `ncu` part asks for them)."""
+    found = []
+    for name, value in r.items():
+        if name.startswith(STALL[0]) and name.endswith(STALL[1]):
+            try:
+                found.append((float(value), name[len(STALL[0]):-len(STALL[1])]))
+            except ValueError:
+                continue
+    found.sort(reverse=True)
+    return ", ".join(f"{why} {v:.2f}" for v, why in found[:n])
+
+
 def main() -> None:
     rows = launches(sys.argv[1])
     print(f"{'grid':>14} {'block':>12} " + " ".join(f"{c[1]:>8}" for c in COLUMNS))
@@ -48,6 +65,9 @@ def main() -> None:
             except (KeyError, ValueError):
                 vals.append(f"{'-':>8}")
         print(f"{r['grid']:>14} {r['block']:>12} " + " ".join(vals))
+        stalls = top_stalls(r)
+        if stalls:
+            print(f"{'':>27} stalls per issued instruction: {stalls}")
 
 
 if __name__ == "__main__":
