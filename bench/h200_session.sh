@@ -10,8 +10,8 @@
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
 #   restore    server-level 128K restore vs re-prefill and restart (RESTORE_ARGS,
 #              RESTORE_BUDGET_S)
-#   profile    one decode step and one int4 prefill of PROFILE_PREFILL tokens by kernel
-#   prefprof   one bf16 prefill by kernel          prefhlo    its optimized HLO
+#   profile    one int4 decode step and one bf16 prefill of PROFILE_PREFILL tokens by kernel
+#   prefprof   one prefill by kernel (PREFW)       prefhlo    its optimized HLO
 #   hlo        the C1 decode step's optimized HLO
 #   gemv       int4 GEMV sweep of the big shapes   ncu        the wide GEMV under Nsight Compute
 #              (NCU_ARGS: bench/ncu_gemv.py's --shapes, --warps)
@@ -116,9 +116,11 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --contexts 1024 --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 1 --steps 5 \
           --profile 2 --out "$OUT/profile_$TAG.json"
         grep -E -A8 'per step' "$OUT/profile_$TAG.log" | cut -c1-150 ;;
-      prefprof)  # one bf16 prefill of PROFILE_PREFILL tokens (default 8192) by kernel
-        run 200 "$OUT/prefprof_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
-          --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 2 --profile 1 \
+      prefprof)  # one prefill of PROFILE_PREFILL tokens (default 8192) by kernel, from the
+        # weights in PREFW (default bf16; int4_g64 as the product prefills)
+        run 200 "$OUT/prefprof_$TAG.log" $B27 --skip-peaks --weights "${PREFW:-bf16}" \
+          --contexts "" --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 2 --profile 1 \
+          --prefill-weights "${PREFW:-bf16}" \
           --out "$OUT/prefprof_$TAG.json"
         grep -E -B2 -A40 'per step' "$OUT/prefprof_$TAG.log" | cut -c1-150 ;;
       prefhlo)  # the optimized HLO of one bf16 prefill of PROFILE_PREFILL tokens, gzipped
