@@ -34,6 +34,7 @@
 #   mlpab      C1/C2 1K decode with each MLP setting, twice in turn
 #   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
 #   prefint4   8K/32K prefill from int4_g64 weights against bf16
+#   gdninv     8K/32K prefill with the GDN diagonal-block inverse kernel (NINFER_GDN_INV)
 #   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds. Sourced (`source
@@ -221,6 +222,16 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           case $V in *o32) O=32 W=${V%o32} ;; *s4) S=4 W=${V%s4} ;; *s8) S=8 W=${V%s8} ;; esac
           decode1k "wwarps_$V" NINFER_INT4_WIDE_STAGES=$S NINFER_INT4_WIDE_OCC=$O \
             NINFER_INT4_WIDE_WARPS=$W
+        done ;;
+      gdninv)  # the GDN prefill's diagonal-block inverse in one Pallas kernel
+        # (NINFER_GDN_INV=pallas) against XLA's 16 substitution steps: GPU tests, then
+        # 8K/32K bf16 prefill with each, twice in turn
+        run 200 "$OUT/gdninv_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_gdn_inverse.py tests/test_kernels_gdn_prefill.py -k inverse
+        tail -n 2 "$OUT/gdninv_tests_$TAG.log"
+        for rep in a b; do
+          prefill2 "gdninv_xla_$rep" NINFER_GDN_INV=xla
+          prefill2 "gdninv_pallas_$rep" NINFER_GDN_INV=pallas
         done ;;
       prefint4)  # 8K/32K prefill from the int4_g64 weights the product ships (each layer
         # dequantized to bf16 before its GEMMs), then from bf16 weights, one process

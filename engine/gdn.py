@@ -77,7 +77,21 @@ def _diag_blocks(m, s: int):
     return jnp.moveaxis(jnp.diagonal(r, axis1=-4, axis2=-2), -1, -3)
 
 
-def _unit_lower_inverse(m):
+def diag_block_inverse(d):
+    """The inverses of unit-lower-triangular blocks d [..., s, s] (only their strict lower
+    parts are read), by forward substitution: s steps, each over all blocks at once. The
+    reference of engine/kernels/gdn_inverse.py."""
+    s = d.shape[-1]
+    strict = jnp.tril(d, -1)
+
+    def row(i, x):
+        acc = jnp.einsum("...j,...jv->...v", strict[..., i, :], x, precision=_HI)
+        return x.at[..., i, :].set(jnp.where(jnp.arange(s) == i, 1.0, 0.0) - acc)
+
+    return lax.fori_loop(0, s, row, jnp.zeros_like(d))
+
+
+def _unit_lower_inverse(m, diag_inverse=None):
     """The inverse of the unit-lower-triangular m [..., C, C], in fp32.
 
     The diagonal 16 x 16 blocks are inverted by forward substitution, all at once (16 steps
@@ -87,20 +101,15 @@ def _unit_lower_inverse(m):
     right-hand side: on the H200 that loop alone was a quarter of a 27B prefill (3072 steps,
     305 ms of 1.29 s for 8K tokens, docs/benchmarks/README.md v8). The usual recursive
     triangular inversion: exact in exact arithmetic; in fp32 checked against numpy's float64
-    inverse on the chunk's own kind of matrix (tests/test_gdn.py)."""
+    inverse on the chunk's own kind of matrix (tests/test_gdn.py). diag_inverse: what inverts
+    the diagonal blocks (default `diag_block_inverse`; the Pallas kernel of
+    engine/kernels/gdn_inverse.py does it in one launch)."""
     c = m.shape[-1]
     s = min(c, _BLOCK)
     while s < c and (c % s or (c // s) & (c // s - 1)):  # merged pairwise: C/s a power of 2
         s *= 2
     s = min(s, c)
-    d = _diag_blocks(m, s)
-    strict = jnp.tril(d, -1)
-
-    def row(i, x):
-        acc = jnp.einsum("...j,...jv->...v", strict[..., i, :], x, precision=_HI)
-        return x.at[..., i, :].set(jnp.where(jnp.arange(s) == i, 1.0, 0.0) - acc)
-
-    inv = lax.fori_loop(0, s, row, jnp.zeros_like(d))  # [..., C/s, s, s]
+    inv = (diag_inverse or diag_block_inverse)(_diag_blocks(m, s))  # [..., C/s, s, s]
     while s < c:
         a, bb = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
         low = _diag_blocks(m, 2 * s)[..., s:, :s]
@@ -126,13 +135,14 @@ def _product(spec, a, b, ops: str):
     return jnp.einsum(spec, a, b, precision=_HI)
 
 
-def _uw(k, v, g, beta, ops: str = "fp32"):
+def _uw(k, v, g, beta, ops: str = "fp32", diag_inverse=None):
     """The UT transform of every chunk: inputs [..., C, ...] (a chunk on axis -2 of k and v,
     -1 of g and beta). k's leading dims may be 1 where v's are not (a key head's k shared by
     its value heads): K K^T is then taken once a key head. Returns u, w, gamma (the log decay
     from the chunk start, inclusive) and the causal decay exp(gamma_i - gamma_j) [..., C, C].
     ops="bf16": the large products (K K^T and M^-1 times the right-hand sides) take bf16
-    operands with fp32 sums, as tensor cores do; beta, the decays, M and its inverse stay fp32."""
+    operands with fp32 sums, as tensor cores do; beta, the decays, M and its inverse stay fp32.
+    diag_inverse: as for `_unit_lower_inverse`."""
     c = k.shape[-2]
     gamma = jnp.cumsum(g, axis=-1)  # log decay from the chunk start to each step, inclusive
     causal = jnp.tril(jnp.ones((c, c), bool))
@@ -142,7 +152,7 @@ def _uw(k, v, g, beta, ops: str = "fp32"):
     # updates of a chunk into matmuls: u = M^-1 diag(beta) V, w = M^-1 diag(beta e^gamma) K.
     kk = beta[..., :, None] * _product("...ik,...jk->...ij", k, k, ops) * decay
     m = jnp.tril(kk, -1) + jnp.eye(c, dtype=kk.dtype)
-    inv = _unit_lower_inverse(m)
+    inv = _unit_lower_inverse(m, diag_inverse)
     # two products, not one over [V | K] side by side: its slices were copies (v11 profile)
     u = _product("...ij,...jv->...iv", inv, v * beta[..., None], ops)
     w = _product("...ij,...jk->...ik", inv, k * (beta * jnp.exp(gamma))[..., None], ops)
@@ -165,21 +175,24 @@ def _value_heads(x, hv: int):
         b, hv, t, x.shape[-1])
 
 
-def chunk_uw(k, v, g, beta, chunk_size: int, ops: str = "fp32"):
+def chunk_uw(k, v, g, beta, chunk_size: int, ops: str = "fp32", diag_inverse=None):
     """u and w of the chunked rule, for a kernel that runs only the state pass
     (engine/kernels/gdn_prefill.py, prep="xla"). k: [B, T, Hk, K]; v: [B, T, Hv, V]; g, beta:
-    [B, T, Hv]; T a multiple of chunk_size. ops: "fp32" or "bf16" (`_uw`). Returns u [B, Hv,
-    T, V], w [B, Hv, T, K] fp32."""
+    [B, T, Hv]; T a multiple of chunk_size. ops: "fp32" or "bf16", diag_inverse: as for
+    `_uw`. Returns u [B, Hv, T, V], w [B, Hv, T, K] fp32."""
     _check_ops(ops)
     hk, hv = k.shape[2], v.shape[2]
-    u, w, _, _ = _uw(*(_head_chunks(x, hk, chunk_size) for x in (k, v, g, beta)), ops)
+    u, w, _, _ = _uw(*(_head_chunks(x, hk, chunk_size) for x in (k, v, g, beta)), ops,
+                     diag_inverse)
     return _value_heads(u, hv), _value_heads(w, hv)
 
 
-def chunk_intra(q, k, v, g, beta, chunk_size: int, scale: float, ops: str = "fp32"):
+def chunk_intra(q, k, v, g, beta, chunk_size: int, scale: float, ops: str = "fp32",
+                diag_inverse=None):
     """`_intra_chunk` for a kernel whose sequential pass then only multiplies by the state
     (engine/kernels/gdn_prefill.py, prep="xla_lean"). q, k: [B, T, Hk, K]; v: [B, T, Hv, V];
-    g, beta: [B, T, Hv]; T a multiple of chunk_size; ops as for `chunk_uw`. The products of
+    g, beta: [B, T, Hv]; T a multiple of chunk_size; ops and diag_inverse as for `chunk_uw`.
+    The products of
     q and k alone (q k^T, K K^T) are taken once a key head, not once a value head.
     Returns u [B, Hv, T, V], w, q_in (scaled q decayed from its chunk's start), k_out (k
     decayed to its chunk's end) [B, Hv, T, K], qk (the causal decayed scaled q k^T of each
@@ -187,21 +200,21 @@ def chunk_intra(q, k, v, g, beta, chunk_size: int, scale: float, ops: str = "fp3
     _check_ops(ops)
     hk, hv = k.shape[2], v.shape[2]
     q, k, v, g, beta = (_head_chunks(x, hk, chunk_size) for x in (q, k, v, g, beta))
-    u, w, q_in, qk, k_out, end = _intra_chunk(q * scale, k, v, g, beta, ops)
+    u, w, q_in, qk, k_out, end = _intra_chunk(q * scale, k, v, g, beta, ops, diag_inverse)
     end = end[..., 0]  # [B, Hk, r, N]
     return (*(_value_heads(x, hv) for x in (u, w, q_in, k_out, qk)),
             end.reshape(end.shape[0], hv, end.shape[-1]))
 
 
-def _intra_chunk(q, k, v, g, beta, ops: str = "fp32"):
+def _intra_chunk(q, k, v, g, beta, ops: str = "fp32", diag_inverse=None):
     """Everything that does not depend on the carried state, for all chunks at once.
 
     Inputs [..., N, C, ...]; q and k may have 1 where v, g and beta have a key head's value
     heads (`_uw`). Returns u (the UT-transformed values), w (the decayed keys), q decayed from
     the chunk start, the causal decayed q k^T, k decayed to the chunk end, and the chunk's
-    decay [..., N, 1]. ops: the products' precision (`_product`).
+    decay [..., N, 1]. ops: the products' precision (`_product`); diag_inverse as for `_uw`.
     """
-    u, w, gamma, decay = _uw(k, v, g, beta, ops)
+    u, w, gamma, decay = _uw(k, v, g, beta, ops, diag_inverse)
     qk = _product("...ik,...jk->...ij", q, k, ops) * decay
     g_end = gamma[..., -1:]
     q_in = q * jnp.exp(gamma)[..., None]            # q decayed from the chunk start

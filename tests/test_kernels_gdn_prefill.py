@@ -11,7 +11,7 @@ from engine import gdn
 from engine.gdn import recurrent_gated_delta_rule
 from engine.kernels.gdn_decode import gdn_recurrent
 from engine.kernels.gdn_prefill import chunk_len, gdn_chunk, gdn_chunk_ref
-from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
+from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, rel_err
 from tests.test_kernels_gdn import _gdn_inputs
 
 
@@ -19,6 +19,11 @@ def _args(rng, b, t, hk, hv, dk, dv, dtype, with_state):
     q, k, v, g, beta, s0 = _gdn_inputs(rng, b, t, hk, hv, dk, dv)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     return q, k, v, g, beta, s0 if with_state else None
+
+
+# The kernel's diagonal-block inverse against XLA's, through the whole chunk rule: fp32
+# rounding, or bf16's last bit where the inverse is rounded to bf16 for its products.
+SAME_INVERSE = {"float32": 1e-5, "bfloat16": 1e-3}
 
 
 def _check(args, dtype, prep="pallas"):
@@ -43,6 +48,27 @@ def test_gdn_chunk_matches_reference(t, batch, dk, with_state, dtype, prep):
     (gdn.chunk_intra) feeding the lean scan kernel."""
     args = _args(np.random.default_rng(), batch, t, 2, 4, dk, 32, dtype, with_state)
     _check(args, dtype, prep)
+
+
+@pytest.mark.parametrize("prep", ["xla", "xla_lean"])
+def test_gdn_chunk_with_the_inverse_kernel(prep, monkeypatch):
+    """inverse="pallas": the UT transform's diagonal blocks from engine/kernels/gdn_inverse.py.
+    The same result as with XLA's substitution to fp32 rounding (with bf16 inputs the inverse
+    is rounded to bf16 for its products, where the last bit can differ), the reference's
+    within the dtype's bound; NINFER_GDN_INV=pallas is what the model's rule then runs."""
+    for t, dtype in ((200, jnp.float32), (130, jnp.bfloat16)):
+        args = _args(np.random.default_rng(), 2, t, 2, 4, 32, 32, dtype, True)
+        got = gdn_chunk(*args, prep=prep, inverse="pallas")
+        base = gdn_chunk(*args, prep=prep)
+        for g_, b_, r_ in zip(got, base, gdn_chunk_ref(*args)):
+            assert rel_err(g_, b_) < SAME_INVERSE[jnp.dtype(dtype).name]
+            assert_close(g_, r_, dtype)
+    monkeypatch.setenv("NINFER_GDN_PREFILL", {"xla": "hybrid", "xla_lean": "hybrid_lean"}[prep])
+    monkeypatch.setenv("NINFER_GDN_INV", "pallas")
+    for g_, w_ in zip(gdn.select_rule("chunk", "pallas", 512)(*args), got):
+        np.testing.assert_array_equal(g_, w_)
+    with pytest.raises(ValueError, match="inverse"):
+        gdn_chunk(*args, prep=prep, inverse="cuda")
 
 
 def test_lean_scan_with_128_step_chunks(monkeypatch):
@@ -135,6 +161,9 @@ def test_gdn_chunk_lowers_to_triton(dtype):
     for prep in ("xla", "xla_lean"):
         text = lowers_for_cuda(lambda *a, p=prep: gdn_chunk(*a, interpret=False, prep=p), *args)
         assert text.count("__gpu$xla.gpu.triton") == 1  # the scan alone
+        text = lowers_for_cuda(lambda *a, p=prep: gdn_chunk(*a, interpret=False, prep=p,
+                                                            inverse="pallas"), *args)
+        assert text.count("__gpu$xla.gpu.triton") == 2  # the diagonal blocks' inverse + scan
 
 
 @pytest.mark.gpu
@@ -145,6 +174,18 @@ def test_gdn_chunk_gpu_27b_heads(dtype, prep):
     assert on_gpu()
     args = _args(np.random.default_rng(), 2, 1000, 16, 48, 128, 128, dtype, True)
     _check(args, dtype, prep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gdn_chunk_gpu_27b_heads_inverse_kernel(dtype):
+    """The default prep with the diagonal blocks' inverse kernel (NINFER_GDN_INV=pallas)."""
+    assert on_gpu()
+    args = _args(np.random.default_rng(), 2, 1000, 16, 48, 128, 128, dtype, True)
+    got = gdn_chunk(*args, prep="xla_lean", inverse="pallas")
+    for g_, b_, r_ in zip(got, gdn_chunk(*args, prep="xla_lean"), gdn_chunk_ref(*args)):
+        assert rel_err(g_, b_) < SAME_INVERSE[jnp.dtype(dtype).name]
+        assert_close(g_, r_, dtype)
 
 
 @pytest.mark.gpu

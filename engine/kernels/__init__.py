@@ -18,6 +18,8 @@ Modules (kernel; reference):
   `layers.gdn_core`.
 - `gdn_prefill`: chunked (WY/UT) gated delta rule for prefill, state in and out;
   `gdn.chunk_gated_delta_rule`.
+- `gdn_inverse`: the UT transform's diagonal-block inverses in one launch;
+  `gdn.diag_block_inverse`.
 - `flash_prefill`: causal GQA attention over the contiguous cache; `attention.attend`.
 - `stacked`: layer views of stacked weights, so the GEMV reads a layer in place.
 """

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 
 from engine.gdn import chunk_gated_delta_rule, chunk_intra, chunk_uw, prefill_prep
 from engine.kernels import resolve_interpret, triton_params
+from engine.kernels.gdn_inverse import diag_inverse
 
 gdn_chunk_ref = chunk_gated_delta_rule
 
@@ -142,13 +143,15 @@ def chunk_len(t: int, chunk_size: int = 64) -> int:
 
 
 PREPS = ("pallas", "xla", "xla_bf16", "xla_lean")
+INVERSES = ("xla", "pallas")
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "scale", "interpret", "bv",
-                                             "num_warps", "num_stages", "prep"))
+                                             "num_warps", "num_stages", "prep", "inverse"))
 def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
               scale: float | None = None, *, interpret: bool | None = None, bv: int = 64,
-              num_warps: int = 4, num_stages: int = 1, prep: str = "pallas"):
+              num_warps: int = 4, num_stages: int = 1, prep: str = "pallas",
+              inverse: str = "xla"):
     """q, k: [B, T, Hk, K] (L2-normalised); v: [B, T, Hv, V]; g (log decay), beta: [B, T, Hv];
     initial_state [B, Hv, K, V] or None. Returns (out [B, T, Hv, V] fp32, final state
     [B, Hv, K, V] fp32). Shapes the kernels cannot tile take the reference. prep: "pallas"
@@ -156,9 +159,13 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
     chunks, then this module's scan kernel), "xla_bf16" (the same with bf16 operands for
     the transform's two large products) or "xla_lean" (XLA prepares every term that does not
     depend on the state, `gdn.chunk_intra`, and the scan kernel only multiplies by it: four
-    dots a chunk; bf16 products for bf16 inputs)."""
+    dots a chunk; bf16 products for bf16 inputs). inverse (the XLA preps): who inverts the
+    chunks' diagonal blocks in the UT transform, "xla" (`gdn.diag_block_inverse`, 16 steps of
+    small XLA kernels) or "pallas" (engine/kernels/gdn_inverse.py, one launch)."""
     if prep not in PREPS:
         raise ValueError(f"prep must be one of {PREPS}, got {prep!r}")
+    if inverse not in INVERSES:
+        raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
     if not supported(q, v, chunk_size):
         return gdn_chunk_ref(q, k, v, g, beta, initial_state, chunk_size, scale)
     interpret = resolve_interpret(interpret)
@@ -175,10 +182,13 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
     tp, n = t + pad, (t + pad) // c
     bv = min(bv, dv)
     params = None if interpret else triton_params(num_warps, num_stages)
+    diag_inv = functools.partial(diag_inverse, interpret=interpret) if inverse == "pallas" \
+        else None
 
     if prep == "xla_lean":  # XLA prepares everything but the state pass
         sc = dk ** -0.5 if scale is None else scale
-        *parts, end = chunk_intra(q, k, v, g, beta, c, sc, "bf16" if cdt != f32 else "fp32")
+        *parts, end = chunk_intra(q, k, v, g, beta, c, sc, "bf16" if cdt != f32 else "fp32",
+                                  diag_inv)
         out, state = pl.pallas_call(
             functools.partial(_lean_scan_kernel, c=c, n_chunks=n, bv=bv, cdt=cdt),
             grid=(b, hv, dv // bv),
@@ -190,7 +200,7 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
         return out[:, :t], state
     if prep in ("xla", "xla_bf16"):
         ops = "bf16" if prep == "xla_bf16" else "fp32"
-        u, w = (x.astype(cdt) for x in chunk_uw(k, v, g, beta, c, ops))
+        u, w = (x.astype(cdt) for x in chunk_uw(k, v, g, beta, c, ops, diag_inv))
     else:
         u, w = pl.pallas_call(
             functools.partial(_prep_kernel, c=c, r=hv // hk, cdt=cdt), grid=(b, hv, n),
@@ -219,7 +229,9 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     8/1, 8/2, 8/3 and 4/2 for a 27B prefill at 8K and 32K tokens with the lean scan, 0.751 s
     against 0.763 s at 8K, docs/benchmarks/README.md v11). NINFER_GDN_PREFILL_CHUNK overrides
     the chunk (a power of two; 128 halves the scan's sequential steps and doubles the
-    intra-chunk work; not measured yet).
+    intra-chunk work; not measured yet). NINFER_GDN_INV=pallas inverts the UT transform's
+    diagonal blocks with engine/kernels/gdn_inverse.py (one launch a layer in place of ~48
+    small XLA kernels; default "xla" until measured on the GPU).
     By default XLA prepares every state-independent term and the lean scan kernel runs the
     state pass (prep="xla_lean", NINFER_GDN_PREFILL=hybrid_lean: a 27B prefill of 8K tokens
     in 0.772 s against 0.839 s for XLA's UT transform alone, docs/benchmarks/README.md v11).
@@ -230,7 +242,8 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     stages = int(os.environ.get("NINFER_GDN_PREFILL_STAGES", "2"))
     chunk_size = int(os.environ.get("NINFER_GDN_PREFILL_CHUNK", chunk_size))
     return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv,
-                     num_warps=warps, num_stages=stages, prep=prefill_prep() or "xla_lean")
+                     num_warps=warps, num_stages=stages, prep=prefill_prep() or "xla_lean",
+                     inverse=os.environ.get("NINFER_GDN_INV", "xla"))
 
 
 gdn_chunk_bf16_operands.bf16_operands = True
