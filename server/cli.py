@@ -210,8 +210,7 @@ def worker_count(requested: int | None, rest: list[str]) -> int:
     modules start: a few GiB)."""
     if requested is not None:
         return max(1, requested)
-    picks = any(a.startswith(("-n", "--numprocesses")) or a == "no:xdist"
-                for a in rest)
+    picks = any(a.startswith(("-n", "--numprocesses")) or a == "no:xdist" for a in rest)
     gpu = any(a == "gpu" and i > 0 and rest[i - 1] == "-m" for i, a in enumerate(rest))
     if picks or gpu:
         return 1

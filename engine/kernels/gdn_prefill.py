@@ -182,8 +182,8 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
     tp, n = t + pad, (t + pad) // c
     bv = min(bv, dv)
     params = None if interpret else triton_params(num_warps, num_stages)
-    diag_inv = functools.partial(diag_inverse, interpret=interpret) if inverse == "pallas" \
-        else None
+    diag_inv = (functools.partial(diag_inverse, interpret=interpret) if inverse == "pallas"
+                else None)
 
     if prep == "xla_lean":  # XLA prepares everything but the state pass
         sc = dk ** -0.5 if scale is None else scale
