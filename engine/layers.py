@@ -30,7 +30,7 @@ def mlp_block(p, norm_w, eps: float, x, h, kernels: str = "xla", out_proj=None):
     """A decoder layer's second half: y + mlp(p, rms_norm(y)) for y = x + h (the residual
     stream and the mixer's output; with `out_proj`, h is the mixer's output before that
     projection and y = x + linear(h, out_proj)). With NINFER_MLP_NORM=1 or 2 (off by default:
-    not measured yet), kernels "pallas" and a decode step's rows over int4_g64 stacks on a GPU
+    no faster in the decode step, v15), kernels "pallas" and a decode step's rows over int4_g64 stacks on a GPU
     where the CUDA op builds: `cuda_ops.int4_mlp_block`, the add, the norm and the MLP in one
     call of three chained launches, and with 2 the projection as a fourth before them
     (NINFER_MLP_WARPS and NINFER_MLP_L2 as `mlp_residual` reads them). Otherwise the
@@ -79,7 +79,7 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
     (default 2: two launches chained by programmatic dependent launch, v14f; 1 the
     persistent kernel; 3 the two in stream order; 0 the separate calls), and
     NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`);
-    NINFER_MLP_L2=1: down's tiles asked into L2 while gate|up ends (not measured yet)."""
+    NINFER_MLP_L2=1: down's tiles asked into L2 while gate|up ends (slower, v15)."""
     fused = os.environ.get("NINFER_MLP_FUSED", "2")
     if kernels == "pallas" and fused in ("1", "2", "3"):
         from engine.kernels import cuda_ops

@@ -289,7 +289,7 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     measured faster on the H200, v12); xperm (wide: x goes in permuted by `x_perm` and the
     kernel skips its byte permutations, the same bits; built for prefetch 2, occupancy 32,
     bias 0, stages 0 and WIDE_XPERM_WARPS; default: NINFER_INT4_WIDE_XPERM=1 where built, off
-    otherwise: not measured yet). Otherwise x goes to the wide kernel as it is."""
+    otherwise: no faster in the decode step, v14c). Otherwise x goes to the wide kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
                            occupancy=occupancy, xperm=xperm)[0]
@@ -520,7 +520,8 @@ def int4_mlp_block(x, hm, norm_w, eps: float, gate: QTensor, up: QTensor, down: 
     The norm's sums are in another order than XLA's: close to `rms_norm` + `int4_mlp`, not
     bitwise. warps / occupancy / l2_prefetch as `int4_mlp` with two launches (None: its
     defaults). The model takes it with NINFER_MLP_NORM=1 (2: with the projection;
-    `layers.mlp_block`; off by default, not measured yet)."""
+    `layers.mlp_block`; off by default: slower than XLA's add and norm before `int4_mlp` in
+    the decode step, v15)."""
     if (err := mlp_block_shape_error(x, hm, norm_w, gate, up, down, proj)) is not None:
         raise ValueError(err)
     warps, occupancy = _mlp_setting("int4_mlp_block", 2, warps, occupancy)

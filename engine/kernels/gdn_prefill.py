@@ -229,9 +229,10 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     8/1, 8/2, 8/3 and 4/2 for a 27B prefill at 8K and 32K tokens with the lean scan, 0.751 s
     against 0.763 s at 8K, docs/benchmarks/README.md v11). NINFER_GDN_PREFILL_CHUNK overrides
     the chunk (a power of two; 128 halves the scan's sequential steps and doubles the
-    intra-chunk work; not measured yet). NINFER_GDN_INV=pallas inverts the UT transform's
-    diagonal blocks with engine/kernels/gdn_inverse.py (one launch a layer in place of ~48
-    small XLA kernels; default "xla" until measured on the GPU).
+    intra-chunk work; v12: with 2 stages it asks more shared memory than the H200 has, with
+    1 it is slower). NINFER_GDN_INV=pallas inverts the UT transform's diagonal blocks with
+    engine/kernels/gdn_inverse.py (one launch a layer in place of ~48 small XLA kernels;
+    default "xla" until measured on the GPU).
     By default XLA prepares every state-independent term and the lean scan kernel runs the
     state pass (prep="xla_lean", NINFER_GDN_PREFILL=hybrid_lean: a 27B prefill of 8K tokens
     in 0.772 s against 0.839 s for XLA's UT transform alone, docs/benchmarks/README.md v11).
