@@ -55,7 +55,8 @@ def test_gdn_chunk_with_the_inverse_kernel(prep, monkeypatch):
     """inverse="pallas": the UT transform's diagonal blocks from engine/kernels/gdn_inverse.py.
     The same result as with XLA's substitution to fp32 rounding (with bf16 inputs the inverse
     is rounded to bf16 for its products, where the last bit can differ), the reference's
-    within the dtype's bound; NINFER_GDN_INV=pallas is what the model's rule then runs."""
+    within the dtype's bound. It is what the model's rule runs by default; NINFER_GDN_INV=xla
+    gives XLA's substitution back."""
     for t, dtype in ((200, jnp.float32), (130, jnp.bfloat16)):
         args = _args(np.random.default_rng(), 2, t, 2, 4, 32, 32, dtype, True)
         got = gdn_chunk(*args, prep=prep, inverse="pallas")
@@ -64,8 +65,11 @@ def test_gdn_chunk_with_the_inverse_kernel(prep, monkeypatch):
             assert rel_err(g_, b_) < SAME_INVERSE[jnp.dtype(dtype).name]
             assert_close(g_, r_, dtype)
     monkeypatch.setenv("NINFER_GDN_PREFILL", {"xla": "hybrid", "xla_lean": "hybrid_lean"}[prep])
-    monkeypatch.setenv("NINFER_GDN_INV", "pallas")
+    monkeypatch.delenv("NINFER_GDN_INV", raising=False)
     for g_, w_ in zip(gdn.select_rule("chunk", "pallas", 512)(*args), got):
+        np.testing.assert_array_equal(g_, w_)
+    monkeypatch.setenv("NINFER_GDN_INV", "xla")
+    for g_, w_ in zip(gdn.select_rule("chunk", "pallas", 512)(*args), base):
         np.testing.assert_array_equal(g_, w_)
     with pytest.raises(ValueError, match="inverse"):
         gdn_chunk(*args, prep=prep, inverse="cuda")

@@ -230,9 +230,10 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     against 0.763 s at 8K, docs/benchmarks/README.md v11). NINFER_GDN_PREFILL_CHUNK overrides
     the chunk (a power of two; 128 halves the scan's sequential steps and doubles the
     intra-chunk work; v12: with 2 stages it asks more shared memory than the H200 has, with
-    1 it is slower). NINFER_GDN_INV=pallas inverts the UT transform's diagonal blocks with
-    engine/kernels/gdn_inverse.py (one launch a layer in place of ~48 small XLA kernels;
-    default "xla" until measured on the GPU).
+    1 it is slower). The UT transform's diagonal blocks are inverted by
+    engine/kernels/gdn_inverse.py (one launch a layer in place of ~48 small XLA kernels: 8K
+    0.761-0.762 s against 0.767 s, 32K 3.283 s against 3.312-3.326 s, docs/benchmarks/README.md
+    v16); NINFER_GDN_INV=xla takes XLA's 16 substitution steps.
     By default XLA prepares every state-independent term and the lean scan kernel runs the
     state pass (prep="xla_lean", NINFER_GDN_PREFILL=hybrid_lean: a 27B prefill of 8K tokens
     in 0.772 s against 0.839 s for XLA's UT transform alone, docs/benchmarks/README.md v11).
@@ -244,7 +245,7 @@ def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: in
     chunk_size = int(os.environ.get("NINFER_GDN_PREFILL_CHUNK", chunk_size))
     return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv,
                      num_warps=warps, num_stages=stages, prep=prefill_prep() or "xla_lean",
-                     inverse=os.environ.get("NINFER_GDN_INV", "xla"))
+                     inverse=os.environ.get("NINFER_GDN_INV", "pallas"))
 
 
 gdn_chunk_bf16_operands.bf16_operands = True
