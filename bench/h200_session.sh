@@ -8,6 +8,7 @@
 # Parts (each part's comment in the case below says more):
 #   tests      GPU kernel and engine tests          enginegpu  the engine's GPU tests alone
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
+#   headline   decode and 8K/32K/128K prefill from int4_g64 weights, one process
 #   restore    server-level 128K restore vs re-prefill and restart (RESTORE_ARGS,
 #              RESTORE_BUDGET_S)
 #   profile    one int4 decode step and one bf16 prefill of PROFILE_PREFILL tokens by kernel
@@ -112,6 +113,13 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 240 "$OUT/decode_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \
           --contexts 1024,32768,131072 --prefill "" --steps 10 --out "$OUT/bench_27b_$TAG.json"
         grep -E 'ceilings|decode' "$OUT/decode_$TAG.log" | cut -c1-160 ;;
+      headline)  # every goal figure of the bench in one process: int4_g64 decode C1/C2 at
+        # 1K/32K/128K, then 8K/32K/128K prefill from the same weights (HEADLINE_REPS reps)
+        run 580 "$OUT/headline_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \
+          --contexts 1024,32768,131072 --steps 10 --prefill 8192,32768,131072 \
+          --prefill-reps "${HEADLINE_REPS:-3}" --prefill-weights int4_g64 \
+          --out "$OUT/bench_27b_$TAG.json"
+        grep -E 'ceilings|decode|^prefill' "$OUT/headline_$TAG.log" | cut -c1-160 ;;
       profile)
         run 200 "$OUT/profile_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1 \
           --contexts 1024 --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 1 --steps 5 \
