@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import ml_dtypes
 import numpy as np
 
@@ -162,6 +163,8 @@ def _scale(amax: np.ndarray, qmax: np.float32) -> np.ndarray:
 # ---- dequantize -------------------------------------------------------------------------------
 def dequantize(qt: QTensor, dtype=jnp.float32) -> jax.Array:
     """The JAX reference: [..., out, in] in `dtype`, computed as code * scale in fp32."""
+    if qt.fmt == INT4_G64 and jnp.dtype(dtype).itemsize == 2:
+        return _dequantize_int4_16bit(qt, jnp.dtype(dtype))
     if qt.fmt == INT4_G64:
         codes = _unpack_int4(jnp.asarray(qt.data))               # [..., out, in] int8
         *lead, out, inp = codes.shape
@@ -172,6 +175,27 @@ def dequantize(qt: QTensor, dtype=jnp.float32) -> jax.Array:
     else:
         raise QuantError(f"unknown quantized format {qt.fmt!r}")
     return w.astype(dtype)
+
+
+def _dequantize_int4_16bit(qt: QTensor, dtype) -> jax.Array:
+    """`dequantize` to a 16-bit float, as one elementwise pass over the packed bytes: each
+    byte's two values (code * scale in fp32, rounded once to `dtype`) are put side by side in
+    a uint32 that is then read as two `dtype` values, low half first. The same values as
+    interleaving the two nibbles' arrays (`_unpack_int4`), which XLA on the GPU runs as a
+    concatenate at ~1 TB/s (a 17408 x 5120 weight in 212 us of a prefill, v16c); this is a
+    loop fusion that reads a byte and writes four."""
+    packed = jnp.asarray(qt.data)                                   # [..., out, in/2] uint8
+    *lead, out, half = packed.shape
+    per = GROUP // 2                                                # bytes a group
+    p = packed.reshape(*lead, out, half // per, per)
+    sc = jnp.asarray(qt.scale).astype(jnp.float32)[..., None]      # [..., out, in/64, 1]
+
+    def half_bits(codes):  # codes 0..15 -> (code - 8) * scale as dtype's 16 bits
+        v = (codes.astype(jnp.int32) - 8).astype(jnp.float32) * sc
+        return lax.bitcast_convert_type(v.astype(dtype), jnp.uint16).astype(jnp.uint32)
+
+    word = half_bits(p & 0xF) | (half_bits(p >> 4) << 16)          # lo: input 2j, hi: 2j + 1
+    return lax.bitcast_convert_type(word, dtype).reshape(*lead, out, 2 * half)
 
 
 def _unpack_int4(packed: jax.Array) -> jax.Array:
@@ -215,8 +239,8 @@ def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
             w = w.materialize()
         if qgemv.supported(x, w):
             return qgemv.qmatmul(x, w)
-    if isinstance(w, QTensor):
-        w = dequantize(w, jnp.float32)
+    if isinstance(w, QTensor):  # code * scale in fp32, rounded once to x's dtype
+        w = dequantize(w, x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
 
 

@@ -99,6 +99,57 @@ def test_jax_dequantize_equals_numpy(fmt):
     assert dequantize(q, jnp.bfloat16).dtype == jnp.bfloat16
 
 
+def _int4_every_code(stacked: bool):
+    """int4_g64 weights whose codes take all 16 values, scales spread over six decades; with
+    `stacked` two layers of one stack."""
+    rng = np.random.default_rng(11)
+    qs = []
+    for _ in range(2 if stacked else 1):
+        w = _gauss((40, 256), seed=int(rng.integers(1 << 30)))
+        w *= 10.0 ** rng.uniform(-4, 2, size=(40, 1)).astype(np.float32)
+        qs.append(quantize(w, INT4_G64))
+    q = qs[0]
+    data = rng.integers(0, 256, size=q.data.shape, dtype=np.uint8)  # every nibble value
+    if stacked:
+        return QTensor(np.stack([data, qs[1].data]), np.stack([q.scale, qs[1].scale]),
+                       INT4_G64, q.shape)
+    return QTensor(data, q.scale, INT4_G64, q.shape)
+
+
+def _check_int4_16bit(q):
+    want32 = dequantize_np(q)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        want = want32.astype(jnp.dtype(dtype)).view(np.uint16)
+        for fn in (dequantize, jax.jit(dequantize, static_argnums=1)):
+            got = np.asarray(fn(q, dtype))
+            assert got.dtype == jnp.dtype(dtype) and got.shape == want32.shape
+            np.testing.assert_array_equal(got.view(np.uint16), want)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_int4_dequantize_to_16_bits_rounds_the_fp32_values_once(stacked):
+    """To bf16 / fp16 the int4 codes are unpacked by one elementwise pass (each byte's two
+    values side by side in a uint32): bit for bit code * scale in fp32 rounded once, for every
+    code, stacked or not, jitted or not; the lowered program interleaves nothing."""
+    q = _int4_every_code(stacked)
+    _check_int4_16bit(q)
+    hlo = jax.jit(dequantize, static_argnums=1).lower(q, jnp.bfloat16).as_text()
+    assert "concatenate" not in hlo and "bitcast_convert" in hlo
+    x = jnp.asarray(_gauss((3, 256), seed=12)).astype(jnp.bfloat16)
+    if not stacked:  # linear() on bf16 x multiplies by exactly those bf16 weights
+        w = jnp.asarray(dequantize_np(q)).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(linear(x, q)),
+                                      np.asarray(jnp.einsum("...i,oi->...o", x, w)))
+
+
+@pytest.mark.gpu
+def test_int4_dequantize_to_16_bits_gpu():
+    """The same bits on the GPU (XLA's GPU bitcast of a uint32 into two halves)."""
+    assert jax.default_backend() == "gpu"
+    for stacked in (False, True):
+        _check_int4_16bit(_int4_every_code(stacked))
+
+
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_linear_equals_matmul_with_dequantized_weight(fmt):
     q = quantize(_gauss((48, 128), seed=4), fmt)
