@@ -43,7 +43,11 @@ def main():
     ax1.set_title(f"decode, kernels={res['kernels']}, {res['device']}")
     ax1.legend(fontsize=7)
     pre_res = json.loads(Path(args.prefill_from).read_text()) if args.prefill_from else res
-    pre = [r for r in pre_res["prefill"] if "seconds" in r and r.get("weights", "bf16") == "bf16"]
+    rows = [r for r in pre_res["prefill"] if "seconds" in r]
+    # one weight format's rows: bf16 where the run has them, else the format it prefilled from
+    fmt = "bf16" if any(r.get("weights", "bf16") == "bf16" for r in rows) else (
+        rows[0]["weights"] if rows else "bf16")
+    pre = [r for r in rows if r.get("weights", "bf16") == fmt]
     px = range(len(pre))
     ax2.bar(px, [r["seconds"] for r in pre], color="#37a", label="measured")
     ax2.bar(px, [r["floor_seconds"] for r in pre], color="#ddd", width=0.4,
@@ -62,7 +66,7 @@ def main():
     ax2.set_xticks(list(px), [f"{r['tokens'] // 1024}K" for r in pre])
     ax2.set_yscale("log")
     ax2.set_ylabel("seconds")
-    ax2.set_title("prefill (bf16 weights)" + (f", from {Path(args.prefill_from).name}"
+    ax2.set_title(f"prefill ({fmt} weights)" + (f", from {Path(args.prefill_from).name}"
                                                if args.prefill_from else ""))
     ax2.legend(fontsize=7)
     fig.tight_layout()
