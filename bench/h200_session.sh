@@ -9,6 +9,7 @@
 #   tests      GPU kernel and engine tests          enginegpu  the engine's GPU tests alone
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
 #   headline   decode and 8K/32K/128K prefill from int4_g64 weights, one process
+#   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
 #   restore    server-level 128K restore vs re-prefill and restart (RESTORE_ARGS,
 #              RESTORE_BUDGET_S)
 #   profile    one int4 decode step and one bf16 prefill of PROFILE_PREFILL tokens by kernel
@@ -31,8 +32,8 @@
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
 #   w10        10 warps a tile for down and out_proj (NINFER_INT4_WIDE_WARPS=auto:4,10)
 #   xperm      x permuted for the wide GEMV's B registers (NINFER_INT4_WIDE_XPERM=1)
-#   mlp        the CUDA MLP ops (two launches, L2, block): GPU tests, micro
-#   mlpab      C1/C2 1K decode with each MLP setting, twice in turn
+#   mlp        the CUDA MLP op (its launches and warps): GPU tests, micro
+#   mlpab      C1/C2 1K decode, the separate MLP calls against the MLP op
 #   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
 #   prefint4   8K/32K prefill from int4_g64 weights against bf16
 #   gdninv     8K/32K prefill with the GDN diagonal-block inverse kernel (NINFER_GDN_INV)
@@ -113,6 +114,18 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 240 "$OUT/decode_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \
           --contexts 1024,32768,131072 --prefill "" --steps 10 --out "$OUT/bench_27b_$TAG.json"
         grep -E 'ceilings|decode' "$OUT/decode_$TAG.log" | cut -c1-160 ;;
+      xlapdl)  # XLA's programmatic dependent launch (--xla_gpu_enable_pdl=true): the engine's
+        # GPU tests with it, C1/C2 1K decode without and with it, then the MLP op's GPU tests
+        local_pdl="XLA_FLAGS=--xla_gpu_enable_pdl=true"
+        (export "$local_pdl"
+         run 200 "$OUT/xlapdl_enginegpu_$TAG.log" python3 -m pytest -q -m gpu \
+           -p no:cacheprovider tests/test_engine_gpu.py)
+        tail -n 2 "$OUT/xlapdl_enginegpu_$TAG.log"
+        decode1k xlapdl_off
+        decode1k xlapdl_on "$local_pdl"
+        run "${MLP_TESTS_S:-200}" "$OUT/xlapdl_mlp_tests_$TAG.log" python3 -m pytest -q -m gpu \
+          -p no:cacheprovider tests/test_kernels_cuda_gemv.py -k "mlp"
+        tail -n 2 "$OUT/xlapdl_mlp_tests_$TAG.log" ;;
       headline)  # every goal figure of the bench in one process: int4_g64 decode C1/C2 at
         # 1K/32K/128K, then 8K/32K/128K prefill from the same weights (HEADLINE_REPS reps)
         run 580 "$OUT/headline_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \
@@ -254,24 +267,19 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         tail -n 2 "$OUT/prefcudnn_tests_$TAG.log"
         prefill2 prefcudnn_flash
         prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;
-      mlp)  # the CUDA MLP ops (cuda_ops.int4_mlp: gate|up, SwiGLU, down and the residual in
-        # one call, NINFER_MLP_FUSED=<launches>, 2 by default; int4_mlp_block: with the
-        # residual add and norm before, NINFER_MLP_NORM=1, and the mixer's out projection
-        # too, =2): their GPU tests and the micro benchmark at the 27B's shapes (~4 min)
+      mlp)  # the CUDA MLP op (cuda_ops.int4_mlp: gate|up, SwiGLU, down and the residual in
+        # one call, NINFER_MLP_FUSED=<launches>, 2 by default): its GPU tests and the micro
+        # benchmark at the 27B's shapes
         run 360 "$OUT/mlp_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k "mlp"
         tail -n 2 "$OUT/mlp_tests_$TAG.log"
         run 200 "$OUT/mlp_micro_$TAG.log" python3 bench/mlp_micro.py --out "$OUT/mlp_micro_$TAG.json"
         grep -E "^M[0-9]" "$OUT/mlp_micro_$TAG.log" ;;
-      mlpab)  # C1/C2 1K decode: the separate MLP calls (NINFER_MLP_FUSED=0) once, then twice
-        # in turn the default, down's tiles asked into L2 (NINFER_MLP_L2=1), the block op
-        # (NINFER_MLP_NORM=1) and the block op with the out projection (=2) (~4 min)
+      mlpab)  # C1/C2 1K decode: the separate MLP calls (NINFER_MLP_FUSED=0) once, then the
+        # default (the MLP op, two launches chained by programmatic dependent launch) twice
         decode1k mlp_off NINFER_MLP_FUSED=0
         for rep in a b; do
           decode1k "mlp_pdl_$rep"
-          decode1k "mlp_l2_$rep" NINFER_MLP_L2=1
-          decode1k "mlp_norm_$rep" NINFER_MLP_NORM=1
-          decode1k "mlp_norm2_$rep" NINFER_MLP_NORM=2
         done ;;
       xperm)  # x permuted by XLA so that the wide GEMV skips its 16 byte permutations a pair
         # (NINFER_INT4_WIDE_XPERM=1; main loop 252 -> 214 instructions for two pairs, sm_90

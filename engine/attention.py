@@ -118,14 +118,13 @@ def attend(q, keys, vals, visible):
 
 
 def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
-                    write_attend=kv_write_attend, kernels: str = "xla", project: bool = True):
+                    write_attend=kv_write_attend, kernels: str = "xla"):
     """Gated attention token mixer. p: the layer's `self_attn` params; x: [B, T, H] (normed).
 
     q_proj rows are grouped per head as [q (head_dim) | gate (head_dim)]. `write_attend` is
     `kv_write_attend` or `paged_kv.paged_write_attend`, matching the kind of `kv`. kernels:
     "xla" or "pallas" (passed to the projections and to `write_attend`). Returns
-    (out [B, T, H], new kv); project=False: out before o_proj [B, T, heads x head_dim], for
-    the caller to project (`layers.mlp_block`).
+    (out [B, T, H], new kv).
     """
     b, t, _ = x.shape
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -142,4 +141,4 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
     else:
         out, kv = write_attend(kv, layer, q, k, v, positions, valid, kernels=kernels)
     out = out.reshape(b, t, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-    return (linear(out, p["o_proj"], kernels) if project else out), kv
+    return linear(out, p["o_proj"], kernels), kv

@@ -26,32 +26,6 @@ def mlp(p, x, kernels: str = "xla"):
     return linear(jax.nn.silu(gate) * up, p["down_proj"], kernels)
 
 
-def mlp_block(p, norm_w, eps: float, x, h, kernels: str = "xla", out_proj=None):
-    """A decoder layer's second half: y + mlp(p, rms_norm(y)) for y = x + h (the residual
-    stream and the mixer's output; with `out_proj`, h is the mixer's output before that
-    projection and y = x + linear(h, out_proj)). With NINFER_MLP_NORM=1 or 2 (off by default:
-    no faster in the decode step, v15), kernels "pallas" and a decode step's rows over int4_g64 stacks on a GPU
-    where the CUDA op builds: `cuda_ops.int4_mlp_block`, the add, the norm and the MLP in one
-    call of three chained launches, and with 2 the projection as a fourth before them
-    (NINFER_MLP_WARPS and NINFER_MLP_L2 as `mlp_residual` reads them). Otherwise the
-    projection, the add, `rms_norm` and `mlp_residual`."""
-    fused = os.environ.get("NINFER_MLP_NORM", "0")
-    if kernels == "pallas" and fused in ("1", "2"):
-        from engine.kernels import cuda_ops
-        from engine.kernels.stacked import Stacked
-
-        if out_proj is not None and not (fused == "2" and isinstance(out_proj, Stacked)):
-            h, out_proj = linear(h, out_proj, kernels), None  # projected here, not in the op
-        proj = None if out_proj is None else out_proj.w
-        if (st := _mlp_stacks(p)) and cuda_ops.mlp_block_takes(x, h, norm_w, *st[0], proj):
-            return cuda_ops.int4_mlp_block(x, h, norm_w, eps, *st[0], st[1], proj=proj,
-                                           **_mlp_settings())
-    if out_proj is not None:
-        h = linear(h, out_proj, kernels)
-    y = x + h
-    return mlp_residual(p, rms_norm(y, norm_w, eps), y, kernels)
-
-
 def _mlp_stacks(p):
     """((gate, up, down) QTensor stacks, their layer index) where the MLP's weights are
     `Stacked` views (the decode scans with kernels="pallas"), else None."""
@@ -64,12 +38,11 @@ def _mlp_stacks(p):
 
 
 def _mlp_settings() -> dict:
-    """The MLP ops' keyword settings from the environment: NINFER_MLP_WARPS ("warps/occupancy",
-    e.g. "8/32"; unset: the op's defaults) and NINFER_MLP_L2=1 (down's tiles into L2)."""
+    """The MLP op's keyword settings from the environment: NINFER_MLP_WARPS ("warps/occupancy",
+    e.g. "8/32"; unset: the op's defaults)."""
     setting = os.environ.get("NINFER_MLP_WARPS")
     wp, occ = (None, None) if not setting else (int(a) for a in setting.split("/"))
-    return dict(warps=wp, occupancy=occ,
-                l2_prefetch=os.environ.get("NINFER_MLP_L2", "0") == "1")
+    return dict(warps=wp, occupancy=occ)
 
 
 def mlp_residual(p, x, h, kernels: str = "xla"):
@@ -78,16 +51,13 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
     and the residual in one call of `cuda_ops.int4_mlp` with NINFER_MLP_FUSED `launches`
     (default 2: two launches chained by programmatic dependent launch, v14f; 1 the
     persistent kernel; 3 the two in stream order; 0 the separate calls), and
-    NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`);
-    NINFER_MLP_L2=1: down's tiles asked into L2 while gate|up ends (slower, v15)."""
+    NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`)."""
     fused = os.environ.get("NINFER_MLP_FUSED", "2")
     if kernels == "pallas" and fused in ("1", "2", "3"):
         from engine.kernels import cuda_ops
 
         if (st := _mlp_stacks(p)) and cuda_ops.mlp_takes(x, h, *st[0]):
-            settings = _mlp_settings()
-            settings["l2_prefetch"] &= fused != "1"  # the persistent kernel has no such step
-            return cuda_ops.int4_mlp(x, h, *st[0], st[1], launches=int(fused), **settings)
+            return cuda_ops.int4_mlp(x, h, *st[0], st[1], launches=int(fused), **_mlp_settings())
     return h + mlp(p, x, kernels)
 
 
@@ -113,19 +83,14 @@ class StackedStates(NamedTuple):
 
 
 def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
-              kernels: str = "xla", project: bool = True):
+              kernels: str = "xla"):
     """Gated DeltaNet token mixer. p: the layer's `linear_attn` params; x: [B, T, H] (normed).
 
     conv_state: [B, conv_dim, W-1]; rec_state: [B, Hv, Dk, Dv] fp32; lengths: [B] int32 valid
     steps per row; valid: [B, T] bool. Invalid steps get g = 0, beta = 0 so the recurrent state
     skips them. kernels: "xla" (references) or "pallas" (engine/kernels).
-    Returns (out [B, T, H], conv_state, rec_state); project=False: out before out_proj
-    [B, T, value_dim], for the caller to project (`mlp_block`).
+    Returns (out [B, T, H], conv_state, rec_state).
     """
-    def out_of(out):
-        out = out.reshape(b, t, -1)
-        return linear(out, p["out_proj"], kernels) if project else out
-
     b, t, _ = x.shape
     mats = [p["in_proj_qkv"], p["in_proj_z"], p["in_proj_b"], p["in_proj_a"]]
     if isinstance(conv_state, StackedStates):
@@ -142,14 +107,15 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
         conv = jax.lax.dynamic_update_index_in_dim(
             st.conv.reshape(-1, *st.conv.shape[-3:]), conv_l, st.layer, 0).reshape(
                 *lead, *st.conv.shape[-3:])
-        return out_of(out), st._replace(conv=conv, rec=rec), None
+        return (linear(out.reshape(b, t, -1), p["out_proj"], kernels),
+                st._replace(conv=conv, rec=rec), None)
     qkv, z, b_in, a_in = linear_multi(x, mats, kernels)
     core = gdn_core
     if kernels == "pallas" and t == 1 and fused_decode_enabled():
         from engine.kernels.gdn_decode_fused import gdn_decode_fused as core
     out, conv_state, rec_state = core(p, cfg, qkv, z, b_in, a_in, conv_state, rec_state,
                                       lengths, valid, mode, kernels, x.dtype)
-    return out_of(out), conv_state, rec_state
+    return linear(out.reshape(b, t, -1), p["out_proj"], kernels), conv_state, rec_state
 
 
 def gdn_core(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths, valid,
@@ -205,11 +171,12 @@ def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
               kernels: str = "xla"):
     """One GDN decoder layer (pre-norm residual mixer + MLP). x: [B, T, H].
     Returns (x, conv_state, rec_state)."""
-    a, conv_state, rec_state = gdn_mixer(
+    h, conv_state, rec_state = gdn_mixer(
         p["linear_attn"], cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
-        conv_state, rec_state, lengths, valid, mode, kernels, project=False)
-    x = mlp_block(p["mlp"], p["post_attention_layernorm"], cfg.rms_norm_eps, x, a, kernels,
-                  out_proj=p["linear_attn"]["out_proj"])
+        conv_state, rec_state, lengths, valid, mode, kernels)
+    x = x + h
+    x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
+                     kernels)
     return x, conv_state, rec_state
 
 
@@ -218,9 +185,10 @@ def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid, kernels
     `attention.kv_write_attend` or a `paged_kv.PagedKV`; layer/positions/valid as there.
     Returns (x, kv) with kv of the same kind."""
     write_attend = paged_write_attend if isinstance(kv, PagedKV) else kv_write_attend
-    a, kv = attention_mixer(p["self_attn"], cfg,
+    h, kv = attention_mixer(p["self_attn"], cfg,
                             rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
-                            kv, layer, positions, valid, write_attend, kernels, project=False)
-    x = mlp_block(p["mlp"], p["post_attention_layernorm"], cfg.rms_norm_eps, x, a, kernels,
-                  out_proj=p["self_attn"]["o_proj"])
+                            kv, layer, positions, valid, write_attend, kernels)
+    x = x + h
+    x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
+                     kernels)
     return x, kv

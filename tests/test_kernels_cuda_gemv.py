@@ -451,7 +451,7 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
     text = exp.mlir_module()
     assert text.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1
     assert "warps = 8 : i64" in text and "occupancy = 24 : i64" in text
-    assert "launches = 1 : i64" in text and "l2_prefetch = 0 : i64" in text
+    assert "launches = 1 : i64" in text
     assert [a.shape for a in exp.out_avals] == [(2, 1000)]
     # two launches: the same one call, with its own defaults (8 warps a tile, 32 an SM)
     text2 = export.export(
@@ -464,8 +464,6 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
     assert "warps = 8 : i64" in text2 and "occupancy = 32 : i64" in text2
     with pytest.raises(ValueError, match="launches"):
         cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=4)
-    with pytest.raises(ValueError, match="l2_prefetch"):
-        cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=1, l2_prefetch=True)
     with pytest.raises(ValueError, match="rows"):
         cuda_ops.int4_mlp(jnp.zeros((5, 512), jnp.bfloat16), jnp.zeros((5, 1000), jnp.bfloat16),
                           gate, up, down, idx)
@@ -520,18 +518,17 @@ def test_persistent_mlp_matches_reference_on_gpu(launches, warps, occupancy):
 @pytest.mark.gpu
 def test_mlp_two_launches_are_the_persistent_kernels_bits_on_gpu():
     """With 8 warps a tile for gate|up, the two launches (chained by programmatic dependent
-    launch or in stream order, down's tiles asked into L2 or not) compute what the
-    persistent kernel computes, in the same order: the same bits, at the test shapes and the
-    27B's. A down launch that read act before gate|up had written it would not."""
+    launch or in stream order) compute what the persistent kernel computes, in the same
+    order: the same bits, at the test shapes and the 27B's. A down launch that read act before
+    gate|up had written it would not."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
     for kw in ({}, dict(k1=5120, n1=17408, n2=5120, lead=())):
         for m in (1, 2):
             x, h, (gate, up, down) = _mlp_case(m, **kw)
             idx = jnp.array([1], jnp.int32) if kw == {} else None
-            outs = [np.asarray(jax.jit(lambda x, h, g, u, d, i, n=n, l2=l2: cuda_ops.int4_mlp(
-                x, h, g, u, d, i, warps=8, occupancy=24, launches=n, l2_prefetch=l2))(
-                    x, h, gate, up, down, idx), np.float32)
-                for n, l2 in ((1, False), (2, False), (3, False), (2, True), (3, True))]
+            outs = [np.asarray(jax.jit(lambda x, h, g, u, d, i, n=n: cuda_ops.int4_mlp(
+                x, h, g, u, d, i, warps=8, occupancy=24, launches=n))(
+                    x, h, gate, up, down, idx), np.float32) for n in (1, 2, 3)]
             for other in outs[1:]:
                 np.testing.assert_array_equal(other, outs[0])
 
@@ -580,184 +577,8 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
     monkeypatch.delenv("NINFER_MLP_FUSED", raising=False)  # the default
     got = mlp_residual(p, x[:, None], h[:, None], "pallas")
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    monkeypatch.setenv("NINFER_MLP_L2", "1")
     for fused in ("0", "1", "2", "3"):
         monkeypatch.setenv("NINFER_MLP_FUSED", fused)
         got = mlp_residual(p, x[:, None], h[:, None], "pallas")
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
-
-def _block_case(m, k1=512, n1=1024, lead=(2,)):
-    """x, hm [m, k1] bf16, a norm weight [k1] and stacked int4 gate / up [*lead, n1, k1],
-    down [*lead, k1, n1]: a layer's second half, down back to x's width."""
-    x, _, ws = _mlp_case(m, k1=k1, n1=n1, n2=k1, lead=lead)
-    rng = np.random.default_rng(100 + m)
-    hm = jnp.asarray(rng.standard_normal((m, k1)), jnp.bfloat16)
-    w = jnp.asarray(0.1 * rng.standard_normal(k1), jnp.float32)
-    return x, hm, w, ws
-
-
-def test_mlp_block_lowers_to_one_call_and_checks_its_shapes(monkeypatch):
-    """int4_mlp_block lowers for CUDA to one call (six results: the output and the launches'
-    scratch), rejects operands it does not take with a clear error, `mlp_block_takes` agrees,
-    and on a machine without the op the model's `mlp_block` with NINFER_MLP_NORM=1 is x + h +
-    mlp(rms_norm(x + h)) exactly."""
-    from engine.kernels.stacked import Stacked
-    from engine.layers import mlp, mlp_block
-    from engine.norms import rms_norm
-
-    x, hm, w, (gate, up, down) = _block_case(2)
-    idx = jnp.array([1], jnp.int32)
-    exp = export.export(
-        jax.jit(lambda x, hm, w, g, u, d, i: cuda_ops.int4_mlp_block(x, hm, w, 1e-6, g, u, d, i)),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(
-            cuda_ops.INT4_MLP_BLOCK_TARGET)])(x, hm, w, gate, up, down, idx)
-    text = exp.mlir_module()
-    assert text.count(f"@{cuda_ops.INT4_MLP_BLOCK_TARGET}(") == 1
-    assert "pdl = 1 : i64" in text and "warps = 8 : i64" in text and "eps = 9.99" in text
-    assert [a.shape for a in exp.out_avals] == [(2, 512)]
-    with pytest.raises(ValueError, match="hm must be"):
-        cuda_ops.int4_mlp_block(x, hm[:, :256], w, 1e-6, gate, up, down, idx)
-    with pytest.raises(ValueError, match="weight must be"):
-        cuda_ops.int4_mlp_block(x, hm, w[:256], 1e-6, gate, up, down, idx)
-    _, _, (_, _, wide_down) = _mlp_case(2)  # down of 1000 rows: not back to x's width
-    with pytest.raises(ValueError, match="map back to x's width"):
-        cuda_ops.int4_mlp_block(x, hm, w, 1e-6, gate, up, wide_down, idx)
-    with pytest.raises(ValueError, match="int4_mlp_block takes 1..4 rows"):
-        five = jnp.zeros((5, 512), jnp.bfloat16)
-        cuda_ops.int4_mlp_block(five, five, w, 1e-6, gate, up, down, idx)
-    with pytest.raises(ValueError, match="warps"):
-        cuda_ops.int4_mlp_block(x, hm, w, 1e-6, gate, up, down, idx, warps=16)
-    monkeypatch.setattr(cuda_ops, "available", lambda: True)
-    assert cuda_ops.mlp_block_takes(x, hm, w, gate, up, down)
-    assert not cuda_ops.mlp_block_takes(x, hm.astype(jnp.float32), w, gate, up, down)
-    assert not cuda_ops.mlp_block_takes(x, hm, w, gate, up, wide_down)
-    monkeypatch.undo()
-
-    p = {name: Stacked(wt, idx) for name, wt in zip(("gate_proj", "up_proj", "down_proj"),
-                                                    (gate, up, down))}
-    y = x[:, None] + hm[:, None]
-    want = y + mlp(p, rms_norm(y, w, 1e-6), "pallas")
-    monkeypatch.setenv("NINFER_MLP_NORM", "1")
-    got = mlp_block(p, w, 1e-6, x[:, None], hm[:, None], "pallas")
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("warps,occupancy", [(8, 32), (4, 24)])
-def test_mlp_block_matches_reference_on_gpu(warps, occupancy):
-    """The MLP block op (norm, gate|up, down in three chained launches) against the fp32
-    reference and against `rms_norm` + `int4_mlp` (bf16 tolerance: the norm's sums are in
-    another order); chained and in stream order the same bits (a launch that read its input
-    before the one before had written it would not match); a row's result the same bits
-    whatever the other rows; repeated calls the same bits; the 27B's shapes."""
-    from engine.norms import rms_norm
-
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
-    eps = 1e-6
-
-    def block(pdl, l2=False):
-        return jax.jit(lambda x, hm, w, g, u, d, i: cuda_ops.int4_mlp_block(
-            x, hm, w, eps, g, u, d, i, warps=warps, occupancy=occupancy, pdl=pdl,
-            l2_prefetch=l2))
-
-    def unfused(x, hm, w, g, u, d, i):
-        y = x + hm
-        return cuda_ops.int4_mlp(rms_norm(y, w, eps), y, g, u, d, i, warps=warps,
-                                 occupancy=occupancy, launches=2)
-
-    for kw, idx in (({}, jnp.array([1], jnp.int32)),
-                    (dict(k1=5120, n1=17408, lead=()), None)):
-        outs = {}
-        for m in (1, 2, 3):
-            x, hm, w, (gate, up, down) = _block_case(m, **kw)
-            args = (x, hm, w, gate, up, down, idx)
-            got = block(True)(*args)
-            assert got.shape == x.shape and got.dtype == jnp.bfloat16
-            y = (x.astype(jnp.float32) + hm.astype(jnp.float32)).astype(jnp.bfloat16)
-            ref = _mlp_reference(rms_norm(y, w, eps), y, gate, up, down,
-                                 1 if idx is not None else ())
-            assert_close(got, ref, jnp.bfloat16)
-            assert_close(got, jax.jit(unfused)(*args).astype(jnp.float32), jnp.bfloat16)
-            g = np.asarray(got, np.float32)
-            for other in (block(True)(*args), block(False)(*args), block(True, True)(*args)):
-                np.testing.assert_array_equal(np.asarray(other, np.float32), g)
-            outs[m] = (args, g)
-        args3, g3 = outs[3]
-        alone = block(True)(args3[0][:1], args3[1][:1], *args3[2:])
-        np.testing.assert_array_equal(np.asarray(alone, np.float32), g3[:1])
-
-
-def _proj_case(m, k1=512, ka=768, lead=(2,)):
-    """The mixer's output before its projection a [m, ka] bf16 and the projection wo
-    [*lead, k1, ka] int4."""
-    rng = np.random.default_rng(200 + m)
-    a = jnp.asarray(rng.standard_normal((m, ka)), jnp.bfloat16)
-    return a, _qtensor(k1, ka, 300 + ka, lead)
-
-
-def test_mlp_block_with_projection_lowers_and_checks_its_shapes(monkeypatch):
-    """With `proj`, int4_mlp_block is still one call (the projection's weights first, `project
-    = 1`), rejects a projection or an input of the wrong shape, and on a machine without the
-    op the model's `mlp_block` with NINFER_MLP_NORM=2 and `out_proj` is x + linear(a, wo) +
-    mlp(rms_norm(...)) exactly, as it is with the switch off."""
-    from engine.layers import mlp, mlp_block
-    from engine.norms import rms_norm
-
-    x, _, w, (gate, up, down) = _block_case(2)
-    a, wo = _proj_case(2)
-    idx = jnp.array([1], jnp.int32)
-    text = export.export(
-        jax.jit(lambda x, a, w, g, u, d, wo, i: cuda_ops.int4_mlp_block(
-            x, a, w, 1e-6, g, u, d, i, proj=wo)),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(
-            cuda_ops.INT4_MLP_BLOCK_TARGET)])(x, a, w, gate, up, down, wo, idx).mlir_module()
-    assert text.count(f"@{cuda_ops.INT4_MLP_BLOCK_TARGET}(") == 1
-    assert "project = 1 : i64" in text and "proj_warps = 8 : i64" in text
-    with pytest.raises(ValueError, match="a must be"):
-        cuda_ops.int4_mlp_block(x, a[:, :512], w, 1e-6, gate, up, down, idx, proj=wo)
-    _, wo_short = _proj_case(2, k1=256)
-    with pytest.raises(ValueError, match="projection must be"):
-        cuda_ops.int4_mlp_block(x, a, w, 1e-6, gate, up, down, idx, proj=wo_short)
-    _, wo_flat = _proj_case(2, lead=())  # not of gate's stack dims
-    with pytest.raises(ValueError, match="projection must be"):
-        cuda_ops.int4_mlp_block(x, a, w, 1e-6, gate, up, down, idx, proj=wo_flat)
-
-    p = {name: Stacked(wt, idx) for name, wt in zip(("gate_proj", "up_proj", "down_proj"),
-                                                    (gate, up, down))}
-    y = x[:, None] + linear(a[:, None], Stacked(wo, idx), "pallas")
-    want = y + mlp(p, rms_norm(y, w, 1e-6), "pallas")
-    for setting in ("0", "1", "2"):
-        monkeypatch.setenv("NINFER_MLP_NORM", setting)
-        got = mlp_block(p, w, 1e-6, x[:, None], a[:, None], "pallas", out_proj=Stacked(wo, idx))
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-@pytest.mark.gpu
-def test_mlp_block_with_projection_on_gpu():
-    """The block with the mixer's output projection as its first launch computes, bit for bit,
-    the block over the projection that `int4_gemv` makes (the same wide kernel and group
-    sums), chained or in stream order; a row's result the same bits whatever the other rows;
-    at the test shapes and the 27B's (K1 5120, Ka 6144)."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
-    eps = 1e-6
-    for kw, ka, idx in (({}, 768, jnp.array([1], jnp.int32)),
-                        (dict(k1=5120, n1=17408, lead=()), 6144, None)):
-        for m in (1, 3):
-            x, _, w, (gate, up, down) = _block_case(m, **kw)
-            a, wo = _proj_case(m, k1=x.shape[-1], ka=ka, lead=kw.get("lead", (2,)))
-            hm = jax.jit(lambda a, wo, i: cuda_ops.int4_gemv(a, wo, i))(a, wo, idx)
-            want = np.asarray(jax.jit(lambda *args: cuda_ops.int4_mlp_block(*args[:3], eps,
-                                                                            *args[3:]))(
-                x, hm, w, gate, up, down, idx), np.float32)
-            for pdl in (True, False):
-                got = jax.jit(lambda x, a, w, g, u, d, wo, i, pdl=pdl: cuda_ops.int4_mlp_block(
-                    x, a, w, eps, g, u, d, i, proj=wo, pdl=pdl))(x, a, w, gate, up, down, wo,
-                                                                   idx)
-                np.testing.assert_array_equal(np.asarray(got, np.float32), want)
-            if m == 3:
-                alone = jax.jit(lambda x, a, w, g, u, d, wo, i: cuda_ops.int4_mlp_block(
-                    x, a, w, eps, g, u, d, i, proj=wo))(x[:1], a[:1], w, gate, up, down, wo, idx)
-                np.testing.assert_array_equal(np.asarray(alone, np.float32), want[:1])

@@ -79,7 +79,7 @@ def test_lean_scan_with_128_step_chunks(monkeypatch):
     """NINFER_GDN_PREFILL_CHUNK sets the model rule's chunk: 128-step chunks through the lean
     scan match the reference (a ragged last chunk, a carried state) and are what the rule runs."""
     args = _args(np.random.default_rng(7), 1, 300, 2, 4, 32, 32, jnp.float32, True)
-    got = gdn_chunk(*args, chunk_size=128, prep="xla_lean")
+    got = gdn_chunk(*args, chunk_size=128, prep="xla_lean", inverse="pallas")
     for g_, r_ in zip(got, gdn_chunk_ref(*args)):
         assert_close(g_, r_, jnp.float32)
     monkeypatch.delenv("NINFER_GDN_PREFILL", raising=False)
@@ -131,19 +131,20 @@ def test_chunk_len_and_selection(monkeypatch):
     rule = gdn.select_rule("chunk", "pallas", 512)
     assert rule.bf16_operands and rule.__module__ == gdn_chunk.__module__
     args = _args(np.random.default_rng(1), 1, 40, 2, 4, 16, 16, jnp.float32, True)
-    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla_lean")):  # the default
+    # (with the diagonal blocks' inverse kernel, the rule's default)
+    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla_lean", inverse="pallas")):
         np.testing.assert_array_equal(got, want)
     monkeypatch.setenv("NINFER_GDN_PREFILL", "xla")
     assert gdn.select_rule("chunk", "pallas", 512) is gdn.chunk_gated_delta_rule
     monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
     assert gdn.select_rule("chunk", "pallas", 512) is rule
-    for got, want in zip(rule(*args), gdn_chunk(*args, prep="pallas")):
+    for got, want in zip(rule(*args), gdn_chunk(*args, prep="pallas", inverse="pallas")):
         np.testing.assert_array_equal(got, want)
     for env, prep in (("hybrid", "xla"), ("hybrid_utbf16", "xla_bf16"),
                       ("hybrid_lean", "xla_lean")):
         monkeypatch.setenv("NINFER_GDN_PREFILL", env)
         assert gdn.select_rule("chunk", "pallas", 512) is rule
-        for got, want in zip(rule(*args), gdn_chunk(*args, prep=prep)):
+        for got, want in zip(rule(*args), gdn_chunk(*args, prep=prep, inverse="pallas")):
             np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="prep"):
         gdn_chunk(*args, prep="cuda")

@@ -40,7 +40,6 @@ INT4_TARGET = "ninfer_int4_gemv"
 INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
 INT4_MLP_TARGET = "ninfer_int4_mlp"
-INT4_MLP_BLOCK_TARGET = "ninfer_int4_mlp_block"
 WIDE_MAX_M = 4  # the wide kernel's B columns: 2 per row of x
 # Within a group of 64 inputs, lane t of the MMA kernel multiplies its 16 codes in this order
 # (see the kernel's comment): x is permuted to match.
@@ -136,8 +135,6 @@ def _load_int4_locked() -> bool:
                                     jax.ffi.pycapsule(lib.NinferInt4GemvWide), platform="CUDA")
         jax.ffi.register_ffi_target(INT4_MLP_TARGET, jax.ffi.pycapsule(lib.NinferInt4Mlp),
                                     platform="CUDA")
-        jax.ffi.register_ffi_target(INT4_MLP_BLOCK_TARGET,
-                                    jax.ffi.pycapsule(lib.NinferInt4MlpBlock), platform="CUDA")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _why_not.append(f"build or load failed: {e}")
         log.warning("CUDA int4 GEMV unavailable, using the Pallas kernel: %s", e)
@@ -424,8 +421,7 @@ def mlp_takes(x, h, gate, up, down) -> bool:
 
 
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
-             warps: int | None = None, occupancy: int | None = None, launches: int = 1,
-             l2_prefetch: bool = False):
+             warps: int | None = None, occupancy: int | None = None, launches: int = 1):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
     bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
     N1], or stacks read at `index`) in one call of the CUDA op (engine/kernels/cuda/
@@ -438,17 +434,14 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     group sums of the activations come from per-tile sums (another order of the same fp32
     sums, so close to the separate calls, not bitwise). warps (4 or 8 a tile; gate|up's with
     2 launches, down's is 8), occupancy (resident warps an SM the registers are capped for:
-    24 or 32); None: MLP_DEFAULTS. l2_prefetch (launches 2 or 3): down's blocks ask their
-    whole tile into L2 before they wait for gate|up. The model takes it through
-    `layers.mlp_residual`, with 2 launches by default (NINFER_MLP_FUSED: the launches, 0 the
-    separate calls; v14: the persistent kernel is slower than the separate calls, two
-    launches with programmatic dependent launch faster)."""
+    24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual`, with 2
+    launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
+    persistent kernel is slower than the separate calls, two launches with programmatic
+    dependent launch faster)."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)
     if launches not in MLP_LAUNCHES:
         raise ValueError(f"int4_mlp: launches {MLP_LAUNCHES}, got {launches}")
-    if l2_prefetch and launches == 1:
-        raise ValueError("int4_mlp: l2_prefetch with launches 2 or 3 only")
     warps, occupancy = _mlp_setting("int4_mlp", launches, warps, occupancy)
     lead, k1 = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
@@ -464,90 +457,6 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
                      warps=np.int64(warps), occupancy=np.int64(occupancy),
-                     launches=np.int64(launches), l2_prefetch=np.int64(bool(l2_prefetch)))
+                     launches=np.int64(launches))
     return out.reshape(*lead, n2)
 
-
-def mlp_block_shape_error(x, hm, norm_w, gate, up, down, proj=None) -> str | None:
-    """Why `int4_mlp_block` does not take these operands (None: it does): `mlp_shape_error`'s
-    conditions with the residual x as the MLP's input, the mixer's output hm of x's shape (or
-    with `proj`, wo [*d, K1, Ka] of gate's stack dims, hm [..., Ka], Ka a multiple of 128),
-    down back to x's width and the norm's weight [K1]."""
-    if proj is not None:
-        if not (isinstance(proj, QTensor) and proj.fmt == INT4_G64):
-            return "int4_mlp_block: the projection must be int4_g64"
-        if (proj.shape[0] != x.shape[-1] or proj.shape[1] % 128
-                or jnp.ndim(proj.data) != jnp.ndim(gate.data)
-                or proj.data.shape[:-2] != gate.data.shape[:-2]):
-            return (f"int4_mlp_block: the projection must be [*d, {x.shape[-1]}, Ka] with Ka a "
-                    f"multiple of 128 and gate's stack dims, got {proj.shape}")
-        if (hm.shape[:-1] != x.shape[:-1] or hm.shape[-1] != proj.shape[1]
-                or hm.dtype != jnp.bfloat16):
-            return (f"int4_mlp_block: a must be bf16 [..., {proj.shape[1]}] with x's rows, got "
-                    f"{hm.dtype} {hm.shape}")
-        hm = x  # what the projection makes of it: checked as hm below
-    if isinstance(down, QTensor) and down.shape[0] != x.shape[-1]:
-        return (f"int4_mlp_block: down must map back to x's width {x.shape[-1]}, got "
-                f"{down.shape}")
-    if (err := mlp_shape_error(x, x, gate, up, down)) is not None:
-        return err.replace("int4_mlp", "int4_mlp_block")
-    if hm.shape != x.shape or hm.dtype != jnp.bfloat16:
-        return f"int4_mlp_block: hm must be bf16 {x.shape}, got {hm.dtype} {hm.shape}"
-    if tuple(norm_w.shape) != (x.shape[-1],):
-        return f"int4_mlp_block: the norm's weight must be [{x.shape[-1]}], got {norm_w.shape}"
-    return None
-
-
-def mlp_block_takes(x, hm, norm_w, gate, up, down, proj=None) -> bool:
-    """Whether `int4_mlp_block` runs this layer half here: operands it takes and the op built
-    on this machine."""
-    return (mlp_block_shape_error(x, hm, norm_w, gate, up, down, proj) is None
-            and available())
-
-
-def int4_mlp_block(x, hm, norm_w, eps: float, gate: QTensor, up: QTensor, down: QTensor,
-                   index=None, *, proj: QTensor | None = None, warps: int | None = None,
-                   occupancy: int | None = None, pdl: bool = True, l2_prefetch: bool = False):
-    """A decoder layer's second half after its mixer, y + MLP(rms_norm(y, norm_w, eps)) for y
-    = x + hm (x the residual stream, hm the mixer's output, [..., K1] bf16, M <= 4 rows;
-    `norms.rms_norm`'s zero-centred norm; the MLP as `int4_mlp` computes it), in one call of
-    three launches (engine/kernels/cuda/int4_gemv.cu `launch_mlp_block`): the norm (one block a
-    row: y, the normed rows and their group sums), gate|up, down; with `pdl` each chained to
-    the one before by programmatic dependent launch, so gate|up's and down's blocks fill their
-    rings while the launch before ends. With `proj` (the mixer's output projection wo, int4_g64
-    [*d, K1, Ka] read at the same index), hm is the mixer's output before it ([..., Ka]) and
-    a first launch, the wide GEMV as `int4_gemv` runs it, makes wo hm, the norm chained to it.
-    The norm's sums are in another order than XLA's: close to `rms_norm` + `int4_mlp`, not
-    bitwise. warps / occupancy / l2_prefetch as `int4_mlp` with two launches (None: its
-    defaults). The model takes it with NINFER_MLP_NORM=1 (2: with the projection;
-    `layers.mlp_block`; off by default: slower than XLA's add and norm before `int4_mlp` in
-    the decode step, v15)."""
-    if (err := mlp_block_shape_error(x, hm, norm_w, gate, up, down, proj)) is not None:
-        raise ValueError(err)
-    warps, occupancy = _mlp_setting("int4_mlp_block", 2, warps, occupancy)
-    lead, k1 = x.shape[:-1], x.shape[-1]
-    m = int(np.prod(lead, dtype=np.int64))
-    n1 = gate.shape[0]
-    idx = (jnp.zeros((1,), jnp.int32) if index is None
-           else jnp.asarray(index, jnp.int32).reshape(-1))
-    ws = (gate, up, down) if proj is None else (proj, gate, up, down)
-    pairs = [a for w in ws for a in (w.data, w.scale.astype(jnp.float32))]
-    ka = hm.shape[-1]
-    hm2 = hm.reshape(m, ka)
-    a_corr = (group_sums(hm2) if proj is not None
-              else jnp.zeros((m, 1), jnp.float32))  # unread without the projection
-    bf = jnp.bfloat16
-    call = jax.ffi.ffi_call(INT4_MLP_BLOCK_TARGET, (
-        jax.ShapeDtypeStruct((m, k1), bf),  # y + the MLP
-        jax.ShapeDtypeStruct((m, k1), bf),  # scratch: hm, the projection's output
-        jax.ShapeDtypeStruct((m, k1), bf),  # scratch: y
-        jax.ShapeDtypeStruct((m, k1), bf),  # scratch: the normed rows
-        jax.ShapeDtypeStruct((m, k1 // GROUP), jnp.float32),  # scratch: their group sums
-        jax.ShapeDtypeStruct((m, n1), bf),  # scratch: the activations
-        jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
-    out, *_ = call(x.reshape(m, k1), hm2, a_corr, norm_w.astype(jnp.float32), idx, *pairs,
-                   warps=np.int64(warps), occupancy=np.int64(occupancy), pdl=np.int64(bool(pdl)),
-                   l2_prefetch=np.int64(bool(l2_prefetch)), project=np.int64(proj is not None),
-                   proj_warps=np.int64(8 if proj is None else wide_warps(proj.shape[0])),
-                   eps=np.float32(eps))
-    return out.reshape(*lead, k1)

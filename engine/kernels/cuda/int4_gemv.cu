@@ -883,15 +883,12 @@ __device__ __forceinline__ void pdl_wait() {
 
 // T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
 // 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
-// warps, more codes in flight. kTrigger: the grid lets a chained launch start at once (the
-// MLP block's projection, which its norm waits for).
-template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false,
-          bool kTrigger = false>
+// warps, more codes in flight.
+template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false>
 __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
                    OT* __restrict__ y, int k, int m) {
-  if constexpr (kTrigger) pdl_launch_dependents();
   __shared__ float2 red[W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * 16;
@@ -1095,9 +1092,7 @@ cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
 // tail, with no co-residency requirement and no counters: launches may overlap. Without the
 // attribute (or on a GPU without it) the wait returns at once and stream order holds.
 
-// kWait: x and corr come from the launch before (the MLP block's norm): the first tile's ring
-// is filled through the coherent path, then the kernel waits for it.
-template <int W, int T, bool kWait = false>
+template <int W, int T>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_gate_up(const uint4* __restrict__ x, const float* __restrict__ corr,
                      const __grid_constant__ Mats gu, const int32_t* __restrict__ index,
@@ -1107,14 +1102,13 @@ __global__ void __launch_bounds__(W * 32, T / W)
   __shared__ float2 red[2][W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, u = blockIdx.x;
   const int n1 = gu.start[1];
-  const int64_t layer = layer_of<kWait>(gu, index);
+  const int64_t layer = layer_of(gu, index);
   const LaneRows ln(lane, m);
   const uint4* xa = ln.x_at(x, k1, warp, lane);
   const float2* ca = ln.corr_at(corr, k1, warp);
   WideRing<2> ring;
   WideTile<W> cur(gu, layer, k1, 16 * u, warp, lane);
-  ring_fill<2, W, kWait>(ring, cur);
-  if constexpr (kWait) pdl_wait();
+  ring_fill(ring, cur);
   float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
   ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, gt);
   cur = WideTile<W>(gu, layer, k1, n1 + 16 * u, warp, lane);  // up's tile u in flight
@@ -1125,25 +1119,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
 }
 
-// A block's whole down tile (16 rows of codes and their scales) asked into L2 (evict_last),
-// 128-byte lines spread over the block's threads: issued while the block waits for gate|up,
-// whose last blocks leave the memory system mostly idle.
-template <int W>
-__device__ __forceinline__ void prefetch_tile_l2(const Mats& mt, int64_t layer, int k,
-                                                 int row0) {
-  constexpr int kPerRow = W * 32 / 16;  // threads a row
-  const int r = threadIdx.x / kPerRow, part = threadIdx.x % kPerRow;
-  const uint8_t* w;
-  const float* sc;
-  row_ptrs(mt, min(row0 + r, mt.start[mt.count] - 1), layer, k, w, sc);
-  for (int off = 128 * part; off < k / 2; off += 128 * kPerRow)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(w + off));
-  for (int off = 128 * part; off < 4 * (k / 64); off += 128 * kPerRow)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(
-        reinterpret_cast<const uint8_t*>(sc) + off));
-}
-
-template <int W, int T, bool kL2>
+template <int W, int T>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_down(const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats dn,
                   const int32_t* __restrict__ index, const __nv_bfloat16* act,
@@ -1153,7 +1129,6 @@ __global__ void __launch_bounds__(W * 32, T / W)
   const LaneRows ln(lane, m);
   WideRing<2> ring;
   const int64_t layer = layer_of<true>(dn, index);
-  if constexpr (kL2) prefetch_tile_l2<W>(dn, layer, k2, row0);
   const WideTile<W> tl(dn, layer, k2, row0, warp, lane);
   ring_fill<2, W, true>(ring, tl);
   // act and psum: the gate|up grid's, complete and visible from here on, so read through the
@@ -1189,123 +1164,21 @@ struct PdlLaunch {
 
 // The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
 // warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
-// programmatic stream serialization when `pdl` (else a plain launch: stream order), and with
-// its tile asked into L2 before the wait when `l2`. after_norm: gate|up reads x and corr
-// from the MLP block's norm launch just before it, and is chained to it as down is to gate|up.
+// programmatic stream serialization when `pdl` (else a plain launch: stream order).
 template <int W, int T>
 cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
                            const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
                            const int32_t* index, __nv_bfloat16* act, float* psum,
-                           __nv_bfloat16* out, int k1, int m, bool pdl, bool l2,
-                           bool after_norm = false) {
+                           __nv_bfloat16* out, int k1, int m, bool pdl) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  cudaError_t err;
-  if (after_norm) {
-    PdlLaunch a(stream, (n1 + 15) / 16, W * 32, pdl);
-    err = cudaLaunchKernelEx(&a.cfg, int4_mlp_gate_up<W, T, true>, x, corr, gu, index, act,
-                             psum, k1, m);
-  } else {
-    int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
-                                                                  psum, k1, m);
-    err = cudaGetLastError();
-  }
+  int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
+                                                                k1, m);
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl);
-  return cudaLaunchKernelEx(&b.cfg, l2 ? int4_mlp_down<8, T, true> : int4_mlp_down<8, T, false>,
-                            h, dn, index, static_cast<const __nv_bfloat16*>(act),
+  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h, dn, index,
+                            static_cast<const __nv_bfloat16*>(act),
                             static_cast<const float*>(psum), out, n1, m);
-}
-
-// ---- The MLP block: y = r + hm, out = y + MLP(RMSNorm(y)), three chained launches --------
-//
-// A decoder layer's second half after its mixer. XLA would run the residual add and the
-// zero-centred RMSNorm as two kernels (the row's sum of squares, then the normalized row
-// with its group sums) before the MLP's first GEMV. int4_mlp_norm does both in one launch
-// of one block a row, and gate|up's blocks (launched chained to it) fill their rings with
-// their first codes while it runs. Its arithmetic follows XLA's: y = bf16(r + hm); xn =
-// bf16((y * rsqrt(sum(y^2) / K + eps)) * (1 + w)), fp32 between; the sum in a fixed order
-// (per thread, then a warp tree, then the warps in order), so a row's result depends on
-// that row only.
-constexpr int kNormThreads = 256;
-
-// kWait: hm comes from the launch before (the block's projection of the mixer's output).
-template <bool kWait>
-__global__ void __launch_bounds__(kNormThreads)
-    int4_mlp_norm(const __nv_bfloat16* __restrict__ r, const __nv_bfloat16* __restrict__ hm,
-                  const float* __restrict__ w, float eps, int k, __nv_bfloat16* __restrict__ y,
-                  __nv_bfloat16* __restrict__ xn, float* __restrict__ corr) {
-  pdl_launch_dependents();
-  if constexpr (kWait) pdl_wait();
-  __shared__ float part[kNormThreads / 32];
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * k;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto sum_at = [&](int i) {
-    return bf16_round(__bfloat162float(r[row + i]) + __bfloat162float(hm[row + i]));
-  };
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < k; i += kNormThreads) {
-    const float v = sum_at(i);
-    y[row + i] = __float2bfloat16_rn(v);
-    ss = fmaf(v, v, ss);
-  }
-  ss = warp_sum(ss);
-  if (lane == 0) part[warp] = ss;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int v = 0; v < kNormThreads / 32; ++v) total += part[v];
-  const float inv = rsqrtf(total / static_cast<float>(k) + eps);
-  for (int g = warp; g < k / 64; g += kNormThreads / 32) {  // a warp a group of 64
-    float s = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int i = 64 * g + 2 * lane + e;
-      const float q = bf16_round((sum_at(i) * inv) * (1.0f + w[i]));
-      xn[row + i] = __float2bfloat16_rn(q);
-      s += q;
-    }
-    s = warp_sum(s);
-    if (lane == 0) corr[static_cast<int64_t>(blockIdx.x) * (k / 64) + g] = s;
-  }
-}
-
-// The block's launches. With a projection (`proj`: wo [K1, Ka] over a [M, Ka] with its group
-// sums a_corr, the wide kernel at `proj_warps` warps a tile, registers for 32 warps an SM)
-// hm is its output, written into `hm_out` by a first launch that the norm is chained to.
-struct MlpProj {
-  const Mats* wo = nullptr;
-  const uint4* a = nullptr;
-  const float* a_corr = nullptr;
-  int ka = 0, warps = 8;
-  __nv_bfloat16* hm_out = nullptr;
-};
-
-template <int W, int T>
-cudaError_t launch_mlp_block(cudaStream_t stream, const __nv_bfloat16* r,
-                             const __nv_bfloat16* hm, const float* w, float eps, const Mats& gu,
-                             const Mats& dn, const int32_t* index, __nv_bfloat16* y,
-                             __nv_bfloat16* xn, float* corr, __nv_bfloat16* act, float* psum,
-                             __nv_bfloat16* out, int k1, int m, bool pdl, bool l2,
-                             const MlpProj& proj = MlpProj()) {
-  cudaError_t err;
-  if (proj.wo != nullptr) {
-    const int blocks = (k1 + 15) / 16;
-    auto kernel = proj.warps == 4 ? int4_gemv_wide<2, 4, false, 32, __nv_bfloat16, false, true>
-                                  : int4_gemv_wide<2, 8, false, 32, __nv_bfloat16, false, true>;
-    kernel<<<blocks, proj.warps * 32, 0, stream>>>(proj.a, proj.a_corr, *proj.wo, index,
-                                                   proj.hm_out, proj.ka, m);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    PdlLaunch n(stream, m, kNormThreads, pdl);
-    err = cudaLaunchKernelEx(&n.cfg, int4_mlp_norm<true>, r,
-                             static_cast<const __nv_bfloat16*>(proj.hm_out), w, eps, k1, y, xn,
-                             corr);
-  } else {
-    int4_mlp_norm<false><<<m, kNormThreads, 0, stream>>>(r, hm, w, eps, k1, y, xn, corr);
-    err = cudaGetLastError();
-  }
-  if (err != cudaSuccess) return err;
-  return launch_mlp_pdl<W, T>(stream, reinterpret_cast<const uint4*>(xn), corr, y, gu, dn,
-                              index, act, psum, out, k1, m, pdl, l2, true);
 }
 
 // The wide kernel with the codes and scales of the next S - 1 pairs copied into a shared-memory
@@ -1709,14 +1582,12 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
 
 // gate, up and down as (codes, scales) pairs in `rest`, decoded into gu (gate | up) and dn and
 // checked against each other; null or why not.
-// `first` pairs before them (the MLP block's projection).
 const char* decode_mlp(ffi::RemainingArgs& rest, ffi::Buffer<ffi::S32>& index, Mats& gu,
-                       Mats& dn, int64_t& k1, size_t first = 0) {
-  if (rest.size() != 6 + 2 * first)
-    return "int4_mlp: gate, up and down as (codes, scales) pairs";
+                       Mats& dn, int64_t& k1) {
+  if (rest.size() != 6) return "int4_mlp: gate, up and down as (codes, scales) pairs";
   int64_t k2 = 0;
-  if (const char* bad = decode_mats(rest, index, gu, k1, first, 2)) return bad;
-  if (const char* bad = decode_mats(rest, index, dn, k2, first + 2, 1)) return bad;
+  if (const char* bad = decode_mats(rest, index, gu, k1, 0, 2)) return bad;
+  if (const char* bad = decode_mats(rest, index, dn, k2, 2, 1)) return bad;
   if (gu.start[2] != 2 * gu.start[1]) return "int4_mlp: gate and up need the same rows";
   if (k1 % 128 != 0 || k2 % 128 != 0 || k2 != gu.start[1])
     return "int4_mlp: K of gate|up and of down (= gate's rows) must be multiples of 128";
@@ -1745,14 +1616,13 @@ bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
 // residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
 // [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. launches: 1 the persistent
 // kernel; 2 gate|up then down chained by programmatic dependent launch; 3 the same two
-// launches in plain stream order. l2_prefetch (launches 2, 3): down's blocks ask their tile
-// into L2 before they wait.
+// launches in plain stream order.
 ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> corr,
                        ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> index,
                        ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                        ffi::Result<ffi::Buffer<ffi::BF16>> act,
                        ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
-                       int64_t occupancy, int64_t launches, int64_t l2_prefetch) {
+                       int64_t occupancy, int64_t launches) {
   Mats gu{}, dn{};
   int64_t k1 = 0;
   if (const char* bad = decode_mlp(rest, index, gu, dn, k1))
@@ -1770,8 +1640,6 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     return ffi::Error::InvalidArgument("int4_mlp: act must be [M, N1], psum [M, N1/16]");
   if (launches < 1 || launches > 3)
     return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
-  if (l2_prefetch != 0 && launches == 1)
-    return ffi::Error::InvalidArgument("int4_mlp: l2_prefetch with launches 2 or 3 only");
   const int tiles = static_cast<int>(std::max((n1 + 15) / 16, (n2 + 15) / 16));
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const auto* hp = reinterpret_cast<const __nv_bfloat16*>(h.typed_data());
@@ -1786,83 +1654,9 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
                                  ap, psum->typed_data(), op, ki, mi, tiles)
               : launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn,
                                      index.typed_data(), ap, psum->typed_data(), op, ki, mi,
-                                     launches == 2, l2_prefetch != 0);
+                                     launches == 2);
   });
   if (!known) return ffi::Error::InvalidArgument("int4_mlp: warps 4 or 8, occupancy 24 or 32");
-  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
-
-// r [M, K1] bf16 (the residual stream), hm [M, K1] (the mixer's output) or with `project`
-// a [M, Ka] (the mixer's output before its projection) with a_corr [M, Ka/64] its group sums
-// (without: any [M, *] f32, unread), w [K1] fp32 (the zero-centred norm's weight), index, then
-// with `project` wo [K1, Ka] and then gate, up and down as (codes, scales) pairs, with down's
-// rows = K1; out = y + MLP(RMSNorm(y)) [M, K1] for y = r + hm, hm = wo a with `project`; hm
-// (with `project`), y, xn (the normed rows), corr (their group sums), act and psum the
-// launches' scratch. pdl: the launches chained by programmatic dependent launch (0: plain
-// stream order); proj_warps: the projection's warps a tile (4 or 8).
-ffi::Error Int4MlpBlockImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> r,
-                            ffi::Buffer<ffi::BF16> hm, ffi::Buffer<ffi::F32> a_corr,
-                            ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> index,
-                            ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> hm_out,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> y,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> xn,
-                            ffi::Result<ffi::Buffer<ffi::F32>> corr,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> act,
-                            ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
-                            int64_t occupancy, int64_t pdl, int64_t l2_prefetch, int64_t project,
-                            int64_t proj_warps, float eps) {
-  Mats gu{}, dn{}, wo{};
-  int64_t k1 = 0, ka = 0;
-  if (project != 0 && project != 1)
-    return ffi::Error::InvalidArgument("int4_mlp_block: project 0 or 1");
-  if (const char* bad = decode_mlp(rest, index, gu, dn, k1, project))
-    return ffi::Error::InvalidArgument(bad);
-  const int64_t n1 = gu.start[1], n2 = dn.start[1];
-  const auto rd = r.dimensions();
-  const int64_t m = rd.size() == 2 ? rd[0] : 0;
-  if (m < 1 || m > 4 || rd[1] != k1 || n2 != k1)
-    return ffi::Error::InvalidArgument("int4_mlp_block: r must be [M <= 4, K1], down [K1, N1]");
-  MlpProj proj;
-  if (project) {
-    if (const char* bad = decode_mats(rest, index, wo, ka, 0, 1))
-      return ffi::Error::InvalidArgument(bad);
-    if (wo.start[1] != k1 || ka % 128 != 0 || (proj_warps != 4 && proj_warps != 8))
-      return ffi::Error::InvalidArgument(
-          "int4_mlp_block: wo must be [K1, Ka], Ka a multiple of 128; proj_warps 4 or 8");
-    if (!is_matrix(hm.dimensions(), m, ka) || !is_matrix(a_corr.dimensions(), m, ka / 64))
-      return ffi::Error::InvalidArgument("int4_mlp_block: a must be [M, Ka], a_corr [M, Ka/64]");
-    proj.wo = &wo;
-    proj.a = reinterpret_cast<const uint4*>(hm.typed_data());
-    proj.a_corr = a_corr.typed_data();
-    proj.ka = static_cast<int>(ka);
-    proj.warps = static_cast<int>(proj_warps);
-    proj.hm_out = reinterpret_cast<__nv_bfloat16*>(hm_out->typed_data());
-  } else if (!is_matrix(hm.dimensions(), m, k1)) {
-    return ffi::Error::InvalidArgument("int4_mlp_block: hm must be [M, K1]");
-  }
-  if (!is_matrix(out->dimensions(), m, k1) || !is_matrix(hm_out->dimensions(), m, k1) ||
-      !is_matrix(y->dimensions(), m, k1) || !is_matrix(xn->dimensions(), m, k1))
-    return ffi::Error::InvalidArgument("int4_mlp_block: out, hm_out, y and xn must be [M, K1]");
-  if (w.dimensions().size() != 1 || w.dimensions()[0] != k1)
-    return ffi::Error::InvalidArgument("int4_mlp_block: w must be [K1]");
-  if (!is_matrix(corr->dimensions(), m, k1 / 64) || !is_matrix(act->dimensions(), m, n1) ||
-      !is_matrix(psum->dimensions(), m, n1 / 16))
-    return ffi::Error::InvalidArgument(
-        "int4_mlp_block: corr must be [M, K1/64], act [M, N1], psum [M, N1/16]");
-  auto bf = [](auto& b) { return reinterpret_cast<__nv_bfloat16*>(b->typed_data()); };
-  cudaError_t err = cudaSuccess;
-  const bool known = with_mlp_setting(warps, occupancy, [&](auto wc, auto tc) {
-    constexpr int W = decltype(wc)::value, T = decltype(tc)::value;
-    err = launch_mlp_block<W, T>(
-        stream, reinterpret_cast<const __nv_bfloat16*>(r.typed_data()),
-        reinterpret_cast<const __nv_bfloat16*>(hm.typed_data()), w.typed_data(), eps, gu, dn,
-        index.typed_data(), bf(y), bf(xn), corr->typed_data(), bf(act), psum->typed_data(),
-        bf(out), static_cast<int>(k1), static_cast<int>(m), pdl != 0, l2_prefetch != 0, proj);
-  });
-  if (!known)
-    return ffi::Error::InvalidArgument("int4_mlp_block: warps 4 or 8, occupancy 24 or 32");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -1919,31 +1713,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("occupancy")
-                                  .Attr<int64_t>("launches")
-                                  .Attr<int64_t>("l2_prefetch"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4MlpBlock, Int4MlpBlockImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("warps")
-                                  .Attr<int64_t>("occupancy")
-                                  .Attr<int64_t>("pdl")
-                                  .Attr<int64_t>("l2_prefetch")
-                                  .Attr<int64_t>("project")
-                                  .Attr<int64_t>("proj_warps")
-                                  .Attr<float>("eps"),
+                                  .Attr<int64_t>("launches"),
                               {ffi::Traits::kCmdBufferCompatible});
