@@ -115,11 +115,11 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --contexts 1024,32768,131072 --prefill "" --steps 10 --out "$OUT/bench_27b_$TAG.json"
         grep -E 'ceilings|decode' "$OUT/decode_$TAG.log" | cut -c1-160 ;;
       xlapdl)  # XLA's programmatic dependent launch (--xla_gpu_enable_pdl=true): the engine's
-        # GPU tests with it, C1/C2 1K decode without and with it, then the MLP op's GPU tests
+        # GPU tests (without it), C1/C2 1K decode without and with it, then the MLP op's GPU
+        # tests (MLP_TESTS_S seconds)
         local_pdl="XLA_FLAGS=--xla_gpu_enable_pdl=true"
-        (export "$local_pdl"
-         run 200 "$OUT/xlapdl_enginegpu_$TAG.log" python3 -m pytest -q -m gpu \
-           -p no:cacheprovider tests/test_engine_gpu.py)
+        run 200 "$OUT/xlapdl_enginegpu_$TAG.log" python3 -m pytest -q -m gpu \
+          -p no:cacheprovider tests/test_engine_gpu.py
         tail -n 2 "$OUT/xlapdl_enginegpu_$TAG.log"
         decode1k xlapdl_off
         decode1k xlapdl_on "$local_pdl"
