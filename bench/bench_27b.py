@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from engine import model as M  # noqa: E402
 from engine.config import QWEN38_27B, preset  # noqa: E402
 from engine.kernels.stacked import MATRICES  # noqa: E402
-from engine.quant import GROUP, INT4_G64, QTensor  # noqa: E402
+from engine.quant import GROUP, INT4_G64, INT4_G64_MMA, QTensor  # noqa: E402
 
 
 def timed(fn, *args, reps: int, warmup: int = 2):
@@ -111,10 +111,11 @@ def peaks() -> dict:
 
 
 def _random_qtensor(key, shape, fmt):
-    """A stacked QTensor [*lead, out, in] of random codes with scales ~ 1/sqrt(in)/qmax."""
+    """A stacked QTensor [*lead, out, in] of random codes with scales ~ 1/sqrt(in)/qmax
+    (int4_g64_mma: random bytes are random codes in either nibble order)."""
     *lead, out, inp = shape
     k1, k2 = jax.random.split(key)
-    if fmt == INT4_G64:
+    if fmt in (INT4_G64, INT4_G64_MMA):
         data = jax.random.bits(k1, (*lead, out, inp // 2), jnp.uint8)
         sshape, qmax = (*lead, out, inp // GROUP), 7.0
     elif fmt == "int8_row":
@@ -271,13 +272,13 @@ def profile_steps(step, cache, n: int, batch: int, ctx: int) -> dict:
 def decode_weight_params(params) -> int:
     """Parameters one token multiplies with (the weights of `decode_weight_bytes`), counted as
     logical elements whatever their storage: an int4 byte holds two."""
-    from engine.quant import INT4_G64, QTensor
+    from engine.quant import INT4_G64, INT4_G64_MMA, QTensor
 
     tree = {k: v for k, v in params.items() if k not in ("embed_tokens", "mtp")}
     n = 0
     for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QTensor)):
         if isinstance(leaf, QTensor):
-            n += leaf.data.size * (2 if leaf.fmt == INT4_G64 else 1)
+            n += leaf.data.size * (2 if leaf.fmt in (INT4_G64, INT4_G64_MMA) else 1)
         else:
             n += leaf.size
     return n
@@ -336,7 +337,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batches", default="1", help="decode batch sizes, e.g. 1,2")
     ap.add_argument("--weights", default="bf16", help="weight formats for decode, e.g. "
-                    "int4_g64,bf16")
+                    "int4_g64,bf16 (int4_g64_mma: int4_g64 codes in the wide GEMV's MMA "
+                    "nibble order, quant.int4_to_mma_order)")
     ap.add_argument("--prefill-weights", default="bf16", help="weight formats for prefill, "
                     "e.g. bf16,int4_g64 (int4: each layer dequantized to bf16 as the engine "
                     "does for prompts)")

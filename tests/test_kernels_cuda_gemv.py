@@ -582,3 +582,104 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
         got = mlp_residual(p, x[:, None], h[:, None], "pallas")
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
+
+
+def test_mma_order_codes_lower_to_the_xperm_build_with_x_as_it_is(monkeypatch):
+    """Codes in MMA order (quant.INT4_G64_MMA) go to the wide kernel's xperm build with x as
+    it is (no transpose), alone, several to a launch and in the MLP op (two launches); what
+    that build does not take is refused with a clear error; `takes` and `mlp_takes` say no
+    where the kernel would not run (so the model falls back to the reference)."""
+    from engine.quant import int4_to_mma_order
+
+    w = int4_to_mma_order(_qtensor(64, 256, 5, lead=(2,)))
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 256)), jnp.bfloat16)
+    idx = jnp.array([1], jnp.int32)
+    wide = [export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_WIDE_TARGET)]
+    text = export.export(jax.jit(lambda x, w, i: cuda_ops.int4_gemv_multi(x, [w, w], i)),
+                         platforms=["cuda"], disabled_checks=wide)(x, w, idx).mlir_module()
+    assert text.count(f"@{cuda_ops.INT4_WIDE_TARGET}(") == 1 and "xperm = 1 : i64" in text
+    assert "stablehlo.transpose" not in text and "occupancy = 32 : i64" in text
+    for kw in ({"variant": "mma"}, {"occupancy": 0}, {"warps": 2}, {"prefetch": 4}):
+        with pytest.raises(ValueError, match="MMA order"):
+            cuda_ops.int4_gemv(x, w, idx, **kw)
+    with pytest.raises(ValueError, match="MMA order"):
+        cuda_ops.int4_gemv(x.astype(jnp.float32), w, idx)
+    with pytest.raises(ValueError, match="one format"):
+        cuda_ops.int4_gemv_multi(x, [w, _qtensor(64, 256, 6, lead=(2,))], idx)
+    monkeypatch.setattr(cuda_ops, "available", lambda: True)
+    monkeypatch.setattr(cuda_ops, "MIN_ROWS", 1)
+    assert cuda_ops.takes(x, [w, w], 1)
+    assert not cuda_ops.takes(x.astype(jnp.float32), [w], 1)            # fp32 x: "fma"
+    assert not cuda_ops.takes(jnp.zeros((5, 256), jnp.bfloat16), [w], 1)  # M > 4: "mma"
+    assert not cuda_ops.takes(x, [w, _qtensor(64, 256, 6, lead=(2,))], 1)
+    monkeypatch.setenv("NINFER_INT4_KERNEL", "fma")
+    assert not cuda_ops.takes(x, [w], 1)
+    monkeypatch.delenv("NINFER_INT4_KERNEL")
+
+    xm, h, mats = _mlp_case(2)
+    mma = [int4_to_mma_order(q) for q in mats]
+    text = export.export(
+        jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i, launches=2)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_MLP_TARGET)])(
+        xm, h, *mma, idx).mlir_module()
+    assert "xperm = 1 : i64" in text and "launches = 2 : i64" in text
+    assert cuda_ops.mlp_takes(xm, h, *mma, launches=2)
+    assert not cuda_ops.mlp_takes(xm, h, *mma, launches=1)  # the persistent kernel: no build
+    assert not cuda_ops.mlp_takes(xm, h, mma[0], mma[1], mats[2])  # one order for all three
+    with pytest.raises(ValueError, match="launches 2 or 3"):
+        cuda_ops.int4_mlp(xm, h, *mma, idx, launches=1)
+    with pytest.raises(ValueError, match="MMA order"):
+        cuda_ops.int4_mlp(xm, h, *mma, idx, launches=2, warps=4)
+
+
+def test_mma_order_codes_on_the_cpu_take_the_reference():
+    """Where the CUDA op does not run (here), a GEMV over codes in MMA order is the reference
+    over the same weight: `qmatmul` and `linear` give the natural order's reference bits."""
+    from engine.quant import int4_to_mma_order
+
+    w = _qtensor(64, 256, 5, lead=(2,))
+    wm = int4_to_mma_order(w)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 256)), jnp.bfloat16)
+    idx = jnp.array([1], jnp.int32)
+    want = linear(x, Stacked(w, idx).materialize())
+    for got in (qgemv.qmatmul(x, wm, idx), linear(x, Stacked(wm, idx), "pallas")):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_mma_order_codes_on_gpu(m):
+    """Codes in MMA order through the xperm build, x as it is: against the fp32 reference and
+    the natural order's call within bf16 (each MMA adds other products: not the same bits);
+    several weights in one launch the same bits as each alone; a row's result the same bits
+    whatever the other rows. The MLP op over MMA-order codes (two launches, chained or in
+    stream order: the same bits) against the natural order's within bf16."""
+    from engine.quant import int4_to_mma_order
+
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    ws = [_qtensor(n, 1024, 30 + n, lead=(2,)) for n in (1040, 600)]
+    wm = [int4_to_mma_order(w) for w in ws]
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 1024)), jnp.bfloat16)
+    idx = jnp.array([1], jnp.int32)
+    got = jax.jit(lambda x, ws, i: cuda_ops.int4_gemv_multi(x, ws, i))(x, wm, idx)
+    for g, w, one_w in zip(got, ws, wm):
+        with jax.default_matmul_precision("highest"):
+            want = linear(x.astype(jnp.float32), Stacked(w, idx).materialize())
+        assert_close(g, want, jnp.bfloat16)
+        assert_close(g, cuda_ops.int4_gemv(x, w, idx).astype(jnp.float32), jnp.bfloat16)
+        one = cuda_ops.int4_gemv(x, one_w, idx)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(one, np.float32))
+        alone = cuda_ops.int4_gemv(x[:1], one_w, idx)
+        np.testing.assert_array_equal(np.asarray(alone, np.float32),
+                                      np.asarray(one[:1], np.float32))
+    xm, h, mats = _mlp_case(m)
+    mma = [int4_to_mma_order(q) for q in mats]
+    outs = [np.asarray(jax.jit(lambda *a, n=n: cuda_ops.int4_mlp(*a, launches=n))(
+        xm, h, *mma, idx), np.float32) for n in (2, 3)]
+    np.testing.assert_array_equal(outs[1], outs[0])
+    natural = cuda_ops.int4_mlp(xm, h, *mats, idx, launches=2)
+    assert_close(outs[0], natural.astype(jnp.float32), jnp.bfloat16)
+    assert_close(outs[0], _mlp_reference(xm, h, *mats, 1), jnp.bfloat16)
+    alone = cuda_ops.int4_mlp(xm[:1], h[:1], *mma, idx, launches=2)
+    np.testing.assert_array_equal(np.asarray(alone, np.float32), outs[0][:1])
