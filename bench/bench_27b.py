@@ -272,8 +272,6 @@ def profile_steps(step, cache, n: int, batch: int, ctx: int) -> dict:
 def decode_weight_params(params) -> int:
     """Parameters one token multiplies with (the weights of `decode_weight_bytes`), counted as
     logical elements whatever their storage: an int4 byte holds two."""
-    from engine.quant import INT4_G64, INT4_G64_MMA, QTensor
-
     tree = {k: v for k, v in params.items() if k not in ("embed_tokens", "mtp")}
     n = 0
     for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QTensor)):

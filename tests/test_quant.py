@@ -152,7 +152,9 @@ def test_int4_mma_order_is_a_nibble_permutation_that_dequantizes_the_same(stacke
     m = quant.int4_to_mma_order(q)
     assert m.fmt == quant.INT4_G64_MMA and m.shape == q.shape and m.scale is q.scale
     nat, mma = np.asarray(q.data), np.asarray(m.data)
-    nib = lambda b, s: (b.reshape(*b.shape[:-1], -1, 4)[..., s // 2] >> 4 * (s % 2)) & 0xF  # noqa: E731
+    def nib(b, s):  # nibble slot s of each 32-bit word
+        return (b.reshape(*b.shape[:-1], -1, 4)[..., s // 2] >> 4 * (s % 2)) & 0xF
+
     for s, k in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
         np.testing.assert_array_equal(nib(mma, s), nib(nat, k))
     np.testing.assert_array_equal(np.asarray(quant.int4_from_mma_order(m).data), nat)
