@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from engine import model as M  # noqa: E402
 from engine.config import QWEN38_27B, preset  # noqa: E402
 from engine.kernels.stacked import MATRICES  # noqa: E402
-from engine.quant import GROUP, INT4_G64, INT4_G64_MMA, QTensor  # noqa: E402
+from engine.quant import GROUP, INT4_G64, QTensor  # noqa: E402
 
 
 def timed(fn, *args, reps: int, warmup: int = 2):
@@ -111,11 +111,10 @@ def peaks() -> dict:
 
 
 def _random_qtensor(key, shape, fmt):
-    """A stacked QTensor [*lead, out, in] of random codes with scales ~ 1/sqrt(in)/qmax
-    (int4_g64_mma: random bytes are random codes in either nibble order)."""
+    """A stacked QTensor [*lead, out, in] of random codes with scales ~ 1/sqrt(in)/qmax."""
     *lead, out, inp = shape
     k1, k2 = jax.random.split(key)
-    if fmt in (INT4_G64, INT4_G64_MMA):
+    if fmt == INT4_G64:
         data = jax.random.bits(k1, (*lead, out, inp // 2), jnp.uint8)
         sshape, qmax = (*lead, out, inp // GROUP), 7.0
     elif fmt == "int8_row":
@@ -276,7 +275,7 @@ def decode_weight_params(params) -> int:
     n = 0
     for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QTensor)):
         if isinstance(leaf, QTensor):
-            n += leaf.data.size * (2 if leaf.fmt in (INT4_G64, INT4_G64_MMA) else 1)
+            n += leaf.data.size * (2 if leaf.fmt == INT4_G64 else 1)
         else:
             n += leaf.size
     return n
@@ -335,8 +334,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batches", default="1", help="decode batch sizes, e.g. 1,2")
     ap.add_argument("--weights", default="bf16", help="weight formats for decode, e.g. "
-                    "int4_g64,bf16 (int4_g64_mma: int4_g64 codes in the wide GEMV's MMA "
-                    "nibble order, quant.int4_to_mma_order)")
+                    "int4_g64,bf16")
     ap.add_argument("--prefill-weights", default="bf16", help="weight formats for prefill, "
                     "e.g. bf16,int4_g64 (int4: each layer dequantized to bf16 as the engine "
                     "does for prompts)")

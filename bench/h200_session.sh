@@ -10,7 +10,6 @@
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
 #   headline   decode and 8K/32K/128K prefill from int4_g64 weights, one process
 #   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
-#   mmaorder   int4 codes in the wide GEMV's MMA nibble order: GPU tests, 1K decode A/B
 #   restore    server-level 128K restore vs re-prefill and restart (RESTORE_ARGS,
 #              RESTORE_BUDGET_S)
 #   profile    one int4 decode step and one bf16 prefill of PROFILE_PREFILL tokens by kernel
@@ -76,12 +75,10 @@ prefill2() {  # prefill2 <name> [VAR=value ...]: 8K/32K bf16 prefill, two reps, 
   grep -E '^prefill' "$OUT/${name}_$TAG.log" | sed "s/^/$name: /"
 }
 decode1k() {  # decode1k <name> [VAR=value ...]: C1/C2 int4 decode at 1K context with that env
-  # (DECODE_WEIGHTS: the weight format, default int4_g64)
   local name=$1
   shift
   ([ $# -gt 0 ] && export "$@"
-   run 150 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights "${DECODE_WEIGHTS:-int4_g64}" \
-     --batches 1,2 \
+   run 150 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
      --contexts 1024 --prefill "" --steps 10 --out "$OUT/${name}_$TAG.json")
   grep -E '^decode' "$OUT/${name}_$TAG.log" | cut -c1-90 | sed "s/^/$name: /"
 }
@@ -129,20 +126,6 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run "${MLP_TESTS_S:-200}" "$OUT/xlapdl_mlp_tests_$TAG.log" python3 -m pytest -q -m gpu \
           -p no:cacheprovider tests/test_kernels_cuda_gemv.py -k "mlp"
         tail -n 2 "$OUT/xlapdl_mlp_tests_$TAG.log" ;;
-      mmaorder)  # int4 codes in the wide GEMV's MMA nibble order (quant.INT4_G64_MMA: x read as
-        # it is, no byte permutations): GPU tests, then C1/C2 1K decode with the codes in
-        # their natural and in MMA order, twice in turn, then 8K prefill from each order
-        run 300 "$OUT/mmaorder_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py tests/test_quant.py -k "mma_order or 16_bits"
-        tail -n 2 "$OUT/mmaorder_tests_$TAG.log"
-        for rep in a b; do
-          decode1k "mmaorder_natural_$rep"
-          DECODE_WEIGHTS=int4_g64_mma decode1k "mmaorder_mma_$rep"
-        done
-        run 200 "$OUT/mmaorder_prefill_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
-          --contexts "" --prefill 8192 --prefill-reps 2 --prefill-weights int4_g64,int4_g64_mma \
-          --out "$OUT/mmaorder_prefill_$TAG.json"
-        grep -E '^prefill' "$OUT/mmaorder_prefill_$TAG.log" ;;
       headline)  # every goal figure of the bench in one process: int4_g64 decode C1/C2 at
         # 1K/32K/128K, then 8K/32K/128K prefill from the same weights (HEADLINE_REPS reps)
         run 580 "$OUT/headline_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \

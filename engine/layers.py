@@ -56,7 +56,7 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
     if kernels == "pallas" and fused in ("1", "2", "3"):
         from engine.kernels import cuda_ops
 
-        if (st := _mlp_stacks(p)) and cuda_ops.mlp_takes(x, h, *st[0], launches=int(fused)):
+        if (st := _mlp_stacks(p)) and cuda_ops.mlp_takes(x, h, *st[0]):
             return cuda_ops.int4_mlp(x, h, *st[0], st[1], launches=int(fused), **_mlp_settings())
     return h + mlp(p, x, kernels)
 

@@ -45,9 +45,6 @@ INT8_ROW = "int8_row"
 FP8_ROW = "fp8_row"
 INT4_G64 = "int4_g64"
 QUANT_FORMATS = (INT8_ROW, FP8_ROW, INT4_G64)
-# int4_g64's bytes with each 32-bit word's eight nibbles in the order the wide tensor-core GEMV
-# pairs them (`int4_to_mma_order`): a layout made at load time for the GPU, never in a file.
-INT4_G64_MMA = "int4_g64_mma"
 FORMATS = (DENSE,) + QUANT_FORMATS
 GROUP = 64  # int4 group size along the input dim
 
@@ -166,10 +163,8 @@ def _scale(amax: np.ndarray, qmax: np.float32) -> np.ndarray:
 # ---- dequantize -------------------------------------------------------------------------------
 def dequantize(qt: QTensor, dtype=jnp.float32) -> jax.Array:
     """The JAX reference: [..., out, in] in `dtype`, computed as code * scale in fp32."""
-    if qt.fmt in (INT4_G64, INT4_G64_MMA) and jnp.dtype(dtype).itemsize == 2:
+    if qt.fmt == INT4_G64 and jnp.dtype(dtype).itemsize == 2:
         return _dequantize_int4_16bit(qt, jnp.dtype(dtype))
-    if qt.fmt == INT4_G64_MMA:
-        qt = int4_from_mma_order(qt)
     if qt.fmt == INT4_G64:
         codes = _unpack_int4(jnp.asarray(qt.data))               # [..., out, in] int8
         *lead, out, inp = codes.shape
@@ -195,48 +190,12 @@ def _dequantize_int4_16bit(qt: QTensor, dtype) -> jax.Array:
     p = packed.reshape(*lead, out, half // per, per)
     sc = jnp.asarray(qt.scale).astype(jnp.float32)[..., None]      # [..., out, in/64, 1]
 
-    def half_bits(codes, sc):  # codes 0..15 -> (code - 8) * scale as dtype's 16 bits
+    def half_bits(codes):  # codes 0..15 -> (code - 8) * scale as dtype's 16 bits
         v = (codes.astype(jnp.int32) - 8).astype(jnp.float32) * sc
         return lax.bitcast_convert_type(v.astype(dtype), jnp.uint16).astype(jnp.uint32)
 
-    if qt.fmt == INT4_G64:
-        word = half_bits(p & 0xF, sc) | (half_bits(p >> 4, sc) << 16)  # inputs 2j, 2j + 1
-    else:  # MMA order: inputs (2j, 2j + 1) of a word, j = 2c + l, are nibble l of bytes c and
-        # 2 + c; built over [word, c, l] by broadcasting (no interleaving op)
-        w = p.reshape(*lead, out, half // per, per // 4, 2, 2)[..., None]  # [.., word, 2, c, 1]
-        shift = jnp.array([0, 4], jnp.uint8)                          # l
-        sc = sc[..., None, None]
-        word = (half_bits((w[..., 0, :, :] >> shift) & 0xF, sc)
-                | (half_bits((w[..., 1, :, :] >> shift) & 0xF, sc) << 16))
+    word = half_bits(p & 0xF) | (half_bits(p >> 4) << 16)          # lo: input 2j, hi: 2j + 1
     return lax.bitcast_convert_type(word, dtype).reshape(*lead, out, 2 * half)
-
-
-def int4_to_mma_order(qt: QTensor) -> QTensor:
-    """int4_g64 -> INT4_G64_MMA: the same codes with each 32-bit word's nibble slots 0..7
-    holding inputs 0, 2, 4, 6, 1, 3, 5, 7 of its eight. The wide CUDA GEMV pairs slots (s, s + 4)
-    into one bf16x2 register (`pair` in engine/kernels/cuda/int4_gemv.cu), so in this order each
-    pair is two consecutive inputs and meets x's 32-bit words as they load: no byte
-    permutations of x in the kernel and none before it. Stacked leading dims are kept."""
-    if qt.fmt != INT4_G64:
-        raise QuantError(f"int4_to_mma_order takes int4_g64, got {qt.fmt}")
-    p = jnp.asarray(qt.data)
-    *lead, out, half = p.shape
-    w = p.reshape(*lead, out, half // 4, 2, 2)               # natural byte 2h + c of a word
-    n = jnp.stack([w & 0xF, w >> 4], axis=-3)                 # [.., word, nibble H, h, c]
-    data = (n[..., 0] | (n[..., 1] << 4)).reshape(p.shape)   # byte 2H + h: inputs 4h+H, 4h+2+H
-    return QTensor(data, qt.scale, INT4_G64_MMA, qt.shape)
-
-
-def int4_from_mma_order(qt: QTensor) -> QTensor:
-    """The inverse of `int4_to_mma_order`."""
-    if qt.fmt != INT4_G64_MMA:
-        raise QuantError(f"int4_from_mma_order takes {INT4_G64_MMA}, got {qt.fmt}")
-    p = jnp.asarray(qt.data)
-    *lead, out, half = p.shape
-    w = p.reshape(*lead, out, half // 4, 2, 2)               # MMA-order byte 2H + h
-    n = jnp.stack([w & 0xF, w >> 4], axis=-1)                 # [.., word, H, h, c]
-    data = (n[..., 0, :, :] | (n[..., 1, :, :] << 4)).reshape(p.shape)  # byte 2h + c
-    return QTensor(data, qt.scale, INT4_G64, qt.shape)
 
 
 def _unpack_int4(packed: jax.Array) -> jax.Array:
@@ -248,8 +207,6 @@ def _unpack_int4(packed: jax.Array) -> jax.Array:
 
 def dequantize_np(qt: QTensor) -> np.ndarray:
     """The same as `dequantize` in numpy fp32 (bit-identical); for tests and the converter."""
-    if qt.fmt == INT4_G64_MMA:
-        qt = int4_from_mma_order(qt)
     data, scale = np.asarray(qt.data), np.asarray(qt.scale)
     if qt.fmt == INT4_G64:
         lo = (data & 0xF).astype(np.int8) - 8

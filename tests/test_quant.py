@@ -142,40 +142,12 @@ def test_int4_dequantize_to_16_bits_rounds_the_fp32_values_once(stacked):
                                       np.asarray(jnp.einsum("...i,oi->...o", x, w)))
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_int4_mma_order_is_a_nibble_permutation_that_dequantizes_the_same(stacked):
-    """`int4_to_mma_order` puts inputs 0, 2, 4, 6, 1, 3, 5, 7 of each 32-bit word's eight in
-    nibble slots 0..7 (so slots s and s + 4 hold inputs 2s and 2s + 1), and back; the weight
-    it stands for is the same to the bit, in every dtype, jitted or not, and to 16 bits in one
-    pass without interleaving; other formats are refused."""
-    q = _int4_every_code(stacked)
-    m = quant.int4_to_mma_order(q)
-    assert m.fmt == quant.INT4_G64_MMA and m.shape == q.shape and m.scale is q.scale
-    nat, mma = np.asarray(q.data), np.asarray(m.data)
-    def nib(b, s):  # nibble slot s of each 32-bit word
-        return (b.reshape(*b.shape[:-1], -1, 4)[..., s // 2] >> 4 * (s % 2)) & 0xF
-
-    for s, k in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
-        np.testing.assert_array_equal(nib(mma, s), nib(nat, k))
-    np.testing.assert_array_equal(np.asarray(quant.int4_from_mma_order(m).data), nat)
-    np.testing.assert_array_equal(dequantize_np(m), dequantize_np(q))
-    _check_int4_16bit(m)
-    np.testing.assert_array_equal(np.asarray(dequantize(m)), dequantize_np(q))
-    hlo = jax.jit(dequantize, static_argnums=1).lower(m, jnp.bfloat16).as_text()
-    assert "concatenate" not in hlo
-    with pytest.raises(QuantError, match="int4_g64"):
-        quant.int4_to_mma_order(quantize(_gauss((8, 64)), INT8_ROW))
-    with pytest.raises(QuantError):
-        quant.int4_from_mma_order(q)
-
-
 @pytest.mark.gpu
 def test_int4_dequantize_to_16_bits_gpu():
     """The same bits on the GPU (XLA's GPU bitcast of a uint32 into two halves)."""
     assert jax.default_backend() == "gpu"
     for stacked in (False, True):
         _check_int4_16bit(_int4_every_code(stacked))
-        _check_int4_16bit(quant.int4_to_mma_order(_int4_every_code(stacked)))
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.quant import GROUP, INT4_G64, INT4_G64_MMA, QTensor
+from engine.quant import GROUP, INT4_G64, QTensor
 
 log = logging.getLogger("ninfer.cuda_ops")
 
@@ -157,16 +157,11 @@ def why_unavailable() -> str:
 
 def supported(x, w, lead: int = 0) -> bool:
     """Shapes the op takes: M = prod(x.shape[:-1]) in 1..8, an int4_g64 QTensor of rank
-    lead + 2 (lead <= 3), K a multiple of 64; codes in MMA order (quant.INT4_G64_MMA) only
-    where the wide kernel runs (bf16 x of M <= WIDE_MAX_M rows, K a multiple of 128).
-    `worthwhile` says where it is also faster."""
+    lead + 2 (lead <= 3), K a multiple of 64. `worthwhile` says where it is also faster."""
     m = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if not (isinstance(w, QTensor) and w.fmt in (INT4_G64, INT4_G64_MMA) and 1 <= m <= MAX_ROWS
+    return (isinstance(w, QTensor) and w.fmt == INT4_G64 and 1 <= m <= MAX_ROWS
             and 0 <= lead <= 3 and jnp.ndim(w.data) == lead + 2
-            and x.shape[-1] % GROUP == 0 and x.shape[-1] == w.shape[1]):
-        return False
-    return w.fmt == INT4_G64 or (default_variant(x) == "wide" and m <= WIDE_MAX_M
-                                 and x.shape[-1] % (2 * GROUP) == 0)
+            and x.shape[-1] % GROUP == 0 and x.shape[-1] == w.shape[1])
 
 
 def worthwhile(mats) -> bool:
@@ -179,7 +174,7 @@ def takes(x, mats, lead: int = 0) -> bool:
     (int4_g64, `lead` stack dims) runs here, in one launch: shapes supported, enough rows to
     be faster, and the op built on this machine."""
     return (1 <= len(mats) <= MAX_MATS and all(supported(x, w, lead) for w in mats)
-            and len({w.fmt for w in mats}) == 1 and worthwhile(mats) and available())
+            and worthwhile(mats) and available())
 
 
 def default_rows_per_warp(m: int) -> int:
@@ -291,9 +286,7 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     measured faster on the H200, v12); xperm (wide: x goes in permuted by `x_perm` and the
     kernel skips its byte permutations, the same bits; built for prefetch 2, occupancy 32,
     bias 0, stages 0 and WIDE_XPERM_WARPS; default: NINFER_INT4_WIDE_XPERM=1 where built, off
-    otherwise: no faster in the decode step, v14c). Otherwise x goes to the wide kernel as it is.
-    Codes in MMA order (quant.INT4_G64_MMA) go to the wide kernel's xperm build with x as it
-    is: their pairs of nibbles are consecutive inputs, so x needs no permutation at all."""
+    otherwise: no faster in the decode step, v14c). Otherwise x goes to the wide kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
                            occupancy=occupancy, xperm=xperm)[0]
@@ -310,9 +303,6 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead."""
     if not 1 <= len(ws) <= MAX_MATS:
         raise ValueError(f"int4_gemv_multi takes 1..{MAX_MATS} weights, got {len(ws)}")
-    if len({w.fmt for w in ws}) != 1:
-        raise ValueError("int4_gemv_multi: the weights must share one format")
-    mma_order = ws[0].fmt == INT4_G64_MMA
     lead, k = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
     ns = [w.shape[0] for w in ws]
@@ -324,9 +314,6 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     variant = variant or default_variant(x)
     if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
         variant = "fma" if m <= FMA_MAX_M else "mma"
-    if mma_order and (variant != "wide" or x.dtype != jnp.bfloat16):
-        raise ValueError("int4_gemv: codes in MMA order take the wide kernel only (bf16 x, "
-                         f"M <= {WIDE_MAX_M}, K a multiple of 128)")
     if variant == "wide":
         xb = x.reshape(m, k).astype(jnp.bfloat16)  # the kernel permutes it (or x_perm below)
         bias = int(os.environ.get("NINFER_INT4_WIDE_BIAS", "0")) if bias is None else int(bias)
@@ -342,19 +329,12 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
             occ = os.environ.get("NINFER_INT4_WIDE_OCC")
             occupancy = (int(occ) if occ is not None
                          else 32 if prefetch == 2 and not bias and not stages else 0)
-        xperm_built = (prefetch == 2 and occupancy == 32 and not bias and not stages
-                       and warps in WIDE_XPERM_WARPS)
-        if mma_order:  # the pairs are consecutive inputs already: x goes in as it is
-            if not xperm_built:
-                raise ValueError("int4_gemv: codes in MMA order take prefetch 2, occupancy 32, "
-                                 f"bias 0, stages 0 and warps {WIDE_XPERM_WARPS}")
-            xperm = True
-        else:
-            if xperm is None:  # where built: the defaults' kernels (prefetch 2, capped, bias 0)
-                xperm = (os.environ.get("NINFER_INT4_WIDE_XPERM", "0") == "1"
-                         and xperm_built)
-            if xperm:
-                xb = x_perm(xb)
+        if xperm is None:  # where built: the defaults' kernels (prefetch 2, capped, bias 0)
+            xperm = (os.environ.get("NINFER_INT4_WIDE_XPERM", "0") == "1" and prefetch == 2
+                     and occupancy == 32 and not bias and not stages
+                     and warps in WIDE_XPERM_WARPS)
+        if xperm:
+            xb = x_perm(xb)
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
                  bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages),
@@ -410,22 +390,18 @@ def _mlp_setting(op: str, launches: int, warps, occupancy) -> tuple[int, int]:
     return warps, occupancy
 
 
-def mlp_shape_error(x, h, gate, up, down, launches: int = 2) -> str | None:
+def mlp_shape_error(x, h, gate, up, down) -> str | None:
     """Why `int4_mlp` does not take these operands (None: it does): bf16 x and h of a decode
     step's rows (M <= 4), int4_g64 gate and up [*d, N1, K1] and down [*d, N2, N1] of the same
-    stack dims, K1 and N1 multiples of 128; codes in MMA order (all three) with `launches` 2
-    or 3 only."""
+    stack dims, K1 and N1 multiples of 128."""
     m = int(np.prod(x.shape[:-1], dtype=np.int64))
     if not 1 <= m <= WIDE_MAX_M:
         return f"int4_mlp takes 1..{WIDE_MAX_M} rows, got {m}"
     if x.dtype != jnp.bfloat16 or h.dtype != jnp.bfloat16:
         return f"int4_mlp: x and h must be bf16, got {x.dtype} and {h.dtype}"
     ws = (gate, up, down)
-    if not (all(isinstance(w, QTensor) and w.fmt == INT4_G64 for w in ws)
-            or all(isinstance(w, QTensor) and w.fmt == INT4_G64_MMA for w in ws)):
-        return "int4_mlp: gate, up and down must be int4_g64 (all three in one code order)"
-    if gate.fmt == INT4_G64_MMA and launches == 1:
-        return "int4_mlp: codes in MMA order take launches 2 or 3"
+    if not all(isinstance(w, QTensor) and w.fmt == INT4_G64 for w in ws):
+        return "int4_mlp: gate, up and down must be int4_g64"
     n1, k1 = gate.shape
     lead = jnp.ndim(gate.data) - 2
     if (up.shape != gate.shape or down.shape[1] != n1 or x.shape[-1] != k1 or k1 % 128
@@ -438,10 +414,10 @@ def mlp_shape_error(x, h, gate, up, down, launches: int = 2) -> str | None:
     return None
 
 
-def mlp_takes(x, h, gate, up, down, launches: int = 2) -> bool:
+def mlp_takes(x, h, gate, up, down) -> bool:
     """Whether `int4_mlp` runs x's MLP here: operands it takes (`mlp_shape_error`) and the op
     built on this machine."""
-    return mlp_shape_error(x, h, gate, up, down, launches) is None and available()
+    return mlp_shape_error(x, h, gate, up, down) is None and available()
 
 
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
@@ -462,14 +438,11 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
     persistent kernel is slower than the separate calls, two launches with programmatic
     dependent launch faster)."""
+    if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
+        raise ValueError(err)
     if launches not in MLP_LAUNCHES:
         raise ValueError(f"int4_mlp: launches {MLP_LAUNCHES}, got {launches}")
-    if (err := mlp_shape_error(x, h, gate, up, down, launches)) is not None:
-        raise ValueError(err)
     warps, occupancy = _mlp_setting("int4_mlp", launches, warps, occupancy)
-    xperm = gate.fmt == INT4_G64_MMA
-    if xperm and (warps, occupancy) != MLP_DEFAULTS[2]:
-        raise ValueError(f"int4_mlp: codes in MMA order take warps/occupancy {MLP_DEFAULTS[2]}")
     lead, k1 = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
     n1, n2 = gate.shape[0], down.shape[0]
@@ -484,6 +457,6 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
                      warps=np.int64(warps), occupancy=np.int64(occupancy),
-                     launches=np.int64(launches), xperm=np.int64(xperm))
+                     launches=np.int64(launches))
     return out.reshape(*lead, n2)
 

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from engine.kernels import resolve_interpret, triton_params
-from engine.quant import FP8_ROW, GROUP, INT4_G64, INT4_G64_MMA, INT8_ROW, QTensor, linear
+from engine.quant import FP8_ROW, GROUP, INT4_G64, INT8_ROW, QTensor, linear
 
 MAX_ROWS = 8
 _MAGIC = 0x4B000000          # the bits of 2.0 ** 23 in fp32
@@ -215,9 +215,8 @@ def supported(x, w, lead: int = 0) -> bool:
         m *= d
     if m > MAX_ROWS or m == 0:
         return False
-    if isinstance(w, QTensor):  # INT4_G64_MMA: the CUDA op's, else the reference
-        return (w.fmt in (INT4_G64, INT4_G64_MMA, INT8_ROW, FP8_ROW)
-                and jnp.ndim(w.data) == lead + 2)
+    if isinstance(w, QTensor):
+        return w.fmt in (INT4_G64, INT8_ROW, FP8_ROW) and jnp.ndim(w.data) == lead + 2
     return jnp.ndim(w) == lead + 2
 
 
@@ -230,13 +229,13 @@ def qmatmul(x, w, index=None, *, interpret: bool | None = None,
     order of the fp32 sums (and bf16 rounding of the weights, which the reference does and the
     kernel does not)."""
     nlead = 0 if index is None else int(index.shape[0])
-    if (config is None and isinstance(w, QTensor) and w.fmt in (INT4_G64, INT4_G64_MMA)
+    if (config is None and isinstance(w, QTensor) and w.fmt == INT4_G64
             and not resolve_interpret(interpret)):
         from engine.kernels import cuda_ops  # int4 on a GPU: the CUDA op where it builds
 
         if cuda_ops.takes(x, [w], nlead):
             return cuda_ops.int4_gemv(x, w, index)
-    if not supported(x, w, nlead) or (isinstance(w, QTensor) and w.fmt == INT4_G64_MMA):
+    if not supported(x, w, nlead):
         if index is not None:
             from engine.kernels.stacked import Stacked
 

@@ -1091,10 +1091,8 @@ cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
 // Down's blocks become resident as gate|up's last blocks leave, so its ramp overlaps gate|up's
 // tail, with no co-residency requirement and no counters: launches may overlap. Without the
 // attribute (or on a GPU without it) the wait returns at once and stream order holds.
-// kXPerm: the codes are in MMA order (quant.INT4_G64_MMA: a word's nibble slots (s, s + 4)
-// hold consecutive inputs), so x and act are read as they are, with no byte permutations.
 
-template <int W, int T, bool kXPerm = false>
+template <int W, int T>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_gate_up(const uint4* __restrict__ x, const float* __restrict__ corr,
                      const __grid_constant__ Mats gu, const int32_t* __restrict__ index,
@@ -1112,16 +1110,16 @@ __global__ void __launch_bounds__(W * 32, T / W)
   WideTile<W> cur(gu, layer, k1, 16 * u, warp, lane);
   ring_fill(ring, cur);
   float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
-  ring_run<2, W, false, kXPerm, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, gt);
+  ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, gt);
   cur = WideTile<W>(gu, layer, k1, n1 + 16 * u, warp, lane);  // up's tile u in flight
   ring_fill(ring, cur);
   const float2 gate = tile_sums<W>(red[0], gt, warp, lane);
-  ring_run<2, W, false, kXPerm, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, ut);
+  ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, ut);
   const float2 up = tile_sums<W>(red[1], ut, warp, lane);
   if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
 }
 
-template <int W, int T, bool kXPerm = false>
+template <int W, int T>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_down(const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats dn,
                   const int32_t* __restrict__ index, const __nv_bfloat16* act,
@@ -1137,7 +1135,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   // read-only path (L1 hits for the blocks of an SM, as the wide kernel's x)
   pdl_wait();
   float tot[2] = {0.0f, 0.0f};
-  ring_run<2, W, false, kXPerm, false>(ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2,
+  ring_run<2, W, false, false, false>(ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2,
                                                         warp, lane),
                                       ln.has_x, CorrTiles<W, false>{ln.psum_at(psum, k2, warp)},
                                       tot);
@@ -1166,20 +1164,19 @@ struct PdlLaunch {
 
 // The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
 // warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
-// programmatic stream serialization when `pdl` (else a plain launch: stream order); kXPerm:
-// the codes in MMA order.
-template <int W, int T, bool kXPerm = false>
+// programmatic stream serialization when `pdl` (else a plain launch: stream order).
+template <int W, int T>
 cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
                            const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
                            const int32_t* index, __nv_bfloat16* act, float* psum,
                            __nv_bfloat16* out, int k1, int m, bool pdl) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  int4_mlp_gate_up<W, T, kXPerm><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
-                                                                         psum, k1, m);
+  int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
+                                                                k1, m);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl);
-  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T, kXPerm>, h, dn, index,
+  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h, dn, index,
                             static_cast<const __nv_bfloat16*>(act),
                             static_cast<const float*>(psum), out, n1, m);
 }
@@ -1619,14 +1616,13 @@ bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
 // residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
 // [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. launches: 1 the persistent
 // kernel; 2 gate|up then down chained by programmatic dependent launch; 3 the same two
-// launches in plain stream order. xperm 1: the codes are in MMA order (launches 2 or 3, warps
-// 8, occupancy 32: the defaults).
+// launches in plain stream order.
 ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> corr,
                        ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> index,
                        ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                        ffi::Result<ffi::Buffer<ffi::BF16>> act,
                        ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
-                       int64_t occupancy, int64_t launches, int64_t xperm) {
+                       int64_t occupancy, int64_t launches) {
   Mats gu{}, dn{};
   int64_t k1 = 0;
   if (const char* bad = decode_mlp(rest, index, gu, dn, k1))
@@ -1644,9 +1640,6 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     return ffi::Error::InvalidArgument("int4_mlp: act must be [M, N1], psum [M, N1/16]");
   if (launches < 1 || launches > 3)
     return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
-  if (xperm && (launches == 1 || warps != 8 || occupancy != 32))
-    return ffi::Error::InvalidArgument(
-        "int4_mlp: xperm 1 with launches 2 or 3, warps 8 and occupancy 32 only");
   const int tiles = static_cast<int>(std::max((n1 + 15) / 16, (n2 + 15) / 16));
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const auto* hp = reinterpret_cast<const __nv_bfloat16*>(h.typed_data());
@@ -1656,14 +1649,6 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   cudaError_t err = cudaSuccess;
   const bool known = with_mlp_setting(warps, occupancy, [&](auto w, auto t) {
     constexpr int W = decltype(w)::value, T = decltype(t)::value;
-    if constexpr (W == 8 && T == 32) {
-      if (xperm) {
-        err = launch_mlp_pdl<W, T, true>(stream, x4, corr.typed_data(), hp, gu, dn,
-                                         index.typed_data(), ap, psum->typed_data(), op, ki, mi,
-                                         launches == 2);
-        return;
-      }
-    }
     err = launches == 1
               ? launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
                                  ap, psum->typed_data(), op, ki, mi, tiles)
@@ -1728,6 +1713,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("occupancy")
-                                  .Attr<int64_t>("launches")
-                                  .Attr<int64_t>("xperm"),
+                                  .Attr<int64_t>("launches"),
                               {ffi::Traits::kCmdBufferCompatible});
