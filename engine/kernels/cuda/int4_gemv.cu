@@ -1322,6 +1322,269 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
   return cudaSuccess;
 }
 
+// ---- Stream-K wide GEMV fed by bulk copies (sm_90; M <= 4, K a multiple of 1024) ------------
+//
+// The wide kernels above keep their codes in flight in registers (P = 2 pairs a warp; v16 ncu:
+// most of each instruction's cycles wait on those loads, `long_scoreboard`) or in a cp.async
+// ring that costs instructions a copy (v12). Here each block has one producer warp that moves
+// the weights into a shared-memory ring of S stages with bulk copies (`cp.async.bulk`, the
+// copy engine of sm_90: one instruction a row's 512 bytes, completion counted in bytes on an
+// mbarrier), and W consumer warps compute from the ring with the wide kernel's `wide_pair`.
+// A stage is 16 rows x 1024 inputs (8 pairs of groups: 16 x 512 bytes of codes, 16 x 64 of
+// scales); consumer warp w takes pairs w, w + W, .. of each stage, so within a tile it sums
+// the same pairs in the same order as the wide kernel with W warps.
+//
+// Persistent and stream-K: the grid is as many blocks as fit (G), and the call's stages (U =
+// tiles x K / 1024 of them) are cut into G even runs, block b taking stages [b U / G,
+// (b + 1) U / G), so every block streams the same bytes and there is no last wave (the down
+// projection's 320 tiles leave 40% of a wave empty in the wide kernel). A tile wholly in one
+// block is reduced over its warps (warp order) and stored, bit for bit as the wide kernel with
+// W warps; a tile cut between blocks (at most G - 1 of them) has each block's part reduced
+// the same way into a per-block slot, and the block that finishes the tile's last part (a
+// counter per tile) adds the parts in block order and stores: a fixed order that depends on
+// N, K and G only, not on M or on timing (deterministic, batch invariant). The counters reset
+// themselves; the slots and counters are one set per loaded module and device, so launches of
+// this kernel must not run concurrently on one device (one decode step at a time).
+// The ring's rows are 576 bytes apart (512 + 64) and the scales' 80 (64 + 16): the 8 lanes of
+// a 16-byte shared load phase (rows g, g + 1 at 4 offsets each) fall in 8 different banks.
+constexpr int kTmaRow = 576, kTmaScaleRow = 80;
+constexpr int kTmaStageBytes = 16 * kTmaRow + 16 * kTmaScaleRow;   // 10,496
+constexpr int kTmaCopyBytes = 16 * 512 + 16 * 64;                  // what lands a stage
+constexpr int kTmaMaxBlocks = 1024, kTmaMaxTiles = 1 << 16;
+__device__ float2 g_tma_part[kTmaMaxBlocks][2][32];  // [block][its first / last part][lane]
+__device__ unsigned int g_tma_done[kTmaMaxTiles];    // parts of a cut tile finished
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+#endif
+}
+// Waits until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory,
+// counted on `bar` when they land; `policy` an L2 cache policy (evict first: read once).
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes,
+                                          unsigned bar, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+#endif
+}
+
+// The block holding stage u of U cut into G runs (run b starts at b U / G).
+__device__ __forceinline__ int tma_block_of(int64_t u, int64_t units, int64_t blocks) {
+  return static_cast<int>(((u + 1) * blocks - 1) / units);
+}
+
+template <int S, int W, typename OT>
+__global__ void __launch_bounds__((W + 1) * 32)
+    int4_gemv_tma(const uint4* __restrict__ x, const float* __restrict__ corr,
+                  const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
+                  OT* __restrict__ y, int k, int m) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // bulk copies and transaction-counted mbarriers: sm_90 and later
+#else
+  extern __shared__ uint4 tma_smem[];  // [S][16 rows x 576 | 16 x 80] bytes
+  unsigned char* ring = reinterpret_cast<unsigned char*>(tma_smem);
+  __shared__ __align__(8) uint64_t full[S], empty[S];
+  __shared__ float2 red[2][W][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n = mt.start[mt.count], per_tile = k >> 10;
+  const int64_t tiles = (n + 15) / 16, units = tiles * per_tile, blocks = gridDim.x;
+  const int64_t lo = blockIdx.x * units / blocks, hi = (blockIdx.x + 1) * units / blocks;
+  const unsigned ring0 = static_cast<unsigned>(__cvta_generic_to_shared(ring));
+  const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full));
+  const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, W);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == W) {  // the producer: lane r < 16 copies row r's codes, lane 16 + r its scales
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const int64_t layer = layer_of(mt, index);
+    const int r = lane & 15;
+    int64_t tile = -1;
+    const uint8_t* wrow = nullptr;
+    const float* srow = nullptr;
+    for (int64_t u = lo; u < hi; ++u) {
+      const int i = static_cast<int>(u - lo), s = i % S;
+      const unsigned use = static_cast<unsigned>(i / S);
+      if (u / per_tile != tile) {
+        tile = u / per_tile;
+        row_ptrs(mt, min(static_cast<int>(16 * tile) + r, n - 1), layer, k, wrow, srow);
+      }
+      const int st = static_cast<int>(u - tile * per_tile);
+      mbar_wait(empty0 + 8 * s, (use & 1) ^ 1);  // its last use released (the first: at once)
+      if (lane == 0) mbar_expect(full0 + 8 * s, kTmaCopyBytes);
+      __syncwarp();
+      const unsigned stage = ring0 + s * kTmaStageBytes;
+      if (lane < 16)
+        bulk_copy(stage + r * kTmaRow, wrow + 512 * st, 512, full0 + 8 * s, policy);
+      else
+        bulk_copy(stage + 16 * kTmaRow + r * kTmaScaleRow, srow + 16 * st, 64, full0 + 8 * s,
+                  policy);
+    }
+    return;
+  }
+
+  // the consumers
+  const LaneRows rows(lane, m);
+  const int g = lane >> 2, t = lane & 3;
+  const uint4* xrow = rows.x_at(x, k, 0, lane);          // pair p at + 16 p
+  const float2* crow = rows.corr_at(corr, k, 0);         // pair p at + p
+  float tot[2] = {0.0f, 0.0f};
+  int parity = 0;  // which `red` a part reduces into
+  int64_t part0 = lo;  // the first stage of the current part
+  for (int64_t u = lo; u < hi; ++u) {
+    const int i = static_cast<int>(u - lo), s = i % S;
+    const int64_t tile = u / per_tile;
+    const int st = static_cast<int>(u - tile * per_tile);
+    mbar_wait(full0 + 8 * s, static_cast<unsigned>(i / S) & 1);
+    const unsigned char* stage = ring + s * kTmaStageBytes;
+#pragma unroll
+    for (int q = 0; q < 8 / W; ++q) {
+      const int j = warp + W * q;
+      const uint4 ca = *reinterpret_cast<const uint4*>(stage + g * kTmaRow + 64 * j + 16 * t);
+      const uint4 cb =
+          *reinterpret_cast<const uint4*>(stage + (g + 8) * kTmaRow + 64 * j + 16 * t);
+      const unsigned char* sc = stage + 16 * kTmaRow + 8 * j;
+      const float2 sa = *reinterpret_cast<const float2*>(sc + g * kTmaScaleRow);
+      const float2 sb = *reinterpret_cast<const float2*>(sc + (g + 8) * kTmaScaleRow);
+      const int p = 8 * st + j;
+      wide_pair<false>(ca, cb, sa, sb, xrow + 16 * p, rows.has_x, crow + p, tot);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    if (st != per_tile - 1 && u != hi - 1) continue;
+
+    // the end of a part: its warps' sums in warp order (consumer warps only: named barrier 1)
+    red[parity][warp][lane] = make_float2(tot[0], tot[1]);
+    asm volatile("bar.sync 1, %0;" ::"r"(W * 32) : "memory");
+    if (warp == 0) {
+      float2 v = red[parity][0][lane];
+#pragma unroll
+      for (int w = 1; w < W; ++w) {
+        const float2 o = red[parity][w][lane];
+        v.x += o.x;
+        v.y += o.y;
+      }
+      const int64_t t0 = tile * per_tile;
+      const int first = tma_block_of(t0, units, blocks);
+      const int last = tma_block_of(t0 + per_tile - 1, units, blocks);
+      bool store = first == last;
+      if (!store) {  // a cut tile: this block's part into its slot; the last part adds them
+        __stcg(&g_tma_part[blockIdx.x][part0 == lo ? 0 : 1][lane], v);
+        __threadfence();
+        __syncwarp();  // every lane's part stored and fenced before the count
+        unsigned prev = 0;
+        if (lane == 0) {
+          __threadfence();
+          prev = atomicAdd(&g_tma_done[tile], 1u);
+        }
+        prev = __shfl_sync(0xffffffffu, prev, 0);
+        if (prev == static_cast<unsigned>(last - first)) {
+          __threadfence();
+          v = make_float2(0.0f, 0.0f);
+          for (int b = first; b <= last; ++b) {
+            const int64_t start = b * units / blocks;
+            const float2 o = __ldcg(&g_tma_part[b][start >= t0 ? 0 : 1][lane]);
+            v.x += o.x;
+            v.y += o.y;
+          }
+          if (lane == 0) g_tma_done[tile] = 0u;
+          store = true;
+        }
+      }
+      if (store && t < m) {
+        const int ra = static_cast<int>(16 * tile) + g, rb = ra + 8;
+        if (ra < n) y[static_cast<int64_t>(t) * n + ra] = to_out<OT>(v.x);
+        if (rb < n) y[static_cast<int64_t>(t) * n + rb] = to_out<OT>(v.y);
+      }
+    }
+    parity ^= 1;
+    tot[0] = tot[1] = 0.0f;
+    part0 = u + 1;
+  }
+#endif
+}
+
+template <int S, int W, typename OT>
+cudaError_t launch_tma(cudaStream_t stream, const uint4* x, const float* corr, const Mats& mt,
+                       const int32_t* index, void* y, int k, int m) {
+  constexpr int bytes = S * kTmaStageBytes;
+  static int fit = 0;  // blocks that fit on the device at once
+  if (fit == 0) {
+    int dev = 0, sms = 0, per_sm = 0;
+    cudaError_t err = cudaFuncSetAttribute(int4_gemv_tma<S, W, OT>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err == cudaSuccess) err = cudaGetDevice(&dev);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, int4_gemv_tma<S, W, OT>,
+                                                          (W + 1) * 32, bytes);
+    if (err != cudaSuccess) return err;
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        major < 9)
+      return cudaErrorNotSupported;  // sm_90's bulk copies
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    fit = std::min(kTmaMaxBlocks, sms * per_sm);
+  }
+  const int64_t tiles = (mt.start[mt.count] + 15) / 16, units = tiles * (k / 1024);
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fit, units)));
+  int4_gemv_tma<S, W, OT><<<blocks, (W + 1) * 32, bytes, stream>>>(
+      x, corr, mt, index, static_cast<OT*>(y), k, m);
+  return cudaGetLastError();
+}
+
+// The stream-K kernel a call asks for (stages 4, 8 or 16 of the ring; 4 or 8 consumer warps);
+// `known` false for one not built.
+template <typename OT>
+cudaError_t launch_tma_variant(cudaStream_t stream, int64_t stages, int64_t warps,
+                               const uint4* x, const float* corr, const Mats& mt,
+                               const int32_t* index, void* y, int k, int m, bool& known) {
+  known = true;
+#define NINFER_TMA(S, W) \
+  if (stages == S && warps == W) return launch_tma<S, W, OT>(stream, x, corr, mt, index, y, k, m);
+  NINFER_TMA(4, 4) NINFER_TMA(8, 4) NINFER_TMA(16, 4)
+  NINFER_TMA(4, 8) NINFER_TMA(8, 8) NINFER_TMA(16, 8)
+#undef NINFER_TMA
+  known = false;
+  return cudaSuccess;
+}
+
 template <int S, typename OT>
 cudaError_t launch_mma(cudaStream_t stream, int blocks, const uint4* x4, const float2* c2,
                        const Mats& mt, const int32_t* index, void* y, int k, int m) {
@@ -1580,6 +1843,50 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   return ffi::Error::Success();
 }
 
+bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
+  return d.size() == 2 && d[0] == rows && d[1] == cols;
+}
+
+// x [M, K] bf16 as it is, corr [M, K/64] its group sums, index, the (codes, scales) pairs;
+// y [M <= 4, N]. K a multiple of 1024; at most 65,536 tiles of 16 rows.
+ffi::Error Int4GemvTmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
+                           ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
+                           ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
+                           int64_t stages, int64_t warps) {
+  Mats mt{};
+  int64_t k = 0;
+  if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
+  const int64_t n = mt.start[mt.count];
+  const auto xd = x.dimensions(), yd = y->dimensions();
+  if (k % 1024 != 0)
+    return ffi::Error::InvalidArgument("int4_gemv_tma: K must be a multiple of 1024");
+  if ((n + 15) / 16 > kTmaMaxTiles)
+    return ffi::Error::InvalidArgument("int4_gemv_tma: N must be at most 16 x 65536");
+  if (yd.size() != 2 || yd[1] != n || yd[0] < 1 || yd[0] > 4)
+    return ffi::Error::InvalidArgument("int4_gemv_tma: y must be [M <= 4, N]");
+  const int64_t m = yd[0];
+  if (xd.size() != 2 || xd[0] != m || xd[1] != k)
+    return ffi::Error::InvalidArgument("int4_gemv_tma: x must be [M, K]");
+  if (!is_matrix(corr.dimensions(), m, k / 64))
+    return ffi::Error::InvalidArgument("int4_gemv_tma: corr must be [M, K/64]");
+  const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
+  const int mi = static_cast<int>(m), ki = static_cast<int>(k);
+  void* yp = y->untyped_data();
+  const bool bf16 = y->element_type() == ffi::DataType::BF16;
+  if (!bf16 && y->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("int4_gemv_tma: y must be f32 or bf16");
+  bool known = false;
+  const cudaError_t err =
+      bf16 ? launch_tma_variant<__nv_bfloat16>(stream, stages, warps, x4, corr.typed_data(), mt,
+                                               index.typed_data(), yp, ki, mi, known)
+           : launch_tma_variant<float>(stream, stages, warps, x4, corr.typed_data(), mt,
+                                       index.typed_data(), yp, ki, mi, known);
+  if (!known)
+    return ffi::Error::InvalidArgument("int4_gemv_tma: stages 4, 8 or 16; warps 4 or 8");
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 // gate, up and down as (codes, scales) pairs in `rest`, decoded into gu (gate | up) and dn and
 // checked against each other; null or why not.
 const char* decode_mlp(ffi::RemainingArgs& rest, ffi::Buffer<ffi::S32>& index, Mats& gu,
@@ -1606,10 +1913,6 @@ template <typename F>
 bool with_mlp_setting(int64_t warps, int64_t occupancy, F f) {
   return mlp_setting_is<4, 24>(warps, occupancy, f) || mlp_setting_is<4, 32>(warps, occupancy, f) ||
          mlp_setting_is<8, 24>(warps, occupancy, f) || mlp_setting_is<8, 32>(warps, occupancy, f);
-}
-
-bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
-  return d.size() == 2 && d[0] == rows && d[1] == cols;
 }
 
 // x [M, K1] bf16 (the MLP's normed input), corr [M, K1/64] its group sums, h [M, N2] the
@@ -1698,6 +2001,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Attr<int64_t>("occupancy")
                                   .Attr<int64_t>("stages")
                                   .Attr<int64_t>("xperm"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvTma, Int4GemvTmaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("stages")
+                                  .Attr<int64_t>("warps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
