@@ -52,8 +52,7 @@ def test_wide_falls_back_where_k_is_not_a_multiple_of_128():
 
 
 def test_tma_lowers_to_its_call_where_k_is_whole_stages_and_checks_its_settings():
-    """The stream-K kernel takes K in whole ring stages (TMA_STAGE_K inputs); K = 128 goes to
-    the wide kernel, fp32 x to the fma one; ring depths and warps outside those built are a
+    """The stream-K kernel takes K in multiples of TMA_K; K = 128 goes to the wide kernel, fp32 x to the fma one; ring depths and warps outside those built are a
     clear error before anything runs."""
     x = jnp.ones((2, 1024), jnp.bfloat16)
     for w, xs, target in ((_qtensor(64, 1024, 0, lead=(2,)), x, cuda_ops.INT4_TMA_TARGET),
@@ -68,7 +67,7 @@ def test_tma_lowers_to_its_call_where_k_is_whole_stages_and_checks_its_settings(
         assert target in mlir and exp.out_avals[0].shape == (2, 64)
         assert (target == cuda_ops.INT4_TMA_TARGET) == (cuda_ops.INT4_TMA_TARGET in mlir)
     w = _qtensor(64, 1024, 0)
-    for bad in ({"stages": 5}, {"warps": 2}):
+    for bad in ({"stages": 8}, {"warps": 2}):
         with pytest.raises(ValueError, match="tma kernel takes stages"):
             export.export(jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="tma", **bad)),
                           platforms=["cuda"])(x, w)
@@ -211,10 +210,10 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
     assert_close(mmas, want, jnp.bfloat16)
 
 
-TMA_CASES = [  # (M, N, K): 27B shapes (down, out_proj, gate|up), N not a multiple of 16,
-    # fewer stages than blocks, one stage a tile
+TMA_CASES = [  # (M, N, K): 27B shapes (down: 4 stages a tile; out_proj: 1, or 2 with a ring of
+    # 4; gate|up: 1), N not a multiple of 16, fewer stages than blocks, K cut in 2 (7680)
     (1, 5120, 17408), (2, 5120, 6144), (4, 34816, 5120), (3, 999, 6144), (1, 37, 1024),
-    (2, 4096, 2048)]
+    (2, 4096, 7680)]
 
 
 @pytest.mark.gpu

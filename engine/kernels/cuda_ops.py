@@ -46,10 +46,11 @@ WIDE_MAX_M = 4  # the wide kernel's B columns: 2 per row of x
 # (see the kernel's comment): x is permuted to match.
 _MMA_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15])
 MAX_ROWS = 8
-# The stream-K kernel fed by bulk copies (`int4_gemv_tma`, sm_90): a ring stage is 16 rows x
-# TMA_STAGE_K inputs; ring depths and consumer warps built; tiles of 16 rows a call at most.
-TMA_STAGE_K = 1024
-TMA_STAGES = (4, 8, 16)
+# The stream-K kernel fed by bulk copies (`int4_gemv_tma`, sm_90): K a multiple of TMA_K (its
+# ring's stages are 16 rows x K or x an equal part of K, <= 6144 inputs); ring depths and
+# consumer warps built; tiles of 16 rows a call at most.
+TMA_K = 256
+TMA_STAGES = (2, 3, 4)
 TMA_WARPS = (4, 8)
 TMA_MAX_TILES = 1 << 16
 MAX_MATS = 4  # weights one call can take (the kernel's kMaxMats)
@@ -277,9 +278,9 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
     (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel; "tma" (sm_90,
-    bf16 x, M <= 4, K a multiple of TMA_STAGE_K, else "wide"/"fma"): the wide kernel's sums
+    bf16 x, M <= 4, K a multiple of TMA_K, else "wide"/"fma"): the wide kernel's sums
     with the weights streamed by bulk copies into a shared-memory ring of `stages` (TMA_STAGES,
-    default NINFER_INT4_TMA_STAGES or 8) by a producer warp for `warps` (TMA_WARPS, default
+    default NINFER_INT4_TMA_STAGES or 3) by a producer warp for `warps` (TMA_WARPS, default
     NINFER_INT4_TMA_WARPS or 8) consumer warps, persistent blocks splitting the call's stages
     evenly (stream-K; a tile cut between blocks is added in block order, so not the wide
     kernel's bits there, and the same bits whatever M). Tile parameters:
@@ -327,7 +328,7 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     out_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
     pairs = [a for w in ws for a in (w.data, w.scale.astype(jnp.float32))]
     variant = variant or default_variant(x)
-    if variant == "tma" and not (m <= WIDE_MAX_M and k % TMA_STAGE_K == 0
+    if variant == "tma" and not (m <= WIDE_MAX_M and k % TMA_K == 0
                                  and x.dtype == jnp.bfloat16 and -(-n // 16) <= TMA_MAX_TILES):
         variant = "wide" if x.dtype == jnp.bfloat16 else "fma"
     if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
@@ -359,7 +360,7 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                  xperm=np.int64(bool(xperm)))
     elif variant == "tma":
         xb = x.reshape(m, k)
-        stages = stages or int(os.environ.get("NINFER_INT4_TMA_STAGES", "8"))
+        stages = stages or int(os.environ.get("NINFER_INT4_TMA_STAGES", "3"))
         warps = warps or int(os.environ.get("NINFER_INT4_TMA_WARPS", "8"))
         if stages not in TMA_STAGES or warps not in TMA_WARPS:
             raise ValueError(f"int4_gemv: the tma kernel takes stages {TMA_STAGES} and warps "

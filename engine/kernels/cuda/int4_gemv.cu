@@ -1322,35 +1322,50 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
   return cudaSuccess;
 }
 
-// ---- Stream-K wide GEMV fed by bulk copies (sm_90; M <= 4, K a multiple of 1024) ------------
+// ---- Stream-K wide GEMV fed by bulk copies (sm_90; M <= 4, K a multiple of 256) -------------
 //
 // The wide kernels above keep their codes in flight in registers (P = 2 pairs a warp; v16 ncu:
 // most of each instruction's cycles wait on those loads, `long_scoreboard`) or in a cp.async
 // ring that costs instructions a copy (v12). Here each block has one producer warp that moves
 // the weights into a shared-memory ring of S stages with bulk copies (`cp.async.bulk`, the
-// copy engine of sm_90: one instruction a row's 512 bytes, completion counted in bytes on an
+// copy engine of sm_90: one instruction a row's piece, completion counted in bytes on an
 // mbarrier), and W consumer warps compute from the ring with the wide kernel's `wide_pair`.
-// A stage is 16 rows x 1024 inputs (8 pairs of groups: 16 x 512 bytes of codes, 16 x 64 of
-// scales); consumer warp w takes pairs w, w + W, .. of each stage, so within a tile it sums
-// the same pairs in the same order as the wide kernel with W warps.
+// A stage is 16 rows x ks inputs (ks = K, or K cut into equal multiples of 256 of at most
+// kTmaMaxStageK: 16 copies of ks / 2 bytes of codes, 16 of ks / 16 of scales). Few large
+// copies: with 1024-input stages (32 copies of 512 and 64 bytes a stage) the kernel read at
+// 0.6-2.1 TB/s, slower with a deeper ring and faster with more blocks an SM (v17c): the
+// copies' issue, not their bytes, bound it. Consumer warp w takes pairs w, w + W, .. of a
+// stage; with ks = K that is the wide kernel's order for W warps.
 //
 // Persistent and stream-K: the grid is as many blocks as fit (G), and the call's stages (U =
-// tiles x K / 1024 of them) are cut into G even runs, block b taking stages [b U / G,
+// tiles x K / ks of them) are cut into G even runs, block b taking stages [b U / G,
 // (b + 1) U / G), so every block streams the same bytes and there is no last wave (the down
 // projection's 320 tiles leave 40% of a wave empty in the wide kernel). A tile wholly in one
-// block is reduced over its warps (warp order) and stored, bit for bit as the wide kernel with
-// W warps; a tile cut between blocks (at most G - 1 of them) has each block's part reduced
+// block is reduced over its warps (warp order) and stored (with ks = K bit for bit as the wide
+// kernel with W warps); a tile cut between blocks (at most G - 1 of them) has each block's part reduced
 // the same way into a per-block slot, and the block that finishes the tile's last part (a
 // counter per tile) adds the parts in block order and stores: a fixed order that depends on
 // N, K and G only, not on M or on timing (deterministic, batch invariant). The counters reset
 // themselves; the slots and counters are one set per loaded module and device, so launches of
 // this kernel must not run concurrently on one device (one decode step at a time).
-// The ring's rows are 576 bytes apart (512 + 64) and the scales' 80 (64 + 16): the 8 lanes of
-// a 16-byte shared load phase (rows g, g + 1 at 4 offsets each) fall in 8 different banks.
-constexpr int kTmaRow = 576, kTmaScaleRow = 80;
-constexpr int kTmaStageBytes = 16 * kTmaRow + 16 * kTmaScaleRow;   // 10,496
-constexpr int kTmaCopyBytes = 16 * 512 + 16 * 64;                  // what lands a stage
-constexpr int kTmaMaxBlocks = 1024, kTmaMaxTiles = 1 << 16;
+// In the ring a stage's rows of codes are `tma_row(ks)` bytes apart (64 modulo 128: the 8
+// lanes of a 16-byte shared load phase, rows g and g + 1 at 4 offsets each, fall in 8
+// different banks) and its rows of scales ks / 16 + 16 (the 8-byte loads of 4 rows apart).
+constexpr int kTmaMaxStageK = 6144, kTmaMaxBlocks = 1024, kTmaMaxTiles = 1 << 16;
+constexpr int kTmaSmemBytes = 219 * 1024;  // the ring at most: 227 KB a block, less the rest
+__host__ __device__ constexpr int tma_row(int ks) { return ks / 2 + ((ks / 2 + 64) % 128); }
+__host__ __device__ constexpr int tma_scale_row(int ks) { return ks / 16 + 16; }
+__host__ __device__ constexpr int tma_stage_bytes(int ks) {
+  return 16 * (tma_row(ks) + tma_scale_row(ks));
+}
+// The stage width for K (a multiple of 256) and a ring of S stages: K, or K cut into the
+// fewest equal multiples of 256 of at most kTmaMaxStageK inputs whose S stages fit.
+inline int tma_stage_k(int k, int s) {
+  int most = kTmaMaxStageK;
+  while (s * tma_stage_bytes(most) > kTmaSmemBytes) most -= 256;
+  for (int parts = (k + most - 1) / most;; ++parts)
+    if (k % (256 * parts) == 0) return k / parts;
+}
 __device__ float2 g_tma_part[kTmaMaxBlocks][2][32];  // [block][its first / last part][lane]
 __device__ unsigned int g_tma_done[kTmaMaxTiles];    // parts of a cut tile finished
 
@@ -1406,16 +1421,17 @@ template <int S, int W, typename OT>
 __global__ void __launch_bounds__((W + 1) * 32)
     int4_gemv_tma(const uint4* __restrict__ x, const float* __restrict__ corr,
                   const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
-                  OT* __restrict__ y, int k, int m) {
+                  OT* __restrict__ y, int k, int ks, int m) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // bulk copies and transaction-counted mbarriers: sm_90 and later
 #else
-  extern __shared__ uint4 tma_smem[];  // [S][16 rows x 576 | 16 x 80] bytes
+  extern __shared__ uint4 tma_smem[];  // [S][16 rows of codes | 16 rows of scales]
   unsigned char* ring = reinterpret_cast<unsigned char*>(tma_smem);
   __shared__ __align__(8) uint64_t full[S], empty[S];
   __shared__ float2 red[2][W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n = mt.start[mt.count], per_tile = k >> 10;
+  const int n = mt.start[mt.count], per_tile = k / ks, pairs = ks >> 7;
+  const int row_b = tma_row(ks), srow_b = tma_scale_row(ks), stage_b = tma_stage_bytes(ks);
   const int64_t tiles = (n + 15) / 16, units = tiles * per_tile, blocks = gridDim.x;
   const int64_t lo = blockIdx.x * units / blocks, hi = (blockIdx.x + 1) * units / blocks;
   const unsigned ring0 = static_cast<unsigned>(__cvta_generic_to_shared(ring));
@@ -1447,14 +1463,14 @@ __global__ void __launch_bounds__((W + 1) * 32)
       }
       const int st = static_cast<int>(u - tile * per_tile);
       mbar_wait(empty0 + 8 * s, (use & 1) ^ 1);  // its last use released (the first: at once)
-      if (lane == 0) mbar_expect(full0 + 8 * s, kTmaCopyBytes);
+      if (lane == 0) mbar_expect(full0 + 8 * s, 16 * (ks / 2 + ks / 16));
       __syncwarp();
-      const unsigned stage = ring0 + s * kTmaStageBytes;
+      const unsigned stage = ring0 + s * stage_b;
       if (lane < 16)
-        bulk_copy(stage + r * kTmaRow, wrow + 512 * st, 512, full0 + 8 * s, policy);
+        bulk_copy(stage + r * row_b, wrow + (ks / 2) * st, ks / 2, full0 + 8 * s, policy);
       else
-        bulk_copy(stage + 16 * kTmaRow + r * kTmaScaleRow, srow + 16 * st, 64, full0 + 8 * s,
-                  policy);
+        bulk_copy(stage + 16 * row_b + r * srow_b, srow + (ks / 64) * st, ks / 16,
+                  full0 + 8 * s, policy);
     }
     return;
   }
@@ -1472,17 +1488,15 @@ __global__ void __launch_bounds__((W + 1) * 32)
     const int64_t tile = u / per_tile;
     const int st = static_cast<int>(u - tile * per_tile);
     mbar_wait(full0 + 8 * s, static_cast<unsigned>(i / S) & 1);
-    const unsigned char* stage = ring + s * kTmaStageBytes;
-#pragma unroll
-    for (int q = 0; q < 8 / W; ++q) {
-      const int j = warp + W * q;
-      const uint4 ca = *reinterpret_cast<const uint4*>(stage + g * kTmaRow + 64 * j + 16 * t);
-      const uint4 cb =
-          *reinterpret_cast<const uint4*>(stage + (g + 8) * kTmaRow + 64 * j + 16 * t);
-      const unsigned char* sc = stage + 16 * kTmaRow + 8 * j;
-      const float2 sa = *reinterpret_cast<const float2*>(sc + g * kTmaScaleRow);
-      const float2 sb = *reinterpret_cast<const float2*>(sc + (g + 8) * kTmaScaleRow);
-      const int p = 8 * st + j;
+    const unsigned char* stage = ring + s * stage_b;
+    const unsigned char* ra = stage + g * row_b + 16 * t;
+    const unsigned char* sa_p = stage + 16 * row_b + g * srow_b;
+    for (int j = warp; j < pairs; j += W) {
+      const uint4 ca = *reinterpret_cast<const uint4*>(ra + 64 * j);
+      const uint4 cb = *reinterpret_cast<const uint4*>(ra + 8 * row_b + 64 * j);
+      const float2 sa = *reinterpret_cast<const float2*>(sa_p + 8 * j);
+      const float2 sb = *reinterpret_cast<const float2*>(sa_p + 8 * srow_b + 8 * j);
+      const int p = pairs * st + j;
       wide_pair<false>(ca, cb, sa, sb, xrow + 16 * p, rows.has_x, crow + p, tot);
     }
     __syncwarp();
@@ -1540,36 +1554,41 @@ __global__ void __launch_bounds__((W + 1) * 32)
 #endif
 }
 
+// The grid: as many blocks as fit at once with this ring (at most one a stage of the call).
 template <int S, int W, typename OT>
 cudaError_t launch_tma(cudaStream_t stream, const uint4* x, const float* corr, const Mats& mt,
                        const int32_t* index, void* y, int k, int m) {
-  constexpr int bytes = S * kTmaStageBytes;
-  static int fit = 0;  // blocks that fit on the device at once
-  if (fit == 0) {
-    int dev = 0, sms = 0, per_sm = 0;
+  const int ks = tma_stage_k(k, S), bytes = S * tma_stage_bytes(ks);
+  static int sms = 0;
+  static int fits[kTmaMaxStageK / 256 + 1] = {};  // blocks an SM, by stage width / 256
+  int& per_sm = fits[ks / 256];
+  if (sms == 0) {
+    int dev = 0, major = 0;
     cudaError_t err = cudaFuncSetAttribute(int4_gemv_tma<S, W, OT>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           kTmaSmemBytes);
     if (err == cudaSuccess) err = cudaGetDevice(&dev);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (err == cudaSuccess)
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, int4_gemv_tma<S, W, OT>,
-                                                          (W + 1) * 32, bytes);
+      err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (err == cudaSuccess && major < 9) err = cudaErrorNotSupported;  // sm_90's bulk copies
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        major < 9)
-      return cudaErrorNotSupported;  // sm_90's bulk copies
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
-    fit = std::min(kTmaMaxBlocks, sms * per_sm);
   }
-  const int64_t tiles = (mt.start[mt.count] + 15) / 16, units = tiles * (k / 1024);
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fit, units)));
+  if (per_sm == 0) {
+    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, int4_gemv_tma<S, W, OT>, (W + 1) * 32, bytes);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  }
+  const int64_t tiles = (mt.start[mt.count] + 15) / 16, units = tiles * (k / ks);
+  const int blocks = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>({kTmaMaxBlocks, sms * per_sm, units})));
   int4_gemv_tma<S, W, OT><<<blocks, (W + 1) * 32, bytes, stream>>>(
-      x, corr, mt, index, static_cast<OT*>(y), k, m);
+      x, corr, mt, index, static_cast<OT*>(y), k, ks, m);
   return cudaGetLastError();
 }
 
-// The stream-K kernel a call asks for (stages 4, 8 or 16 of the ring; 4 or 8 consumer warps);
+// The stream-K kernel a call asks for (a ring of 2, 3 or 4 stages; 4 or 8 consumer warps);
 // `known` false for one not built.
 template <typename OT>
 cudaError_t launch_tma_variant(cudaStream_t stream, int64_t stages, int64_t warps,
@@ -1578,8 +1597,8 @@ cudaError_t launch_tma_variant(cudaStream_t stream, int64_t stages, int64_t warp
   known = true;
 #define NINFER_TMA(S, W) \
   if (stages == S && warps == W) return launch_tma<S, W, OT>(stream, x, corr, mt, index, y, k, m);
-  NINFER_TMA(4, 4) NINFER_TMA(8, 4) NINFER_TMA(16, 4)
-  NINFER_TMA(4, 8) NINFER_TMA(8, 8) NINFER_TMA(16, 8)
+  NINFER_TMA(2, 4) NINFER_TMA(3, 4) NINFER_TMA(4, 4)
+  NINFER_TMA(2, 8) NINFER_TMA(3, 8) NINFER_TMA(4, 8)
 #undef NINFER_TMA
   known = false;
   return cudaSuccess;
@@ -1848,7 +1867,7 @@ bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
 }
 
 // x [M, K] bf16 as it is, corr [M, K/64] its group sums, index, the (codes, scales) pairs;
-// y [M <= 4, N]. K a multiple of 1024; at most 65,536 tiles of 16 rows.
+// y [M <= 4, N]. K a multiple of 256; at most 65,536 tiles of 16 rows.
 ffi::Error Int4GemvTmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                            ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
@@ -1858,8 +1877,8 @@ ffi::Error Int4GemvTmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
   const int64_t n = mt.start[mt.count];
   const auto xd = x.dimensions(), yd = y->dimensions();
-  if (k % 1024 != 0)
-    return ffi::Error::InvalidArgument("int4_gemv_tma: K must be a multiple of 1024");
+  if (k % 256 != 0)
+    return ffi::Error::InvalidArgument("int4_gemv_tma: K must be a multiple of 256");
   if ((n + 15) / 16 > kTmaMaxTiles)
     return ffi::Error::InvalidArgument("int4_gemv_tma: N must be at most 16 x 65536");
   if (yd.size() != 2 || yd[1] != n || yd[0] < 1 || yd[0] > 4)
@@ -1882,7 +1901,7 @@ ffi::Error Int4GemvTmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
            : launch_tma_variant<float>(stream, stages, warps, x4, corr.typed_data(), mt,
                                        index.typed_data(), yp, ki, mi, known);
   if (!known)
-    return ffi::Error::InvalidArgument("int4_gemv_tma: stages 4, 8 or 16; warps 4 or 8");
+    return ffi::Error::InvalidArgument("int4_gemv_tma: stages 2, 3 or 4; warps 4 or 8");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
