@@ -617,7 +617,8 @@ constexpr uint32_t kNeg136x2 = 0xC308C308u;  // two bf16 -136.0
 // `wide_pair_with` takes the pair's group sums of x from `corr()` (called where the sums are
 // used) and, with kCoherentX, loads x through L2 only (`__ldcg`): x written earlier in the
 // same launch (the persistent MLP kernel's activations) must not come from the read-only path.
-template <bool kBias, bool kXPerm, bool kCoherentX, typename Corr>
+// kSharedX: xp points into shared memory (plain loads).
+template <bool kBias, bool kXPerm, bool kCoherentX, typename Corr, bool kSharedX = false>
 __device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, const float2 sa,
                                                const float2 sb, const uint4* __restrict__ xp,
                                                bool has_x, Corr corr, float (&tot)[2]) {
@@ -625,7 +626,7 @@ __device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, c
   if (has_x) {
 #pragma unroll
     for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
-      const uint4 xv = kCoherentX ? __ldcg(xp + v) : __ldg(xp + v);
+      const uint4 xv = kSharedX ? xp[v] : kCoherentX ? __ldcg(xp + v) : __ldg(xp + v);
       if constexpr (kXPerm) {
         b[4 * v] = xv.x;
         b[4 * v + 1] = xv.y;
@@ -1331,7 +1332,8 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
 // copy engine of sm_90: one instruction a row's piece, completion counted in bytes on an
 // mbarrier), and W consumer warps compute from the ring with the wide kernel's `wide_pair`.
 // A stage is 16 rows x ks inputs (ks = K, or K cut into equal multiples of 256 of at most
-// kTmaMaxStageK: 16 copies of ks / 2 bytes of codes, 16 of ks / 16 of scales). Few large
+// kTmaMaxStageK: 16 copies of ks / 2 bytes of codes, 16 of ks / 16 of scales, and M of
+// x's ks inputs, so the consumers read x from shared memory too). Few large
 // copies: with 1024-input stages (32 copies of 512 and 64 bytes a stage) the kernel read at
 // 0.6-2.1 TB/s, slower with a deeper ring and faster with more blocks an SM (v17c): the
 // copies' issue, not their bytes, bound it. Consumer warp w takes pairs w, w + W, .. of a
@@ -1350,19 +1352,21 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
 // this kernel must not run concurrently on one device (one decode step at a time).
 // In the ring a stage's rows of codes are `tma_row(ks)` bytes apart (64 modulo 128: the 8
 // lanes of a 16-byte shared load phase, rows g and g + 1 at 4 offsets each, fall in 8
-// different banks) and its rows of scales ks / 16 + 16 (the 8-byte loads of 4 rows apart).
+// different banks), its rows of scales ks / 16 + 16 (the 8-byte loads of 4 rows apart), and
+// its rows of x 2 ks + 64.
 constexpr int kTmaMaxStageK = 6144, kTmaMaxBlocks = 1024, kTmaMaxTiles = 1 << 16;
 constexpr int kTmaSmemBytes = 219 * 1024;  // the ring at most: 227 KB a block, less the rest
 __host__ __device__ constexpr int tma_row(int ks) { return ks / 2 + ((ks / 2 + 64) % 128); }
 __host__ __device__ constexpr int tma_scale_row(int ks) { return ks / 16 + 16; }
-__host__ __device__ constexpr int tma_stage_bytes(int ks) {
-  return 16 * (tma_row(ks) + tma_scale_row(ks));
+__host__ __device__ constexpr int tma_x_row(int ks) { return 2 * ks + 64; }
+__host__ __device__ constexpr int tma_stage_bytes(int ks, int m) {
+  return 16 * (tma_row(ks) + tma_scale_row(ks)) + m * tma_x_row(ks);
 }
 // The stage width for K (a multiple of 256) and a ring of S stages: K, or K cut into the
-// fewest equal multiples of 256 of at most kTmaMaxStageK inputs whose S stages fit.
-inline int tma_stage_k(int k, int s) {
+// fewest equal multiples of 256 of at most kTmaMaxStageK inputs whose S stages fit (M rows).
+inline int tma_stage_k(int k, int s, int m) {
   int most = kTmaMaxStageK;
-  while (s * tma_stage_bytes(most) > kTmaSmemBytes) most -= 256;
+  while (s * tma_stage_bytes(most, m) > kTmaSmemBytes) most -= 256;
   for (int parts = (k + most - 1) / most;; ++parts)
     if (k % (256 * parts) == 0) return k / parts;
 }
@@ -1425,13 +1429,14 @@ __global__ void __launch_bounds__((W + 1) * 32)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // bulk copies and transaction-counted mbarriers: sm_90 and later
 #else
-  extern __shared__ uint4 tma_smem[];  // [S][16 rows of codes | 16 rows of scales]
+  extern __shared__ uint4 tma_smem[];  // [S][16 rows of codes | 16 of scales | M of x]
   unsigned char* ring = reinterpret_cast<unsigned char*>(tma_smem);
   __shared__ __align__(8) uint64_t full[S], empty[S];
   __shared__ float2 red[2][W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n = mt.start[mt.count], per_tile = k / ks, pairs = ks >> 7;
-  const int row_b = tma_row(ks), srow_b = tma_scale_row(ks), stage_b = tma_stage_bytes(ks);
+  const int row_b = tma_row(ks), srow_b = tma_scale_row(ks), stage_b = tma_stage_bytes(ks, m);
+  const int x0 = 16 * (row_b + srow_b);  // a stage's x rows
   const int64_t tiles = (n + 15) / 16, units = tiles * per_tile, blocks = gridDim.x;
   const int64_t lo = blockIdx.x * units / blocks, hi = (blockIdx.x + 1) * units / blocks;
   const unsigned ring0 = static_cast<unsigned>(__cvta_generic_to_shared(ring));
@@ -1449,6 +1454,8 @@ __global__ void __launch_bounds__((W + 1) * 32)
   if (warp == W) {  // the producer: lane r < 16 copies row r's codes, lane 16 + r its scales
     uint64_t policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    uint64_t keep;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
     const int64_t layer = layer_of(mt, index);
     const int r = lane & 15;
     int64_t tile = -1;
@@ -1463,7 +1470,7 @@ __global__ void __launch_bounds__((W + 1) * 32)
       }
       const int st = static_cast<int>(u - tile * per_tile);
       mbar_wait(empty0 + 8 * s, (use & 1) ^ 1);  // its last use released (the first: at once)
-      if (lane == 0) mbar_expect(full0 + 8 * s, 16 * (ks / 2 + ks / 16));
+      if (lane == 0) mbar_expect(full0 + 8 * s, 16 * (ks / 2 + ks / 16) + m * 2 * ks);
       __syncwarp();
       const unsigned stage = ring0 + s * stage_b;
       if (lane < 16)
@@ -1471,6 +1478,11 @@ __global__ void __launch_bounds__((W + 1) * 32)
       else
         bulk_copy(stage + 16 * row_b + r * srow_b, srow + (ks / 64) * st, ks / 16,
                   full0 + 8 * s, policy);
+      if (lane < m)  // x row `lane`'s inputs of the stage (read by every block: kept in L2)
+        bulk_copy(stage + x0 + lane * tma_x_row(ks),
+                  reinterpret_cast<const unsigned char*>(x) + 2 * (static_cast<int64_t>(lane) * k +
+                                                                   static_cast<int64_t>(ks) * st),
+                  2 * ks, full0 + 8 * s, keep);
     }
     return;
   }
@@ -1478,7 +1490,6 @@ __global__ void __launch_bounds__((W + 1) * 32)
   // the consumers
   const LaneRows rows(lane, m);
   const int g = lane >> 2, t = lane & 3;
-  const uint4* xrow = rows.x_at(x, k, 0, lane);          // pair p at + 16 p
   const float2* crow = rows.corr_at(corr, k, 0);         // pair p at + p
   float tot[2] = {0.0f, 0.0f};
   int parity = 0;  // which `red` a part reduces into
@@ -1491,13 +1502,17 @@ __global__ void __launch_bounds__((W + 1) * 32)
     const unsigned char* stage = ring + s * stage_b;
     const unsigned char* ra = stage + g * row_b + 16 * t;
     const unsigned char* sa_p = stage + 16 * row_b + g * srow_b;
+    const uint4* xs = reinterpret_cast<const uint4*>(stage + x0 + rows.xrow * tma_x_row(ks)) +
+                      4 * t;  // pair j at + 16 j
     for (int j = warp; j < pairs; j += W) {
       const uint4 ca = *reinterpret_cast<const uint4*>(ra + 64 * j);
       const uint4 cb = *reinterpret_cast<const uint4*>(ra + 8 * row_b + 64 * j);
       const float2 sa = *reinterpret_cast<const float2*>(sa_p + 8 * j);
       const float2 sb = *reinterpret_cast<const float2*>(sa_p + 8 * srow_b + 8 * j);
-      const int p = pairs * st + j;
-      wide_pair<false>(ca, cb, sa, sb, xrow + 16 * p, rows.has_x, crow + p, tot);
+      const float2* cp = crow + pairs * st + j;
+      const auto cload = [cp]() { return __ldg(cp); };
+      wide_pair_with<false, false, false, decltype(cload), true>(ca, cb, sa, sb, xs + 16 * j,
+                                                                 rows.has_x, cload, tot);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
@@ -1558,10 +1573,10 @@ __global__ void __launch_bounds__((W + 1) * 32)
 template <int S, int W, typename OT>
 cudaError_t launch_tma(cudaStream_t stream, const uint4* x, const float* corr, const Mats& mt,
                        const int32_t* index, void* y, int k, int m) {
-  const int ks = tma_stage_k(k, S), bytes = S * tma_stage_bytes(ks);
+  const int ks = tma_stage_k(k, S, m), bytes = S * tma_stage_bytes(ks, m);
   static int sms = 0;
-  static int fits[kTmaMaxStageK / 256 + 1] = {};  // blocks an SM, by stage width / 256
-  int& per_sm = fits[ks / 256];
+  static int fits[5][kTmaMaxStageK / 256 + 1] = {};  // blocks an SM, by M and stage width
+  int& per_sm = fits[m][ks / 256];
   if (sms == 0) {
     int dev = 0, major = 0;
     cudaError_t err = cudaFuncSetAttribute(int4_gemv_tma<S, W, OT>,
