@@ -51,9 +51,10 @@ def test_wide_falls_back_where_k_is_not_a_multiple_of_128():
         assert target in exp.mlir_module() and cuda_ops.INT4_WIDE_TARGET not in exp.mlir_module()
 
 
-def test_tma_lowers_to_its_call_where_k_is_whole_stages_and_checks_its_settings():
-    """The stream-K kernel takes K in multiples of TMA_K; K = 128 goes to the wide kernel, fp32 x to the fma one; ring depths and warps outside those built are a
-    clear error before anything runs."""
+def test_tma_lowers_to_its_call_where_it_takes_k_and_checks_its_settings():
+    """The stream-K kernel takes K in multiples of TMA_K; K = 128 goes to the wide kernel,
+    fp32 x to the fma one; ring depths and warps outside those built are a clear error before
+    anything runs."""
     x = jnp.ones((2, 1024), jnp.bfloat16)
     for w, xs, target in ((_qtensor(64, 1024, 0, lead=(2,)), x, cuda_ops.INT4_TMA_TARGET),
                           (_qtensor(64, 128, 0, lead=(2,)), x[:, :128], cuda_ops.INT4_WIDE_TARGET),

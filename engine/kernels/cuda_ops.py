@@ -278,12 +278,13 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
     (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel; "tma" (sm_90,
-    bf16 x, M <= 4, K a multiple of TMA_K, else "wide"/"fma"): the wide kernel's sums
-    with the weights streamed by bulk copies into a shared-memory ring of `stages` (TMA_STAGES,
-    default NINFER_INT4_TMA_STAGES or 3) by a producer warp for `warps` (TMA_WARPS, default
-    NINFER_INT4_TMA_WARPS or 8) consumer warps, persistent blocks splitting the call's stages
-    evenly (stream-K; a tile cut between blocks is added in block order, so not the wide
-    kernel's bits there, and the same bits whatever M). Tile parameters:
+    bf16 x, M <= 4, K a multiple of TMA_K, else "wide"/"fma"): the wide kernel's sums with
+    the weights and x streamed by bulk copies into a shared-memory ring of `stages`
+    (TMA_STAGES, default NINFER_INT4_TMA_STAGES or 2) by a producer warp for `warps`
+    (TMA_WARPS, default NINFER_INT4_TMA_WARPS or 8) consumer warps, persistent blocks
+    splitting the call's stages evenly (stream-K; a tile cut between blocks is added in block
+    order, so not the wide kernel's bits there, and the same bits whatever M); slower than
+    "wide" at every shape of the 27B on the H200 (v17c-e), opt-in only. Tile parameters:
     rows_per_warp (fma); stages (mma: copy pipeline depth, 4/6/8/12; wide: 0 for the
     register ring of `prefetch` pairs, 4 or 8 for a shared-memory ring of that many pairs
     filled by cp.async, warps 4 or 8, bias 0, the same sums bit for bit; default 0 or
@@ -360,7 +361,7 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                  xperm=np.int64(bool(xperm)))
     elif variant == "tma":
         xb = x.reshape(m, k)
-        stages = stages or int(os.environ.get("NINFER_INT4_TMA_STAGES", "3"))
+        stages = stages or int(os.environ.get("NINFER_INT4_TMA_STAGES", "2"))
         warps = warps or int(os.environ.get("NINFER_INT4_TMA_WARPS", "8"))
         if stages not in TMA_STAGES or warps not in TMA_WARPS:
             raise ValueError(f"int4_gemv: the tma kernel takes stages {TMA_STAGES} and warps "

@@ -1330,26 +1330,31 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
 // ring that costs instructions a copy (v12). Here each block has one producer warp that moves
 // the weights into a shared-memory ring of S stages with bulk copies (`cp.async.bulk`, the
 // copy engine of sm_90: one instruction a row's piece, completion counted in bytes on an
-// mbarrier), and W consumer warps compute from the ring with the wide kernel's `wide_pair`.
-// A stage is 16 rows x ks inputs (ks = K, or K cut into equal multiples of 256 of at most
-// kTmaMaxStageK: 16 copies of ks / 2 bytes of codes, 16 of ks / 16 of scales, and M of
-// x's ks inputs, so the consumers read x from shared memory too). Few large
-// copies: with 1024-input stages (32 copies of 512 and 64 bytes a stage) the kernel read at
-// 0.6-2.1 TB/s, slower with a deeper ring and faster with more blocks an SM (v17c): the
-// copies' issue, not their bytes, bound it. Consumer warp w takes pairs w, w + W, .. of a
-// stage; with ks = K that is the wide kernel's order for W warps.
+// mbarrier), and W consumer warps compute from the ring with the wide kernel's pair. A stage
+// is 16 rows x ks inputs (ks = K, or K cut into equal multiples of 256 of at most
+// kTmaMaxStageK whose ring fits): 16 copies of ks / 2 bytes of codes, 16 of ks / 16 of scales
+// and M of x's ks inputs, so the consumers read x from shared memory too. Consumer warp w
+// takes pairs w, w + W, .. of a stage; with ks = K that is the wide kernel's order for W warps.
 //
 // Persistent and stream-K: the grid is as many blocks as fit (G), and the call's stages (U =
 // tiles x K / ks of them) are cut into G even runs, block b taking stages [b U / G,
 // (b + 1) U / G), so every block streams the same bytes and there is no last wave (the down
 // projection's 320 tiles leave 40% of a wave empty in the wide kernel). A tile wholly in one
-// block is reduced over its warps (warp order) and stored (with ks = K bit for bit as the wide
-// kernel with W warps); a tile cut between blocks (at most G - 1 of them) has each block's part reduced
-// the same way into a per-block slot, and the block that finishes the tile's last part (a
-// counter per tile) adds the parts in block order and stores: a fixed order that depends on
-// N, K and G only, not on M or on timing (deterministic, batch invariant). The counters reset
-// themselves; the slots and counters are one set per loaded module and device, so launches of
-// this kernel must not run concurrently on one device (one decode step at a time).
+// block is reduced over its warps (warp order) and stored (with ks = K bit for bit as the
+// wide kernel with W warps); a tile cut between blocks (at most G - 1 of them) has each
+// block's part reduced the same way into a per-block slot, and the block that finishes the
+// tile's last part (a counter per tile) adds the parts in block order and stores: a fixed
+// order that depends on N, K and G only, not on M or on timing (deterministic, batch
+// invariant). The counters reset themselves; the slots and counters are one set per loaded
+// module and device, so launches of this kernel must not run concurrently on one device (one
+// decode step at a time).
+//
+// Measured on the H200 (docs/benchmarks/README.md v17): slower than the wide kernel at every
+// shape of the 27B. 1024-input stages (32 copies of 512 and 64 bytes) read at 0.46-2.07 TB/s;
+// whole-row stages at 0.65-2.70 TB/s against the wide kernel's 0.80-2.86; faster with more blocks
+// an SM and slower with a deeper ring, so something a block does in turn bounds it, not the
+// bytes in flight. Opt-in (NINFER_INT4_KERNEL=tma), kept for the profile that names it.
+//
 // In the ring a stage's rows of codes are `tma_row(ks)` bytes apart (64 modulo 128: the 8
 // lanes of a 16-byte shared load phase, rows g and g + 1 at 4 offsets each, fall in 8
 // different banks), its rows of scales ks / 16 + 16 (the 8-byte loads of 4 rows apart), and
