@@ -11,6 +11,7 @@
 #   headline   decode and 8K/32K/128K prefill from int4_g64 weights, one process
 #   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
 #   tma        the stream-K GEMV fed by bulk copies: GPU tests, micro sweep, 1K decode (TMA_SETTINGS)
+#   xlafuse    XLA's newer fusion passes (XLAFUSE_SETS): 1K decode and a profiled step each
 #   restore    server-level 128K restore vs re-prefill and restart (RESTORE_ARGS,
 #              RESTORE_BUDGET_S)
 #   profile    one int4 decode step and one bf16 prefill of PROFILE_PREFILL tokens by kernel
@@ -115,6 +116,30 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 240 "$OUT/decode_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \
           --contexts 1024,32768,131072 --prefill "" --steps 10 --out "$OUT/bench_27b_$TAG.json"
         grep -E 'ceilings|decode' "$OUT/decode_$TAG.log" | cut -c1-160 ;;
+      xlafuse)  # XLA's newer fusion passes on the decode step, whose ~1,200 small kernels
+        # (RMSNorms as a sum-of-squares kernel and a normalize kernel each, residual adds, group
+        # sums) take ~1.5 ms of the 1K step: for no flags and each of XLAFUSE_SETS (XLA flag
+        # sets, ';' between them), C1/C2 1K decode and one profiled C1 step (kernels a step,
+        # the largest by time). A flag this XLA does not know ends its run at start-up (in
+        # its log). The engine's GPU tests (greedy C1 == C2) then run with XLAFUSE_TEST, if set.
+        IFS=';' read -ra fsets <<< "${XLAFUSE_SETS:---xla_gpu_experimental_enable_fusion_block_level_rewriter=true;--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true;--xla_gpu_unsupported_enable_triton_multi_output_fusion=true}"
+        for i in $(seq 0 "${#fsets[@]}"); do
+          flags=""
+          [ "$i" -gt 0 ] && flags="${fsets[$((i - 1))]}"
+          echo "set $i: ${flags:-none}"
+          decode1k "xlafuse_$i" "XLA_FLAGS=$flags"
+          (export XLA_FLAGS="$flags"
+           run 150 "$OUT/xlafuse_prof_${i}_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
+             --batches 1 --contexts 1024 --prefill "" --steps 5 --profile 2 \
+             --out "$OUT/xlafuse_prof_${i}_$TAG.json")
+          grep -E -A4 'per step' "$OUT/xlafuse_prof_${i}_$TAG.log" | cut -c1-150
+        done
+        if [ -n "${XLAFUSE_TEST:-}" ]; then
+          (export XLA_FLAGS="$XLAFUSE_TEST"
+           run 300 "$OUT/xlafuse_enginegpu_$TAG.log" python3 -m pytest -q -m gpu \
+             -p no:cacheprovider tests/test_engine_gpu.py)
+          tail -n 2 "$OUT/xlafuse_enginegpu_$TAG.log"
+        fi ;;
       tma)  # the stream-K GEMV fed by bulk copies (NINFER_INT4_KERNEL=tma): its GPU tests, the
         # micro sweep of a step's launches against the wide kernel (4 and 8 warps, the capped
         # default), then C1/C2 1K decode: default, separate MLP calls, tma for every call
