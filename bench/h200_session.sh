@@ -12,6 +12,7 @@
 #   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
 #   tma        the stream-K GEMV fed by bulk copies: GPU tests, micro sweep, 1K decode (TMA_SETTINGS)
 #   xlafuse    XLA's newer fusion passes (XLAFUSE_SETS): 1K decode and a profiled step each
+#   pdl        our GEMVs as programmatic dependents of the kernel ahead (NINFER_INT4_PDL)
 #   restore    server-level 128K restore vs re-prefill and restart (RESTORE_ARGS,
 #              RESTORE_BUDGET_S)
 #   profile    one int4 decode step and one bf16 prefill of PROFILE_PREFILL tokens by kernel
@@ -116,6 +117,20 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 240 "$OUT/decode_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \
           --contexts 1024,32768,131072 --prefill "" --steps 10 --out "$OUT/bench_27b_$TAG.json"
         grep -E 'ceilings|decode' "$OUT/decode_$TAG.log" | cut -c1-160 ;;
+      pdl)  # our GEMVs (the wide kernel, the MLP op's gate|up) launched as programmatic
+        # dependents of the XLA kernel ahead of them (NINFER_INT4_PDL 1: wait first; 2: the
+        # layer index and the ring of weights before the wait): their GPU tests, C1/C2 1K
+        # decode with 0, 1 and 2 twice in turn, the engine's GPU tests with 2
+        run 240 "$OUT/pdl_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_cuda_gemv.py -k "pdl or two_launches or batch_invariant"
+        tail -n 2 "$OUT/pdl_tests_$TAG.log"
+        for rep in a b; do
+          for mode in 0 1 2; do decode1k "pdl${mode}_$rep" NINFER_INT4_PDL=$mode; done
+        done
+        (export NINFER_INT4_PDL=2
+         run 300 "$OUT/pdl_enginegpu_$TAG.log" python3 -m pytest -q -m gpu \
+           -p no:cacheprovider tests/test_engine_gpu.py)
+        tail -n 2 "$OUT/pdl_enginegpu_$TAG.log" ;;
       xlafuse)  # XLA's newer fusion passes on the decode step, whose ~1,200 small kernels
         # (RMSNorms as a sum-of-squares kernel and a normalize kernel each, residual adds, group
         # sums) take ~1.5 ms of the 1K step: for no flags and each of XLAFUSE_SETS (XLA flag

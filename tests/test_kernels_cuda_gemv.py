@@ -574,6 +574,77 @@ def test_persistent_mlp_matches_reference_on_gpu(launches, warps, occupancy):
     np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(got3[:1], np.float32))
 
 
+def test_pdl_setting_reaches_the_default_kernels_only(monkeypatch):
+    """NINFER_INT4_PDL sets the launch mode of the wide GEMV's default kernels and of the MLP
+    op's gate|up (launches 2 or 3 at its defaults); elsewhere it is 0; a mode the kernels do
+    not have, or asked of a launch they are not built for, is a clear error."""
+    monkeypatch.setenv("NINFER_INT4_PDL", "2")
+    w = _qtensor(64, 256, 0, lead=(2,))
+    x = jnp.ones((1, 256), jnp.bfloat16)
+    idx = jnp.array([1], jnp.int32)
+
+    def lowered(fn, target, *args):
+        return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call(target)])(*args).mlir_module()
+
+    wide = cuda_ops.INT4_WIDE_TARGET
+    assert "pdl = 2 : i64" in lowered(lambda x, w, i: cuda_ops.int4_gemv(x, w, i), wide, x, w,
+                                      idx)
+    assert "pdl = 0 : i64" in lowered(lambda x, w, i: cuda_ops.int4_gemv(x, w, i, warps=2),
+                                      wide, x, w, idx)
+    assert "pdl = 1 : i64" in lowered(lambda x, w, i: cuda_ops.int4_gemv(x, w, i, pdl=1),
+                                      wide, x, w, idx)
+    xm, h, (gate, up, down) = _mlp_case(1)
+    mlp = cuda_ops.INT4_MLP_TARGET
+    for launches, want in ((2, 2), (3, 2), (1, 0)):
+        text = lowered(lambda x, h, g, u, d, i, n=launches: cuda_ops.int4_mlp(
+            x, h, g, u, d, i, launches=n), mlp, xm, h, gate, up, down, idx)
+        assert f"pdl = {want} : i64" in text
+    with pytest.raises(ValueError, match="pdl"):
+        cuda_ops.int4_mlp(xm, h, gate, up, down, idx, launches=1, pdl=1)
+    with pytest.raises(ValueError, match="pdl"):
+        cuda_ops.int4_mlp(xm, h, gate, up, down, idx, launches=2, warps=4, pdl=2)
+    monkeypatch.setenv("NINFER_INT4_PDL", "3")
+    with pytest.raises(ValueError, match="NINFER_INT4_PDL"):
+        cuda_ops.int4_gemv(x, w, idx)
+
+
+@pytest.mark.gpu
+def test_pdl_launches_are_the_plain_launches_bits_on_gpu():
+    """The wide GEMV and the MLP op's gate|up launched as programmatic dependents of the kernel
+    ahead of them (modes 1 and 2) give the plain launches' bits in a loop shaped as the
+    model's: over a stack of layers indexed by the loop, x made by an XLA norm just before each
+    GEMV, the next layer's input made from the output (a launch that read x before the norm
+    had written it, or wrote y before the kernel ahead had read its buffer, could not pass),
+    for one and two rows."""
+    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    layers, d, n1 = 3, 5120, 2048
+    proj = _qtensor(d, d, 31, lead=(layers,))
+    gate, up, down = (_qtensor(n, k, 32 + n, lead=(layers,))
+                      for n, k in ((n1, d), (n1, d), (d, n1)))
+
+    def norm(h):
+        hf = h.astype(jnp.float32)
+        return (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + 1e-6)).astype(
+            jnp.bfloat16)
+
+    def run(h0, mode):
+        def body(h, i):
+            idx = i[None]
+            h = h + cuda_ops.int4_gemv(norm(h), proj, idx, pdl=mode)
+            h = cuda_ops.int4_mlp(norm(h), h, gate, up, down, idx, launches=2, pdl=mode)
+            return h, None
+        return jax.lax.scan(body, h0, jnp.arange(layers, dtype=jnp.int32))[0]
+
+    for m in (1, 2):
+        h0 = jnp.asarray(np.random.default_rng(m).standard_normal((m, d)), jnp.bfloat16)
+        outs = [np.asarray(jax.jit(run, static_argnums=1)(h0, mode), np.float32)
+                for mode in cuda_ops.PDL_MODES]
+        assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+        for other in outs[1:]:
+            np.testing.assert_array_equal(other, outs[0])
+
+
 @pytest.mark.gpu
 def test_mlp_two_launches_are_the_persistent_kernels_bits_on_gpu():
     """With 8 warps a tile for gate|up, the two launches (chained by programmatic dependent

@@ -848,8 +848,9 @@ struct LaneRows {
 };
 
 // What lane (g, t) of warp `warp` reads of a wide tile: its rows' codes and scales at its
-// first pair (`WideTile`), x and corr at its first pair, whether it holds x.
-template <int W>
+// first pair (`WideTile`), x and corr at its first pair, whether it holds x. kCoherentIndex:
+// the layer index read through L2, as a load ahead of `griddepcontrol.wait` must be.
+template <int W, bool kCoherentIndex = false>
 struct WideLane : WideTile<W> {
   const uint4* xr;   // x (+ 16 W uint4 a pair)
   const float2* cr;  // corr (+ W a pair); null with the bias MMAs
@@ -859,7 +860,7 @@ struct WideLane : WideTile<W> {
                                       const float* __restrict__ corr, const Mats& mt,
                                       const int32_t* __restrict__ index, int k, int m,
                                       int warp, int lane, int row0, bool bias)
-      : WideTile<W>(mt, layer_of(mt, index), k, row0, warp, lane) {
+      : WideTile<W>(mt, layer_of<kCoherentIndex>(mt, index), k, row0, warp, lane) {
     const LaneRows rows(lane, m);
     has_x = rows.has_x;
     xr = rows.x_at(x, k, warp, lane);
@@ -885,7 +886,13 @@ __device__ __forceinline__ void pdl_wait() {
 // T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
 // 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
 // warps, more codes in flight.
-template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false>
+// kPdl, for a launch with programmatic stream serialization (it may start once every block of
+// the kernel before it has exited, before that grid's stores are visible; `launch_wide_pdl`):
+// 1, the kernel waits for that grid first; 2, it reads the layer index and fills its ring
+// (the weights: never written in the step) first, then waits, then reads x and corr and
+// writes y. 2 requires that the kernel just before does not write the index (in the model it
+// is sliced at the layer loop's start, before the norm that precedes every GEMV).
+template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false, int kPdl = 0>
 __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
@@ -893,9 +900,11 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
   __shared__ float2 red[W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * 16;
-  const WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0, kBias);
+  if constexpr (kPdl == 1) pdl_wait();
+  const WideLane<W, kPdl == 2> in(x, corr, mt, index, k, m, warp, lane, row0, kBias);
   WideRing<P> ring;
-  ring_fill(ring, static_cast<const WideTile<W>&>(in));
+  ring_fill<P, W, kPdl == 2>(ring, static_cast<const WideTile<W>&>(in));
+  if constexpr (kPdl == 2) pdl_wait();
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
   ring_run<P, W, kBias, kXPerm, false>(ring, in, in.xr, in.has_x, CorrPairs<W>{in.cr}, tot);
   wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
@@ -1093,23 +1102,26 @@ cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
 // tail, with no co-residency requirement and no counters: launches may overlap. Without the
 // attribute (or on a GPU without it) the wait returns at once and stream order holds.
 
-template <int W, int T>
+// kPdl: as the wide kernel's (the launch before it is then the norm's, in the model).
+template <int W, int T, int kPdl = 0>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_gate_up(const uint4* __restrict__ x, const float* __restrict__ corr,
                      const __grid_constant__ Mats gu, const int32_t* __restrict__ index,
                      __nv_bfloat16* __restrict__ act, float* __restrict__ psum, int k1,
                      int m) {
   pdl_launch_dependents();
+  if constexpr (kPdl == 1) pdl_wait();
   __shared__ float2 red[2][W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, u = blockIdx.x;
   const int n1 = gu.start[1];
-  const int64_t layer = layer_of(gu, index);
+  const int64_t layer = layer_of<kPdl == 2>(gu, index);
   const LaneRows ln(lane, m);
   const uint4* xa = ln.x_at(x, k1, warp, lane);
   const float2* ca = ln.corr_at(corr, k1, warp);
   WideRing<2> ring;
   WideTile<W> cur(gu, layer, k1, 16 * u, warp, lane);
-  ring_fill(ring, cur);
+  ring_fill<2, W, kPdl == 2>(ring, cur);
+  if constexpr (kPdl == 2) pdl_wait();
   float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
   ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, gt);
   cur = WideTile<W>(gu, layer, k1, n1 + 16 * u, warp, lane);  // up's tile u in flight
@@ -1165,16 +1177,28 @@ struct PdlLaunch {
 
 // The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
 // warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
-// programmatic stream serialization when `pdl` (else a plain launch: stream order).
+// programmatic stream serialization when `pdl` (else a plain launch: stream order); gate|up
+// with it too when `first` is 1 or 2 (the kernel's kPdl: after the kernel before it).
 template <int W, int T>
 cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
                            const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
                            const int32_t* index, __nv_bfloat16* act, float* psum,
-                           __nv_bfloat16* out, int k1, int m, bool pdl) {
+                           __nv_bfloat16* out, int k1, int m, bool pdl, int first = 0) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
-                                                                k1, m);
-  const cudaError_t err = cudaGetLastError();
+  cudaError_t err = cudaSuccess;
+  if (first == 0) {
+    int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
+                                                                  psum, k1, m);
+    err = cudaGetLastError();
+  } else if constexpr (W == 8 && T == 32) {  // built for the default setting only
+    PdlLaunch a(stream, (n1 + 15) / 16, W * 32, true);
+    err = first == 1 ? cudaLaunchKernelEx(&a.cfg, int4_mlp_gate_up<W, T, 1>, x, corr, gu, index,
+                                          act, psum, k1, m)
+                     : cudaLaunchKernelEx(&a.cfg, int4_mlp_gate_up<W, T, 2>, x, corr, gu, index,
+                                          act, psum, k1, m);
+  } else {
+    return cudaErrorInvalidValue;
+  }
   if (err != cudaSuccess) return err;
   PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl);
   return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h, dn, index,
@@ -1270,6 +1294,19 @@ cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const f
   return cudaGetLastError();
 }
 
+// The default's wide kernel (prefetch 2, registers capped for 32 warps an SM, bias 0) launched
+// with programmatic stream serialization, kPdl = mode (1 or 2).
+template <int W, typename OT>
+cudaError_t launch_wide_pdl(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
+                            const Mats& mt, const int32_t* index, void* y, int k, int m,
+                            int mode) {
+  PdlLaunch b(stream, blocks, W * 32, true);
+  return mode == 1 ? cudaLaunchKernelEx(&b.cfg, int4_gemv_wide<2, W, false, 32, OT, false, 1>, x,
+                                        corr, mt, index, static_cast<OT*>(y), k, m)
+                   : cudaLaunchKernelEx(&b.cfg, int4_gemv_wide<2, W, false, 32, OT, false, 2>, x,
+                                        corr, mt, index, static_cast<OT*>(y), k, m);
+}
+
 // The wide kernel a call asks for: the shared-memory ring of `stages` pairs (stages 4 or 8,
 // warps 4 or 8, bias 0), or the register ring (stages 0) of P pairs in flight, W warps to a
 // 16-row tile, the bias taken off by MMAs or with corr, T resident warps an SM asked of the
@@ -1281,12 +1318,26 @@ cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const f
 // 4% faster a call under ncu, no faster in the decode step, v13); 2 and 4 give each warp
 // longer runs of pairs (a 5120-wide row is 40 pairs: 5 a warp at W = 8) and the block less
 // of its fixed cost (row pointers, the first loads' latency, the reduction).
+// pdl 1 or 2: `launch_wide_pdl`, for the default's kernels (prefetch 2, occupancy 32, bias 0,
+// stages 0, xperm 0) at 4, 8 or 10 warps only.
 template <typename OT>
 cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
-                                int64_t occupancy, int64_t stages, bool xperm, int blocks,
-                                const uint4* x, const float* corr, const Mats& mt,
+                                int64_t occupancy, int64_t stages, bool xperm, int64_t pdl,
+                                int blocks, const uint4* x, const float* corr, const Mats& mt,
                                 const int32_t* index, void* y, int k, int m, bool& known) {
   known = true;
+  if (pdl != 0) {
+    const int mode = static_cast<int>(pdl);
+    const bool built = (mode == 1 || mode == 2) && prefetch == 2 && occupancy == 32 && !bias &&
+                       stages == 0 && !xperm;
+#define NINFER_WIDE_PDL(W) \
+  if (built && warps == W)  \
+    return launch_wide_pdl<W, OT>(stream, blocks, x, corr, mt, index, y, k, m, mode);
+    NINFER_WIDE_PDL(4) NINFER_WIDE_PDL(8) NINFER_WIDE_PDL(10)
+#undef NINFER_WIDE_PDL
+    known = false;
+    return cudaSuccess;
+  }
   // x permuted by the caller: built for the defaults' kernels only (prefetch 2, registers
   // capped, bias 0, no ring)
 #define NINFER_WIDE_XPERM(W)                                                                \
@@ -1839,7 +1890,7 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
                             int64_t prefetch, int64_t warps, int64_t bias, int64_t occupancy,
-                            int64_t stages, int64_t xperm) {
+                            int64_t stages, int64_t xperm, int64_t pdl) {
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
@@ -1867,17 +1918,18 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   bool known = false;
   const cudaError_t err =
       bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, occupancy,
-                                                stages, xperm != 0, blocks, x4, c, mt,
+                                                stages, xperm != 0, pdl, blocks, x4, c, mt,
                                                 index.typed_data(), yp, ki, mi, known)
            : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, occupancy, stages,
-                                        xperm != 0, blocks, x4, c, mt, index.typed_data(), yp,
-                                        ki, mi, known);
+                                        xperm != 0, pdl, blocks, x4, c, mt, index.typed_data(),
+                                        yp, ki, mi, known);
   if (!known)
     return ffi::Error::InvalidArgument(
         "int4_gemv_wide: stages 0 (then prefetch 2 or 4, warps 2, 4, 8, 10 or 16, occupancy 0, "
         "or 32 with prefetch 2 and bias 0) or stages 4 or 8 (warps 4 or 8, bias 0, "
         "occupancy 0); xperm 1 with prefetch 2, warps 4, 8 or 10, occupancy 32, bias 0, "
-        "stages 0 only");
+        "stages 0 only; pdl 1 or 2 with prefetch 2, warps 4, 8 or 10, occupancy 32, bias 0, "
+        "stages 0, xperm 0 only");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -1958,13 +2010,14 @@ bool with_mlp_setting(int64_t warps, int64_t occupancy, F f) {
 // residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
 // [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. launches: 1 the persistent
 // kernel; 2 gate|up then down chained by programmatic dependent launch; 3 the same two
-// launches in plain stream order.
+// launches in plain stream order. pdl 1 or 2 (launches 2 or 3, warps 8, occupancy 32): gate|up
+// launched as the programmatic dependent of the kernel before it (its kPdl).
 ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> corr,
                        ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> index,
                        ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                        ffi::Result<ffi::Buffer<ffi::BF16>> act,
                        ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
-                       int64_t occupancy, int64_t launches) {
+                       int64_t occupancy, int64_t launches, int64_t pdl) {
   Mats gu{}, dn{};
   int64_t k1 = 0;
   if (const char* bad = decode_mlp(rest, index, gu, dn, k1))
@@ -1982,6 +2035,9 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     return ffi::Error::InvalidArgument("int4_mlp: act must be [M, N1], psum [M, N1/16]");
   if (launches < 1 || launches > 3)
     return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
+  if (pdl < 0 || pdl > 2 || (pdl != 0 && (launches == 1 || warps != 8 || occupancy != 32)))
+    return ffi::Error::InvalidArgument(
+        "int4_mlp: pdl 0, or 1 or 2 with launches 2 or 3, warps 8 and occupancy 32");
   const int tiles = static_cast<int>(std::max((n1 + 15) / 16, (n2 + 15) / 16));
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const auto* hp = reinterpret_cast<const __nv_bfloat16*>(h.typed_data());
@@ -1991,12 +2047,17 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   cudaError_t err = cudaSuccess;
   const bool known = with_mlp_setting(warps, occupancy, [&](auto w, auto t) {
     constexpr int W = decltype(w)::value, T = decltype(t)::value;
-    err = launches == 1
-              ? launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
-                                 ap, psum->typed_data(), op, ki, mi, tiles)
-              : launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn,
-                                     index.typed_data(), ap, psum->typed_data(), op, ki, mi,
-                                     launches == 2);
+    if (launches == 1) {
+      err = launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(), ap,
+                             psum->typed_data(), op, ki, mi, tiles);
+    } else if constexpr (W == 8 && T == 32) {  // the default: gate|up's kPdl built here only
+      err = launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
+                                 ap, psum->typed_data(), op, ki, mi, launches == 2,
+                                 static_cast<int>(pdl));
+    } else {
+      err = launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
+                                 ap, psum->typed_data(), op, ki, mi, launches == 2);
+    }
   });
   if (!known) return ffi::Error::InvalidArgument("int4_mlp: warps 4 or 8, occupancy 24 or 32");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
@@ -2039,7 +2100,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Attr<int64_t>("bias")
                                   .Attr<int64_t>("occupancy")
                                   .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("xperm"),
+                                  .Attr<int64_t>("xperm")
+                                  .Attr<int64_t>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvTma, Int4GemvTmaImpl,
@@ -2067,5 +2129,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("occupancy")
-                                  .Attr<int64_t>("launches"),
+                                  .Attr<int64_t>("launches")
+                                  .Attr<int64_t>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});
