@@ -121,8 +121,13 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         # dependents of the XLA kernel ahead of them (NINFER_INT4_PDL 1: wait first; 2: the
         # layer index and the ring of weights before the wait): their GPU tests, C1/C2 1K
         # decode with 0, 1 and 2 twice in turn, the engine's GPU tests with 2
+        # (tests named by node id: a -k word also matches the checkout's directory names, and
+        # v17c's -k "tma" there selected the whole file)
+        G=tests/test_kernels_cuda_gemv.py
         run 240 "$OUT/pdl_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "pdl or two_launches or batch_invariant"
+          $G::test_pdl_launches_are_the_plain_launches_bits_on_gpu \
+          $G::test_mlp_two_launches_are_the_persistent_kernels_bits_on_gpu \
+          $G::test_batch_invariant_and_deterministic_on_gpu
         tail -n 2 "$OUT/pdl_tests_$TAG.log"
         for rep in a b; do
           for mode in 0 1 2; do decode1k "pdl${mode}_$rep" NINFER_INT4_PDL=$mode; done
