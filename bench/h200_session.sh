@@ -164,8 +164,10 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         # micro sweep of a step's launches against the wide kernel (4 and 8 warps, the capped
         # default), then C1/C2 1K decode: default, separate MLP calls, tma for every call
         # (MLP op off), tma beside the MLP op
+        G=tests/test_kernels_cuda_gemv.py  # node ids: see the pdl part
         run 300 "$OUT/tma_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "tma"
+          $G::test_tma_stream_k_variant_matches_reference_on_gpu \
+          "$G::test_batch_invariant_and_deterministic_on_gpu[tma]"
         tail -n 2 "$OUT/tma_tests_$TAG.log"
         run 240 "$OUT/tma_micro_$TAG.log" python3 bench/cuda_gemv_micro.py --no-pallas \
           --rows 1,2 --rpw "" --stages "" --wide 2 --wide-warps 4,8 --wide-occ 32 \
