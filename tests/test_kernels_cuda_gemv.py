@@ -224,7 +224,7 @@ def test_tma_stream_k_variant_matches_reference_on_gpu(m, n, k):
     and consumer warps it is built for; the same bits on a second call (the cut tiles'
     counters reset themselves) and for each row whatever M (the cuts depend on N and K
     only); within bf16 of the wide kernel with as many warps (the same sums where a tile is
-    not cut)."""
+    not cut); two weights in one launch."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
     w = _qtensor(n, k, k + 3 * n, lead=(2,))
     idx = jnp.array([1], jnp.int32)
@@ -245,6 +245,13 @@ def test_tma_stream_k_variant_matches_reference_on_gpu(m, n, k):
                                           np.asarray(got[-1], np.float32))
             wide = cuda_ops.int4_gemv(x, w, idx, variant="wide", warps=warps)
             assert_close(got, wide.astype(jnp.float32), jnp.bfloat16)
+    # two weights in one launch: a tile straddling them is copied a row at a time
+    w2 = _qtensor(40, k, k + 5, lead=(2,))
+    both = cuda_ops.int4_gemv_multi(x, [w, w2], idx, variant="tma")
+    with jax.default_matmul_precision("highest"):
+        want2 = linear(x.astype(jnp.float32), Stacked(w2, idx).materialize())
+    assert_close(both[0], want, jnp.bfloat16)
+    assert_close(both[1], want2, jnp.bfloat16)
 
 
 @pytest.mark.gpu

@@ -1380,12 +1380,12 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
 // most of each instruction's cycles wait on those loads, `long_scoreboard`) or in a cp.async
 // ring that costs instructions a copy (v12). Here each block has one producer warp that moves
 // the weights into a shared-memory ring of S stages with bulk copies (`cp.async.bulk`, the
-// copy engine of sm_90: one instruction a row's piece, completion counted in bytes on an
+// copy engine of sm_90: one instruction a contiguous piece, completion counted in bytes on an
 // mbarrier), and W consumer warps compute from the ring with the wide kernel's pair. A stage
 // is 16 rows x ks inputs (ks = K, or K cut into equal multiples of 256 of at most
-// kTmaMaxStageK whose ring fits): 16 copies of ks / 2 bytes of codes, 16 of ks / 16 of scales
-// and M of x's ks inputs, so the consumers read x from shared memory too. Consumer warp w
-// takes pairs w, w + W, .. of a stage; with ks = K that is the wide kernel's order for W warps.
+// kTmaMaxStageK whose ring fits): the rows' codes and scales and x's ks inputs, so the
+// consumers read x from shared memory too (below: how many copies). Consumer warp w takes
+// pairs w, w + W, .. of a stage; with ks = K that is the wide kernel's order for W warps.
 //
 // Persistent and stream-K: the grid is as many blocks as fit (G), and the call's stages (U =
 // tiles x K / ks of them) are cut into G even runs, block b taking stages [b U / G,
@@ -1404,27 +1404,42 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
 // shape of the 27B. 1024-input stages (32 copies of 512 and 64 bytes) read at 0.46-2.07 TB/s;
 // whole-row stages at 0.65-2.70 TB/s against the wide kernel's 0.80-2.86; faster with more blocks
 // an SM and slower with a deeper ring, so something a block does in turn bounds it, not the
-// bytes in flight. Opt-in (NINFER_INT4_KERNEL=tma), kept for the profile that names it.
+// bytes in flight. Their SASS named one cause: a copy a lane compiled to a loop issuing the
+// lanes' copies one at a time. Since then (not measured yet) one thread issues the copies,
+// three a stage for whole rows, and the per-stage 64-bit divisions are gone. Opt-in
+// (NINFER_INT4_KERNEL=tma).
 //
-// In the ring a stage's rows of codes are `tma_row(ks)` bytes apart (64 modulo 128: the 8
-// lanes of a 16-byte shared load phase, rows g and g + 1 at 4 offsets each, fall in 8
-// different banks), its rows of scales ks / 16 + 16 (the 8-byte loads of 4 rows apart), and
-// its rows of x 2 ks + 64.
+// The copies are issued by one thread (lane 0 of the producer warp): a bulk copy's operands
+// live in uniform registers, so a copy a lane with each lane's own address compiles to a loop
+// over the lanes, one copy at a time (v17c/d's SASS). With whole rows (ks = K) a tile's 16
+// rows of codes are one contiguous block, as are their scales and x's M rows: three copies a
+// stage, into a ring laid out as in memory (row strides K / 2, K / 16, 2 K; the 16-byte loads
+// of rows g and g + 1 then meet in 2-way bank conflicts, against the 16 bytes a clock an SM
+// the codes arrive at). A tile that straddles two weights or passes N, and stages of part of
+// K, take a copy a row, into rows padded apart: codes `tma_row` (64 modulo 128: the 8 lanes of
+// a 16-byte load phase in 8 different banks), scales ks / 16 + 16, x 2 ks + 64.
 constexpr int kTmaMaxStageK = 6144, kTmaMaxBlocks = 1024, kTmaMaxTiles = 1 << 16;
 constexpr int kTmaSmemBytes = 219 * 1024;  // the ring at most: 227 KB a block, less the rest
-__host__ __device__ constexpr int tma_row(int ks) { return ks / 2 + ((ks / 2 + 64) % 128); }
-__host__ __device__ constexpr int tma_scale_row(int ks) { return ks / 16 + 16; }
-__host__ __device__ constexpr int tma_x_row(int ks) { return 2 * ks + 64; }
-__host__ __device__ constexpr int tma_stage_bytes(int ks, int m) {
-  return 16 * (tma_row(ks) + tma_scale_row(ks)) + m * tma_x_row(ks);
+__host__ __device__ constexpr int tma_row(int ks, bool whole) {
+  return whole ? ks / 2 : ks / 2 + ((ks / 2 + 64) % 128);
 }
-// The stage width for K (a multiple of 256) and a ring of S stages: K, or K cut into the
-// fewest equal multiples of 256 of at most kTmaMaxStageK inputs whose S stages fit (M rows).
+__host__ __device__ constexpr int tma_scale_row(int ks, bool whole) {
+  return whole ? ks / 16 : ks / 16 + 16;
+}
+__host__ __device__ constexpr int tma_x_row(int ks, bool whole) {
+  return whole ? 2 * ks : 2 * ks + 64;
+}
+__host__ __device__ constexpr int tma_stage_bytes(int ks, int m, bool whole) {
+  return 16 * (tma_row(ks, whole) + tma_scale_row(ks, whole)) + m * tma_x_row(ks, whole);
+}
+// The stage width for K (a multiple of 256), a ring of S stages and M rows of x: K, or K cut
+// into the fewest equal multiples of 256 of at most kTmaMaxStageK inputs whose S stages fit.
 inline int tma_stage_k(int k, int s, int m) {
-  int most = kTmaMaxStageK;
-  while (s * tma_stage_bytes(most, m) > kTmaSmemBytes) most -= 256;
-  for (int parts = (k + most - 1) / most;; ++parts)
-    if (k % (256 * parts) == 0) return k / parts;
+  for (int parts = 1;; ++parts) {
+    if (k % (256 * parts) != 0) continue;
+    const int ks = k / parts;
+    if (ks <= kTmaMaxStageK && s * tma_stage_bytes(ks, m, parts == 1) <= kTmaSmemBytes) return ks;
+  }
 }
 __device__ float2 g_tma_part[kTmaMaxBlocks][2][32];  // [block][its first / last part][lane]
 __device__ unsigned int g_tma_done[kTmaMaxTiles];    // parts of a cut tile finished
@@ -1491,7 +1506,9 @@ __global__ void __launch_bounds__((W + 1) * 32)
   __shared__ float2 red[2][W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n = mt.start[mt.count], per_tile = k / ks, pairs = ks >> 7;
-  const int row_b = tma_row(ks), srow_b = tma_scale_row(ks), stage_b = tma_stage_bytes(ks, m);
+  const bool whole = ks == k;
+  const int row_b = tma_row(ks, whole), srow_b = tma_scale_row(ks, whole);
+  const int xrow_b = tma_x_row(ks, whole), stage_b = tma_stage_bytes(ks, m, whole);
   const int x0 = 16 * (row_b + srow_b);  // a stage's x rows
   const int64_t tiles = (n + 15) / 16, units = tiles * per_tile, blocks = gridDim.x;
   const int64_t lo = blockIdx.x * units / blocks, hi = (blockIdx.x + 1) * units / blocks;
@@ -1507,38 +1524,63 @@ __global__ void __launch_bounds__((W + 1) * 32)
   }
   __syncthreads();
 
-  if (warp == W) {  // the producer: lane r < 16 copies row r's codes, lane 16 + r its scales
+  if (warp == W) {  // the producer: lane 0 issues every copy (see above)
+    if (lane != 0) return;
     uint64_t policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     uint64_t keep;
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
     const int64_t layer = layer_of(mt, index);
-    const int r = lane & 15;
-    int64_t tile = -1;
-    const uint8_t* wrow = nullptr;
-    const float* srow = nullptr;
+    const unsigned char* xb = reinterpret_cast<const unsigned char*>(x);
+    int64_t tile = lo / per_tile;
+    int st = static_cast<int>(lo - tile * per_tile), s = 0;
+    unsigned use = 0;
+    const uint8_t* w0 = nullptr;  // the tile's first row's codes and scales
+    const float* s0 = nullptr;
+    bool block = false;  // its 16 rows one contiguous block of one weight
+    auto tile_rows = [&]() {
+      const int r0 = static_cast<int>(16 * tile);
+      row_ptrs(mt, min(r0, n - 1), layer, k, w0, s0);
+      const uint8_t* wl;
+      const float* sl;
+      row_ptrs(mt, min(r0 + 15, n - 1), layer, k, wl, sl);
+      block = r0 + 15 < n && wl == w0 + 15 * static_cast<int64_t>(k / 2);
+    };
+    tile_rows();
     for (int64_t u = lo; u < hi; ++u) {
-      const int i = static_cast<int>(u - lo), s = i % S;
-      const unsigned use = static_cast<unsigned>(i / S);
-      if (u / per_tile != tile) {
-        tile = u / per_tile;
-        row_ptrs(mt, min(static_cast<int>(16 * tile) + r, n - 1), layer, k, wrow, srow);
-      }
-      const int st = static_cast<int>(u - tile * per_tile);
       mbar_wait(empty0 + 8 * s, (use & 1) ^ 1);  // its last use released (the first: at once)
-      if (lane == 0) mbar_expect(full0 + 8 * s, 16 * (ks / 2 + ks / 16) + m * 2 * ks);
-      __syncwarp();
-      const unsigned stage = ring0 + s * stage_b;
-      if (lane < 16)
-        bulk_copy(stage + r * row_b, wrow + (ks / 2) * st, ks / 2, full0 + 8 * s, policy);
-      else
-        bulk_copy(stage + 16 * row_b + r * srow_b, srow + (ks / 64) * st, ks / 16,
-                  full0 + 8 * s, policy);
-      if (lane < m)  // x row `lane`'s inputs of the stage (read by every block: kept in L2)
-        bulk_copy(stage + x0 + lane * tma_x_row(ks),
-                  reinterpret_cast<const unsigned char*>(x) + 2 * (static_cast<int64_t>(lane) * k +
-                                                                   static_cast<int64_t>(ks) * st),
-                  2 * ks, full0 + 8 * s, keep);
+      const unsigned bar = full0 + 8 * s, stage = ring0 + s * stage_b;
+      mbar_expect(bar, 16 * (ks / 2 + ks / 16) + m * 2 * ks);
+      if (whole && block) {
+        bulk_copy(stage, w0, 16 * (ks / 2), bar, policy);
+        bulk_copy(stage + 16 * row_b, s0, 16 * (ks / 16), bar, policy);
+      } else {
+        for (int r = 0; r < 16; ++r) {
+          const uint8_t* wr;
+          const float* sr;
+          row_ptrs(mt, min(static_cast<int>(16 * tile) + r, n - 1), layer, k, wr, sr);
+          bulk_copy(stage + r * row_b, wr + (ks / 2) * st, ks / 2, bar, policy);
+          bulk_copy(stage + 16 * row_b + r * srow_b, sr + (ks / 64) * st, ks / 16, bar, policy);
+        }
+      }
+      // x's inputs of the stage (read by every block: kept in L2)
+      if (whole) {
+        bulk_copy(stage + x0, xb, m * 2 * ks, bar, keep);
+      } else {
+        for (int r = 0; r < m; ++r)
+          bulk_copy(stage + x0 + r * xrow_b, xb + 2 * (static_cast<int64_t>(r) * k +
+                                                       static_cast<int64_t>(ks) * st),
+                    2 * ks, bar, keep);
+      }
+      if (++s == S) {
+        s = 0;
+        ++use;
+      }
+      if (++st == per_tile) {
+        st = 0;
+        ++tile;
+        if (u + 1 < hi) tile_rows();
+      }
     }
     return;
   }
@@ -1550,15 +1592,15 @@ __global__ void __launch_bounds__((W + 1) * 32)
   float tot[2] = {0.0f, 0.0f};
   int parity = 0;  // which `red` a part reduces into
   int64_t part0 = lo;  // the first stage of the current part
+  int64_t tile = lo / per_tile;
+  int st = static_cast<int>(lo - tile * per_tile), s = 0;
+  unsigned use = 0;
   for (int64_t u = lo; u < hi; ++u) {
-    const int i = static_cast<int>(u - lo), s = i % S;
-    const int64_t tile = u / per_tile;
-    const int st = static_cast<int>(u - tile * per_tile);
-    mbar_wait(full0 + 8 * s, static_cast<unsigned>(i / S) & 1);
+    mbar_wait(full0 + 8 * s, use & 1);
     const unsigned char* stage = ring + s * stage_b;
     const unsigned char* ra = stage + g * row_b + 16 * t;
     const unsigned char* sa_p = stage + 16 * row_b + g * srow_b;
-    const uint4* xs = reinterpret_cast<const uint4*>(stage + x0 + rows.xrow * tma_x_row(ks)) +
+    const uint4* xs = reinterpret_cast<const uint4*>(stage + x0 + rows.xrow * xrow_b) +
                       4 * t;  // pair j at + 16 j
     for (int j = warp; j < pairs; j += W) {
       const uint4 ca = *reinterpret_cast<const uint4*>(ra + 64 * j);
@@ -1572,7 +1614,14 @@ __global__ void __launch_bounds__((W + 1) * 32)
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
-    if (st != per_tile - 1 && u != hi - 1) continue;
+    if (++s == S) {
+      s = 0;
+      ++use;
+    }
+    if (st != per_tile - 1 && u != hi - 1) {
+      ++st;
+      continue;
+    }
 
     // the end of a part: its warps' sums in warp order (consumer warps only: named barrier 1)
     red[parity][warp][lane] = make_float2(tot[0], tot[1]);
@@ -1586,10 +1635,10 @@ __global__ void __launch_bounds__((W + 1) * 32)
         v.y += o.y;
       }
       const int64_t t0 = tile * per_tile;
-      const int first = tma_block_of(t0, units, blocks);
-      const int last = tma_block_of(t0 + per_tile - 1, units, blocks);
-      bool store = first == last;
+      bool store = t0 >= lo && t0 + per_tile <= hi;  // the tile wholly in this block's run
       if (!store) {  // a cut tile: this block's part into its slot; the last part adds them
+        const int first = tma_block_of(t0, units, blocks);
+        const int last = tma_block_of(t0 + per_tile - 1, units, blocks);
         __stcg(&g_tma_part[blockIdx.x][part0 == lo ? 0 : 1][lane], v);
         __threadfence();
         __syncwarp();  // every lane's part stored and fenced before the count
@@ -1621,6 +1670,10 @@ __global__ void __launch_bounds__((W + 1) * 32)
     parity ^= 1;
     tot[0] = tot[1] = 0.0f;
     part0 = u + 1;
+    if (++st == per_tile) {
+      st = 0;
+      ++tile;
+    }
   }
 #endif
 }
@@ -1629,10 +1682,9 @@ __global__ void __launch_bounds__((W + 1) * 32)
 template <int S, int W, typename OT>
 cudaError_t launch_tma(cudaStream_t stream, const uint4* x, const float* corr, const Mats& mt,
                        const int32_t* index, void* y, int k, int m) {
-  const int ks = tma_stage_k(k, S, m), bytes = S * tma_stage_bytes(ks, m);
+  const int ks = tma_stage_k(k, S, m), bytes = S * tma_stage_bytes(ks, m, ks == k);
   static int sms = 0;
-  static int fits[5][kTmaMaxStageK / 256 + 1] = {};  // blocks an SM, by M and stage width
-  int& per_sm = fits[m][ks / 256];
+  static int seen_bytes[32] = {}, seen_fit[32] = {};  // blocks an SM, by ring bytes
   if (sms == 0) {
     int dev = 0, major = 0;
     cudaError_t err = cudaFuncSetAttribute(int4_gemv_tma<S, W, OT>,
@@ -1645,11 +1697,19 @@ cudaError_t launch_tma(cudaStream_t stream, const uint4* x, const float* corr, c
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
   }
-  if (per_sm == 0) {
+  int per_sm = 0, slot = 0;
+  while (slot < 32 && seen_bytes[slot] != 0 && seen_bytes[slot] != bytes) ++slot;
+  if (slot < 32 && seen_bytes[slot] == bytes) {
+    per_sm = seen_fit[slot];
+  } else {
     const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &per_sm, int4_gemv_tma<S, W, OT>, (W + 1) * 32, bytes);
     if (err != cudaSuccess) return err;
     if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    if (slot < 32) {
+      seen_fit[slot] = per_sm;
+      seen_bytes[slot] = bytes;
+    }
   }
   const int64_t tiles = (mt.start[mt.count] + 15) / 16, units = tiles * (k / ks);
   const int blocks = static_cast<int>(
