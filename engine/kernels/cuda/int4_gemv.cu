@@ -1544,7 +1544,8 @@ __global__ void __launch_bounds__((W + 1) * 32)
       const uint8_t* wl;
       const float* sl;
       row_ptrs(mt, min(r0 + 15, n - 1), layer, k, wl, sl);
-      block = r0 + 15 < n && wl == w0 + 15 * static_cast<int64_t>(k / 2);
+      block = r0 + 15 < n && wl == w0 + 15 * static_cast<int64_t>(k / 2) &&
+              sl == s0 + 15 * static_cast<int64_t>(k / 64);
     };
     tile_rows();
     for (int64_t u = lo; u < hi; ++u) {
