@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -1947,6 +1948,31 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
 }
 
 
+bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
+  return d.size() == 2 && d[0] == rows && d[1] == cols;
+}
+
+// The operands of the wide-shaped calls (the wide and tma kernels): x [M, K] bf16 as it is,
+// corr [M, K/64] its group sums (with `corr_cols` columns: 0 for the wide kernel's bias MMAs),
+// y [M <= 4, N] f32 or bf16, K a multiple of `k_multiple`. M, or 0 with `why` set.
+int64_t wide_operands(const ffi::Buffer<ffi::BF16>& x, const ffi::Buffer<ffi::F32>& corr,
+                      ffi::Span<const int64_t> yd, ffi::DataType yt, int64_t n, int64_t k,
+                      int64_t k_multiple, int64_t corr_cols, std::string& why) {
+  const auto xd = x.dimensions();
+  const int64_t m = yd.size() == 2 ? yd[0] : 0;
+  if (k % k_multiple != 0)
+    why = "K must be a multiple of " + std::to_string(k_multiple);
+  else if (yd.size() != 2 || yd[1] != n || m < 1 || m > 4)
+    why = "y must be [M <= 4, N]";
+  else if (xd.size() != 2 || xd[0] != m || xd[1] != k)
+    why = "x must be [M, K]";
+  else if (!is_matrix(corr.dimensions(), m, corr_cols))
+    why = corr_cols ? "corr must be [M, K/64]" : "corr must be [M, 0] with the bias MMAs";
+  else if (yt != ffi::DataType::BF16 && yt != ffi::DataType::F32)
+    why = "y must be f32 or bf16";
+  return why.empty() ? m : 0;
+}
+
 ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
@@ -1956,26 +1982,18 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
   const int64_t n = mt.start[mt.count];
-  const auto xd = x.dimensions(), cd = corr.dimensions(), yd = y->dimensions();
-  if (k % 128 != 0) return ffi::Error::InvalidArgument("int4_gemv_wide: K must be a multiple of 128");
-  if (yd.size() != 2 || yd[1] != n || yd[0] < 1 || yd[0] > 4)
-    return ffi::Error::InvalidArgument("int4_gemv_wide: y must be [M <= 4, N]");
-  const int64_t m = yd[0];
-  if (xd.size() != 2 || xd[0] != m || xd[1] != k)
-    return ffi::Error::InvalidArgument("int4_gemv_wide: x must be [M, K]");
   if (bias != 0 && bias != 1)
     return ffi::Error::InvalidArgument("int4_gemv_wide: bias must be 0 or 1");
-  if (cd.size() != 2 || cd[0] != m || cd[1] != (bias ? 0 : k / 64))
-    return ffi::Error::InvalidArgument(
-        "int4_gemv_wide: corr must be [M, K/64] (bias = 0) or [M, 0] (bias = 1)");
+  std::string why;
+  const int64_t m = wide_operands(x, corr, y->dimensions(), y->element_type(), n, k, 128,
+                                  bias ? 0 : k / 64, why);
+  if (m == 0) return ffi::Error::InvalidArgument("int4_gemv_wide: " + why);
   const int blocks = static_cast<int>((n + 15) / 16);
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const float* c = bias ? nullptr : corr.typed_data();
   const int mi = static_cast<int>(m), ki = static_cast<int>(k);
   void* yp = y->untyped_data();
   const bool bf16 = y->element_type() == ffi::DataType::BF16;
-  if (!bf16 && y->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("int4_gemv_wide: y must be f32 or bf16");
   bool known = false;
   const cudaError_t err =
       bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, occupancy,
@@ -1995,10 +2013,6 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   return ffi::Error::Success();
 }
 
-bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
-  return d.size() == 2 && d[0] == rows && d[1] == cols;
-}
-
 // x [M, K] bf16 as it is, corr [M, K/64] its group sums, index, the (codes, scales) pairs;
 // y [M <= 4, N]. K a multiple of 256; at most 65,536 tiles of 16 rows.
 ffi::Error Int4GemvTmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
@@ -2009,24 +2023,16 @@ ffi::Error Int4GemvTmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
   const int64_t n = mt.start[mt.count];
-  const auto xd = x.dimensions(), yd = y->dimensions();
-  if (k % 256 != 0)
-    return ffi::Error::InvalidArgument("int4_gemv_tma: K must be a multiple of 256");
   if ((n + 15) / 16 > kTmaMaxTiles)
     return ffi::Error::InvalidArgument("int4_gemv_tma: N must be at most 16 x 65536");
-  if (yd.size() != 2 || yd[1] != n || yd[0] < 1 || yd[0] > 4)
-    return ffi::Error::InvalidArgument("int4_gemv_tma: y must be [M <= 4, N]");
-  const int64_t m = yd[0];
-  if (xd.size() != 2 || xd[0] != m || xd[1] != k)
-    return ffi::Error::InvalidArgument("int4_gemv_tma: x must be [M, K]");
-  if (!is_matrix(corr.dimensions(), m, k / 64))
-    return ffi::Error::InvalidArgument("int4_gemv_tma: corr must be [M, K/64]");
+  std::string why;
+  const int64_t m = wide_operands(x, corr, y->dimensions(), y->element_type(), n, k, 256,
+                                  k / 64, why);
+  if (m == 0) return ffi::Error::InvalidArgument("int4_gemv_tma: " + why);
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const int mi = static_cast<int>(m), ki = static_cast<int>(k);
   void* yp = y->untyped_data();
   const bool bf16 = y->element_type() == ffi::DataType::BF16;
-  if (!bf16 && y->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("int4_gemv_tma: y must be f32 or bf16");
   bool known = false;
   const cudaError_t err =
       bf16 ? launch_tma_variant<__nv_bfloat16>(stream, stages, warps, x4, corr.typed_data(), mt,
@@ -2136,26 +2142,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Gemv, Int4GemvImpl,
                                   .Attr<int64_t>("rows_per_warp"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+namespace {
+// The tensor-core GEMV calls' common operands: stream; x (bf16), corr (f32), index; the
+// (codes, scales) pairs; y. Each call adds its attributes.
+auto bf16_gemv_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .RemainingArgs()
+      .Ret<ffi::AnyBuffer>();
+}
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvMma, Int4GemvMmaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
+                              bf16_gemv_binding()
                                   .Attr<int64_t>("stages")
                                   .Attr<int64_t>("prefetch"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
+                              bf16_gemv_binding()
                                   .Attr<int64_t>("prefetch")
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("bias")
@@ -2166,13 +2174,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvTma, Int4GemvTmaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
+                              bf16_gemv_binding()
                                   .Attr<int64_t>("stages")
                                   .Attr<int64_t>("warps"),
                               {ffi::Traits::kCmdBufferCompatible});
