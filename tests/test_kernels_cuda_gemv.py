@@ -581,11 +581,11 @@ def test_persistent_mlp_matches_reference_on_gpu(launches, warps, occupancy):
     np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(got3[:1], np.float32))
 
 
-def test_pdl_setting_reaches_the_default_kernels_only(monkeypatch):
-    """NINFER_INT4_PDL sets the launch mode of the wide GEMV's default kernels and of the MLP
-    op's gate|up (launches 2 or 3 at its defaults); elsewhere it is 0; a mode the kernels do
-    not have, or asked of a launch they are not built for, is a clear error."""
-    monkeypatch.setenv("NINFER_INT4_PDL", "2")
+def test_smem_x_setting_reaches_the_default_kernels_only(monkeypatch):
+    """NINFER_INT4_SMEMX=1 stages x in shared memory in the wide GEMV's default kernels and in
+    the MLP op's launches (2 or 3 at its defaults); elsewhere it is off; asked of an MLP
+    launch it is not built for, or set to another value, it is a clear error."""
+    monkeypatch.setenv("NINFER_INT4_SMEMX", "1")
     w = _qtensor(64, 256, 0, lead=(2,))
     x = jnp.ones((1, 256), jnp.bfloat16)
     idx = jnp.array([1], jnp.int32)
@@ -595,61 +595,77 @@ def test_pdl_setting_reaches_the_default_kernels_only(monkeypatch):
             export.DisabledSafetyCheck.custom_call(target)])(*args).mlir_module()
 
     wide = cuda_ops.INT4_WIDE_TARGET
-    assert "pdl = 2 : i64" in lowered(lambda x, w, i: cuda_ops.int4_gemv(x, w, i), wide, x, w,
-                                      idx)
-    assert "pdl = 0 : i64" in lowered(lambda x, w, i: cuda_ops.int4_gemv(x, w, i, warps=2),
-                                      wide, x, w, idx)
-    assert "pdl = 1 : i64" in lowered(lambda x, w, i: cuda_ops.int4_gemv(x, w, i, pdl=1),
-                                      wide, x, w, idx)
+    assert "smem_x = 1 : i64" in lowered(lambda x, w, i: cuda_ops.int4_gemv(x, w, i), wide, x,
+                                         w, idx)
+    assert "smem_x = 0 : i64" in lowered(lambda x, w, i: cuda_ops.int4_gemv(x, w, i, warps=2),
+                                         wide, x, w, idx)
+    assert "smem_x = 0 : i64" in lowered(lambda x, w, i: cuda_ops.int4_gemv(x, w, i, bias=1),
+                                         wide, x, w, idx)
     xm, h, (gate, up, down) = _mlp_case(1)
     mlp = cuda_ops.INT4_MLP_TARGET
-    for launches, want in ((2, 2), (3, 2), (1, 0)):
+    for launches, want in ((2, 1), (3, 1), (1, 0)):
         text = lowered(lambda x, h, g, u, d, i, n=launches: cuda_ops.int4_mlp(
             x, h, g, u, d, i, launches=n), mlp, xm, h, gate, up, down, idx)
-        assert f"pdl = {want} : i64" in text
-    with pytest.raises(ValueError, match="pdl"):
-        cuda_ops.int4_mlp(xm, h, gate, up, down, idx, launches=1, pdl=1)
-    with pytest.raises(ValueError, match="pdl"):
-        cuda_ops.int4_mlp(xm, h, gate, up, down, idx, launches=2, warps=4, pdl=2)
-    monkeypatch.setenv("NINFER_INT4_PDL", "3")
-    with pytest.raises(ValueError, match="NINFER_INT4_PDL"):
+        assert f"smem_x = {want} : i64" in text
+    with pytest.raises(ValueError, match="smem_x"):
+        cuda_ops.int4_mlp(xm, h, gate, up, down, idx, launches=1, smem_x=True)
+    with pytest.raises(ValueError, match="smem_x"):
+        cuda_ops.int4_mlp(xm, h, gate, up, down, idx, launches=2, warps=4, smem_x=True)
+    monkeypatch.setenv("NINFER_INT4_SMEMX", "yes")
+    with pytest.raises(ValueError, match="NINFER_INT4_SMEMX"):
         cuda_ops.int4_gemv(x, w, idx)
 
 
+def _random_codes(n, k, seed, lead=()):
+    """An int4_g64 weight [*lead, n, k] of random codes and scales (no quantization pass: the
+    27B's sizes in a few seconds)."""
+    from engine.quant import QTensor
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (*lead, n, k // 2), dtype=np.uint8)
+    scale = (rng.uniform(0.5, 1.5, (*lead, n, k // 64)) / np.sqrt(k)).astype(np.float32)
+    return QTensor(jnp.asarray(data), jnp.asarray(scale), "int4_g64", (n, k))
+
+
 @pytest.mark.gpu
-def test_pdl_launches_are_the_plain_launches_bits_on_gpu():
-    """The wide GEMV and the MLP op's gate|up launched as programmatic dependents of the kernel
-    ahead of them (modes 1 and 2) give the plain launches' bits in a loop shaped as the
-    model's: over a stack of layers indexed by the loop, x made by an XLA norm just before each
-    GEMV, the next layer's input made from the output (a launch that read x before the norm
-    had written it, or wrote y before the kernel ahead had read its buffer, could not pass),
-    for one and two rows."""
+def test_smem_x_is_the_plain_kernels_bits_on_gpu():
+    """x staged in shared memory gives the plain kernels' bits: the wide GEMV at the 27B's
+    shapes (4 warps a tile for many tiles, 8 for few, 10 asked for; M = 1..4, where x fits and
+    where it does not and the launch goes without), and the MLP op at the 27B's sizes in a
+    loop shaped as the model's (a stack indexed by the loop, x made by an XLA norm just
+    before each call, one and two rows; down's activations fit at M = 1 only)."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
-    layers, d, n1 = 3, 5120, 2048
-    proj = _qtensor(d, d, 31, lead=(layers,))
-    gate, up, down = (_qtensor(n, k, 32 + n, lead=(layers,))
-                      for n, k in ((n1, d), (n1, d), (d, n1)))
+    idx = jnp.array([1], jnp.int32)
+    for (n, k), warps in (((16480, 5120), None), ((5120, 17408), None), ((5120, 6144), None),
+                          ((5120, 6144), 10)):
+        w = _random_codes(n, k, n + k, lead=(2,))
+        for m in (1, 2, 3, 4):
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            got = [np.asarray(jax.jit(lambda x, w, i, s=s: cuda_ops.int4_gemv(
+                x, w, i, warps=warps, smem_x=s))(x, w, idx), np.float32) for s in (False, True)]
+            assert np.isfinite(got[0]).all() and np.abs(got[0]).max() > 0
+            np.testing.assert_array_equal(got[1], got[0], err_msg=f"{n}x{k} M={m} w={warps}")
+    layers, d, n1 = 2, 5120, 17408
+    gate, up, down = (_random_codes(n, k, 7 + j, lead=(layers,))
+                      for j, (n, k) in enumerate(((n1, d), (n1, d), (d, n1))))
 
     def norm(h):
         hf = h.astype(jnp.float32)
         return (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + 1e-6)).astype(
             jnp.bfloat16)
 
-    def run(h0, mode):
+    def run(h0, smem_x):
         def body(h, i):
-            idx = i[None]
-            h = h + cuda_ops.int4_gemv(norm(h), proj, idx, pdl=mode)
-            h = cuda_ops.int4_mlp(norm(h), h, gate, up, down, idx, launches=2, pdl=mode)
+            h = cuda_ops.int4_mlp(norm(h), h, gate, up, down, i[None], launches=2,
+                                  smem_x=smem_x)
             return h, None
         return jax.lax.scan(body, h0, jnp.arange(layers, dtype=jnp.int32))[0]
 
     for m in (1, 2):
         h0 = jnp.asarray(np.random.default_rng(m).standard_normal((m, d)), jnp.bfloat16)
-        outs = [np.asarray(jax.jit(run, static_argnums=1)(h0, mode), np.float32)
-                for mode in cuda_ops.PDL_MODES]
+        outs = [np.asarray(jax.jit(run, static_argnums=1)(h0, s), np.float32)
+                for s in (False, True)]
         assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
-        for other in outs[1:]:
-            np.testing.assert_array_equal(other, outs[0])
+        np.testing.assert_array_equal(outs[1], outs[0], err_msg=f"MLP M={m}")
 
 
 @pytest.mark.gpu

@@ -53,11 +53,6 @@ TMA_K = 256
 TMA_STAGES = (2, 3, 4)
 TMA_WARPS = (4, 8)
 TMA_MAX_TILES = 1 << 16
-# Programmatic dependent launch of the wide GEMV and the MLP op's gate|up (`pdl`): 0 off; 1 the
-# kernel starts before the kernel ahead of it has finished and waits for it first; 2 it also
-# reads the layer index and fills its ring of weights before that wait (the kernel ahead must
-# not write the index: true of the model, whose index is sliced at the layer loop's start).
-PDL_MODES = (0, 1, 2)
 MAX_MATS = 4  # weights one call can take (the kernel's kMaxMats)
 _why_not: list[str] = []
 
@@ -192,12 +187,13 @@ def takes(x, mats, lead: int = 0) -> bool:
             and worthwhile(mats) and available())
 
 
-def default_pdl() -> int:
-    """NINFER_INT4_PDL (PDL_MODES), 0 by default."""
-    mode = int(os.environ.get("NINFER_INT4_PDL", "0"))
-    if mode not in PDL_MODES:
-        raise ValueError(f"NINFER_INT4_PDL must be one of {PDL_MODES}, got {mode}")
-    return mode
+def default_smem_x() -> bool:
+    """NINFER_INT4_SMEMX: 1 stages x in shared memory in the wide GEMV's default kernels and
+    the MLP op's launches; 0 (the default) reads it through L1."""
+    env = os.environ.get("NINFER_INT4_SMEMX", "0")
+    if env not in ("0", "1"):
+        raise ValueError(f"NINFER_INT4_SMEMX must be 0 or 1, got {env!r}")
+    return env == "1"
 
 
 def default_rows_per_warp(m: int) -> int:
@@ -286,7 +282,7 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
               prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
               occupancy: int | None = None, xperm: bool | None = None,
-              pdl: int | None = None):
+              smem_x: bool | None = None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -318,19 +314,20 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     kernel skips its byte permutations, the same bits; built for prefetch 2, occupancy 32,
     bias 0, stages 0 and WIDE_XPERM_WARPS; default: NINFER_INT4_WIDE_XPERM=1 where built, off
     otherwise: no faster in the decode step, v14c). Otherwise x goes to the wide kernel as it is.
-    pdl (wide: PDL_MODES, built for prefetch 2, occupancy 32, bias 0, stages 0, no xperm and
-    WIDE_XPERM_WARPS; default NINFER_INT4_PDL where built, 0 otherwise): the launch as the
-    programmatic dependent of the kernel ahead of it, the same bits."""
+    smem_x (wide: built for prefetch 2, occupancy 32, bias 0, stages 0, no xperm and
+    WIDE_XPERM_WARPS; default NINFER_INT4_SMEMX where built, off otherwise): each block first
+    copies x and its group sums into shared memory and reads them from there (where they fit
+    beside the blocks an SM; otherwise as without), the same bits."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
-                           occupancy=occupancy, xperm=xperm, pdl=pdl)[0]
+                           occupancy=occupancy, xperm=xperm, smem_x=smem_x)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
                     prefetch: int | None = None, warps: int | None = None,
                     bias: int | None = None, occupancy: int | None = None,
-                    xperm: bool | None = None, pdl: int | None = None,
+                    xperm: bool | None = None, smem_x: bool | None = None,
                     concat: bool = False):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
@@ -373,13 +370,13 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                      and warps in WIDE_XPERM_WARPS)
         if xperm:
             xb = x_perm(xb)
-        if pdl is None:  # where built: the defaults' kernels (prefetch 2, capped, bias 0)
-            pdl = (default_pdl() if prefetch == 2 and occupancy == 32 and not bias
-                   and not stages and not xperm and warps in WIDE_XPERM_WARPS else 0)
+        if smem_x is None:  # where built: the defaults' kernels (prefetch 2, capped, bias 0)
+            smem_x = (default_smem_x() and prefetch == 2 and occupancy == 32 and not bias
+                      and not stages and not xperm and warps in WIDE_XPERM_WARPS)
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
                  bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages),
-                 xperm=np.int64(bool(xperm)), pdl=np.int64(pdl))
+                 xperm=np.int64(bool(xperm)), smem_x=np.int64(bool(smem_x)))
     elif variant == "tma":
         xb = x.reshape(m, k)
         stages = stages or int(os.environ.get("NINFER_INT4_TMA_STAGES", "2"))
@@ -473,7 +470,7 @@ def mlp_takes(x, h, gate, up, down) -> bool:
 
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
              warps: int | None = None, occupancy: int | None = None, launches: int = 1,
-             pdl: int | None = None):
+             smem_x: bool | None = None):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
     bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
     N1], or stacks read at `index`) in one call of the CUDA op (engine/kernels/cuda/
@@ -489,20 +486,21 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual`, with 2
     launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
     persistent kernel is slower than the separate calls, two launches with programmatic
-    dependent launch faster). pdl (PDL_MODES; launches 2 or 3 at MLP_DEFAULTS[2] only;
-    default NINFER_INT4_PDL there, 0 otherwise): gate|up launched as the programmatic
-    dependent of the kernel ahead of it, the same bits."""
+    dependent launch faster). smem_x (launches 2 or 3 at MLP_DEFAULTS[2] only; default
+    NINFER_INT4_SMEMX there, off otherwise): each launch stages its x (gate|up: x and its
+    group sums; down: the activations and their tile sums) in shared memory where they fit,
+    the same bits."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)
     if launches not in MLP_LAUNCHES:
         raise ValueError(f"int4_mlp: launches {MLP_LAUNCHES}, got {launches}")
     warps, occupancy = _mlp_setting("int4_mlp", launches, warps, occupancy)
-    pdl_built = launches != 1 and (warps, occupancy) == MLP_DEFAULTS[2]
-    if pdl is None:
-        pdl = default_pdl() if pdl_built else 0
-    if pdl not in PDL_MODES or (pdl and not pdl_built):
-        raise ValueError(f"int4_mlp: pdl {PDL_MODES}, other than 0 with launches 2 or 3 and "
-                         f"warps/occupancy {MLP_DEFAULTS[2]} only, got {pdl}")
+    smem_x_built = launches != 1 and (warps, occupancy) == MLP_DEFAULTS[2]
+    if smem_x is None:
+        smem_x = default_smem_x() and smem_x_built
+    if smem_x and not smem_x_built:
+        raise ValueError(f"int4_mlp: smem_x with launches 2 or 3 and warps/occupancy "
+                         f"{MLP_DEFAULTS[2]} only")
     lead, k1 = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
     n1, n2 = gate.shape[0], down.shape[0]
@@ -517,6 +515,6 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
                      warps=np.int64(warps), occupancy=np.int64(occupancy),
-                     launches=np.int64(launches), pdl=np.int64(pdl))
+                     launches=np.int64(launches), smem_x=np.int64(bool(smem_x)))
     return out.reshape(*lead, n2)
 
