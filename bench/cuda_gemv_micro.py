@@ -57,9 +57,6 @@ def main() -> None:
                     "depth (0: the register ring; 4, 8: warps 4 or 8, bias 0, occupancy 0)")
     ap.add_argument("--tma", default="", help="stages:warps of the stream-K kernel fed by "
                     "bulk copies to time, e.g. 8:8,16:8,8:4")
-    ap.add_argument("--smem-x", action="store_true", help="each wide kernel that can stage x "
-                    "in shared memory (prefetch 2, occupancy 32, bias 0, warps 4/8/10) also "
-                    "with it (<name>_sx)")
     ap.add_argument("--no-pallas", action="store_true", help="leave out the Pallas kernel")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
@@ -92,10 +89,6 @@ def main() -> None:
                              for b in args.wide_bias.split(",")
                              for o in args.wide_occ.split(",")
                              if int(o) == 0 or (p == "2" and b == "0")})
-            if args.smem_x:
-                variants.update({f"{key}_sx": (*v, True) for key, v in list(variants.items())
-                                 if v and v[0] == "wide" and v[1:] == (2, v[2], 0, 32, 0)
-                                 and v[2] in cuda_ops.WIDE_XPERM_WARPS})
             variants.update({f"wide_ring_s{st}w{wp}": ("wide", 2, int(wp), 0, 0, int(st))
                              for st in args.wide_stages.split(",") if st and int(st)
                              and m <= cuda_ops.WIDE_MAX_M
@@ -115,7 +108,7 @@ def main() -> None:
                     if rpw[0] == "wide":
                         return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1],
                                                   warps=rpw[2], bias=rpw[3], occupancy=rpw[4],
-                                                  stages=rpw[5], smem_x=len(rpw) > 6)
+                                                  stages=rpw[5])
                     if rpw[0] == "tma":
                         return cuda_ops.int4_gemv(x, w, idx, variant="tma", stages=rpw[1],
                                                   warps=rpw[2])

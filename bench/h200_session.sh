@@ -12,7 +12,6 @@
 #   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
 #   tma        the stream-K GEMV fed by bulk copies: GPU tests, micro sweep, 1K decode (TMA_SETTINGS)
 #   xlafuse    XLA's newer fusion passes (XLAFUSE_SETS): 1K decode and a profiled step each
-#   smemx      x staged in shared memory by the wide GEMV and the MLP op (NINFER_INT4_SMEMX)
 #   restore    server-level 128K restore vs re-prefill and restart (RESTORE_ARGS,
 #              RESTORE_BUDGET_S)
 #   profile    one int4 decode step and one bf16 prefill of PROFILE_PREFILL tokens by kernel
@@ -117,26 +116,6 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 240 "$OUT/decode_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \
           --contexts 1024,32768,131072 --prefill "" --steps 10 --out "$OUT/bench_27b_$TAG.json"
         grep -E 'ceilings|decode' "$OUT/decode_$TAG.log" | cut -c1-160 ;;
-      smemx)  # x staged in shared memory by the wide GEMV's default kernels and the MLP op's
-        # launches (NINFER_INT4_SMEMX=1): its GPU tests (named by node id: a -k word also
-        # matches the checkout's directory names), the micro sweep with and without at the
-        # step's shapes, C1/C2 1K decode off and on twice in turn, the engine's GPU tests on
-        G=tests/test_kernels_cuda_gemv.py
-        run 240 "$OUT/smemx_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          $G::test_smem_x_is_the_plain_kernels_bits_on_gpu
-        tail -n 2 "$OUT/smemx_tests_$TAG.log"
-        run 200 "$OUT/smemx_micro_$TAG.log" python3 bench/cuda_gemv_micro.py --no-pallas \
-          --rows 1,2 --rpw "" --stages "" --prefetch "" --wide 2 --wide-warps 4,8 \
-          --wide-occ 32 --smem-x --shapes 10,11,4,2,12,9 --out "$OUT/smemx_micro_$TAG.json"
-        grep -E ' us ' "$OUT/smemx_micro_$TAG.log" | cut -c1-110
-        for rep in a b; do
-          decode1k "smemx0_$rep"
-          decode1k "smemx1_$rep" NINFER_INT4_SMEMX=1
-        done
-        (export NINFER_INT4_SMEMX=1
-         run 300 "$OUT/smemx_enginegpu_$TAG.log" python3 -m pytest -q -m gpu \
-           -p no:cacheprovider tests/test_engine_gpu.py)
-        tail -n 2 "$OUT/smemx_enginegpu_$TAG.log" ;;
       xlafuse)  # XLA's newer fusion passes on the decode step, whose ~1,200 small kernels
         # (RMSNorms as a sum-of-squares kernel and a normalize kernel each, residual adds, group
         # sums) take ~1.5 ms of the 1K step: for no flags and each of XLAFUSE_SETS (XLA flag

@@ -187,15 +187,6 @@ def takes(x, mats, lead: int = 0) -> bool:
             and worthwhile(mats) and available())
 
 
-def default_smem_x() -> bool:
-    """NINFER_INT4_SMEMX: 1 stages x in shared memory in the wide GEMV's default kernels and
-    the MLP op's launches; 0 (the default) reads it through L1."""
-    env = os.environ.get("NINFER_INT4_SMEMX", "0")
-    if env not in ("0", "1"):
-        raise ValueError(f"NINFER_INT4_SMEMX must be 0 or 1, got {env!r}")
-    return env == "1"
-
-
 def default_rows_per_warp(m: int) -> int:
     env = os.environ.get("NINFER_INT4_ROWS")
     if env:
@@ -281,8 +272,7 @@ def default_variant(x) -> str:
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
               prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
-              occupancy: int | None = None, xperm: bool | None = None,
-              smem_x: bool | None = None):
+              occupancy: int | None = None, xperm: bool | None = None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -313,22 +303,17 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     measured faster on the H200, v12); xperm (wide: x goes in permuted by `x_perm` and the
     kernel skips its byte permutations, the same bits; built for prefetch 2, occupancy 32,
     bias 0, stages 0 and WIDE_XPERM_WARPS; default: NINFER_INT4_WIDE_XPERM=1 where built, off
-    otherwise: no faster in the decode step, v14c). Otherwise x goes to the wide kernel as it is.
-    smem_x (wide: built for prefetch 2, occupancy 32, bias 0, stages 0, no xperm and
-    WIDE_XPERM_WARPS; default NINFER_INT4_SMEMX where built, off otherwise): each block first
-    copies x and its group sums into shared memory and reads them from there (where they fit
-    beside the blocks an SM; otherwise as without), the same bits."""
+    otherwise: no faster in the decode step, v14c). Otherwise x goes to the wide kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
-                           occupancy=occupancy, xperm=xperm, smem_x=smem_x)[0]
+                           occupancy=occupancy, xperm=xperm)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
                     prefetch: int | None = None, warps: int | None = None,
                     bias: int | None = None, occupancy: int | None = None,
-                    xperm: bool | None = None, smem_x: bool | None = None,
-                    concat: bool = False):
+                    xperm: bool | None = None, concat: bool = False):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
@@ -370,13 +355,10 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                      and warps in WIDE_XPERM_WARPS)
         if xperm:
             xb = x_perm(xb)
-        if smem_x is None:  # where built: the defaults' kernels (prefetch 2, capped, bias 0)
-            smem_x = (default_smem_x() and prefetch == 2 and occupancy == 32 and not bias
-                      and not stages and not xperm and warps in WIDE_XPERM_WARPS)
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
                  bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages),
-                 xperm=np.int64(bool(xperm)), smem_x=np.int64(bool(smem_x)))
+                 xperm=np.int64(bool(xperm)))
     elif variant == "tma":
         xb = x.reshape(m, k)
         stages = stages or int(os.environ.get("NINFER_INT4_TMA_STAGES", "2"))
@@ -469,8 +451,7 @@ def mlp_takes(x, h, gate, up, down) -> bool:
 
 
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
-             warps: int | None = None, occupancy: int | None = None, launches: int = 1,
-             smem_x: bool | None = None):
+             warps: int | None = None, occupancy: int | None = None, launches: int = 1):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
     bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
     N1], or stacks read at `index`) in one call of the CUDA op (engine/kernels/cuda/
@@ -486,21 +467,12 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual`, with 2
     launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
     persistent kernel is slower than the separate calls, two launches with programmatic
-    dependent launch faster). smem_x (launches 2 or 3 at MLP_DEFAULTS[2] only; default
-    NINFER_INT4_SMEMX there, off otherwise): each launch stages its x (gate|up: x and its
-    group sums; down: the activations and their tile sums) in shared memory where they fit,
-    the same bits."""
+    dependent launch faster)."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)
     if launches not in MLP_LAUNCHES:
         raise ValueError(f"int4_mlp: launches {MLP_LAUNCHES}, got {launches}")
     warps, occupancy = _mlp_setting("int4_mlp", launches, warps, occupancy)
-    smem_x_built = launches != 1 and (warps, occupancy) == MLP_DEFAULTS[2]
-    if smem_x is None:
-        smem_x = default_smem_x() and smem_x_built
-    if smem_x and not smem_x_built:
-        raise ValueError(f"int4_mlp: smem_x with launches 2 or 3 and warps/occupancy "
-                         f"{MLP_DEFAULTS[2]} only")
     lead, k1 = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
     n1, n2 = gate.shape[0], down.shape[0]
@@ -515,6 +487,6 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
                      warps=np.int64(warps), occupancy=np.int64(occupancy),
-                     launches=np.int64(launches), smem_x=np.int64(bool(smem_x)))
+                     launches=np.int64(launches))
     return out.reshape(*lead, n2)
 

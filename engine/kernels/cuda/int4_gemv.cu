@@ -771,35 +771,30 @@ __device__ __forceinline__ void ring_fill(WideRing<P>& r, const WideTile<W>& tl)
 
 // Where a warp's pairs find their group sums of x: `at(j)` for the j-th pair from the
 // current one, `step(n)` moves n pairs on. CorrPairs: corr [M, K/64] as float2 a pair (read
-// through the read-only path, or from shared memory with kShared); CorrTiles: 4 sums of 16 rows a group (the MLP's down), added
+// through the read-only path); CorrTiles: 4 sums of 16 rows a group (the MLP's down), added
 // in a fixed order, read through L2 only where they were written in the same launch
-// (kCoherent: the persistent kernel), from shared memory (kShared), else through the
-// read-only path.
-template <int W, bool kShared = false>
+// (kCoherent: the persistent kernel), else through the read-only path.
+template <int W>
 struct CorrPairs {
   const float2* p;
-  __device__ __forceinline__ float2 at(int j) const {
-    return kShared ? p[W * j] : __ldg(p + W * j);
-  }
+  __device__ __forceinline__ float2 at(int j) const { return __ldg(p + W * j); }
   __device__ __forceinline__ void step(int n) { p += W * n; }
 };
-template <int W, bool kCoherent, bool kShared = false>
+template <int W, bool kCoherent>
 struct CorrTiles {
   const float4* p;
   __device__ __forceinline__ float2 at(int j) const {
     const float4* q = p + 2 * W * j;
-    const float4 lo = kShared ? q[0] : kCoherent ? __ldcg(q) : __ldg(q);
-    const float4 hi = kShared ? q[1] : kCoherent ? __ldcg(q + 1) : __ldg(q + 1);
+    const float4 lo = kCoherent ? __ldcg(q) : __ldg(q);
+    const float4 hi = kCoherent ? __ldcg(q + 1) : __ldg(q + 1);
     return make_float2(((lo.x + lo.y) + lo.z) + lo.w, ((hi.x + hi.y) + hi.z) + hi.w);
   }
   __device__ __forceinline__ void step(int n) { p += 2 * W * n; }
 };
 
 // The warp's pairs of one tile, from the ring (filled with the tile's first P), refilling
-// it from the same tile; x and corr at the warp's first pair (corr unused with kBias); x in
-// shared memory with kSharedX.
-template <int P, int W, bool kBias, bool kXPerm, bool kCoherentX, typename Corr,
-          bool kSharedX = false>
+// it from the same tile; x and corr at the warp's first pair (corr unused with kBias).
+template <int P, int W, bool kBias, bool kXPerm, bool kCoherentX, typename Corr>
 __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
                                          const uint4* __restrict__ xr, bool has_x, Corr corr,
                                          float (&tot)[2]) {
@@ -809,9 +804,9 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       if (i0 + j < tl.count) {  // the same for the whole warp
-        const auto cj = [&corr, j]() { return corr.at(j); };
-        wide_pair_with<kBias, kXPerm, kCoherentX, decltype(cj), kSharedX>(
-            r.ca[j], r.cb[j], r.sa[j], r.sb[j], xr + 16 * W * j, has_x, cj, tot);
+        wide_pair_with<kBias, kXPerm, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
+                                                  xr + 16 * W * j, has_x,
+                                                  [&corr, j]() { return corr.at(j); }, tot);
         if (i0 + j + P < tl.count) {  // the slot is free: refill it with the pair P ahead
           r.ca[j] = load_stream(pa + 4 * W * (j + P));
           r.cb[j] = load_stream(pb + 4 * W * (j + P));
@@ -888,61 +883,22 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// x staged in shared memory (kSmemX of the wide kernel and the MLP op's launches): the block's
-// NT threads copy x's nx uint4 (M rows of bf16) to xs and its nc sums after them (corr: K/64 a
-// row; the MLP's psum: N1/16), then meet at a barrier. Each pair then reads its 64 bytes of
-// x and its sums from shared memory (about 30 cycles) instead of through L1 behind the codes'
-// loads (the wide kernel's stalls are on loads, v13/v16 ncu). The block issues its ring's
-// first codes before the copy, so the copy's latency hides under theirs. The same values, so
-// the same sums bit for bit. `staged_x_bytes` is the host side's size of the copy.
-template <int NT>
-__device__ __forceinline__ void stage_x(uint4* xs, const uint4* __restrict__ x,
-                                        const float* __restrict__ sums, int nx, int nc) {
-#pragma unroll 2
-  for (int i = threadIdx.x; i < nx; i += NT) xs[i] = __ldg(x + i);
-  float* cs = reinterpret_cast<float*>(xs + nx);
-  for (int i = threadIdx.x; i < nc; i += NT) cs[i] = __ldg(sums + i);
-  __syncthreads();
-}
-
-// The bytes of x's rows (M x K bf16) and their `sums` a row (floats) staged a block, or 0 where
-// they would not fit (over the 48 KB a launch takes without opting in, or over what
-// `blocks_per_sm` blocks an SM leave of its shared memory): x then stays in global memory.
-inline int staged_x_bytes(int m, int k, int sums, int blocks_per_sm) {
-  const int bytes = m * (2 * k + 4 * sums);
-  return bytes <= 48 * 1024 && bytes * blocks_per_sm <= 200 * 1024 ? bytes : 0;
-}
-
 // T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
 // 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
 // warps, more codes in flight.
-// kSmemX (bias 0): x and corr staged in shared memory first (`stage_x`; dynamic shared memory
-// of `staged_x_bytes`).
-template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false, bool kSmemX = false>
+template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false>
 __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
                    OT* __restrict__ y, int k, int m) {
   __shared__ float2 red[W][32];
-  extern __shared__ __align__(16) uint4 wide_xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * 16;
   const WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0, kBias);
   WideRing<P> ring;
-  ring_fill<P, W>(ring, static_cast<const WideTile<W>&>(in));
+  ring_fill(ring, static_cast<const WideTile<W>&>(in));
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
-  if constexpr (kSmemX) {
-    static_assert(!kBias, "x staged with corr only");
-    const int nx = m * (k >> 3);
-    stage_x<W * 32>(wide_xs, x, corr, nx, m * (k >> 6));
-    const LaneRows rows(lane, m);
-    using C = CorrPairs<W, true>;
-    ring_run<P, W, false, kXPerm, false, C, true>(
-        ring, in, rows.x_at(wide_xs, k, warp, lane), in.has_x,
-        C{rows.corr_at(reinterpret_cast<const float*>(wide_xs + nx), k, warp)}, tot);
-  } else {
-    ring_run<P, W, kBias, kXPerm, false>(ring, in, in.xr, in.has_x, CorrPairs<W>{in.cr}, tot);
-  }
+  ring_run<P, W, kBias, kXPerm, false>(ring, in, in.xr, in.has_x, CorrPairs<W>{in.cr}, tot);
   wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
 }
 
@@ -1138,8 +1094,7 @@ cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
 // tail, with no co-residency requirement and no counters: launches may overlap. Without the
 // attribute (or on a GPU without it) the wait returns at once and stream order holds.
 
-// kSmemX: x and corr staged in shared memory (as the wide kernel's), for both tiles.
-template <int W, int T, bool kSmemX = false>
+template <int W, int T>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_gate_up(const uint4* __restrict__ x, const float* __restrict__ corr,
                      const __grid_constant__ Mats gu, const int32_t* __restrict__ index,
@@ -1147,41 +1102,31 @@ __global__ void __launch_bounds__(W * 32, T / W)
                      int m) {
   pdl_launch_dependents();
   __shared__ float2 red[2][W][32];
-  extern __shared__ __align__(16) uint4 gate_up_xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, u = blockIdx.x;
   const int n1 = gu.start[1];
   const int64_t layer = layer_of(gu, index);
   const LaneRows ln(lane, m);
+  const uint4* xa = ln.x_at(x, k1, warp, lane);
+  const float2* ca = ln.corr_at(corr, k1, warp);
   WideRing<2> ring;
   WideTile<W> cur(gu, layer, k1, 16 * u, warp, lane);
   ring_fill(ring, cur);
-  const uint4* xa = ln.x_at(x, k1, warp, lane);
-  const float2* ca = ln.corr_at(corr, k1, warp);
-  if constexpr (kSmemX) {
-    const int nx = m * (k1 >> 3);
-    stage_x<W * 32>(gate_up_xs, x, corr, nx, m * (k1 >> 6));
-    xa = ln.x_at(gate_up_xs, k1, warp, lane);
-    ca = ln.corr_at(reinterpret_cast<const float*>(gate_up_xs + nx), k1, warp);
-  }
-  using C = CorrPairs<W, kSmemX>;
   float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
-  ring_run<2, W, false, false, false, C, kSmemX>(ring, cur, xa, ln.has_x, C{ca}, gt);
+  ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, gt);
   cur = WideTile<W>(gu, layer, k1, n1 + 16 * u, warp, lane);  // up's tile u in flight
   ring_fill(ring, cur);
   const float2 gate = tile_sums<W>(red[0], gt, warp, lane);
-  ring_run<2, W, false, false, false, C, kSmemX>(ring, cur, xa, ln.has_x, C{ca}, ut);
+  ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, ut);
   const float2 up = tile_sums<W>(red[1], ut, warp, lane);
   if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
 }
 
-// kSmemX: act and psum staged in shared memory (as the wide kernel's x and corr).
-template <int W, int T, bool kSmemX = false>
+template <int W, int T>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_down(const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats dn,
                   const int32_t* __restrict__ index, const __nv_bfloat16* act,
                   const float* psum, __nv_bfloat16* __restrict__ out, int k2, int m) {
   __shared__ float2 red[W][32];
-  extern __shared__ __align__(16) uint4 down_xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = 16 * blockIdx.x;
   const LaneRows ln(lane, m);
   WideRing<2> ring;
@@ -1191,19 +1136,11 @@ __global__ void __launch_bounds__(W * 32, T / W)
   // act and psum: the gate|up grid's, complete and visible from here on, so read through the
   // read-only path (L1 hits for the blocks of an SM, as the wide kernel's x)
   pdl_wait();
-  const uint4* a4 = reinterpret_cast<const uint4*>(act);
   float tot[2] = {0.0f, 0.0f};
-  if constexpr (kSmemX) {
-    const int nx = m * (k2 >> 3);
-    stage_x<W * 32>(down_xs, a4, psum, nx, m * (k2 >> 4));
-    using C = CorrTiles<W, false, true>;
-    ring_run<2, W, false, false, false, C, true>(
-        ring, tl, ln.x_at(down_xs, k2, warp, lane), ln.has_x,
-        C{ln.psum_at(reinterpret_cast<const float*>(down_xs + nx), k2, warp)}, tot);
-  } else {
-    ring_run<2, W, false, false, false>(ring, tl, ln.x_at(a4, k2, warp, lane), ln.has_x,
-                                        CorrTiles<W, false>{ln.psum_at(psum, k2, warp)}, tot);
-  }
+  ring_run<2, W, false, false, false>(ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2,
+                                                        warp, lane),
+                                      ln.has_x, CorrTiles<W, false>{ln.psum_at(psum, k2, warp)},
+                                      tot);
   const float2 s = tile_sums<W>(red, tot, warp, lane);
   if (warp == 0) mlp_out_store(s, row0, dn.start[dn.count], m, lane, h, out);
 }
@@ -1229,41 +1166,21 @@ struct PdlLaunch {
 
 // The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
 // warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
-// programmatic stream serialization when `pdl` (else a plain launch: stream order). smem_x
-// (built for W = 8, T = 32): each launch with its x staged in shared memory where it fits
-// (`staged_x_bytes`; else that launch as without).
+// programmatic stream serialization when `pdl` (else a plain launch: stream order).
 template <int W, int T>
 cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
                            const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
                            const int32_t* index, __nv_bfloat16* act, float* psum,
-                           __nv_bfloat16* out, int k1, int m, bool pdl, bool smem_x = false) {
+                           __nv_bfloat16* out, int k1, int m, bool pdl) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  const int a_bytes = smem_x ? staged_x_bytes(m, k1, k1 / 64, T / W) : 0;
-  const int b_bytes = smem_x ? staged_x_bytes(m, n1, n1 / 16, T / 8) : 0;
-  if constexpr (W == 8 && T == 32) {
-    if (a_bytes)
-      int4_mlp_gate_up<W, T, true><<<(n1 + 15) / 16, W * 32, a_bytes, stream>>>(
-          x, corr, gu, index, act, psum, k1, m);
-    else
-      int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
-                                                                    psum, k1, m);
-  } else {
-    if (smem_x) return cudaErrorInvalidValue;
-    int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
-                                                                  psum, k1, m);
-  }
+  int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
+                                                                k1, m);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl);
-  b.cfg.dynamicSmemBytes = b_bytes;
-  const auto* a = static_cast<const __nv_bfloat16*>(act);
-  const auto* ps = static_cast<const float*>(psum);
-  if constexpr (W == 8 && T == 32) {
-    if (b_bytes)
-      return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T, true>, h, dn, index, a, ps, out, n1,
-                                m);
-  }
-  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h, dn, index, a, ps, out, n1, m);
+  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h, dn, index,
+                            static_cast<const __nv_bfloat16*>(act),
+                            static_cast<const float*>(psum), out, n1, m);
 }
 
 // The wide kernel with the codes and scales of the next S - 1 pairs copied into a shared-memory
@@ -1346,26 +1263,12 @@ cudaError_t launch_wide_ring(cudaStream_t stream, int blocks, const uint4* x, co
   return cudaGetLastError();
 }
 
-template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false,
-          bool kSmemX = false>
+template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false>
 cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
-                        const Mats& mt, const int32_t* index, void* y, int k, int m,
-                        int smem = 0) {
-  int4_gemv_wide<P, W, kBias, T, OT, kXPerm, kSmemX><<<blocks, W * 32, smem, stream>>>(
+                        const Mats& mt, const int32_t* index, void* y, int k, int m) {
+  int4_gemv_wide<P, W, kBias, T, OT, kXPerm><<<blocks, W * 32, 0, stream>>>(
       x, corr, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
-}
-
-// The default's wide kernel (prefetch 2, registers capped for 32 warps an SM, bias 0) with x
-// staged in shared memory where it fits beside the 32 / W blocks an SM (else without).
-template <int W, typename OT>
-cudaError_t launch_wide_smem_x(cudaStream_t stream, int blocks, const uint4* x,
-                               const float* corr, const Mats& mt, const int32_t* index, void* y,
-                               int k, int m) {
-  const int bytes = staged_x_bytes(m, k, k / 64, 32 / W);
-  return bytes ? launch_wide<2, W, false, 32, OT, false, true>(stream, blocks, x, corr, mt,
-                                                               index, y, k, m, bytes)
-               : launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt, index, y, k, m);
 }
 
 // The wide kernel a call asks for: the shared-memory ring of `stages` pairs (stages 4 or 8,
@@ -1379,24 +1282,12 @@ cudaError_t launch_wide_smem_x(cudaStream_t stream, int blocks, const uint4* x,
 // 4% faster a call under ncu, no faster in the decode step, v13); 2 and 4 give each warp
 // longer runs of pairs (a 5120-wide row is 40 pairs: 5 a warp at W = 8) and the block less
 // of its fixed cost (row pointers, the first loads' latency, the reduction).
-// smem_x: `launch_wide_smem_x`, for the default's kernels (prefetch 2, occupancy 32, bias 0,
-// stages 0, xperm 0) at 4, 8 or 10 warps only.
 template <typename OT>
 cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
-                                int64_t occupancy, int64_t stages, bool xperm, bool smem_x,
-                                int blocks, const uint4* x, const float* corr, const Mats& mt,
+                                int64_t occupancy, int64_t stages, bool xperm, int blocks,
+                                const uint4* x, const float* corr, const Mats& mt,
                                 const int32_t* index, void* y, int k, int m, bool& known) {
   known = true;
-  if (smem_x) {
-    const bool built = prefetch == 2 && occupancy == 32 && !bias && stages == 0 && !xperm;
-#define NINFER_WIDE_SMEMX(W) \
-  if (built && warps == W)  \
-    return launch_wide_smem_x<W, OT>(stream, blocks, x, corr, mt, index, y, k, m);
-    NINFER_WIDE_SMEMX(4) NINFER_WIDE_SMEMX(8) NINFER_WIDE_SMEMX(10)
-#undef NINFER_WIDE_SMEMX
-    known = false;
-    return cudaSuccess;
-  }
   // x permuted by the caller: built for the defaults' kernels only (prefetch 2, registers
   // capped, bias 0, no ring)
 #define NINFER_WIDE_XPERM(W)                                                                \
@@ -2035,7 +1926,7 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
                             int64_t prefetch, int64_t warps, int64_t bias, int64_t occupancy,
-                            int64_t stages, int64_t xperm, int64_t smem_x) {
+                            int64_t stages, int64_t xperm) {
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
@@ -2055,18 +1946,17 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   bool known = false;
   const cudaError_t err =
       bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, occupancy,
-                                                stages, xperm != 0, smem_x != 0, blocks, x4, c,
-                                                mt, index.typed_data(), yp, ki, mi, known)
+                                                stages, xperm != 0, blocks, x4, c, mt,
+                                                index.typed_data(), yp, ki, mi, known)
            : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, occupancy, stages,
-                                        xperm != 0, smem_x != 0, blocks, x4, c, mt,
-                                        index.typed_data(), yp, ki, mi, known);
+                                        xperm != 0, blocks, x4, c, mt, index.typed_data(), yp,
+                                        ki, mi, known);
   if (!known)
     return ffi::Error::InvalidArgument(
         "int4_gemv_wide: stages 0 (then prefetch 2 or 4, warps 2, 4, 8, 10 or 16, occupancy 0, "
         "or 32 with prefetch 2 and bias 0) or stages 4 or 8 (warps 4 or 8, bias 0, "
         "occupancy 0); xperm 1 with prefetch 2, warps 4, 8 or 10, occupancy 32, bias 0, "
-        "stages 0 only; smem_x 1 with prefetch 2, warps 4, 8 or 10, occupancy 32, bias 0, "
-        "stages 0, xperm 0 only");
+        "stages 0 only");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -2135,14 +2025,13 @@ bool with_mlp_setting(int64_t warps, int64_t occupancy, F f) {
 // residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
 // [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. launches: 1 the persistent
 // kernel; 2 gate|up then down chained by programmatic dependent launch; 3 the same two
-// launches in plain stream order. smem_x 1 (launches 2 or 3, warps 8, occupancy 32): each
-// launch's x staged in shared memory where it fits.
+// launches in plain stream order.
 ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> corr,
                        ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> index,
                        ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                        ffi::Result<ffi::Buffer<ffi::BF16>> act,
                        ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
-                       int64_t occupancy, int64_t launches, int64_t smem_x) {
+                       int64_t occupancy, int64_t launches) {
   Mats gu{}, dn{};
   int64_t k1 = 0;
   if (const char* bad = decode_mlp(rest, index, gu, dn, k1))
@@ -2160,10 +2049,6 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     return ffi::Error::InvalidArgument("int4_mlp: act must be [M, N1], psum [M, N1/16]");
   if (launches < 1 || launches > 3)
     return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
-  if (smem_x < 0 || smem_x > 1 ||
-      (smem_x != 0 && (launches == 1 || warps != 8 || occupancy != 32)))
-    return ffi::Error::InvalidArgument(
-        "int4_mlp: smem_x 0, or 1 with launches 2 or 3, warps 8 and occupancy 32");
   const int tiles = static_cast<int>(std::max((n1 + 15) / 16, (n2 + 15) / 16));
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const auto* hp = reinterpret_cast<const __nv_bfloat16*>(h.typed_data());
@@ -2176,9 +2061,6 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     if (launches == 1) {
       err = launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(), ap,
                              psum->typed_data(), op, ki, mi, tiles);
-    } else if constexpr (W == 8 && T == 32) {  // the default: staged x built here only
-      err = launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
-                                 ap, psum->typed_data(), op, ki, mi, launches == 2, smem_x != 0);
     } else {
       err = launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
                                  ap, psum->typed_data(), op, ki, mi, launches == 2);
@@ -2227,8 +2109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Attr<int64_t>("bias")
                                   .Attr<int64_t>("occupancy")
                                   .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("xperm")
-                                  .Attr<int64_t>("smem_x"),
+                                  .Attr<int64_t>("xperm"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvTma, Int4GemvTmaImpl,
@@ -2250,6 +2131,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("occupancy")
-                                  .Attr<int64_t>("launches")
-                                  .Attr<int64_t>("smem_x"),
+                                  .Attr<int64_t>("launches"),
                               {ffi::Traits::kCmdBufferCompatible});
