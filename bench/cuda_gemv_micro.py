@@ -55,8 +55,6 @@ def main() -> None:
                     "0 only)")
     ap.add_argument("--wide-stages", default="0", help="the wide kernel's shared-memory ring "
                     "depth (0: the register ring; 4, 8: warps 4 or 8, bias 0, occupancy 0)")
-    ap.add_argument("--tma", default="", help="stages:warps of the stream-K kernel fed by "
-                    "bulk copies to time, e.g. 8:8,16:8,8:4")
     ap.add_argument("--no-pallas", action="store_true", help="leave out the Pallas kernel")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
@@ -93,9 +91,6 @@ def main() -> None:
                              for st in args.wide_stages.split(",") if st and int(st)
                              and m <= cuda_ops.WIDE_MAX_M
                              for wp in args.wide_warps.split(",") if wp in ("4", "8")})
-            variants.update({f"tma_s{st}w{wp}": ("tma", int(st), int(wp))
-                             for st, _, wp in (s.partition(":") for s in args.tma.split(",") if s)
-                             if m <= cuda_ops.WIDE_MAX_M})
             for impl, rpw in variants.items():
                 if rpw is not None and not res["cuda_available"]:
                     continue
@@ -109,9 +104,6 @@ def main() -> None:
                         return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1],
                                                   warps=rpw[2], bias=rpw[3], occupancy=rpw[4],
                                                   stages=rpw[5])
-                    if rpw[0] == "tma":
-                        return cuda_ops.int4_gemv(x, w, idx, variant="tma", stages=rpw[1],
-                                                  warps=rpw[2])
                     if rpw[0] == "prefetch":
                         return cuda_ops.int4_gemv(x, w, idx, variant="mma", prefetch=rpw[1])
                     return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],

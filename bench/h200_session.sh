@@ -10,7 +10,6 @@
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
 #   headline   decode and 8K/32K/128K prefill from int4_g64 weights, one process
 #   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
-#   tma        the stream-K GEMV fed by bulk copies: GPU tests, micro sweep, 1K decode (TMA_SETTINGS)
 #   xlafuse    XLA's newer fusion passes (XLAFUSE_SETS): 1K decode and a profiled step each
 #   restore    server-level 128K restore vs re-prefill and restart (RESTORE_ARGS,
 #              RESTORE_BUDGET_S)
@@ -140,24 +139,6 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
              -p no:cacheprovider tests/test_engine_gpu.py)
           tail -n 2 "$OUT/xlafuse_enginegpu_$TAG.log"
         fi ;;
-      tma)  # the stream-K GEMV fed by bulk copies (NINFER_INT4_KERNEL=tma): its GPU tests, the
-        # micro sweep of a step's launches against the wide kernel (4 and 8 warps, the capped
-        # default), then C1/C2 1K decode: default, separate MLP calls, tma for every call
-        # (MLP op off), tma beside the MLP op
-        G=tests/test_kernels_cuda_gemv.py  # node ids: see the pdl part
-        run 300 "$OUT/tma_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          $G::test_tma_stream_k_variant_matches_reference_on_gpu \
-          "$G::test_batch_invariant_and_deterministic_on_gpu[tma]"
-        tail -n 2 "$OUT/tma_tests_$TAG.log"
-        run 240 "$OUT/tma_micro_$TAG.log" python3 bench/cuda_gemv_micro.py --no-pallas \
-          --rows 1,2 --rpw "" --stages "" --wide 2 --wide-warps 4,8 --wide-occ 32 \
-          --tma "${TMA_SETTINGS:-2:4,2:8,3:8}" --shapes 10,11,4,2,12,9 \
-          --out "$OUT/tma_micro_$TAG.json"
-        grep -E ' us ' "$OUT/tma_micro_$TAG.log" | cut -c1-110
-        decode1k tma_off
-        decode1k tma_sepmlp NINFER_MLP_FUSED=0
-        decode1k tma_all NINFER_INT4_KERNEL=tma NINFER_MLP_FUSED=0
-        decode1k tma_withmlp NINFER_INT4_KERNEL=tma ;;
       xlapdl)  # XLA's programmatic dependent launch (--xla_gpu_enable_pdl=true): the engine's
         # GPU tests (without it), C1/C2 1K decode without and with it, then the MLP op's GPU
         # tests (MLP_TESTS_S seconds)

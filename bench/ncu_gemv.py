@@ -2,8 +2,7 @@
 the int4_g64 matrices of the 27B decode step (lm_head 248320 x 5120, 0.7 GB: far past the L2;
 a layer's in_proj, q|k|v and gate|up at K = 5120, down and out_proj), the wide tensor-core
 kernel as the model calls it (warps by the call's tiles, registers capped) and with 4 and 8
-warps to a tile (and the stream-K kernel fed by bulk copies, --tma), called a few times at
-M = 1, plus a plain device copy of the lm_head bytes for
+warps to a tile, called a few times at M = 1, plus a plain device copy of the lm_head bytes for
 comparison. The questions: what holds each shape under the copy rate (stall reasons, issue
 use, achieved occupancy, waves), and does the warps' choice move it.
 
@@ -45,8 +44,6 @@ def main() -> None:
                     f"(of {WARPS}; lm_head runs the default only)")
     ap.add_argument("--xperm", action="store_true", help="also the default with x permuted "
                     "by XLA (`xperm`: no byte permutations in the kernel)")
-    ap.add_argument("--tma", default="", help="stages:warps of the stream-K kernel fed by "
-                    "bulk copies to run as well (`int4_gemv_tma`), e.g. 2:8,3:4")
     args = ap.parse_args()
     shapes = args.shapes.split(",")
     warps = [int(w) for w in args.warps.split(",") if w]
@@ -63,10 +60,6 @@ def main() -> None:
         if args.xperm:
             variants["xperm"] = jax.jit(
                 lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", xperm=True))
-        for st, _, wp in (s.partition(":") for s in args.tma.split(",") if s):
-            variants[f"tma_s{st}w{wp}"] = jax.jit(
-                lambda x, w, st=int(st), wp=int(wp): cuda_ops.int4_gemv(
-                    x, w, variant="tma", stages=st, warps=wp))
         for wp in warps if shape != "lm_head" else ():
             variants[f"w{wp}o32"] = jax.jit(
                 lambda x, w, wp=wp: cuda_ops.int4_gemv(x, w, variant="wide", warps=wp))

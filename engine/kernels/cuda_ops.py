@@ -40,19 +40,12 @@ INT4_TARGET = "ninfer_int4_gemv"
 INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
 INT4_MLP_TARGET = "ninfer_int4_mlp"
-INT4_TMA_TARGET = "ninfer_int4_gemv_tma"
 WIDE_MAX_M = 4  # the wide kernel's B columns: 2 per row of x
+VARIANTS = ("fma", "mma", "wide")  # `int4_gemv`'s kernels (NINFER_INT4_KERNEL)
 # Within a group of 64 inputs, lane t of the MMA kernel multiplies its 16 codes in this order
 # (see the kernel's comment): x is permuted to match.
 _MMA_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15])
 MAX_ROWS = 8
-# The stream-K kernel fed by bulk copies (`int4_gemv_tma`, sm_90): K a multiple of TMA_K (its
-# ring's stages are 16 rows x K or x an equal part of K, <= 6144 inputs); ring depths and
-# consumer warps built; tiles of 16 rows a call at most.
-TMA_K = 256
-TMA_STAGES = (2, 3, 4)
-TMA_WARPS = (4, 8)
-TMA_MAX_TILES = 1 << 16
 MAX_MATS = 4  # weights one call can take (the kernel's kMaxMats)
 _why_not: list[str] = []
 
@@ -142,8 +135,6 @@ def _load_int4_locked() -> bool:
         jax.ffi.register_ffi_target(INT4_WIDE_TARGET,
                                     jax.ffi.pycapsule(lib.NinferInt4GemvWide), platform="CUDA")
         jax.ffi.register_ffi_target(INT4_MLP_TARGET, jax.ffi.pycapsule(lib.NinferInt4Mlp),
-                                    platform="CUDA")
-        jax.ffi.register_ffi_target(INT4_TMA_TARGET, jax.ffi.pycapsule(lib.NinferInt4GemvTma),
                                     platform="CUDA")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _why_not.append(f"build or load failed: {e}")
@@ -277,14 +268,7 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
-    (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel; "tma" (sm_90,
-    bf16 x, M <= 4, K a multiple of TMA_K, else "wide"/"fma"): the wide kernel's sums with
-    the weights and x streamed by bulk copies into a shared-memory ring of `stages`
-    (TMA_STAGES, default NINFER_INT4_TMA_STAGES or 2) by a producer warp for `warps`
-    (TMA_WARPS, default NINFER_INT4_TMA_WARPS or 8) consumer warps, persistent blocks
-    splitting the call's stages evenly (stream-K; a tile cut between blocks is added in block
-    order, so not the wide kernel's bits there, and the same bits whatever M); slower than
-    "wide" at every shape of the 27B on the H200 (v17c-e), opt-in only. Tile parameters:
+    (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel. Tile parameters:
     rows_per_warp (fma); stages (mma: copy pipeline depth, 4/6/8/12; wide: 0 for the
     register ring of `prefetch` pairs, 4 or 8 for a shared-memory ring of that many pairs
     filled by cp.async, warps 4 or 8, bias 0, the same sums bit for bit; default 0 or
@@ -329,9 +313,9 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     out_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
     pairs = [a for w in ws for a in (w.data, w.scale.astype(jnp.float32))]
     variant = variant or default_variant(x)
-    if variant == "tma" and not (m <= WIDE_MAX_M and k % TMA_K == 0
-                                 and x.dtype == jnp.bfloat16 and -(-n // 16) <= TMA_MAX_TILES):
-        variant = "wide" if x.dtype == jnp.bfloat16 else "fma"
+    if variant not in VARIANTS:
+        raise ValueError(f"int4_gemv: variant (NINFER_INT4_KERNEL) must be one of {VARIANTS}, "
+                         f"got {variant!r}")
     if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
         variant = "fma" if m <= FMA_MAX_M else "mma"
     if variant == "wide":
@@ -359,16 +343,6 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
                  bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages),
                  xperm=np.int64(bool(xperm)))
-    elif variant == "tma":
-        xb = x.reshape(m, k)
-        stages = stages or int(os.environ.get("NINFER_INT4_TMA_STAGES", "2"))
-        warps = warps or int(os.environ.get("NINFER_INT4_TMA_WARPS", "8"))
-        if stages not in TMA_STAGES or warps not in TMA_WARPS:
-            raise ValueError(f"int4_gemv: the tma kernel takes stages {TMA_STAGES} and warps "
-                             f"{TMA_WARPS}, got {stages} and {warps}")
-        call = jax.ffi.ffi_call(INT4_TMA_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
-        y = call(xb, group_sums(xb), idx, *pairs, stages=np.int64(stages),
-                 warps=np.int64(warps))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))

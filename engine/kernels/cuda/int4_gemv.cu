@@ -618,8 +618,7 @@ constexpr uint32_t kNeg136x2 = 0xC308C308u;  // two bf16 -136.0
 // `wide_pair_with` takes the pair's group sums of x from `corr()` (called where the sums are
 // used) and, with kCoherentX, loads x through L2 only (`__ldcg`): x written earlier in the
 // same launch (the persistent MLP kernel's activations) must not come from the read-only path.
-// kSharedX: xp points into shared memory (plain loads).
-template <bool kBias, bool kXPerm, bool kCoherentX, typename Corr, bool kSharedX = false>
+template <bool kBias, bool kXPerm, bool kCoherentX, typename Corr>
 __device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, const float2 sa,
                                                const float2 sb, const uint4* __restrict__ xp,
                                                bool has_x, Corr corr, float (&tot)[2]) {
@@ -627,7 +626,7 @@ __device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, c
   if (has_x) {
 #pragma unroll
     for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
-      const uint4 xv = kSharedX ? xp[v] : kCoherentX ? __ldcg(xp + v) : __ldg(xp + v);
+      const uint4 xv = kCoherentX ? __ldcg(xp + v) : __ldg(xp + v);
       if constexpr (kXPerm) {
         b[4 * v] = xv.x;
         b[4 * v + 1] = xv.y;
@@ -1324,368 +1323,6 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
   return cudaSuccess;
 }
 
-// ---- Stream-K wide GEMV fed by bulk copies (sm_90; M <= 4, K a multiple of 256) -------------
-//
-// The wide kernels above keep their codes in flight in registers (P = 2 pairs a warp; v16 ncu:
-// most of each instruction's cycles wait on those loads, `long_scoreboard`) or in a cp.async
-// ring that costs instructions a copy (v12). Here each block has one producer warp that moves
-// the weights into a shared-memory ring of S stages with bulk copies (`cp.async.bulk`, the
-// copy engine of sm_90: one instruction a contiguous piece, completion counted in bytes on an
-// mbarrier), and W consumer warps compute from the ring with the wide kernel's pair. A stage
-// is 16 rows x ks inputs (ks = K, or K cut into equal multiples of 256 of at most
-// kTmaMaxStageK whose ring fits): the rows' codes and scales and x's ks inputs, so the
-// consumers read x from shared memory too (below: how many copies). Consumer warp w takes
-// pairs w, w + W, .. of a stage; with ks = K that is the wide kernel's order for W warps.
-//
-// Persistent and stream-K: the grid is as many blocks as fit (G), and the call's stages (U =
-// tiles x K / ks of them) are cut into G even runs, block b taking stages [b U / G,
-// (b + 1) U / G), so every block streams the same bytes and there is no last wave (the down
-// projection's 320 tiles leave 40% of a wave empty in the wide kernel). A tile wholly in one
-// block is reduced over its warps (warp order) and stored (with ks = K bit for bit as the
-// wide kernel with W warps); a tile cut between blocks (at most G - 1 of them) has each
-// block's part reduced the same way into a per-block slot, and the block that finishes the
-// tile's last part (a counter per tile) adds the parts in block order and stores: a fixed
-// order that depends on N, K and G only, not on M or on timing (deterministic, batch
-// invariant). The counters reset themselves; the slots and counters are one set per loaded
-// module and device, so launches of this kernel must not run concurrently on one device (one
-// decode step at a time).
-//
-// Measured on the H200 (docs/benchmarks/README.md v17): slower than the wide kernel at every
-// shape of the 27B. 1024-input stages (32 copies of 512 and 64 bytes) read at 0.46-2.07 TB/s;
-// whole-row stages at 0.65-2.70 TB/s against the wide kernel's 0.80-2.86; faster with more blocks
-// an SM and slower with a deeper ring, so something a block does in turn bounds it, not the
-// bytes in flight. Their SASS named one cause: a copy a lane compiled to a loop issuing the
-// lanes' copies one at a time. Since then (not measured yet) one thread issues the copies,
-// three a stage for whole rows, and the per-stage 64-bit divisions are gone. Opt-in
-// (NINFER_INT4_KERNEL=tma).
-//
-// The copies are issued by one thread (lane 0 of the producer warp): a bulk copy's operands
-// live in uniform registers, so a copy a lane with each lane's own address compiles to a loop
-// over the lanes, one copy at a time (v17c/d's SASS). With whole rows (ks = K) a tile's 16
-// rows of codes are one contiguous block, as are their scales and x's M rows: three copies a
-// stage, into a ring laid out as in memory (row strides K / 2, K / 16, 2 K; the 16-byte loads
-// of rows g and g + 1 then meet in 2-way bank conflicts, against the 16 bytes a clock an SM
-// the codes arrive at). A tile that straddles two weights or passes N, and stages of part of
-// K, take a copy a row, into rows padded apart: codes `tma_row` (64 modulo 128: the 8 lanes of
-// a 16-byte load phase in 8 different banks), scales ks / 16 + 16, x 2 ks + 64.
-constexpr int kTmaMaxStageK = 6144, kTmaMaxBlocks = 1024, kTmaMaxTiles = 1 << 16;
-constexpr int kTmaSmemBytes = 219 * 1024;  // the ring at most: 227 KB a block, less the rest
-__host__ __device__ constexpr int tma_row(int ks, bool whole) {
-  return whole ? ks / 2 : ks / 2 + ((ks / 2 + 64) % 128);
-}
-__host__ __device__ constexpr int tma_scale_row(int ks, bool whole) {
-  return whole ? ks / 16 : ks / 16 + 16;
-}
-__host__ __device__ constexpr int tma_x_row(int ks, bool whole) {
-  return whole ? 2 * ks : 2 * ks + 64;
-}
-__host__ __device__ constexpr int tma_stage_bytes(int ks, int m, bool whole) {
-  return 16 * (tma_row(ks, whole) + tma_scale_row(ks, whole)) + m * tma_x_row(ks, whole);
-}
-// The stage width for K (a multiple of 256), a ring of S stages and M rows of x: K, or K cut
-// into the fewest equal multiples of 256 of at most kTmaMaxStageK inputs whose S stages fit.
-inline int tma_stage_k(int k, int s, int m) {
-  for (int parts = 1;; ++parts) {
-    if (k % (256 * parts) != 0) continue;
-    const int ks = k / parts;
-    if (ks <= kTmaMaxStageK && s * tma_stage_bytes(ks, m, parts == 1) <= kTmaSmemBytes) return ks;
-  }
-}
-__device__ float2 g_tma_part[kTmaMaxBlocks][2][32];  // [block][its first / last part][lane]
-__device__ unsigned int g_tma_done[kTmaMaxTiles];    // parts of a cut tile finished
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-#endif
-}
-// Waits until the barrier's phase of this parity has completed.
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory,
-// counted on `bar` when they land; `policy` an L2 cache policy (evict first: read once).
-__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes,
-                                          unsigned bar, uint64_t policy) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1], %2, [%3], %4;" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
-      : "memory");
-#endif
-}
-
-// The block holding stage u of U cut into G runs (run b starts at b U / G).
-__device__ __forceinline__ int tma_block_of(int64_t u, int64_t units, int64_t blocks) {
-  return static_cast<int>(((u + 1) * blocks - 1) / units);
-}
-
-template <int S, int W, typename OT>
-__global__ void __launch_bounds__((W + 1) * 32)
-    int4_gemv_tma(const uint4* __restrict__ x, const float* __restrict__ corr,
-                  const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
-                  OT* __restrict__ y, int k, int ks, int m) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // bulk copies and transaction-counted mbarriers: sm_90 and later
-#else
-  extern __shared__ uint4 tma_smem[];  // [S][16 rows of codes | 16 of scales | M of x]
-  unsigned char* ring = reinterpret_cast<unsigned char*>(tma_smem);
-  __shared__ __align__(8) uint64_t full[S], empty[S];
-  __shared__ float2 red[2][W][32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n = mt.start[mt.count], per_tile = k / ks, pairs = ks >> 7;
-  const bool whole = ks == k;
-  const int row_b = tma_row(ks, whole), srow_b = tma_scale_row(ks, whole);
-  const int xrow_b = tma_x_row(ks, whole), stage_b = tma_stage_bytes(ks, m, whole);
-  const int x0 = 16 * (row_b + srow_b);  // a stage's x rows
-  const int64_t tiles = (n + 15) / 16, units = tiles * per_tile, blocks = gridDim.x;
-  const int64_t lo = blockIdx.x * units / blocks, hi = (blockIdx.x + 1) * units / blocks;
-  const unsigned ring0 = static_cast<unsigned>(__cvta_generic_to_shared(ring));
-  const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full));
-  const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty));
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, W);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp == W) {  // the producer: lane 0 issues every copy (see above)
-    if (lane != 0) return;
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    uint64_t keep;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
-    const int64_t layer = layer_of(mt, index);
-    const unsigned char* xb = reinterpret_cast<const unsigned char*>(x);
-    int64_t tile = lo / per_tile;
-    int st = static_cast<int>(lo - tile * per_tile), s = 0;
-    unsigned use = 0;
-    const uint8_t* w0 = nullptr;  // the tile's first row's codes and scales
-    const float* s0 = nullptr;
-    bool block = false;  // its 16 rows one contiguous block of one weight
-    auto tile_rows = [&]() {
-      const int r0 = static_cast<int>(16 * tile);
-      row_ptrs(mt, min(r0, n - 1), layer, k, w0, s0);
-      const uint8_t* wl;
-      const float* sl;
-      row_ptrs(mt, min(r0 + 15, n - 1), layer, k, wl, sl);
-      block = r0 + 15 < n && wl == w0 + 15 * static_cast<int64_t>(k / 2) &&
-              sl == s0 + 15 * static_cast<int64_t>(k / 64);
-    };
-    tile_rows();
-    for (int64_t u = lo; u < hi; ++u) {
-      mbar_wait(empty0 + 8 * s, (use & 1) ^ 1);  // its last use released (the first: at once)
-      const unsigned bar = full0 + 8 * s, stage = ring0 + s * stage_b;
-      mbar_expect(bar, 16 * (ks / 2 + ks / 16) + m * 2 * ks);
-      if (whole && block) {
-        bulk_copy(stage, w0, 16 * (ks / 2), bar, policy);
-        bulk_copy(stage + 16 * row_b, s0, 16 * (ks / 16), bar, policy);
-      } else {
-        for (int r = 0; r < 16; ++r) {
-          const uint8_t* wr;
-          const float* sr;
-          row_ptrs(mt, min(static_cast<int>(16 * tile) + r, n - 1), layer, k, wr, sr);
-          bulk_copy(stage + r * row_b, wr + (ks / 2) * st, ks / 2, bar, policy);
-          bulk_copy(stage + 16 * row_b + r * srow_b, sr + (ks / 64) * st, ks / 16, bar, policy);
-        }
-      }
-      // x's inputs of the stage (read by every block: kept in L2)
-      if (whole) {
-        bulk_copy(stage + x0, xb, m * 2 * ks, bar, keep);
-      } else {
-        for (int r = 0; r < m; ++r)
-          bulk_copy(stage + x0 + r * xrow_b, xb + 2 * (static_cast<int64_t>(r) * k +
-                                                       static_cast<int64_t>(ks) * st),
-                    2 * ks, bar, keep);
-      }
-      if (++s == S) {
-        s = 0;
-        ++use;
-      }
-      if (++st == per_tile) {
-        st = 0;
-        ++tile;
-        if (u + 1 < hi) tile_rows();
-      }
-    }
-    return;
-  }
-
-  // the consumers
-  const LaneRows rows(lane, m);
-  const int g = lane >> 2, t = lane & 3;
-  const float2* crow = rows.corr_at(corr, k, 0);         // pair p at + p
-  float tot[2] = {0.0f, 0.0f};
-  int parity = 0;  // which `red` a part reduces into
-  int64_t part0 = lo;  // the first stage of the current part
-  int64_t tile = lo / per_tile;
-  int st = static_cast<int>(lo - tile * per_tile), s = 0;
-  unsigned use = 0;
-  for (int64_t u = lo; u < hi; ++u) {
-    mbar_wait(full0 + 8 * s, use & 1);
-    const unsigned char* stage = ring + s * stage_b;
-    const unsigned char* ra = stage + g * row_b + 16 * t;
-    const unsigned char* sa_p = stage + 16 * row_b + g * srow_b;
-    const uint4* xs = reinterpret_cast<const uint4*>(stage + x0 + rows.xrow * xrow_b) +
-                      4 * t;  // pair j at + 16 j
-    for (int j = warp; j < pairs; j += W) {
-      const uint4 ca = *reinterpret_cast<const uint4*>(ra + 64 * j);
-      const uint4 cb = *reinterpret_cast<const uint4*>(ra + 8 * row_b + 64 * j);
-      const float2 sa = *reinterpret_cast<const float2*>(sa_p + 8 * j);
-      const float2 sb = *reinterpret_cast<const float2*>(sa_p + 8 * srow_b + 8 * j);
-      const float2* cp = crow + pairs * st + j;
-      const auto cload = [cp]() { return __ldg(cp); };
-      wide_pair_with<false, false, false, decltype(cload), true>(ca, cb, sa, sb, xs + 16 * j,
-                                                                 rows.has_x, cload, tot);
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty0 + 8 * s);
-    if (++s == S) {
-      s = 0;
-      ++use;
-    }
-    if (st != per_tile - 1 && u != hi - 1) {
-      ++st;
-      continue;
-    }
-
-    // the end of a part: its warps' sums in warp order (consumer warps only: named barrier 1)
-    red[parity][warp][lane] = make_float2(tot[0], tot[1]);
-    asm volatile("bar.sync 1, %0;" ::"r"(W * 32) : "memory");
-    if (warp == 0) {
-      float2 v = red[parity][0][lane];
-#pragma unroll
-      for (int w = 1; w < W; ++w) {
-        const float2 o = red[parity][w][lane];
-        v.x += o.x;
-        v.y += o.y;
-      }
-      const int64_t t0 = tile * per_tile;
-      bool store = t0 >= lo && t0 + per_tile <= hi;  // the tile wholly in this block's run
-      if (!store) {  // a cut tile: this block's part into its slot; the last part adds them
-        const int first = tma_block_of(t0, units, blocks);
-        const int last = tma_block_of(t0 + per_tile - 1, units, blocks);
-        __stcg(&g_tma_part[blockIdx.x][part0 == lo ? 0 : 1][lane], v);
-        __threadfence();
-        __syncwarp();  // every lane's part stored and fenced before the count
-        unsigned prev = 0;
-        if (lane == 0) {
-          __threadfence();
-          prev = atomicAdd(&g_tma_done[tile], 1u);
-        }
-        prev = __shfl_sync(0xffffffffu, prev, 0);
-        if (prev == static_cast<unsigned>(last - first)) {
-          __threadfence();
-          v = make_float2(0.0f, 0.0f);
-          for (int b = first; b <= last; ++b) {
-            const int64_t start = b * units / blocks;
-            const float2 o = __ldcg(&g_tma_part[b][start >= t0 ? 0 : 1][lane]);
-            v.x += o.x;
-            v.y += o.y;
-          }
-          if (lane == 0) g_tma_done[tile] = 0u;
-          store = true;
-        }
-      }
-      if (store && t < m) {
-        const int ra = static_cast<int>(16 * tile) + g, rb = ra + 8;
-        if (ra < n) y[static_cast<int64_t>(t) * n + ra] = to_out<OT>(v.x);
-        if (rb < n) y[static_cast<int64_t>(t) * n + rb] = to_out<OT>(v.y);
-      }
-    }
-    parity ^= 1;
-    tot[0] = tot[1] = 0.0f;
-    part0 = u + 1;
-    if (++st == per_tile) {
-      st = 0;
-      ++tile;
-    }
-  }
-#endif
-}
-
-// The grid: as many blocks as fit at once with this ring (at most one a stage of the call).
-template <int S, int W, typename OT>
-cudaError_t launch_tma(cudaStream_t stream, const uint4* x, const float* corr, const Mats& mt,
-                       const int32_t* index, void* y, int k, int m) {
-  const int ks = tma_stage_k(k, S, m), bytes = S * tma_stage_bytes(ks, m, ks == k);
-  static int sms = 0;
-  static int seen_bytes[32] = {}, seen_fit[32] = {};  // blocks an SM, by ring bytes
-  if (sms == 0) {
-    int dev = 0, major = 0;
-    cudaError_t err = cudaFuncSetAttribute(int4_gemv_tma<S, W, OT>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           kTmaSmemBytes);
-    if (err == cudaSuccess) err = cudaGetDevice(&dev);
-    if (err == cudaSuccess)
-      err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (err == cudaSuccess && major < 9) err = cudaErrorNotSupported;  // sm_90's bulk copies
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (err != cudaSuccess) return err;
-  }
-  int per_sm = 0, slot = 0;
-  while (slot < 32 && seen_bytes[slot] != 0 && seen_bytes[slot] != bytes) ++slot;
-  if (slot < 32 && seen_bytes[slot] == bytes) {
-    per_sm = seen_fit[slot];
-  } else {
-    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, int4_gemv_tma<S, W, OT>, (W + 1) * 32, bytes);
-    if (err != cudaSuccess) return err;
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
-    if (slot < 32) {
-      seen_fit[slot] = per_sm;
-      seen_bytes[slot] = bytes;
-    }
-  }
-  const int64_t tiles = (mt.start[mt.count] + 15) / 16, units = tiles * (k / ks);
-  const int blocks = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>({kTmaMaxBlocks, sms * per_sm, units})));
-  int4_gemv_tma<S, W, OT><<<blocks, (W + 1) * 32, bytes, stream>>>(
-      x, corr, mt, index, static_cast<OT*>(y), k, ks, m);
-  return cudaGetLastError();
-}
-
-// The stream-K kernel a call asks for (a ring of 2, 3 or 4 stages; 4 or 8 consumer warps);
-// `known` false for one not built.
-template <typename OT>
-cudaError_t launch_tma_variant(cudaStream_t stream, int64_t stages, int64_t warps,
-                               const uint4* x, const float* corr, const Mats& mt,
-                               const int32_t* index, void* y, int k, int m, bool& known) {
-  known = true;
-#define NINFER_TMA(S, W) \
-  if (stages == S && warps == W) return launch_tma<S, W, OT>(stream, x, corr, mt, index, y, k, m);
-  NINFER_TMA(2, 4) NINFER_TMA(3, 4) NINFER_TMA(4, 4)
-  NINFER_TMA(2, 8) NINFER_TMA(3, 8) NINFER_TMA(4, 8)
-#undef NINFER_TMA
-  known = false;
-  return cudaSuccess;
-}
-
 template <int S, typename OT>
 cudaError_t launch_mma(cudaStream_t stream, int blocks, const uint4* x4, const float2* c2,
                        const Mats& mt, const int32_t* index, void* y, int k, int m) {
@@ -1901,9 +1538,9 @@ bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
   return d.size() == 2 && d[0] == rows && d[1] == cols;
 }
 
-// The operands of the wide-shaped calls (the wide and tma kernels): x [M, K] bf16 as it is,
-// corr [M, K/64] its group sums (with `corr_cols` columns: 0 for the wide kernel's bias MMAs),
-// y [M <= 4, N] f32 or bf16, K a multiple of `k_multiple`. M, or 0 with `why` set.
+// The operands of the wide kernel's call: x [M, K] bf16 as it is, corr [M, K/64] its group
+// sums (with `corr_cols` columns: 0 for the bias MMAs), y [M <= 4, N] f32 or bf16, K a
+// multiple of `k_multiple`. M, or 0 with `why` set.
 int64_t wide_operands(const ffi::Buffer<ffi::BF16>& x, const ffi::Buffer<ffi::F32>& corr,
                       ffi::Span<const int64_t> yd, ffi::DataType yt, int64_t n, int64_t k,
                       int64_t k_multiple, int64_t corr_cols, std::string& why) {
@@ -1957,38 +1594,6 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
         "or 32 with prefetch 2 and bias 0) or stages 4 or 8 (warps 4 or 8, bias 0, "
         "occupancy 0); xperm 1 with prefetch 2, warps 4, 8 or 10, occupancy 32, bias 0, "
         "stages 0 only");
-  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
-
-// x [M, K] bf16 as it is, corr [M, K/64] its group sums, index, the (codes, scales) pairs;
-// y [M <= 4, N]. K a multiple of 256; at most 65,536 tiles of 16 rows.
-ffi::Error Int4GemvTmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
-                           ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
-                           ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
-                           int64_t stages, int64_t warps) {
-  Mats mt{};
-  int64_t k = 0;
-  if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
-  const int64_t n = mt.start[mt.count];
-  if ((n + 15) / 16 > kTmaMaxTiles)
-    return ffi::Error::InvalidArgument("int4_gemv_tma: N must be at most 16 x 65536");
-  std::string why;
-  const int64_t m = wide_operands(x, corr, y->dimensions(), y->element_type(), n, k, 256,
-                                  k / 64, why);
-  if (m == 0) return ffi::Error::InvalidArgument("int4_gemv_tma: " + why);
-  const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
-  const int mi = static_cast<int>(m), ki = static_cast<int>(k);
-  void* yp = y->untyped_data();
-  const bool bf16 = y->element_type() == ffi::DataType::BF16;
-  bool known = false;
-  const cudaError_t err =
-      bf16 ? launch_tma_variant<__nv_bfloat16>(stream, stages, warps, x4, corr.typed_data(), mt,
-                                               index.typed_data(), yp, ki, mi, known)
-           : launch_tma_variant<float>(stream, stages, warps, x4, corr.typed_data(), mt,
-                                       index.typed_data(), yp, ki, mi, known);
-  if (!known)
-    return ffi::Error::InvalidArgument("int4_gemv_tma: stages 2, 3 or 4; warps 4 or 8");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -2110,12 +1715,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Attr<int64_t>("occupancy")
                                   .Attr<int64_t>("stages")
                                   .Attr<int64_t>("xperm"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvTma, Int4GemvTmaImpl,
-                              bf16_gemv_binding()
-                                  .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("warps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
