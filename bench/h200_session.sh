@@ -18,6 +18,7 @@
 #   hlo        the C1 decode step's optimized HLO
 #   gemv       int4 GEMV sweep of the big shapes   ncu        the wide GEMV under Nsight Compute
 #              (NCU_ARGS: bench/ncu_gemv.py's --shapes, --warps)
+#   ncusrc     the wide GEMV's warp-state samples by SASS instruction (which loads it waits on)
 #   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS), decode with WIDE_BIAS
 #   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
 #   prefetch   the register-prefetch mma GEMV      readpat    read ceilings by access pattern
@@ -390,6 +391,21 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         run 180 "$OUT/readpat_$TAG.log" python3 bench/read_patterns.py \
           --out "$OUT/read_patterns_$TAG.json"
         grep -E "copy|stream_h1_u4 grid 8|rows_alu|scale|16-row" "$OUT/readpat_$TAG.log" ;;
+      ncusrc)  # where the default wide GEMV's warps wait, instruction by instruction (ncu's
+        # warp-state sampling on the SASS page): gate|up, down, in_proj and lm_head at M = 1,
+        # three launches each; the waiting instruction names the load it waits for (codes,
+        # scales, x or corr; bench/ncu_source_summary.py)
+        XLA_PYTHON_CLIENT_PREALLOCATE=false run 400 "$OUT/ncusrc_$TAG.log" ncu \
+          --clock-control none --kernel-name regex:int4_gemv_wide --launch-skip 0 \
+          --launch-count 12 --section SourceCounters --section WarpStateStats \
+          -f -o "$OUT/ncusrc_$TAG" python3 bench/ncu_gemv.py \
+          --shapes "gate|up,down,in_proj,lm_head" --warps ""
+        tail -n 3 "$OUT/ncusrc_$TAG.log"
+        run 120 "$OUT/ncusrc_export_$TAG.log" bash -c "ncu --import $OUT/ncusrc_$TAG.ncu-rep \
+          --page source --print-source sass --csv > $OUT/ncusrc_$TAG.csv"
+        tail -n 3 "$OUT/ncusrc_export_$TAG.log"
+        python3 bench/ncu_source_summary.py "$OUT/ncusrc_$TAG.csv" --top 20 \
+          | tee "$OUT/ncusrc_summary_$TAG.txt" | cut -c1-150 ;;
       ncu)  # the stall reasons too: the per-issue stall metrics this ncu names (none if its
         # names differ: the sections alone then)
         STALLS=$(ncu --query-metrics 2>/dev/null | awk '{print $1}' \
