@@ -268,7 +268,8 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
-    (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel. Tile parameters:
+    (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel; another name
+    (here or in NINFER_INT4_KERNEL) is a ValueError. Tile parameters:
     rows_per_warp (fma); stages (mma: copy pipeline depth, 4/6/8/12; wide: 0 for the
     register ring of `prefetch` pairs, 4 or 8 for a shared-memory ring of that many pairs
     filled by cp.async, warps 4 or 8, bias 0, the same sums bit for bit; default 0 or
