@@ -393,13 +393,14 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         grep -E "copy|stream_h1_u4 grid 8|rows_alu|scale|16-row" "$OUT/readpat_$TAG.log" ;;
       ncusrc)  # where the default wide GEMV's warps wait, instruction by instruction (ncu's
         # warp-state sampling on the SASS page): gate|up, down, in_proj and lm_head at M = 1,
-        # three launches each; the waiting instruction names the load it waits for (codes,
-        # scales, x or corr; bench/ncu_source_summary.py)
+        # three launches each, and the MLP op's two launches three times; the waiting
+        # instruction names the load it waits for (codes, scales, x or corr;
+        # bench/ncu_source_summary.py)
         XLA_PYTHON_CLIENT_PREALLOCATE=false run 400 "$OUT/ncusrc_$TAG.log" ncu \
-          --clock-control none --kernel-name regex:int4_gemv_wide --launch-skip 0 \
-          --launch-count 12 --section SourceCounters --section WarpStateStats \
+          --clock-control none --kernel-name regex:"int4_gemv_wide|int4_mlp" --launch-skip 0 \
+          --launch-count 18 --section SourceCounters --section WarpStateStats \
           -f -o "$OUT/ncusrc_$TAG" python3 bench/ncu_gemv.py \
-          --shapes "gate|up,down,in_proj,lm_head" --warps ""
+          --shapes "gate|up,down,in_proj,lm_head" --warps "" --mlp
         tail -n 3 "$OUT/ncusrc_$TAG.log"
         run 120 "$OUT/ncusrc_export_$TAG.log" bash -c "ncu --import $OUT/ncusrc_$TAG.ncu-rep \
           --page source --print-source sass --csv > $OUT/ncusrc_$TAG.csv"

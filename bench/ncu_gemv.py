@@ -13,7 +13,8 @@ use, achieved occupancy, waves), and does the warps' choice move it.
         python3 bench/ncu_gemv.py > ncu_gemv.csv
 
 (--clock-control none: leave the clocks alone, METHOD.md; --shapes and --warps narrow the
-run.) Without ncu it prints each variant's time and bytes/s, so it doubles as a quick check.
+run; --mlp adds the MLP op as the step calls it, its two launches, at the 27B's sizes.)
+Without ncu it prints each variant's time and bytes/s, so it doubles as a quick check.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def main() -> None:
                     f"(of {WARPS}; lm_head runs the default only)")
     ap.add_argument("--xperm", action="store_true", help="also the default with x permuted "
                     "by XLA (`xperm`: no byte permutations in the kernel)")
+    ap.add_argument("--mlp", action="store_true", help="also the MLP op (`cuda_ops.int4_mlp`, "
+                    "two launches: gate|up 34816 x 5120 with SwiGLU, down 5120 x 17408) at M = 1")
     args = ap.parse_args()
     shapes = args.shapes.split(",")
     warps = [int(w) for w in args.warps.split(",") if w]
@@ -81,6 +84,30 @@ def main() -> None:
             print(f"{shape:>8} {name:>8}: {t * 1e6:8.1f} us  {moved / t / 1e12:5.2f} TB/s",
                   flush=True)
         del w
+    if args.mlp:
+        time_mlp()
+
+
+def time_mlp() -> None:
+    """The MLP op at the 27B's sizes, M = 1, as the decode step calls it (its default launches),
+    REPS calls after a first."""
+    if not cuda_ops.available():
+        print(f"mlp: CUDA op unavailable ({cuda_ops.why_unavailable()})")
+        return
+    d, n1 = 5120, 17408
+    gate, up, down = (_random_qtensor(jax.random.key(s), shape, "int4_g64")
+                      for s, shape in ((1, (n1, d)), (2, (n1, d)), (3, (d, n1))))
+    x = jax.random.normal(jax.random.key(4), (1, d), jnp.bfloat16)
+    h = jax.random.normal(jax.random.key(5), (1, d), jnp.bfloat16)
+    fn = jax.jit(lambda x, h, g, u, dn: cuda_ops.int4_mlp(x, h, g, u, dn, launches=2))
+    jax.block_until_ready(fn(x, h, gate, up, down))
+    t0 = time.perf_counter()
+    for _ in range(REPS):
+        out = fn(x, h, gate, up, down)
+    jax.block_until_ready(out)
+    t = (time.perf_counter() - t0) / REPS
+    nbytes = sum(w.data.size + w.scale.size * 4 for w in (gate, up, down))
+    print(f"     mlp   op(2): {t * 1e6:8.1f} us  {nbytes / t / 1e12:5.2f} TB/s", flush=True)
 
 
 if __name__ == "__main__":
