@@ -1540,14 +1540,14 @@ bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
 
 // The operands of the wide kernel's call: x [M, K] bf16 as it is, corr [M, K/64] its group
 // sums (with `corr_cols` columns: 0 for the bias MMAs), y [M <= 4, N] f32 or bf16, K a
-// multiple of `k_multiple`. M, or 0 with `why` set.
+// multiple of 128. M, or 0 with `why` set.
 int64_t wide_operands(const ffi::Buffer<ffi::BF16>& x, const ffi::Buffer<ffi::F32>& corr,
                       ffi::Span<const int64_t> yd, ffi::DataType yt, int64_t n, int64_t k,
-                      int64_t k_multiple, int64_t corr_cols, std::string& why) {
+                      int64_t corr_cols, std::string& why) {
   const auto xd = x.dimensions();
   const int64_t m = yd.size() == 2 ? yd[0] : 0;
-  if (k % k_multiple != 0)
-    why = "K must be a multiple of " + std::to_string(k_multiple);
+  if (k % 128 != 0)
+    why = "K must be a multiple of 128";
   else if (yd.size() != 2 || yd[1] != n || m < 1 || m > 4)
     why = "y must be [M <= 4, N]";
   else if (xd.size() != 2 || xd[0] != m || xd[1] != k)
@@ -1571,7 +1571,7 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   if (bias != 0 && bias != 1)
     return ffi::Error::InvalidArgument("int4_gemv_wide: bias must be 0 or 1");
   std::string why;
-  const int64_t m = wide_operands(x, corr, y->dimensions(), y->element_type(), n, k, 128,
+  const int64_t m = wide_operands(x, corr, y->dimensions(), y->element_type(), n, k,
                                   bias ? 0 : k / 64, why);
   if (m == 0) return ffi::Error::InvalidArgument("int4_gemv_wide: " + why);
   const int blocks = static_cast<int>((n + 15) / 16);
