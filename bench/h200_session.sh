@@ -18,6 +18,7 @@
 #   hlo        the C1 decode step's optimized HLO
 #   gemv       int4 GEMV sweep of the big shapes   ncu        the wide GEMV under Nsight Compute
 #              (NCU_ARGS: bench/ncu_gemv.py's --shapes, --warps)
+#   startup    a warm start's pieces: per-width compile, the weights' copy, checkpoint reads
 #   ncusrc     the wide GEMV's warp-state samples by SASS instruction (which loads it waits on)
 #   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS), decode with WIDE_BIAS
 #   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
@@ -446,6 +447,16 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         OUT="$OUT" BUDGET_S="${RESTORE_BUDGET_S:-540}" run 600 "$OUT/restore_$TAG.log" \
           bash bench/h200_restore.sh ${RESTORE_ARGS:-}
         tail -n 16 "$OUT/restore_$TAG.log" ;;
+      startup)  # where a warm start's seconds go: each width's trace / lower / compile, cold
+        # and warm cache; the weights' copy against the page-cache and host-to-device rates
+        # (bench/startup_micro.py); the checkpoint store's load of a 128K session's 2,048
+        # pages against plain reads and sha256 (bench/checkpoint_io_bench.py)
+        run 420 "$OUT/startup_$TAG.log" python3 bench/startup_micro.py --work-dir /tmp/r27 \
+          --out "$OUT/startup_micro_$TAG.json"
+        tail -n 45 "$OUT/startup_$TAG.log"
+        run 240 "$OUT/ckio_$TAG.log" python3 bench/checkpoint_io_bench.py --dir /tmp/ckio \
+          --configs 27b:4194304:2048:153944064 --reps 1 --out "$OUT/checkpoint_io_$TAG.json"
+        tail -n 25 "$OUT/ckio_$TAG.log" ;;
       *) echo "unknown part $p" ;;
     esac
   done
