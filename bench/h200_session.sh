@@ -452,9 +452,9 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         # (bench/startup_micro.py); the checkpoint store's load of a 128K session's 2,048
         # pages against plain reads and sha256 (bench/checkpoint_io_bench.py)
         run 420 "$OUT/startup_$TAG.log" python3 bench/startup_micro.py --work-dir /tmp/r27 \
-          --out "$OUT/startup_micro_$TAG.json"
+          --out "$OUT/startup_micro_$TAG.json" --parts "${STARTUP_PARTS:-compile,widths,load}"
         tail -n 45 "$OUT/startup_$TAG.log"
-        run 240 "$OUT/ckio_$TAG.log" python3 bench/checkpoint_io_bench.py --dir /tmp/ckio \
+        [ "${STARTUP_CKIO:-1}" = 1 ] && run 240 "$OUT/ckio_$TAG.log" python3 bench/checkpoint_io_bench.py --dir /tmp/ckio \
           --configs 27b:4194304:2048:153944064 --reps 1 --out "$OUT/checkpoint_io_$TAG.json"
         tail -n 25 "$OUT/ckio_$TAG.log" ;;
       *) echo "unknown part $p" ;;

@@ -16,10 +16,10 @@ Parts (each in a fresh process, so nothing is cached in memory between them):
 - `widths_warm`: every width alone, one after the other, warm: jit trace, lower, compile
   (a cache hit: key + load of the executable).
 - `load`: ModelLoad's copy pass (the artifact's stacked leaves built on the host and put on
-  the device, its threads as the server uses them, verification skipped as a warm start's
-  stamp does), then the rates beneath it: the artifact read from the page cache into memory
+  the device, verification skipped as a warm start's stamp does) with NINFER_H2D=direct and
+  pinned (engine/hostcopy.py), on the loader's threads and on 16, then the rates beneath it: the artifact read from the page cache into memory
   on 1 and 8 threads, one 1 GiB host array put on the device (pageable, and from pinned host
-  memory), and 8 such puts at once.
+  memory), and 8 such puts at once, plain and through engine/hostcopy.py.
 """
 from __future__ import annotations
 
@@ -153,16 +153,21 @@ def part_load(args) -> dict:
     def no_verify(art, expected, *, stamps=None, mode="full"):
         return "stamp"
     L.verify_artifact = no_verify
-    for threads in sorted({L.worker_threads(), 16}):
-        L.worker_threads = lambda threads=threads: threads
-        timings = {}
-        load = L.start_load(Path(args.artifact), compute_dtype=args.compute_dtype,
-                            kv_dtype=args.compute_dtype, timings=timings, verify="full")
-        model = load.result()
-        out[f"model_load_{threads}t"] = {**timings,
-                                         "GBps": _rate(size, timings["to_device_s"])}
-        del model, load
-        jax.clear_caches()
+    default_threads = L.worker_threads()
+    for mode in ("direct", "pinned"):
+        os.environ["NINFER_H2D"] = mode
+        for threads in sorted({default_threads, 16}):
+            L.worker_threads = lambda threads=threads: threads
+            timings = {}
+            load = L.start_load(Path(args.artifact), compute_dtype=args.compute_dtype,
+                                kv_dtype=args.compute_dtype, timings=timings, verify="full")
+            load.result()
+            out[f"model_load_{mode}_{threads}t"] = {
+                **timings, "GBps": _rate(size, timings["to_device_s"])}
+            print(mode, threads, out[f"model_load_{mode}_{threads}t"], file=sys.stderr,
+                  flush=True)
+            load = None  # the device copy goes with it
+    os.environ.pop("NINFER_H2D")
 
     # Host-to-device rates.
     dev = jax.devices()[0]
@@ -191,6 +196,15 @@ def part_load(args) -> dict:
         outs = list(pool.map(lambda h: jax.device_put(h, dev), hosts))
         jax.block_until_ready(outs)
         out["device_put_8x1GiB_8t_GBps"] = _rate(8 * GiB, time.monotonic() - t)
+        outs = None
+        if jax.default_backend() == "gpu":
+            from engine import hostcopy
+
+            t = time.monotonic()
+            outs = list(pool.map(hostcopy.put, hosts))
+            jax.block_until_ready(outs)
+            out["hostcopy_put_8x1GiB_8t_GBps"] = _rate(8 * GiB, time.monotonic() - t)
+            outs = None
     return out
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine import hostcopy
 from engine import model as M
 from engine.artifact import ArtifactError, open_artifact, write_artifact
 from engine.config import ModelConfig
@@ -222,7 +223,7 @@ class ModelLoad:
                 if check.done() and check.exception() is not None:
                     return None  # corrupt: stop copying, result() raises
                 if isinstance(x, (np.ndarray, HostStack)):
-                    return jax.device_put(host_leaf(x))
+                    return hostcopy.put(host_leaf(x))
                 return x
             with concurrent.futures.ThreadPoolExecutor(
                     worker_threads(), thread_name_prefix="ninfer-copy") as copiers:
