@@ -16,10 +16,11 @@ Parts (each in a fresh process, so nothing is cached in memory between them):
 - `widths_warm`: every width alone, one after the other, warm: jit trace, lower, compile
   (a cache hit: key + load of the executable).
 - `load`: ModelLoad's copy pass (the artifact's stacked leaves built on the host and put on
-  the device, verification skipped as a warm start's stamp does) with NINFER_H2D=direct and
-  pinned (engine/hostcopy.py), on the loader's threads and on 16, then the rates beneath it: the artifact read from the page cache into memory
+  the device, verification skipped as a warm start's stamp does) on the loader's threads and
+  on 8 and 16, then the rates beneath it: the artifact read from the page cache into memory
   on 1 and 8 threads, one 1 GiB host array put on the device (pageable, and from pinned host
-  memory), and 8 such puts at once, plain and through engine/hostcopy.py.
+  memory), 8 such puts at once, and 16 puts of 512 MiB through pinned host memory twice (is
+  freed pinned memory reused?).
 """
 from __future__ import annotations
 
@@ -153,21 +154,15 @@ def part_load(args) -> dict:
     def no_verify(art, expected, *, stamps=None, mode="full"):
         return "stamp"
     L.verify_artifact = no_verify
-    default_threads = L.worker_threads()
-    for mode in ("direct", "pinned"):
-        os.environ["NINFER_H2D"] = mode
-        for threads in sorted({default_threads, 16}):
-            L.worker_threads = lambda threads=threads: threads
-            timings = {}
-            load = L.start_load(Path(args.artifact), compute_dtype=args.compute_dtype,
-                                kv_dtype=args.compute_dtype, timings=timings, verify="full")
-            load.result()
-            out[f"model_load_{mode}_{threads}t"] = {
-                **timings, "GBps": _rate(size, timings["to_device_s"])}
-            print(mode, threads, out[f"model_load_{mode}_{threads}t"], file=sys.stderr,
-                  flush=True)
-            load = None  # the device copy goes with it
-    os.environ.pop("NINFER_H2D")
+    for threads in sorted({L.copy_threads(), 8, 16}):
+        L.copy_threads = lambda threads=threads: threads
+        timings = {}
+        load = L.start_load(Path(args.artifact), compute_dtype=args.compute_dtype,
+                            kv_dtype=args.compute_dtype, timings=timings, verify="full")
+        load.result()
+        out[f"model_load_{threads}t"] = {**timings, "GBps": _rate(size, timings["to_device_s"])}
+        print(threads, out[f"model_load_{threads}t"], file=sys.stderr, flush=True)
+        load = None  # the device copy goes with it
 
     # Host-to-device rates.
     dev = jax.devices()[0]
@@ -175,6 +170,21 @@ def part_load(args) -> dict:
     jax.device_put(host[:1 << 20], dev).block_until_ready()
     best = min(_timed(lambda: jax.device_put(host, dev).block_until_ready()) for _ in range(3))
     out["device_put_1GiB_pageable_GBps"] = _rate(GiB, best)
+    # Pinned host memory a first time and again once freed (does the runtime reuse it?):
+    # 16 puts of 512 MiB each, one after the other, each to the device and freed.
+    if jax.default_backend() == "gpu":
+        from jax.sharding import SingleDeviceSharding
+
+        half = host[:GiB // 2]
+        pinned_kind = SingleDeviceSharding(dev, memory_kind="pinned_host")
+        on_dev = SingleDeviceSharding(dev, memory_kind="device")
+        for label in ("first", "again"):
+            t = time.monotonic()
+            for _ in range(16):
+                pinned = jax.device_put(half, pinned_kind)
+                jax.device_put(pinned, on_dev).block_until_ready()
+                pinned = None
+            out[f"pinned_{label}_16x512MiB_GBps"] = _rate(8 * GiB, time.monotonic() - t)
     try:
         from jax.sharding import SingleDeviceSharding
 
@@ -197,14 +207,6 @@ def part_load(args) -> dict:
         jax.block_until_ready(outs)
         out["device_put_8x1GiB_8t_GBps"] = _rate(8 * GiB, time.monotonic() - t)
         outs = None
-        if jax.default_backend() == "gpu":
-            from engine import hostcopy
-
-            t = time.monotonic()
-            outs = list(pool.map(hostcopy.put, hosts))
-            jax.block_until_ready(outs)
-            out["hostcopy_put_8x1GiB_8t_GBps"] = _rate(8 * GiB, time.monotonic() - t)
-            outs = None
     return out
 
 

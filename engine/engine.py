@@ -91,6 +91,26 @@ def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, mask=None, 
     return sample(logits, temperature, top_k, top_p, keys)
 
 
+def _save_fresh(store, pending) -> None:
+    """Compile afresh (FRESH_OPTIONS: past JAX's cache) and store what compile() took from
+    JAX's persistent cache, one width after another on a background thread: that executable
+    would not load in another process. Logs `executables_saved` when done."""
+    from engine.runtime.exec_store import FRESH_OPTIONS, compile_noting_cache
+
+    saved = 0
+    for key, lowered in pending:
+        try:
+            compiled, from_cache = compile_noting_cache(
+                lowered, compiler_options=FRESH_OPTIONS)
+            if from_cache:  # an earlier process compiled it afresh and lost the file
+                store.log_event("executable_unsaved", exec_id=key[:16], reason="cached")
+            elif store.save(key, compiled):
+                saved += 1
+        except Exception as e:  # noqa: BLE001 - the next start compiles it again
+            store.log_event("executable_unsaved", exec_id=key[:16], error=type(e).__name__)
+    store.log_event("executables_saved", saved=saved, of=len(pending))
+
+
 class Engine:
     def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int,
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
@@ -118,7 +138,12 @@ class Engine:
         def bound(f):  # the forward's call (and its ahead-of-time lowering) for this engine
             return lambda p, t, c, n: f(p, cfg, t, c, lengths=n, last_only=True,
                                         kernels=kernels)
-        self._fwd, self._lower = bound(fwd), bound(fwd.lower)
+        self._jit_fwd, self._lower = bound(fwd), bound(fwd.lower)
+        # width -> its compiled forward (compile() fills it): called without jit's dispatch
+        # and trace cache, so a width loaded from an ExecStore is never traced
+        self._compiled: dict[int, object] = {}
+        self.exec_counts = {"loaded": 0, "compiled": 0}
+        self.exec_saving: threading.Thread | None = None  # compile()'s background saves
         self._sample = jax.jit(functools.partial(_sample_rows,
                                                  n_vocab=model.tokenizer.vocab_size))
         self._mask_words = (model.tokenizer.vocab_size + 31) // 32  # bitmask row width
@@ -182,16 +207,29 @@ class Engine:
         The same as compile() then warm_run()."""
         return self.compile(threads) + self.warm_run()
 
-    def compile(self, threads: int | None = None) -> float:
+    def _fwd(self, params, tokens, cache, lengths):
+        compiled = self._compiled.get(tokens.shape[1])
+        if compiled is not None:
+            return compiled(params, tokens, cache, lengths=lengths)
+        return self._jit_fwd(params, tokens, cache, lengths)
+
+    def compile(self, threads: int | None = None, store=None) -> float:
         """Compile the forward for the decode step and every prefill piece width, ahead of
         time; returns seconds. Needs only the params' shapes and dtypes, so it may run before
         they are on the device: an engine built on ModelLoad.abstract compiles while the
         weights are copied, and attach() gives it the loaded model afterwards.
 
         The widths compile on a thread pool: XLA compiles (or loads from the persistent cache)
-        with the GIL released, so they overlap, and a later call of the same shapes reuses the
-        executable (jit's caches). Nothing runs: running every prefill width, as a
-        compile-by-calling warmup must, would cost ~16K tokens of forward work at startup."""
+        with the GIL released, so they overlap; the steps then call these executables. Nothing
+        runs: running every prefill width, as a compile-by-calling warmup must, would cost ~16K
+        tokens of forward work at startup.
+
+        store: an ExecStore (engine/runtime/exec_store.py) or None. A width whose executable
+        the store holds under this call's key is loaded from it, without tracing or lowering;
+        the others are compiled and saved into it, and the store keeps only this engine's.
+        `exec_counts` says how many were loaded and compiled."""
+        from engine.runtime.exec_store import compile_noting_cache, describe
+
         t0 = time.monotonic()
         zero = jax.ShapeDtypeStruct((self.B,), jnp.int32)
         widths = piece_widths(self.sched.prefill_chunk) + [1]  # 1: the decode step
@@ -199,12 +237,45 @@ class Engine:
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                               self.model.params)
         cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.mem.cache)
+        from engine.kernels import cuda_ops
+
+        # a loaded executable's FFI calls must be registered first (GPU only)
+        ffi = cuda_ops.register_targets() if store is not None else None
+
+        def leaves(tree):
+            flat, treedef = jax.tree.flatten(tree)
+            return [str(treedef), [[list(x.shape), str(x.dtype)] for x in flat]]
+        call = {"cfg": repr(self.model.cfg), "params": leaves(params), "cache": leaves(cache),
+                "batch": self.B, "kernels": self.kernels, "fn": "forward/last_only",
+                "cuda_ffi": ffi}
+        keys = {w: describe({**call, "width": w}) for w in widths} if store is not None else {}
+
+        fresh_later = []  # (key, lowered): compiled from JAX's cache, to compile afresh
 
         def compile_width(w):
-            self._lower(params, jax.ShapeDtypeStruct((self.B, w), jnp.int32), cache,
-                        zero).compile()
+            compiled = store.load(keys[w]) if store is not None else None
+            if compiled is not None:
+                return w, compiled, "loaded"
+            lowered = self._lower(params, jax.ShapeDtypeStruct((self.B, w), jnp.int32),
+                                  cache, zero)
+            compiled, from_cache = compile_noting_cache(lowered)
+            if store is not None:
+                if from_cache:
+                    fresh_later.append((keys[w], lowered))
+                else:
+                    store.save(keys[w], compiled)
+            return w, compiled, "compiled"
         with concurrent.futures.ThreadPoolExecutor(threads, "ninfer-compile") as pool:
-            list(pool.map(compile_width, widths))
+            for w, compiled, how in pool.map(compile_width, widths):
+                self._compiled[w] = compiled
+                self.exec_counts[how] += 1
+        if store is not None:
+            store.keep(keys.values())
+            if fresh_later:
+                self.exec_saving = threading.Thread(
+                    target=_save_fresh, args=(store, fresh_later), daemon=True,
+                    name="ninfer-exec-save")
+                self.exec_saving.start()
         return time.monotonic() - t0
 
     def attach(self, model: LoadedModel) -> None:

@@ -87,8 +87,9 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                         host_state_bytes=profile.host_state_bytes, kernels=profile.kernels)
         phases["engine_init_s"] = round(time.monotonic() - t, 3)
         loading.start()
-        compile_s = engine.compile()
+        compile_s = engine.compile(store=_exec_store(args.state_dir, rt))
         phases["compile_s"] = round(compile_s, 3)
+        phases.update({f"exec_{k}": v for k, v in engine.exec_counts.items()})
         t = time.monotonic()
         from engine.constrain import ConstraintCompiler
 
@@ -184,6 +185,22 @@ def cmd_serve(args) -> int:
     # SIGTERM, SIGINT or `ninfer ctl stop`: the listener is closed; save, report, exit.
     life.stop_report()
     return 0
+
+
+def _exec_store(state_dir, rt):
+    """The compiled forwards kept between restarts (engine/runtime/exec_store.py), in
+    <state-dir>/executables, tagged under <state-dir>/secrets/executable.key (0600, created
+    once); NINFER_EXEC_STORE=off: none (every start traces and lowers, then asks JAX's
+    persistent cache)."""
+    if os.environ.get("NINFER_EXEC_STORE", "on") == "off":
+        return None
+    from engine.runtime.exec_store import ExecStore
+    from server.checkpoints.tags import load_master_secret
+
+    secrets_dir = Path(state_dir) / "secrets"
+    secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return ExecStore(Path(state_dir) / "executables",
+                     load_master_secret(secrets_dir / "executable.key"), log=rt.obs.on_event)
 
 
 def _configure_jax_cache(state_dir: Path) -> None:

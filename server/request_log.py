@@ -20,7 +20,9 @@ from pathlib import Path
 
 EVENTS = frozenset({"server_start", "request_start", "request_rejected", "request_done",
                     "request_error", "server_stop", "checkpoint_saved", "checkpoint_refused",
-                    "checkpoint_skipped", "checkpoint_restore"})
+                    "checkpoint_skipped", "checkpoint_restore", "executable_rejected",
+                    "executable_unloadable", "executable_unserializable", "executable_unsaved",
+                    "executables_saved"})
 
 
 # ---- identity digests -------------------------------------------------------------------------

@@ -4,15 +4,18 @@ from __future__ import annotations
 import queue
 
 
-def greedy_tokens(model, ids, n: int, **engine_kw):
-    """Start an Engine on `model` (engine_kw: its options), generate n greedy tokens after the
-    prompt `ids`, stop it. Returns (tokens, the DoneEvent)."""
+def greedy_tokens(model, ids, n: int, before_start=None, **engine_kw):
+    """Start an Engine on `model` (engine_kw: its options; before_start(engine), if given, runs
+    first, e.g. its compile), generate n greedy tokens after the prompt `ids`, stop it.
+    Returns (tokens, the DoneEvent)."""
     from engine.engine import DoneEvent, Engine, GenerationRequest, TokenEvent
     from engine.sampling import SamplingParams
 
     kw = dict(context_tokens=256, prefill_chunk=16, max_concurrency=1, max_queue=2)
     kw.update(engine_kw)
     eng = Engine(model, **kw)
+    if before_start is not None:
+        before_start(eng)
     eng.start()
     try:
         q: queue.Queue = queue.Queue()

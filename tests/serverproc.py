@@ -1,6 +1,7 @@
 """Start the real server as a subprocess on a loopback socket, for tests."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,6 +27,13 @@ class ServerProcess:
     @property
     def api_url(self) -> str:
         return self.base_url + "/v1"
+
+    def startup_phases(self) -> dict:
+        """The `startup phases:` line the server printed once ready (server/cli.py)."""
+        for line in list(self.log):
+            if "ninfer: startup phases: " in line:
+                return json.loads(line.split("ninfer: startup phases: ", 1)[1])
+        raise LookupError("no startup phases line:\n" + "".join(self.log))
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -2,6 +2,8 @@
 delete, input items, principal isolation, and chains that survive a restart."""
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -131,10 +133,22 @@ def test_chains_survive_a_restart(state_dir):
         a = client(first)
         r1 = ask(a, "Remember this.")
         r2 = ask(a, "And this.", prev=r1.id)
+        # Widths JAX's persistent cache supplied are compiled afresh and stored in the
+        # background (engine.engine._save_fresh): wait until the store holds them all.
+        widths = first.startup_phases()["exec_loaded"] + first.startup_phases()[
+            "exec_compiled"]
+        deadline = time.monotonic() + 300
+        while len(list((state_dir / "executables").glob("[0-9a-f]*.exe"))) < widths:
+            assert time.monotonic() < deadline, "executables not stored"
+            time.sleep(0.2)
     finally:
         first.stop()
     second = start_server(state_dir, "--checkpoints", "off")
     try:
+        # the restart traced nothing: every width's executable came from the first start's
+        # store (engine/runtime/exec_store.py)
+        phases = second.startup_phases()
+        assert phases["exec_compiled"] == 0 and phases["exec_loaded"] == widths >= 2
         a = client(second)
         assert a.responses.retrieve(r2.id).output_text == r2.output_text
         r3 = ask(a, "Still there?", prev=r2.id)
