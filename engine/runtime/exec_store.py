@@ -3,8 +3,8 @@ nor lowers the model again.
 
 With JAX's persistent compilation cache warm, a restart still traces and lowers every prefill
 width and the decode step before the cache can even be asked (its key is a hash of the lowered
-module): ~0.5-0.8 s of Python a width for the 27B on the H200 host, ~6 s for nine widths, most
-of a warm start (bench/startup_micro.py, docs/benchmarks/README.md section v19). This store
+module): 0.4-0.7 s of Python a width for the 27B on the H200 host, 5.0 s for nine widths
+against 1.1 s of cache loads (bench/startup_micro.py, docs/benchmarks/README.md section v19). This store
 keeps each width's compiled executable under a key that names everything the lowering depends
 on, and hands back a `jax.stages.Compiled` without tracing.
 
