@@ -366,8 +366,10 @@ class Engine:
                 tokens[seq.slot, 0] = seq.output_ids[-1]
                 lengths[seq.slot] = 1
         self.mem.prepare(step.seqs, max(step.size, 1))
-        logits, _, self.mem.cache = self._fwd(self.model.params, jnp.asarray(tokens),
-                                              self.mem.cache, jnp.asarray(lengths))
+        # fresh arrays each step: device_put (jnp.asarray compiles a staging computation for
+        # each new shape, ~10 ms the first time a piece width runs)
+        logits, _, self.mem.cache = self._fwd(self.model.params, jax.device_put(tokens),
+                                              self.mem.cache, jax.device_put(lengths))
         if step.kind == "prefill":
             seq = step.seqs[0]
             self.sched.prefilled(seq, step.size)

@@ -115,6 +115,9 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         phases["checkpoints_attach_s"] = round(time.monotonic() - t, 3)
         engine.start()
         rt.model, rt.engine = model, engine
+        if rt.extra.get("checkpoints") is not None:
+            threading.Thread(target=_prepare_restore, args=(engine,), daemon=True,
+                             name="ninfer-prepare-restore").start()
         rt.obs.on_server_start(lane=profile.name, host=args.host_bound, port=args.port_bound,
                                model=model.model_id, model_sha256=model.sha256,
                                compile_s=round(compile_s, 3),
@@ -188,6 +191,22 @@ def cmd_serve(args) -> int:
     # SIGTERM, SIGINT or `ninfer ctl stop`: the listener is closed; save, report, exit.
     life.stop_report()
     return 0
+
+
+def _prepare_restore(engine) -> None:
+    """Once serving: compile what the first checkpoint restore would compile on its way to
+    the first token (engine/runtime/checkpoint_io.py prepare_restore), off the request path."""
+    from engine.runtime.checkpoint_io import prepare_restore
+
+    t = time.monotonic()
+    try:
+        n = prepare_restore(engine.mem)
+    except Exception as e:  # noqa: BLE001 - a restore then compiles them itself
+        print(f"ninfer: restore path not prepared: {type(e).__name__}", file=sys.stderr,
+              flush=True)
+        return
+    print(f"ninfer: restore path prepared ({n} executables, {time.monotonic() - t:.2f}s)",
+          file=sys.stderr, flush=True)
 
 
 def _constraint_tables(tokenizer):

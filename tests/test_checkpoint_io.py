@@ -164,3 +164,42 @@ def test_verified_pages_start_their_runs_transfer():
     for (start, stop), arrays in zip(staged.runs, staged.device_chunks):
         for dev, host in zip(arrays, staged.arrays):
             np.testing.assert_array_equal(np.asarray(dev), host[start:stop])
+
+
+def test_prepared_restore_traces_nothing_on_its_way(tiny_model):
+    """After prepare_restore, importing a state of several runs (its scatter shapes among
+    them), installing its image and continuing from it trace none of the functions prepared:
+    the first restore of a process pays no compile. The pool's size is this test's own, so no
+    earlier test compiled these shapes."""
+    import jax
+
+    from engine.runtime.checkpoint_io import prepare_restore
+
+    traced = []
+
+    def on_duration(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and recording:
+            traced.append(kw.get("fun_name"))
+    recording = False
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    eng = make_engine(tiny_model, capacity_tokens=8192 + 64 * 7, state_slots=7)
+    try:
+        prepared = eng.call(lambda e: prepare_restore(e.mem)).result()
+        assert prepared == len({b - a for a, b in _chunks(2 * RUN_PAGES - 1)}) + 3
+        p1 = turn(tiny_model, "Explain the borrow checker in three short points. " * 14)
+        out, _ = run(eng, p1, "alice", max_tokens=8)
+        fed = p1 + out[:-1]
+        exp = eng.call(lambda e: export_snapshot(e.mem, snap_in(e, "alice", fed))).result()
+        eng.call(lambda e: e.mem.forget("alice", token_key("alice", fed))).result()
+        recording = True
+        snap = eng.call(lambda e: import_snapshot(e.mem, "alice", "s", exp.tokens,
+                                                  list(exp.pages), exp.conv, exp.rec)).result()
+        a2, da = run(eng, fed + turn(tiny_model, "Shorter."), "alice", max_tokens=4)
+        recording = False
+        assert snap is not None and da.path == "disk-restored" and len(a2) == 4
+        assert len(_chunks(len(exp.pages))) >= 2  # several run shapes were scattered
+        prepared_names = {"_scatter", "write_slot", "restore_to_row", "copy_pages", "stage"}
+        assert not prepared_names & set(traced), traced
+    finally:
+        recording = False
+        eng.stop()

@@ -183,8 +183,10 @@ class StatePool:
         if not self.can_store():
             raise StatePoolError("every device slot holds a pinned image")
         slot = self._take_slot()
-        self._conv, self._rec = sc.write_slot(self._conv, self._rec, jnp.asarray(conv),
-                                              jnp.asarray(rec), np.int32(slot))
+        # device_put, not jnp.asarray (a staging computation compiled a shape: a first
+        # restore's cost); conv and rec are not written after this
+        self._conv, self._rec = sc.write_slot(self._conv, self._rec, jax.device_put(conv),
+                                              jax.device_put(rec), np.int32(slot))
         return self._register(key, num_tokens, weight, slot)
 
     def _register(self, key: str, num_tokens: int, weight: float, slot: int) -> StateImage:
