@@ -91,24 +91,26 @@ def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, mask=None, 
     return sample(logits, temperature, top_k, top_p, keys)
 
 
-def _save_fresh(store, pending) -> None:
-    """Compile afresh (FRESH_OPTIONS: past JAX's cache) and store what compile() took from
-    JAX's persistent cache, one width after another on a background thread: that executable
-    would not load in another process. Logs `executables_saved` when done."""
+def _save_executables(store, compiled, from_cache) -> None:
+    """On a background thread, off the start's critical path: store the executables compile()
+    made ((key, compiled) pairs), then compile afresh (FRESH_OPTIONS: past JAX's cache) and
+    store those it took from JAX's persistent cache ((key, lowered) pairs), which would not
+    load in another process. Logs `executables_saved` when done."""
     from engine.runtime.exec_store import FRESH_OPTIONS, compile_noting_cache
 
     saved = 0
-    for key, lowered in pending:
+    for key, executable in compiled:
+        saved += bool(store.save(key, executable))
+    for key, lowered in from_cache:
         try:
-            compiled, from_cache = compile_noting_cache(
-                lowered, compiler_options=FRESH_OPTIONS)
-            if from_cache:  # an earlier process compiled it afresh and lost the file
+            executable, cached = compile_noting_cache(lowered, compiler_options=FRESH_OPTIONS)
+            if cached:  # an earlier process compiled it afresh and lost the file
                 store.log_event("executable_unsaved", exec_id=key[:16], reason="cached")
-            elif store.save(key, compiled):
+            elif store.save(key, executable):
                 saved += 1
         except Exception as e:  # noqa: BLE001 - the next start compiles it again
             store.log_event("executable_unsaved", exec_id=key[:16], error=type(e).__name__)
-    store.log_event("executables_saved", saved=saved, of=len(pending))
+    store.log_event("executables_saved", saved=saved, of=len(compiled) + len(from_cache))
 
 
 class Engine:
@@ -226,8 +228,9 @@ class Engine:
 
         store: an ExecStore (engine/runtime/exec_store.py) or None. A width whose executable
         the store holds under this call's key is loaded from it, without tracing or lowering;
-        the others are compiled and saved into it, and the store keeps only this engine's.
-        `exec_counts` says how many were loaded and compiled."""
+        the others are compiled, and saved into it on a background thread (`exec_saving`);
+        the store drops what no start used for two weeks. `exec_counts` says how many were
+        loaded and compiled."""
         from engine.runtime.exec_store import compile_noting_cache, describe
 
         t0 = time.monotonic()
@@ -250,7 +253,7 @@ class Engine:
                 "cuda_ffi": ffi}
         keys = {w: describe({**call, "width": w}) for w in widths} if store is not None else {}
 
-        fresh_later = []  # (key, lowered): compiled from JAX's cache, to compile afresh
+        to_save, from_cache = [], []  # (key, compiled), (key, lowered): for the store
 
         def compile_width(w):
             compiled = store.load(keys[w]) if store is not None else None
@@ -258,12 +261,10 @@ class Engine:
                 return w, compiled, "loaded"
             lowered = self._lower(params, jax.ShapeDtypeStruct((self.B, w), jnp.int32),
                                   cache, zero)
-            compiled, from_cache = compile_noting_cache(lowered)
+            compiled, cached = compile_noting_cache(lowered)
             if store is not None:
-                if from_cache:
-                    fresh_later.append((keys[w], lowered))
-                else:
-                    store.save(keys[w], compiled)
+                (from_cache if cached else to_save).append(
+                    (keys[w], lowered if cached else compiled))
             return w, compiled, "compiled"
         with concurrent.futures.ThreadPoolExecutor(threads, "ninfer-compile") as pool:
             for w, compiled, how in pool.map(compile_width, widths):
@@ -271,9 +272,9 @@ class Engine:
                 self.exec_counts[how] += 1
         if store is not None:
             store.keep(keys.values())
-            if fresh_later:
+            if to_save or from_cache:  # serialized, written and fsynced off the start's path
                 self.exec_saving = threading.Thread(
-                    target=_save_fresh, args=(store, fresh_later), daemon=True,
+                    target=_save_executables, args=(store, to_save, from_cache), daemon=True,
                     name="ninfer-exec-save")
                 self.exec_saving.start()
         return time.monotonic() - t0

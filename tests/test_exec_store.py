@@ -140,7 +140,7 @@ def test_engine_loads_every_width_without_tracing_and_generates_the_same(tiny_mo
                 raise AssertionError("traced a width the store holds")
             eng._lower = no_lowering
         eng.compile(store=store)
-        if eng.exec_saving is not None:  # widths JAX's cache supplied: saved afresh
+        if eng.exec_saving is not None:  # the saves run on a background thread
             eng.exec_saving.join()
         counts.append(dict(eng.exec_counts))
 
