@@ -98,9 +98,10 @@ _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _probe = threading.local()
 _listener_lock = threading.Lock()
 _listening: list[bool] = []
-# A debug option that changes JAX's cache key and nothing the executable computes: a compile
-# with it misses the entries made without it, so it runs afresh.
-FRESH_OPTIONS = {"xla_dump_include_timestamp": True}
+# A debug option that changes JAX's cache key and nothing the executable computes (it only
+# matters when HLO is dumped; JAX's cache key drops most dump options, not this one): a
+# compile with it misses the entries made without it, so it runs afresh.
+FRESH_OPTIONS = {"xla_dump_large_constants": True}
 
 
 def _on_event(event: str, **_) -> None:
