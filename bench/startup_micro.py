@@ -12,7 +12,10 @@ beneath it (reading the page cache, host-to-device copies). No server.
 Parts (each in a fresh process, so nothing is cached in memory between them):
 - `compile_cold` / `compile_warm`: Engine.compile() as the server calls it (its thread pool),
   on an empty and then on the warm persistent cache, in the server's configuration
-  (server/cli.py's cache settings, the lane's context, chunk and batch).
+  (server/cli.py's cache settings, the lane's context, chunk and batch); then
+  `compile_store_first` / `compile_store_warm` with an executable store
+  (engine/runtime/exec_store.py): the first stores every width (compiled afresh past JAX's
+  cache on its background thread, `background_save_s`), the second loads them.
 - `widths_warm`: every width alone, one after the other, warm: jit trace, lower, compile
   (a cache hit: key + load of the executable).
 - `load`: ModelLoad's copy pass (the artifact's stacked leaves built on the host and put on
@@ -70,10 +73,26 @@ def part_compile(args) -> dict:
                          kv_dtype=args.compute_dtype, verify="full")
     eng = _engine(args, loading)
     t_engine = time.monotonic() - t0 - t_init
-    compile_s = eng.compile()
+    store = None
+    if args.exec_store:
+        import secrets
+
+        from engine.runtime.exec_store import ExecStore
+
+        key = Path(args.exec_store) / "secret"
+        if not key.exists():
+            Path(args.exec_store).mkdir(parents=True, exist_ok=True)
+            key.write_bytes(secrets.token_bytes(32))
+        store = ExecStore(Path(args.exec_store), key.read_bytes())
+    compile_s = eng.compile(store=store)
+    t = time.monotonic()
+    if eng.exec_saving is not None:
+        eng.exec_saving.join()
     loading._art.close()
     return {"jax_init_s": round(t_init, 3), "abstract_and_engine_s": round(t_engine, 3),
-            "compile_s": round(compile_s, 3)}
+            "compile_s": round(compile_s, 3), **{f"exec_{k}": v for k, v in
+                                                   eng.exec_counts.items()},
+            "background_save_s": round(time.monotonic() - t, 3)}
 
 
 def part_widths(args) -> dict:
@@ -250,6 +269,7 @@ def main(argv=None) -> None:
     ap.add_argument("--child", choices=sorted(PARTS))
     ap.add_argument("--artifact")
     ap.add_argument("--cache-dir")
+    ap.add_argument("--exec-store", help="(child) an ExecStore directory for the compile")
     args = ap.parse_args(argv)
     if args.child:
         return _child(args)
@@ -262,9 +282,10 @@ def main(argv=None) -> None:
                         args.preset, "--format", args.format, "--out", str(artifact)],
                        check=True)
     cache = work / "startup_micro_cache"
-    if cache.exists():
-        import shutil
-        shutil.rmtree(cache)
+    import shutil
+    for d in (cache, work / "startup_micro_exec"):
+        if d.exists():
+            shutil.rmtree(d)
     common = ["--work-dir", str(work), "--out", args.out, "--preset", args.preset,
               "--context", str(args.context), "--prefill-chunk", str(args.prefill_chunk),
               "--batch", str(args.batch), "--kernels", args.kernels, "--compute-dtype",
@@ -278,8 +299,13 @@ def main(argv=None) -> None:
     if "compile" in parts:
         res["compile_cold"] = _run_child("compile", common, 600)
         res["compile_warm"] = _run_child("compile", common, 300)
-        print(f"compile cold {res['compile_cold']}\ncompile warm {res['compile_warm']}",
-              flush=True)
+        # with an executable store: the first start stores (from JAX's cache, so afresh), the
+        # second loads
+        store = ["--exec-store", str(work / "startup_micro_exec")]
+        res["compile_store_first"] = _run_child("compile", common + store, 600)
+        res["compile_store_warm"] = _run_child("compile", common + store, 300)
+        for k in ("compile_cold", "compile_warm", "compile_store_first", "compile_store_warm"):
+            print(f"{k} {res[k]}", flush=True)
     if "widths" in parts:
         res["widths_warm"] = _run_child("widths", common, 300)
         print(f"{'width':>6} {'trace':>7} {'lower':>7} {'compile':>8} {'hlo chars':>10}")
