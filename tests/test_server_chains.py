@@ -137,9 +137,11 @@ def test_chains_survive_a_restart(state_dir):
         # background (engine.engine._save_fresh): wait until the store holds them all.
         widths = first.startup_phases()["exec_loaded"] + first.startup_phases()[
             "exec_compiled"]
-        deadline = time.monotonic() + 300
+        deadline, log = time.monotonic() + 300, state_dir / "logs" / "requests.jsonl"
         while len(list((state_dir / "executables").glob("[0-9a-f]*.exe"))) < widths:
-            assert time.monotonic() < deadline, "executables not stored"
+            unsaved = [line for line in log.read_text().splitlines()
+                       if '"executable_unsaved"' in line]
+            assert not unsaved and time.monotonic() < deadline, unsaved or "not stored"
             time.sleep(0.2)
     finally:
         first.stop()
