@@ -93,18 +93,19 @@ def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, mask=None, 
 
 def _save_executables(store, compiled, from_cache) -> None:
     """On a background thread, off the start's critical path: store the executables compile()
-    made ((key, compiled) pairs), then compile afresh (FRESH_OPTIONS: past JAX's cache) and
+    made ((key, compiled) pairs), then compile afresh (fresh_options: past JAX's cache) and
     store those it took from JAX's persistent cache ((key, lowered) pairs), which would not
     load in another process. Logs `executables_saved` when done."""
-    from engine.runtime.exec_store import FRESH_OPTIONS, compile_noting_cache
+    from engine.runtime.exec_store import compile_noting_cache, fresh_options
 
     saved = 0
     for key, executable in compiled:
         saved += bool(store.save(key, executable))
     for key, lowered in from_cache:
         try:
-            executable, cached = compile_noting_cache(lowered, compiler_options=FRESH_OPTIONS)
-            if cached:  # an earlier process compiled it afresh and lost the file
+            executable, cached = compile_noting_cache(lowered,
+                                                      compiler_options=fresh_options())
+            if cached:  # not expected: fresh_options' value is new
                 store.log_event("executable_unsaved", exec_id=key[:16], reason="cached")
             elif store.save(key, executable):
                 saved += 1

@@ -30,6 +30,7 @@ import importlib.metadata
 import json
 import os
 import pickle
+import secrets
 import tempfile
 import threading
 import time
@@ -98,10 +99,13 @@ _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _probe = threading.local()
 _listener_lock = threading.Lock()
 _listening: list[bool] = []
-# A debug option that changes JAX's cache key and nothing the executable computes (it only
-# matters when HLO is dumped; JAX's cache key drops most dump options, not this one): a
-# compile with it misses the entries made without it, so it runs afresh.
-FRESH_OPTIONS = {"xla_dump_large_constants": True}
+def fresh_options() -> dict:
+    """Compiler options under which a compile misses JAX's persistent cache and so runs
+    afresh: a debug setting that changes the cache key and nothing the executable computes
+    (how many buffers a buffer-assignment dump lists), set to a value never used before. A
+    fixed value would miss only once: a later process, or a store that lost its file, would
+    hit the entry the first fresh compile wrote."""
+    return {"xla_debug_buffer_assignment_show_max": 1_000_000 + secrets.randbelow(1 << 30)}
 
 
 def _on_event(event: str, **_) -> None:
