@@ -141,9 +141,12 @@ def test_staging_layout_and_power_of_two_chunks():
         stage_pages(spec, [b"x" * 7])
 
 
-def test_verified_pages_start_their_runs_transfer():
+@pytest.mark.parametrize("h2d", ["direct", "pinned"])
+def test_verified_pages_start_their_runs_transfer(h2d, monkeypatch):
     """page_ready: a run's host-to-device transfer starts when its last page is reported,
-    not before; to_device starts the rest; the device runs hold the staged bytes."""
+    not before; to_device starts the rest; the device runs hold the staged bytes, in device
+    memory, whether they went straight or through pinned host memory (NINFER_RESTORE_H2D)."""
+    monkeypatch.setenv("NINFER_RESTORE_H2D", h2d)
     spec = [((2, 3), np.dtype(np.float32)), ((2, 3), np.dtype(np.float32))]
     n = RUN_PAGES + 3  # runs: [0, 128), [128, 130), [130, 131)
     rng = np.random.default_rng(1)
@@ -163,7 +166,24 @@ def test_verified_pages_start_their_runs_transfer():
     assert staged.device_chunks[0] is first  # not put twice
     for (start, stop), arrays in zip(staged.runs, staged.device_chunks):
         for dev, host in zip(arrays, staged.arrays):
+            assert dev.sharding.memory_kind == "device"
             np.testing.assert_array_equal(np.asarray(dev), host[start:stop])
+
+
+def test_restore_h2d_setting_and_pinned_warmup(monkeypatch):
+    from engine import hostcopy
+
+    monkeypatch.setenv("NINFER_RESTORE_H2D", "direct")
+    assert hostcopy.mode() == "direct" and hostcopy.warm_pinned(1 << 20) == 0.0
+    monkeypatch.setenv("NINFER_RESTORE_H2D", "pinned")
+    assert hostcopy.warm_pinned(1 << 20, buffers=3) > 0.0
+    x = np.random.default_rng(2).integers(0, 255, (5, 7), np.uint8)
+    y = hostcopy.put(x)
+    assert y.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(y), x)
+    monkeypatch.setenv("NINFER_RESTORE_H2D", "fast")
+    with pytest.raises(ValueError, match="NINFER_RESTORE_H2D"):
+        hostcopy.put(x)
 
 
 def test_prepared_restore_traces_nothing_on_its_way(tiny_model):
