@@ -198,16 +198,16 @@ def cmd_serve(args) -> int:
 
 def _prepare_restore(engine) -> None:
     """Once serving: compile what the first checkpoint restore would compile on its way to
-    the first token (engine/runtime/checkpoint_io.py prepare_restore), off the request path."""
-    from engine.runtime.checkpoint_io import prepare_restore
-
+    the first token (engine/runtime/checkpoint_io.py prepare_restore), and with
+    NINFER_RESTORE_H2D=pinned have the runtime pin the memory its page runs go through
+    (engine/hostcopy.py warm_pinned), off the request path."""
     from engine import hostcopy
-    from engine.runtime.checkpoint_io import run_bytes
+    from engine.runtime.checkpoint_io import prepare_restore, run_bytes
 
     t = time.monotonic()
     try:
         n = prepare_restore(engine.mem)
-        # NINFER_RESTORE_H2D=pinned: the runs' pinned memory pinned now, not by a restore
+        # a run moves one buffer a pool array; K and V (the largest) are half its bytes each
         warm_s = hostcopy.warm_pinned(max(run_bytes(engine.mem) // 2, 1))
     except Exception as e:  # noqa: BLE001 - a restore then compiles them itself
         print(f"ninfer: restore path not prepared: {type(e).__name__}", file=sys.stderr,
