@@ -54,9 +54,6 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
 
     phases = {"boot_s": round(time.monotonic() - t_start, 3)}  # start -> this thread
     try:
-        from engine import hostcopy
-
-        hostcopy.mode()  # a bad NINFER_RESTORE_H2D fails the start, not a later restore
         from server.artifact_stamps import ArtifactStamps
 
         stamps = ArtifactStamps(args.state_dir)  # a loose key mode fails closed, like the others
@@ -198,23 +195,18 @@ def cmd_serve(args) -> int:
 
 def _prepare_restore(engine) -> None:
     """Once serving: compile what the first checkpoint restore would compile on its way to
-    the first token (engine/runtime/checkpoint_io.py prepare_restore), and with
-    NINFER_RESTORE_H2D=pinned have the runtime pin the memory its page runs go through
-    (engine/hostcopy.py warm_pinned), off the request path."""
-    from engine import hostcopy
-    from engine.runtime.checkpoint_io import prepare_restore, run_bytes
+    the first token (engine/runtime/checkpoint_io.py prepare_restore), off the request path."""
+    from engine.runtime.checkpoint_io import prepare_restore
 
     t = time.monotonic()
     try:
         n = prepare_restore(engine.mem)
-        # a run moves one buffer a pool array; K and V (the largest) are half its bytes each
-        warm_s = hostcopy.warm_pinned(max(run_bytes(engine.mem) // 2, 1))
     except Exception as e:  # noqa: BLE001 - a restore then compiles them itself
         print(f"ninfer: restore path not prepared: {type(e).__name__}", file=sys.stderr,
               flush=True)
         return
-    print(f"ninfer: restore path prepared ({n} executables, pinned memory {warm_s:.2f}s; "
-          f"{time.monotonic() - t:.2f}s)", file=sys.stderr, flush=True)
+    print(f"ninfer: restore path prepared ({n} executables, {time.monotonic() - t:.2f}s)",
+          file=sys.stderr, flush=True)
 
 
 def _constraint_tables(tokenizer):

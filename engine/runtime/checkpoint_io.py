@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import hostcopy
 from engine.runtime.pages import PageTable, pages_for
 from engine.runtime.prefix import Snapshot, token_key
 from engine.runtime.retention import Role, retention_score
@@ -158,7 +157,7 @@ class StagedPages:
 
     def _put(self, k: int) -> None:
         start, stop = self.runs[k]
-        self._started[k] = [hostcopy.put(a[start:stop]) for a in self.arrays]
+        self._started[k] = [jax.device_put(a[start:stop]) for a in self.arrays]
 
     def page_ready(self, i: int) -> None:
         """Page i's bytes are in and verified (any thread): the last page of a run starts that
@@ -217,11 +216,6 @@ def _abstract(x):
 
 def _i32(*shape):
     return jax.ShapeDtypeStruct(shape, jnp.int32)
-
-
-def run_bytes(mem) -> int:
-    """Bytes of the longest run of pages a restore transfers at once (RUN_PAGES pages)."""
-    return RUN_PAGES * page_nbytes(mem.cache.pool)
 
 
 def prepare_restore(mem) -> int:
