@@ -91,29 +91,6 @@ def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, mask=None, 
     return sample(logits, temperature, top_k, top_p, keys)
 
 
-def _save_executables(store, compiled, from_cache) -> None:
-    """On a background thread, off the start's critical path: store the executables compile()
-    made ((key, compiled) pairs), then compile afresh (fresh_options: past JAX's cache) and
-    store those it took from JAX's persistent cache ((key, lowered) pairs), which would not
-    load in another process. Logs `executables_saved` when done."""
-    from engine.runtime.exec_store import compile_noting_cache, fresh_options
-
-    saved = 0
-    for key, executable in compiled:
-        saved += bool(store.save(key, executable))
-    for key, lowered in from_cache:
-        try:
-            executable, cached = compile_noting_cache(lowered,
-                                                      compiler_options=fresh_options())
-            if cached:  # not expected: fresh_options' value is new
-                store.log_event("executable_unsaved", exec_id=key[:16], reason="cached")
-            elif store.save(key, executable):
-                saved += 1
-        except Exception as e:  # noqa: BLE001 - the next start compiles it again
-            store.log_event("executable_unsaved", exec_id=key[:16], error=type(e).__name__)
-    store.log_event("executables_saved", saved=saved, of=len(compiled) + len(from_cache))
-
-
 class Engine:
     def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int,
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
@@ -232,7 +209,8 @@ class Engine:
         the others are compiled, and saved into it on a background thread (`exec_saving`);
         the store drops what no start used for two weeks. `exec_counts` says how many were
         loaded and compiled."""
-        from engine.runtime.exec_store import compile_noting_cache, describe
+        from engine.runtime.exec_store import (compile_noting_cache, describe,
+                                               runtime_description)
 
         t0 = time.monotonic()
         zero = jax.ShapeDtypeStruct((self.B,), jnp.int32)
@@ -243,8 +221,9 @@ class Engine:
         cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.mem.cache)
         from engine.kernels import cuda_ops
 
-        # a loaded executable's FFI calls must be registered first (GPU only)
-        ffi = cuda_ops.register_targets() if store is not None else None
+        # available() builds and registers the FFI targets a loaded executable calls (GPU
+        # only); without them another kernel is traced, so it is part of the key
+        ffi = cuda_ops.available() if store is not None else None
 
         def leaves(tree):
             flat, treedef = jax.tree.flatten(tree)
@@ -252,7 +231,9 @@ class Engine:
         call = {"cfg": repr(self.model.cfg), "params": leaves(params), "cache": leaves(cache),
                 "batch": self.B, "kernels": self.kernels, "fn": "forward/last_only",
                 "cuda_ffi": ffi}
-        keys = {w: describe({**call, "width": w}) for w in widths} if store is not None else {}
+        runtime = runtime_description() if store is not None else None
+        keys = ({w: describe({**call, "width": w}, runtime) for w in widths}
+                if store is not None else {})
 
         to_save, from_cache = [], []  # (key, compiled), (key, lowered): for the store
 
@@ -274,10 +255,7 @@ class Engine:
         if store is not None:
             store.keep(keys.values())
             if to_save or from_cache:  # serialized, written and fsynced off the start's path
-                self.exec_saving = threading.Thread(
-                    target=_save_executables, args=(store, to_save, from_cache), daemon=True,
-                    name="ninfer-exec-save")
-                self.exec_saving.start()
+                self.exec_saving = store.save_in_background(to_save, from_cache)
         return time.monotonic() - t0
 
     def attach(self, model: LoadedModel) -> None:

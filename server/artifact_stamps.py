@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from server.checkpoints.files import mkdir_synced, publish_file, read_file
-from server.checkpoints.tags import load_master_secret
+from server.checkpoints.tags import state_secret
 
 _TAG = b"ninfer/artifact/verified-stamp/v1\0"
 _IDENTITY = ("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
@@ -53,9 +53,7 @@ class ArtifactStamps:
 
     def __init__(self, state_dir: Path):
         state_dir = Path(state_dir)
-        secrets_dir = state_dir / "secrets"
-        secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._key = load_master_secret(secrets_dir / "artifact-stamp.key")
+        self._key = state_secret(state_dir, "artifact-stamp.key")
         self.dir = state_dir / "verified"
 
     def _tag(self, fields: dict) -> str:

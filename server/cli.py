@@ -226,12 +226,10 @@ def _exec_store(state_dir, rt):
     if os.environ.get("NINFER_EXEC_STORE", "on") == "off":
         return None
     from engine.runtime.exec_store import ExecStore
-    from server.checkpoints.tags import load_master_secret
+    from server.checkpoints.tags import state_secret
 
-    secrets_dir = Path(state_dir) / "secrets"
-    secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     return ExecStore(Path(state_dir) / "executables",
-                     load_master_secret(secrets_dir / "executable.key"), log=rt.obs.on_event)
+                     state_secret(state_dir, "executable.key"), log=rt.obs.on_event)
 
 
 def _configure_jax_cache(state_dir: Path) -> None:

@@ -35,11 +35,9 @@ class ReasoningSeal:
     def from_state_dir(cls, state_dir: Path) -> "ReasoningSeal":
         """The key in <state>/secrets/reasoning.key: created 0600 on first use, refused when
         its mode is looser or its size wrong."""
-        from server.checkpoints.tags import load_master_secret
+        from server.checkpoints.tags import state_secret
 
-        d = Path(state_dir) / "secrets"
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return cls(load_master_secret(d / "reasoning.key"))
+        return cls(state_secret(state_dir, "reasoning.key"))
 
     def seal(self, principal: str, ids: list[int]) -> str:
         nonce = secrets.token_bytes(12)

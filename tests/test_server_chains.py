@@ -134,7 +134,7 @@ def test_chains_survive_a_restart(state_dir):
         r1 = ask(a, "Remember this.")
         r2 = ask(a, "And this.", prev=r1.id)
         # Widths JAX's persistent cache supplied are compiled afresh and stored in the
-        # background (engine.engine._save_fresh): wait until the store holds them all.
+        # background (ExecStore.save_in_background): wait until the store holds them all.
         widths = first.startup_phases()["exec_loaded"] + first.startup_phases()[
             "exec_compiled"]
         deadline, log = time.monotonic() + 300, state_dir / "logs" / "requests.jsonl"

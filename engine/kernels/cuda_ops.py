@@ -150,13 +150,6 @@ def available() -> bool:
     return _load_int4()
 
 
-def register_targets() -> bool:
-    """Build (if need be) and register the library's FFI targets without tracing anything:
-    what an executable compiled in an earlier process needs before it loads. Whether it is
-    available goes into an ExecStore key (a GPU without nvcc traces other kernels)."""
-    return available()
-
-
 def why_unavailable() -> str:
     if os.environ.get("NINFER_INT4_GEMV", "cuda") == "pallas":
         return "NINFER_INT4_GEMV=pallas"

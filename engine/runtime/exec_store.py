@@ -124,10 +124,11 @@ def compile_noting_cache(lowered, **options):
     return compiled, _probe.hit
 
 
-def describe(call: dict) -> str:
-    """The store key of a call described by `call` (JSON-serializable) in this runtime."""
-    text = json.dumps({"runtime": runtime_description(), "call": call}, sort_keys=True,
-                      default=repr)
+def describe(call: dict, runtime: dict | None = None) -> str:
+    """The store key of a call described by `call` (JSON-serializable) in this runtime
+    (`runtime`: runtime_description(), when the caller has it already)."""
+    text = json.dumps({"runtime": runtime or runtime_description(), "call": call},
+                      sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -212,6 +213,32 @@ class ExecStore:
             raise
         self._count("saved")
         return True
+
+    def save_in_background(self, compiled, from_cache) -> threading.Thread:
+        """Store, on a thread of its own (off a start's critical path), the executables a
+        compile made ((key, compiled) pairs), then compile afresh past JAX's cache
+        (fresh_options) and store those it took from that cache ((key, lowered) pairs), which
+        would not load in another process. Logs `executables_saved` when done. Returns the
+        started thread."""
+        def run():
+            saved = 0
+            for key, executable in compiled:
+                saved += bool(self.save(key, executable))
+            for key, lowered in from_cache:
+                try:
+                    executable, cached = compile_noting_cache(
+                        lowered, compiler_options=fresh_options())
+                    if cached:  # not expected: fresh_options' value is new
+                        self.log_event("executable_unsaved", exec_id=key[:16], reason="cached")
+                    elif self.save(key, executable):
+                        saved += 1
+                except Exception as e:  # noqa: BLE001 - the next start compiles it again
+                    self.log_event("executable_unsaved", exec_id=key[:16],
+                                   error=type(e).__name__)
+            self.log_event("executables_saved", saved=saved, of=len(compiled) + len(from_cache))
+        thread = threading.Thread(target=run, daemon=True, name="ninfer-exec-save")
+        thread.start()
+        return thread
 
     def keep(self, keys, max_age_s: float = KEEP_UNUSED_S) -> int:
         """Delete the stored executables not under `keys` that no load or save touched for

@@ -55,6 +55,14 @@ def load_master_secret(path: Path) -> bytes:
     return data
 
 
+def state_secret(state_dir: Path, name: str) -> bytes:
+    """The 32-byte secret <state_dir>/secrets/<name> (the directory 0700), created on first
+    use and checked as load_master_secret checks it."""
+    d = Path(state_dir) / "secrets"
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return load_master_secret(d / name)
+
+
 def principal_key(master: bytes, principal: str) -> bytes:
     return hmac.new(master, _TAG_KEY + principal.encode(), hashlib.sha256).digest()
 
