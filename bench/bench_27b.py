@@ -29,6 +29,7 @@ import platform
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -196,10 +197,12 @@ def decode_weight_bytes(params) -> int:
     return nbytes({k: v for k, v in params.items() if k not in ("embed_tokens", "mtp")})
 
 
-def run_decode(cfg, params, fmt, args, res, dt):
+def run_decode(cfg, params, fmt, args, res, dt, variant: dict | None = None):
+    """Decode rows for each (batch, context); `variant` ({"name", "rep", "env"}: the env the
+    step was traced under) is recorded in each row, and only its first rep is profiled."""
     wbytes = decode_weight_bytes(params)
     res.setdefault("weights_bytes_per_token", {})[fmt] = wbytes
-    fwd = M.jit_forward()
+    fwd = M.jit_forward() if not variant else _fresh_jit()
     step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll,  # noqa: E731
                                kernels=args.kernels)
     state_bytes = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
@@ -233,14 +236,56 @@ def run_decode(cfg, params, fmt, args, res, dt):
                "kv": args.kv if args.paged else "bfloat16", "ms_per_step": t * 1e3,
                "tokens_per_s": batch / t, "bytes": moved,
                "first_call_s": compile_s}
-        if args.profile:
+        if variant:
+            row["variant"] = variant
+        if args.profile and (not variant or (variant["rep"] == 0 and batch == 1)):
             row["profile"] = profile_steps(lambda c: step(params, tok, c), cache, args.profile,
                                            batch, ctx)
         res["decode"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=2))
-        print(f"decode {fmt:>8} {args.kernels} C{batch} ctx {ctx:>6}: {t * 1e3:7.2f} ms/step "
+        tag = f"[{variant['name']} #{variant['rep']}] " if variant else ""
+        print(f"{tag}decode {fmt:>8} {args.kernels} C{batch} ctx {ctx:>6}: {t * 1e3:7.2f} ms/step "
               f"{batch / t:6.1f} tok/s first call {compile_s:.1f}s", flush=True)
         del cache
+
+
+def _fresh_jit():
+    """M.jit_forward() over a new function object: JAX keeps the traces of one function
+    across its jit wrappers, and a variant's settings are read when the step is traced."""
+    f = M.forward
+    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__ = f.__kwdefaults__
+    return jax.jit(g, static_argnames=M.FORWARD_STATIC, donate_argnames=("cache",))
+
+
+def run_variants(cfg, params, fmt, args, res, dt):
+    """run_decode for each of --variants in turn, --variant-reps times (A, B, A, B: drift of
+    the clocks or the host shows as a spread within a variant, not as a difference)."""
+    variants = json.loads(args.variants)
+    names = sorted({k for env in variants.values() for k in env})
+    saved = {k: os.environ.get(k) for k in names}
+    try:
+        for rep in range(args.variant_reps):
+            for name, env in variants.items():
+                for k in names:
+                    os.environ.pop(k, None)
+                os.environ.update({k: str(v) for k, v in env.items()})
+                run_decode(cfg, params, fmt, args, res, dt,
+                           {"name": name, "rep": rep, "env": env})
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    by = {}
+    for row in res["decode"]:
+        if "variant" in row:
+            by.setdefault((row["variant"]["name"], row["batch"], row["context"]),
+                          []).append(row["tokens_per_s"])
+    for (name, b, c), tps in by.items():
+        print(f"variant {name:>12} C{b} ctx {c:>6}: " + " / ".join(f"{v:.1f}" for v in tps)
+              + " tok/s", flush=True)
 
 
 def profiled(run, n: int) -> dict:
@@ -349,6 +394,10 @@ def main() -> None:
                     help="the paged pool's KV storage (int8: codes and per-row scales)")
     ap.add_argument("--profile", type=int, default=0, help="after timing, trace this many "
                     "decode steps (and one prefill) and print the GPU time by kernel")
+    ap.add_argument("--variants", default="", help="JSON {name: {VAR: value}}: the decode "
+                    "rows once for each, the step traced anew with those variables set (the "
+                    "others of every variant unset), in turn --variant-reps times")
+    ap.add_argument("--variant-reps", type=int, default=2)
     ap.add_argument("--null-gemv", action="store_true", help="replace the GEMV kernel by zeros "
                     "(measures everything else in a decode step)")
     args = ap.parse_args()
@@ -375,7 +424,9 @@ def main() -> None:
         jax.block_until_ready(params)
         print(f"{fmt} params built in {time.perf_counter() - t0:.1f}s, "
               f"{decode_weight_bytes(params) / 1e9:.2f} GB read per decode step", flush=True)
-        if fmt in dec_fmts:
+        if fmt in dec_fmts and args.variants:
+            run_variants(cfg, params, fmt, args, res, dt)
+        elif fmt in dec_fmts:
             run_decode(cfg, params, fmt, args, res, dt)
         if fmt in pre_fmts:
             run_prefill(cfg, params, fmt, args, res, dt)

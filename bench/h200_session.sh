@@ -19,6 +19,7 @@
 #   gemv       int4 GEMV sweep of the big shapes   ncu        the wide GEMV under Nsight Compute
 #              (NCU_ARGS: bench/ncu_gemv.py's --shapes, --warps)
 #   startup    a warm start's pieces: per-width compile, the weights' copy, checkpoint reads
+#   l2pf       the L2 prefetch of the next GEMV's weights: GPU tests, decode A/B (L2PF_VARIANTS)
 #   ncusrc     the wide GEMV's warp-state samples by SASS instruction (which loads it waits on)
 #   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS), decode with WIDE_BIAS
 #   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
@@ -443,6 +444,20 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 1 --profile 1 \
           --out "$OUT/gdnprefill_$TAG.json"
         grep -E -A6 'per step|prefill' "$OUT/gdnprefill_$TAG.log" | cut -c1-150 ;;
+      l2pf)  # the L2 prefetch of the next GEMV's weights (engine/kernels/l2_prefetch.py):
+        # C1/C2 1K decode for each variant of the JSON file L2PF_VARIANTS (default
+        # bench/l2pf_variants.json: {name: {VAR: value}}) in turn twice in one process, the
+        # first C1 of each profiled by kernel; then its GPU tests (the op's bits, a 27B-wide
+        # decode step bitwise with every point on)
+        python3 -c "import torch; p = torch.cuda.get_device_properties(0); print('L2 bytes', p.L2_cache_size)"
+        run "${L2PF_BUDGET_S:-400}" "$OUT/l2pf_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
+          --batches 1,2 --contexts "${L2PF_CONTEXTS:-1024}" --prefill "" --steps 10 \
+          --profile 2 --variant-reps 2 --out "$OUT/bench_27b_l2pf_$TAG.json" \
+          --variants "$(cat "${L2PF_VARIANTS:-bench/l2pf_variants.json}")"
+        grep -E '^variant|per step|int4_|gdn_decode|l2_prefetch' "$OUT/l2pf_$TAG.log" | cut -c1-150 | head -80
+        run "${L2PF_TESTS_S:-180}" "$OUT/l2pf_tests_$TAG.log" python3 -m pytest -q -m gpu \
+          -p no:cacheprovider tests/test_l2_prefetch.py
+        tail -n 3 "$OUT/l2pf_tests_$TAG.log" ;;
       restore)
         OUT="$OUT" BUDGET_S="${RESTORE_BUDGET_S:-540}" run 600 "$OUT/restore_$TAG.log" \
           bash bench/h200_restore.sh ${RESTORE_ARGS:-}
