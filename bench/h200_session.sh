@@ -19,6 +19,7 @@
 #   gemv       int4 GEMV sweep of the big shapes   ncu        the wide GEMV under Nsight Compute
 #              (NCU_ARGS: bench/ncu_gemv.py's --shapes, --warps)
 #   startup    a warm start's pieces: per-width compile, the weights' copy, checkpoint reads
+#   l2warm     the wide GEMV with its weights from the HBM and from L2 (fixed cost per call)
 #   l2pf       the L2 prefetch of the next GEMV's weights: GPU tests, decode A/B (L2PF_VARIANTS)
 #   ncusrc     the wide GEMV's warp-state samples by SASS instruction (which loads it waits on)
 #   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS), decode with WIDE_BIAS
@@ -444,6 +445,17 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 1 --profile 1 \
           --out "$OUT/gdnprefill_$TAG.json"
         grep -E -A6 'per step|prefill' "$OUT/gdnprefill_$TAG.log" | cut -c1-150 ;;
+      l2warm)  # the wide GEMV (M = 1, its default build at 4 and 8 warps) at each decode
+        # shape with the calls cycling over 4 layers (the weights come from the HBM) and over
+        # 1 (the same layer each call: from L2 where it fits, 60 MB): how much of a call's
+        # time the HBM's latency is, and how much the kernel's own cost
+        for layers in 4 1; do
+          run 150 "$OUT/l2warm_${layers}_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
+            --rpw "" --stages "" --no-pallas --wide 2 --wide-warps 4,8 --wide-occ 32 \
+            --layers "$layers" --shapes 8,6,2,12,10,3,4,11 \
+            --out "$OUT/cuda_gemv_micro_l2warm_${layers}_$TAG.json"
+          grep -E 'us ' "$OUT/l2warm_${layers}_$TAG.log" | sed "s/^/layers $layers: /"
+        done ;;
       l2pf)  # the L2 prefetch of the next GEMV's weights (engine/kernels/l2_prefetch.py):
         # C1/C2 1K decode for each variant of the JSON file L2PF_VARIANTS (default
         # bench/l2pf_variants.json: {name: {VAR: value}}) in turn twice in one process, the
