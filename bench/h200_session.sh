@@ -20,7 +20,6 @@
 #              (NCU_ARGS: bench/ncu_gemv.py's --shapes, --warps)
 #   startup    a warm start's pieces: per-width compile, the weights' copy, checkpoint reads
 #   l2warm     the wide GEMV with its weights from the HBM and from L2 (fixed cost per call)
-#   l2pf       the L2 prefetch of the next GEMV's weights: GPU tests, decode A/B (L2PF_VARIANTS)
 #   ncusrc     the wide GEMV's warp-state samples by SASS instruction (which loads it waits on)
 #   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS), decode with WIDE_BIAS
 #   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
@@ -456,20 +455,6 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --out "$OUT/cuda_gemv_micro_l2warm_${layers}_$TAG.json"
           grep -E 'us ' "$OUT/l2warm_${layers}_$TAG.log" | sed "s/^/layers $layers: /"
         done ;;
-      l2pf)  # the L2 prefetch of the next GEMV's weights (engine/kernels/l2_prefetch.py):
-        # C1/C2 1K decode for each variant of the JSON file L2PF_VARIANTS (default
-        # bench/l2pf_variants.json: {name: {VAR: value}}) in turn twice in one process, the
-        # first C1 of each profiled by kernel; then its GPU tests (the op's bits, a 27B-wide
-        # decode step bitwise with every point on)
-        python3 -c "import torch; p = torch.cuda.get_device_properties(0); print('L2 bytes', p.L2_cache_size)"
-        run "${L2PF_BUDGET_S:-400}" "$OUT/l2pf_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
-          --batches 1,2 --contexts "${L2PF_CONTEXTS:-1024}" --prefill "" --steps 10 \
-          --profile 2 --variant-reps 2 --out "$OUT/bench_27b_l2pf_$TAG.json" \
-          --variants "$(cat "${L2PF_VARIANTS:-bench/l2pf_variants.json}")"
-        grep -E '^variant|per step|int4_|gdn_decode|l2_prefetch' "$OUT/l2pf_$TAG.log" | cut -c1-150 | head -80
-        run "${L2PF_TESTS_S:-180}" "$OUT/l2pf_tests_$TAG.log" python3 -m pytest -q -m gpu \
-          -p no:cacheprovider tests/test_l2_prefetch.py
-        tail -n 3 "$OUT/l2pf_tests_$TAG.log" ;;
       restore)
         OUT="$OUT" BUDGET_S="${RESTORE_BUDGET_S:-540}" run 600 "$OUT/restore_$TAG.log" \
           bash bench/h200_restore.sh ${RESTORE_ARGS:-}

@@ -15,7 +15,6 @@ from jax import lax
 
 from engine.config import ModelConfig
 from engine.norms import rms_norm
-from engine.kernels.l2_prefetch import at_point
 from engine.quant import linear, linear_multi
 
 _HI = lax.Precision.HIGHEST
@@ -130,7 +129,6 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
     b, t, _ = x.shape
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qg, k, v = linear_multi(x, [p["q_proj"], p["k_proj"], p["v_proj"]], kernels)
-    qg = at_point(qg, "out", [p["o_proj"]], kernels)  # L2 fill during the attention
     qg = qg.reshape(b, t, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nh * hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)

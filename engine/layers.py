@@ -13,7 +13,6 @@ from engine.attention import attention_mixer, kv_write_attend
 from engine.config import ModelConfig
 from engine.gdn import (causal_conv1d, chunk_gated_delta_rule, l2_normalize,
                         recurrent_gated_delta_rule, select_rule)
-from engine.kernels.l2_prefetch import at_point
 from engine.norms import gated_rms_norm, rms_norm
 from engine.paged_kv import PagedKV, paged_write_attend
 from engine.quant import linear, linear_multi
@@ -83,16 +82,6 @@ class StackedStates(NamedTuple):
     params: dict
 
 
-GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # one GEMV launch, this order
-ATTN_IN = ("q_proj", "k_proj", "v_proj")
-
-
-def _before_mlp(p, h, kernels: str):
-    """The mixer's output h, with the L2 fill of the MLP's gate and up started on the side
-    (`l2_prefetch` point "mlp", off unless NINFER_L2_PREFETCH names it)."""
-    return at_point(h, "mlp", [p["gate_proj"], p["up_proj"]], kernels)
-
-
 def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
               kernels: str = "xla"):
     """Gated DeltaNet token mixer. p: the layer's `linear_attn` params; x: [B, T, H] (normed).
@@ -103,14 +92,13 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
     Returns (out [B, T, H], conv_state, rec_state).
     """
     b, t, _ = x.shape
-    mats = [p[k] for k in GDN_IN]
+    mats = [p["in_proj_qkv"], p["in_proj_z"], p["in_proj_b"], p["in_proj_a"]]
     if isinstance(conv_state, StackedStates):
         from engine.kernels.gdn_decode_fused import gdn_decode_fused_rows
 
         st = conv_state
         # the four projections side by side, as the one GEMV launch writes them
         proj = linear_multi(x, mats, kernels, concat=True)
-        proj = at_point(proj, "out", [p["out_proj"]], kernels)  # L2 fill during the kernel
         out, conv_l, rec = gdn_decode_fused_rows(st.params, cfg, proj, st.conv, st.rec,
                                                  st.layer, lengths, x.dtype)
         lead = st.conv.shape[:-3]
@@ -122,7 +110,6 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
         return (linear(out.reshape(b, t, -1), p["out_proj"], kernels),
                 st._replace(conv=conv, rec=rec), None)
     qkv, z, b_in, a_in = linear_multi(x, mats, kernels)
-    qkv = at_point(qkv, "out", [p["out_proj"]], kernels)
     core = gdn_core
     if kernels == "pallas" and t == 1 and fused_decode_enabled():
         from engine.kernels.gdn_decode_fused import gdn_decode_fused as core
@@ -184,12 +171,10 @@ def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
               kernels: str = "xla"):
     """One GDN decoder layer (pre-norm residual mixer + MLP). x: [B, T, H].
     Returns (x, conv_state, rec_state)."""
-    la = p["linear_attn"]
-    x = at_point(x, "in", [la[k] for k in GDN_IN], kernels)
     h, conv_state, rec_state = gdn_mixer(
-        la, cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
+        p["linear_attn"], cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
         conv_state, rec_state, lengths, valid, mode, kernels)
-    x = x + _before_mlp(p["mlp"], h, kernels)
+    x = x + h
     x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
                      kernels)
     return x, conv_state, rec_state
@@ -200,11 +185,10 @@ def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid, kernels
     `attention.kv_write_attend` or a `paged_kv.PagedKV`; layer/positions/valid as there.
     Returns (x, kv) with kv of the same kind."""
     write_attend = paged_write_attend if isinstance(kv, PagedKV) else kv_write_attend
-    sa = p["self_attn"]
-    x = at_point(x, "in", [sa[k] for k in ATTN_IN], kernels)
-    h, kv = attention_mixer(sa, cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
+    h, kv = attention_mixer(p["self_attn"], cfg,
+                            rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
                             kv, layer, positions, valid, write_attend, kernels)
-    x = x + _before_mlp(p["mlp"], h, kernels)
+    x = x + h
     x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
                      kernels)
     return x, kv

@@ -40,8 +40,6 @@ INT4_TARGET = "ninfer_int4_gemv"
 INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
 INT4_MLP_TARGET = "ninfer_int4_mlp"
-L2_SOURCE = SOURCE_DIR / "l2_prefetch.cu"
-L2_TARGET = "ninfer_l2_prefetch"
 WIDE_MAX_M = 4  # the wide kernel's B columns: 2 per row of x
 VARIANTS = ("fma", "mma", "wide")  # `int4_gemv`'s kernels (NINFER_INT4_KERNEL)
 # Within a group of 64 inputs, lane t of the MMA kernel multiplies its 16 codes in this order
@@ -137,9 +135,6 @@ def _load_int4_locked() -> bool:
         jax.ffi.register_ffi_target(INT4_WIDE_TARGET,
                                     jax.ffi.pycapsule(lib.NinferInt4GemvWide), platform="CUDA")
         jax.ffi.register_ffi_target(INT4_MLP_TARGET, jax.ffi.pycapsule(lib.NinferInt4Mlp),
-                                    platform="CUDA")
-        l2 = ctypes.cdll.LoadLibrary(str(build(L2_SOURCE, arch, nvcc)))
-        jax.ffi.register_ffi_target(L2_TARGET, jax.ffi.pycapsule(l2.NinferL2Prefetch),
                                     platform="CUDA")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _why_not.append(f"build or load failed: {e}")
