@@ -37,6 +37,34 @@ SHAPES = [("gdn in_proj_qkv", 10240, 5120), ("gdn in_proj_z", 6144, 5120),
           ("attn q|k|v", 14336, 5120)]
 
 
+def kernel_us(one, x, w, layers: int) -> float | None:
+    """Microseconds a launch of the int4 GEMV kernel takes inside per_call's loop (layer i %
+    layers each call), from a profiler trace of two runs of the loop."""
+    import tempfile
+
+    from jax import lax
+
+    from bench import profile_summary
+    from bench.kernels_micro import REPEAT
+
+    out = jax.eval_shape(one, x, w, jnp.zeros((1,), jnp.int32))
+
+    @jax.jit
+    def run(x, w):
+        def body(i, acc):
+            return acc + one(x, w, jnp.reshape(i % layers, (1,))).astype(jnp.float32)
+        return lax.fori_loop(0, layers * REPEAT, body, jnp.zeros(out.shape, jnp.float32))
+    jax.block_until_ready(run(x, w))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(2):
+                jax.block_until_ready(run(x, w))
+        summary = profile_summary.summarize(profile_summary.newest_xplane(d), steps=2)
+    hits = [r for r in summary["by_kernel"] if "int4_gemv" in r["kernel"]]
+    calls = sum(r["calls"] for r in hits)
+    return sum(r["us"] for r in hits) / calls if calls else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4")
@@ -60,6 +88,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=LAYERS, help="stacked layers the calls cycle "
                     "over (1: every call reads the same layer, which the L2 holds where it "
                     "fits: the kernel's time without the HBM's latency)")
+    ap.add_argument("--kernel-times", action="store_true", help="also the GEMV kernel's own "
+                    "time a launch, from a profiler trace of the timed loop (per_call's time "
+                    "includes the loop's and the dispatch's)")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
     args = ap.parse_args()
     peaks = torch_peaks()
@@ -121,10 +152,16 @@ def main() -> None:
                     print(f"{name:>16} {n:>6}x{k:<5} M{m} {impl:>8}: {type(e).__name__} "
                           f"{str(e)[:200]}", flush=True)
                     continue
+                kern = kernel_us(one, x, w, layers) if args.kernel_times else None
                 row = {"matrix": name, "n": n, "k": k, "rows": m, "impl": impl, "layers": layers,
                        "us": t * 1e6,
                        "bytes_per_s": nbytes / t, "fraction_of_copy": nbytes / t / copy,
                        "rel_err_vs_reference": err}
+                if kern:
+                    row.update(kernel_us=kern, kernel_bytes_per_s=nbytes / (kern * 1e-6))
+                    print(f"{name:>16} {n:>6}x{k:<5} M{m} {impl:>8}: kernel {kern:8.2f} us "
+                          f"{nbytes / kern / 1e6:5.2f} TB/s a launch (layers {layers})",
+                          flush=True)
                 res["rows"].append(row)
                 print(f"{name:>16} {n:>6}x{k:<5} M{m} {impl:>8}: {t * 1e6:8.1f} us "
                       f"{nbytes / t / 1e12:5.2f} TB/s ({row['fraction_of_copy'] * 100:4.0f}% of "

@@ -451,9 +451,9 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         for layers in 4 1; do
           run 150 "$OUT/l2warm_${layers}_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
             --rpw "" --stages "" --no-pallas --wide 2 --wide-warps 4,8 --wide-occ 32 \
-            --layers "$layers" --shapes 8,6,2,12,10,3,4,11 \
+            --layers "$layers" --shapes 8,6,2,12,10,3,4,11 --kernel-times \
             --out "$OUT/cuda_gemv_micro_l2warm_${layers}_$TAG.json"
-          grep -E 'us ' "$OUT/l2warm_${layers}_$TAG.log" | sed "s/^/layers $layers: /"
+          grep -E 'kernel' "$OUT/l2warm_${layers}_$TAG.log" | sed "s/^/layers $layers: /"
         done ;;
       restore)
         OUT="$OUT" BUDGET_S="${RESTORE_BUDGET_S:-540}" run 600 "$OUT/restore_$TAG.log" \
