@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.bench_27b import _random_qtensor, torch_peaks  # noqa: E402
-from bench.kernels_micro import LAYERS, per_call  # noqa: E402
+from bench.kernels_micro import LAYERS, call_loop, per_call  # noqa: E402
 from engine.kernels import cuda_ops, qgemv  # noqa: E402
 from engine.kernels.stacked import Stacked  # noqa: E402
 from engine.quant import linear  # noqa: E402
@@ -38,22 +38,13 @@ SHAPES = [("gdn in_proj_qkv", 10240, 5120), ("gdn in_proj_z", 6144, 5120),
 
 
 def kernel_us(one, x, w, layers: int) -> float | None:
-    """Microseconds a launch of the int4 GEMV kernel takes inside per_call's loop (layer i %
-    layers each call), from a profiler trace of two runs of the loop."""
+    """Microseconds a launch of the int4 GEMV kernel takes inside per_call's loop, from a
+    profiler trace of two runs of the loop."""
     import tempfile
 
-    from jax import lax
-
     from bench import profile_summary
-    from bench.kernels_micro import REPEAT
 
-    out = jax.eval_shape(one, x, w, jnp.zeros((1,), jnp.int32))
-
-    @jax.jit
-    def run(x, w):
-        def body(i, acc):
-            return acc + one(x, w, jnp.reshape(i % layers, (1,))).astype(jnp.float32)
-        return lax.fori_loop(0, layers * REPEAT, body, jnp.zeros(out.shape, jnp.float32))
+    run = call_loop(one, x, w, layers=layers)
     jax.block_until_ready(run(x, w))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):

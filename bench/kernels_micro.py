@@ -45,17 +45,23 @@ CONFIGS = [qgemv.GemvConfig(),
            qgemv.GemvConfig(dot=True, bn=32, bk=1024, programs=512, num_warps=8)]
 
 
-def per_call(fn, *args, layers=LAYERS, reps=20):
-    """Seconds a call of fn(*args, index) takes, index an int32 [1] cycling over `layers`
-    stacked layers (so the L2 holds no layer's weights from the call before): REPEAT calls a
-    layer inside one jit, their fp32 results added up so none is dropped."""
+def call_loop(fn, *args, layers=LAYERS):
+    """jit(run)(*args): REPEAT calls a layer of fn(*args, index), index an int32 [1] cycling
+    over `layers` stacked layers (so the L2 holds no layer's weights from the call before),
+    their fp32 results added up so none is dropped."""
     out = jax.eval_shape(fn, *args, jnp.zeros((1,), jnp.int32))
 
     def run(*args):
         def body(i, acc):
             return acc + fn(*args, jnp.reshape(i % layers, (1,))).astype(jnp.float32)
         return lax.fori_loop(0, layers * REPEAT, body, jnp.zeros(out.shape, jnp.float32))
-    return bench(jax.jit(run), *args, reps=reps) / (layers * REPEAT)
+    return jax.jit(run)
+
+
+def per_call(fn, *args, layers=LAYERS, reps=20):
+    """Seconds a call of fn(*args, index) takes in `call_loop` (the loop's and the dispatch's
+    share included)."""
+    return bench(call_loop(fn, *args, layers=layers), *args, reps=reps) / (layers * REPEAT)
 
 
 def bench(fn, *args, reps=20):
