@@ -25,6 +25,8 @@
 #   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
 #   prefetch   the register-prefetch mma GEMV      readpat    read ceilings by access pattern
 #   kvint8     C1/C2 32K/128K over int8 KV, scales folded vs dequantized
+#   kvcast     int8 KV: how codes become dot operands (NINFER_PAGED_INT8_CAST): GPU tests,
+#              the paged kernel's micro at 32K/128K, C1/C2 128K decode, bf16 against the best
 #   graphs     XLA command-buffer settings         cmdbuf     command buffers for loops too
 #   unfused    without the fused GDN decode kernel unroll     blocks unrolled
 #   inplace    GDN states updated in place (the default since v10)
@@ -338,6 +340,29 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --out "$OUT/kvint8_${F}_$TAG.json"
           grep -E '^decode' "$OUT/kvint8_${F}_$TAG.log" | cut -c1-90 | sed "s/^/$F: /"
         done ;;
+      kvcast)  # int8 KV pages: bf16 / f16 / magic casts of the codes (paged_decode's docstring)
+        run 150 "$OUT/kvcast_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_attention.py -k paged_decode
+        tail -n 2 "$OUT/kvcast_tests_$TAG.log"
+        run 200 "$OUT/kvcast_micro_$TAG.log" python3 bench/kernels_micro.py --only attention \
+          --contexts "${KVCAST_CONTEXTS:-32768,131072}" --attn-warps "${KVCAST_WARPS:-4}" \
+          --out "$OUT/kvcast_micro_$TAG.json"
+        grep -E '^paged' "$OUT/kvcast_micro_$TAG.log"
+        BEST=$(python3 - "$OUT/kvcast_micro_$TAG.json" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["paged_decode"]
+        if r["kv"] == "int8" and r["batch"] == 1 and r["context"] == max(
+            x["context"] for x in json.load(open(sys.argv[1]))["paged_decode"])]
+print(min(rows, key=lambda r: r["us"])["cast"] if rows else "magic")
+PY
+)
+        echo "fastest int8 cast at the longest context: $BEST"
+        V="{\"bf16\": {\"NINFER_PAGED_INT8_CAST\": \"bf16\"}"
+        [ "$BEST" != bf16 ] && V="$V, \"$BEST\": {\"NINFER_PAGED_INT8_CAST\": \"$BEST\"}"
+        run 330 "$OUT/kvcast_decode_$TAG.log" $B27 --skip-peaks --kv int8 --weights int4_g64 \
+          --batches 1,2 --contexts "${KVCAST_DECODE:-131072}" --prefill "" --steps 10 \
+          --variants "$V}" --out "$OUT/kvcast_decode_$TAG.json"
+        grep -E '^(variant|\[)' "$OUT/kvcast_decode_$TAG.log" | cut -c1-100 ;;
       prefillx)  # prefill experiments, one call: the baseline, XLA's UT transform with bf16
         # operands (NINFER_GDN_PREFILL=hybrid_utbf16), every state-independent term from XLA and
         # the lean scan kernel (=hybrid_lean), and XLA's dynamic-slice fusion (a layer's weights

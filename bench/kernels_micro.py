@@ -35,6 +35,8 @@ LAYERS = 4
 REPEAT = 8  # calls per layer inside one jit: amortizes the host dispatch
 SMOKE = False  # --smoke: tiny shapes
 CONTEXTS = (1024, 32768, 131072)
+ATTN_CASTS = ("bf16", "f16", "magic")  # int8 pages: paged_decode.INT8_CASTS
+ATTN_WARPS = (4,)
 FMTS = ("int4_g64", "bf16", "int8_row", "fp8_row")
 SHAPES = [(17408, 5120), (5120, 17408)]
 CONFIGS = [qgemv.GemvConfig(),
@@ -113,12 +115,19 @@ def gemv_rows(res):
 
 
 def attention_rows(res):
+    """Paged decode at each context, B = 1 and 2: bf16 pages, and int8 pages for each way
+    their codes become dot operands (ATTN_CASTS) and each warps setting (ATTN_WARPS)."""
     kvh, hd, nh, page = 4, 256, 24, 64
-    for kv_dtype in ("bfloat16", "int8"):
-        for b in (1, 2):
-            for ctx in CONTEXTS:
-                mp = ctx // page
-                shape = (1, b * mp, page, kvh, hd)
+    runs = [("bfloat16", "bf16", w) for w in ATTN_WARPS]
+    runs += [("int8", c, w) for c in ATTN_CASTS for w in ATTN_WARPS]
+    for b in (1, 2):
+        for ctx in CONTEXTS:
+            mp = ctx // page
+            shape = (1, b * mp, page, kvh, hd)
+            table = jnp.arange(b * mp, dtype=jnp.int32).reshape(b, mp)
+            q = jax.random.normal(jax.random.key(1), (b, 1, nh, hd), jnp.bfloat16)
+            last = jnp.full((b,), ctx - 1, jnp.int32)
+            for kv_dtype in ("bfloat16", "int8"):
                 if kv_dtype == "int8":
                     k = jax.random.randint(jax.random.key(0), shape, -127, 128).astype(jnp.int8)
                     sc = jnp.full(shape[:-1], 0.01, jnp.float32)
@@ -126,19 +135,26 @@ def attention_rows(res):
                 else:
                     k = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
                     pool = KVPool(k, k, None, None)
-                table = jnp.arange(b * mp, dtype=jnp.int32).reshape(b, mp)
-                q = jax.random.normal(jax.random.key(1), (b, 1, nh, hd), jnp.bfloat16)
-                last = jnp.full((b,), ctx - 1, jnp.int32)
-                f = jax.jit(lambda p, t, q, s: paged_attend(p, t, jnp.int32(0), q, s))
-                t = bench(f, pool, table, q, last)
                 # K and V (the same buffer here, read twice as in the model) plus scales.
-                nbytes = 2 * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(pool)[:1])
+                nbytes = 2 * k.size * k.dtype.itemsize
                 if kv_dtype == "int8":
                     nbytes += 2 * pool.k_scale.size * 4
-                res["paged_decode"].append({"kv": kv_dtype, "batch": b, "context": ctx,
-                                            "us": t * 1e6, "bytes_per_s": nbytes / t})
-                print(f"paged decode {kv_dtype:>8} B{b} ctx {ctx:>6}: {t * 1e6:8.1f} us "
-                      f"{nbytes / t / 1e12:5.2f} TB/s", flush=True)
+                ref = None
+                for kvd, cast, w in runs:
+                    if kvd != kv_dtype:
+                        continue
+                    f = jax.jit(lambda p, t, q, s, c=cast, w=w: paged_attend(
+                        p, t, jnp.int32(0), q, s, cast=c, num_warps=w))
+                    out = np.asarray(f(pool, table, q, last), np.float32)
+                    ref = out if ref is None else ref
+                    t = bench(f, pool, table, q, last)
+                    res["paged_decode"].append({
+                        "kv": kv_dtype, "cast": cast, "num_warps": w, "batch": b,
+                        "context": ctx, "us": t * 1e6, "bytes_per_s": nbytes / t,
+                        "max_abs_diff_vs_first": float(np.abs(out - ref).max())})
+                    print(f"paged decode {kv_dtype:>8} {cast:>5} w{w} B{b} ctx {ctx:>6}: "
+                          f"{t * 1e6:8.1f} us {nbytes / t / 1e12:5.2f} TB/s "
+                          f"(max |diff| {np.abs(out - ref).max():.2e})", flush=True)
                 del pool, k
 
 
@@ -280,14 +296,22 @@ def flash_rows(res):
 
 def main():
     global SHAPES, CONFIGS, CONTEXTS, FMTS, SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES, FLASH_TILES
-    global DEFAULT_TILE
+    global DEFAULT_TILE, ATTN_CASTS, ATTN_WARPS
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     ap.add_argument("--out", default="micro.json")
     ap.add_argument("--only", default="gemv,attention,gdn")
     ap.add_argument("--fmts", default=",".join(FMTS))
+    ap.add_argument("--contexts", default="", help="paged decode contexts (default: "
+                    + ",".join(map(str, CONTEXTS)) + ")")
+    ap.add_argument("--attn-casts", default=",".join(ATTN_CASTS))
+    ap.add_argument("--attn-warps", default=",".join(map(str, ATTN_WARPS)))
     args = ap.parse_args()
     FMTS = tuple(args.fmts.split(","))
+    ATTN_CASTS = tuple(args.attn_casts.split(","))
+    ATTN_WARPS = tuple(int(w) for w in args.attn_warps.split(","))
+    if args.contexts:
+        CONTEXTS = tuple(int(c) for c in args.contexts.split(","))
     if args.smoke:
         SHAPES, CONFIGS, CONTEXTS = [(64, 256)], CONFIGS[:2], (128,)
         SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES = True, (200,), [(16, 4, 1)]

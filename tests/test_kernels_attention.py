@@ -50,6 +50,40 @@ def test_paged_decode_int8_scales_folded_or_not(fold, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(again, np.float32))
 
 
+def test_paged_decode_int8_casts(monkeypatch):
+    """Each way INT8 codes become dot operands matches the reference; f16 and magic give the
+    codes exactly in the same dtype, so the same bits; the environment picks the same kernel
+    as the argument, and an unknown name is an error."""
+    rng = np.random.default_rng(12)
+    pool, table, q, last = _paged_case(rng, "int8", 2)
+    want = paged_attend_ref(pool, table, jnp.int32(1), q, last)
+    got = {}
+    for cast in ("bf16", "f16", "magic"):
+        got[cast] = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True,
+                                 programs=8, cast=cast)
+        assert got[cast].dtype == q.dtype
+        assert_close(got[cast], want, q.dtype)
+    np.testing.assert_array_equal(np.asarray(got["f16"], np.float32),
+                                  np.asarray(got["magic"], np.float32))
+    monkeypatch.setenv("NINFER_PAGED_INT8_CAST", "magic")
+    again = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8)
+    np.testing.assert_array_equal(np.asarray(got["magic"], np.float32),
+                                  np.asarray(again, np.float32))
+    monkeypatch.setenv("NINFER_PAGED_INT8_CAST", "fp8")
+    with pytest.raises(ValueError, match="NINFER_PAGED_INT8_CAST"):
+        paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8)
+
+
+def test_paged_decode_magic_codes_are_exact():
+    """Every int8 code through the magic bitcast comes out as itself."""
+    from engine.kernels.paged_decode import _codes_as
+
+    codes = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    for cast in ("bf16", "f16", "magic"):
+        np.testing.assert_array_equal(np.asarray(_codes_as(codes, cast), np.float32),
+                                      np.arange(-128, 128, dtype=np.float32))
+
+
 def test_paged_decode_reads_only_visible_slots():
     """Poison every slot past a row's position (NaN on pages past its last one, which must not
     be read at all; large finite values in its last page, which must weigh exactly 0): the
@@ -113,11 +147,13 @@ def test_flash_prefill_query_tile():
 
 def test_attention_kernels_lower_to_triton():
     rng = np.random.default_rng(0)
-    for kv_dtype in ("bfloat16", "int8"):
+    for kv_dtype, cast in (("bfloat16", None), ("int8", "bf16"), ("int8", "f16"),
+                           ("int8", "magic")):
         pool, table, q, last = _paged_case(rng, kv_dtype, 2, pages=8, page=64, kvh=4, hd=256,
                                            nh=24, mp=4)
         lowers_for_cuda(lambda p, t, q, s: paged_attend(p, t, jnp.int32(0), q, s,
-                                                        interpret=False), pool, table, q, last)
+                                                        interpret=False, cast=cast),
+                        pool, table, q, last)
     kc = jnp.zeros((1, 1, 256, 4, 256), jnp.bfloat16)
     q = jnp.zeros((1, 128, 24, 256), jnp.bfloat16)
     pos = jnp.arange(128, dtype=jnp.int32)[None]
@@ -126,16 +162,21 @@ def test_attention_kernels_lower_to_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("kv_dtype,cast", [("bfloat16", None), ("int8", "bf16"),
+                                           ("int8", "f16"), ("int8", "magic")])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_paged_decode_gpu_27b_heads(kv_dtype, batch):
+def test_paged_decode_gpu_27b_heads(kv_dtype, cast, batch):
     assert on_gpu()
     rng = np.random.default_rng()
     pool, table, q, last = _paged_case(rng, kv_dtype, batch, layers=2, pages=batch * 40,
                                        page=64, kvh=4, hd=256, nh=24, mp=40)
-    got = paged_attend(pool, table, jnp.int32(1), q, last)
+    got = paged_attend(pool, table, jnp.int32(1), q, last, cast=cast)
     assert_close(got, paged_attend_ref(pool, table, jnp.int32(1), q.astype(jnp.float32), last),
                  jnp.bfloat16)
+    if batch == 2:  # row 0 alone: the same bits (batch invariance, for greedy C1 == C2)
+        alone = paged_attend(pool, table[:1], jnp.int32(1), q[:1], last[:1], cast=cast)
+        np.testing.assert_array_equal(np.asarray(alone[0], np.float32),
+                                      np.asarray(got[0], np.float32))
 
 
 @pytest.mark.gpu

@@ -9,6 +9,17 @@ merges the splits' (max, sum, acc) partials. INT8 pages enter the dots as they a
 are exact in bf16); their per-token scales multiply the page's 64 scores (K) and the 64
 softmax weights (V) instead of every element: per element only a conversion is left.
 
+That conversion is the INT8 kernel's cost (a 128K row's pages are 4.3 G codes a step). How
+codes become dot operands, `NINFER_PAGED_INT8_CAST`:
+- ``bf16``: ``astype(bfloat16)`` (an int -> float conversion, then a rounding to bf16);
+- ``f16``: ``astype(float16)``, q and the softmax weights in fp16 too (one conversion);
+- ``magic``: no conversion instruction: the int16 ``code + 0x6480`` has the bits of the fp16
+  ``1152 + code`` (exponent 2^10, the code + 128 in the mantissa's low byte), so a bitcast
+  and one fp16 subtraction of 1152 give the code exactly. q and the weights in fp16.
+Every way gives the codes exactly; K's dots are then the same products (q is exact in fp16
+at the magnitudes a normed, rotated query has), V's take the softmax weights in fp16 (11
+bits) instead of bf16 (8).
+
 `paged_attend` takes what `paged_write_attend` gives `attention.attend` (after the write) and
 returns the same [B, 1, heads, head_dim]; `paged_attend_ref` is that reference path.
 """
@@ -27,6 +38,17 @@ from engine.kernels import resolve_interpret, triton_params
 from engine.paged_kv import KVPool, _load
 
 _ROWS = 16  # minimum M of a Triton dot: the query-head group is padded to it
+INT8_CASTS = ("bf16", "f16", "magic")
+
+
+def _codes_as(x, cast: str):
+    """INT8 codes -> the dots' dtype, exactly (see the module's docstring)."""
+    if cast == "bf16":
+        return x.astype(jnp.bfloat16)
+    if cast == "f16":
+        return x.astype(jnp.float16)
+    bits = x.astype(jnp.int16) + jnp.int16(0x6480)
+    return lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1152.0)
 
 
 def paged_attend_ref(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0, **_):
@@ -43,7 +65,7 @@ def paged_attend_ref(pool: KVPool, table, layer, q, last_slot, slot_offset: int 
 
 
 def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, page, hd,
-            max_pages, num_pages, slot_offset, quant, scale, fold):
+            max_pages, num_pages, slot_offset, quant, scale, fold, cast):
     if quant:
         ks_ref, vs_ref, o_ref, m_ref, l_ref = rest
     else:
@@ -69,6 +91,8 @@ def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, pag
         elif quant:  # dequantized element by element (the A/B baseline, fold=False)
             k = k.astype(jnp.float32) * ks_ref[layer, pid, :, h][:, None]
             v = v.astype(jnp.float32) * vs_ref[layer, pid, :, h][:, None]
+        if quant and fold:
+            k, v = _codes_as(k, cast), _codes_as(v, cast)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * k_scale  # [16, page]
@@ -103,21 +127,34 @@ def fold_default() -> bool:
     return os.environ.get("NINFER_PAGED_INT8", "fold") != "dequant"
 
 
+def cast_default() -> str:
+    """How INT8 codes become dot operands (`NINFER_PAGED_INT8_CAST`, see the module's
+    docstring); an unknown name is an error, not a silent default."""
+    cast = os.environ.get("NINFER_PAGED_INT8_CAST", "bf16")
+    if cast not in INT8_CASTS:
+        raise ValueError(f"NINFER_PAGED_INT8_CAST must be one of {INT8_CASTS}, got {cast!r}")
+    return cast
+
+
 def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0, *,
                  interpret: bool | None = None, programs: int = 512, num_warps: int = 4,
-                 num_stages: int = 2, fold: bool | None = None):
+                 num_stages: int = 2, fold: bool | None = None, cast: str | None = None):
     """The kernel; same contract as `paged_attend_ref` (T must be 1). fold: INT8 scales on
-    the scores and softmax weights (None: `fold_default()`, read here, outside the jit cache)."""
+    the scores and softmax weights (None: `fold_default()`); cast: how INT8 codes enter the
+    dots (None: `cast_default()`); both read here, outside the jit cache."""
+    cast = cast_default() if cast is None else cast
+    if cast not in INT8_CASTS:
+        raise ValueError(f"cast must be one of {INT8_CASTS}, got {cast!r}")
     return _paged_attend(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
                          programs=programs, num_warps=num_warps, num_stages=num_stages,
-                         fold=fold_default() if fold is None else fold)
+                         fold=fold_default() if fold is None else fold, cast=cast)
 
 
 @functools.partial(jax.jit, static_argnames=("slot_offset", "interpret", "programs",
-                                             "num_warps", "num_stages", "fold"))
+                                             "num_warps", "num_stages", "fold", "cast"))
 def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
                   interpret: bool | None, programs: int, num_warps: int, num_stages: int,
-                  fold: bool):
+                  fold: bool, cast: str):
     interpret = resolve_interpret(interpret)
     b, t, nh, hd = q.shape
     if t != 1:
@@ -129,13 +166,18 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
     pps = _pages_per_split(kvh, mp, programs)
     splits = -(-mp // pps)
     # [B, kvh, 16, hd]: head h = g * r + i (HF repeat_kv order) -> group g, row i.
-    cdt = jnp.bfloat16 if pool.k.dtype in (jnp.bfloat16, jnp.int8) else jnp.float32
+    quant = pool.k_scale is not None
+    if quant and fold and cast != "bf16":
+        cdt = jnp.float16
+    elif pool.k.dtype in (jnp.bfloat16, jnp.int8):
+        cdt = jnp.bfloat16
+    else:
+        cdt = jnp.float32
     qg = q[:, 0].reshape(b, kvh, r, hd).astype(cdt)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - r), (0, 0)))
-    quant = pool.k_scale is not None
     kern = functools.partial(_kernel, pps=pps, page=page, hd=hd, max_pages=mp,
                              num_pages=pool.num_pages, slot_offset=slot_offset, quant=quant,
-                             scale=hd ** -0.5, fold=fold)
+                             scale=hd ** -0.5, fold=fold, cast=cast)
     args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), table.astype(jnp.int32),
             last_slot.astype(jnp.int32), qg, pool.k, pool.v]
     if quant:
