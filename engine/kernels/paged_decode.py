@@ -65,7 +65,7 @@ def paged_attend_ref(pool: KVPool, table, layer, q, last_slot, slot_offset: int 
 
 
 def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, page, hd,
-            max_pages, num_pages, slot_offset, quant, scale, fold, cast):
+            max_pages, num_pages, slot_offset, quant, scale, fold, cast, unroll):
     if quant:
         ks_ref, vs_ref, o_ref, m_ref, l_ref = rest
     else:
@@ -78,21 +78,27 @@ def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, pag
     n = jnp.clip(jnp.minimum(last // page + 1, max_pages) - first, 0, pps)
     tok = lax.broadcasted_iota(jnp.int32, (_ROWS, page), 1)
 
-    def body(j, carry):
-        m_i, l_i, acc = carry
-        pj = first + j
+    def load(pj):
+        """Page pj of the row (counted from 0): its K and V tiles [page, hd] and scales."""
         pid = jnp.clip(table_ref[b, pj], 0, num_pages - 1)
-        k = k_ref[layer, pid, :, h, :]                                # [page, hd]
+        k = k_ref[layer, pid, :, h, :]
         v = v_ref[layer, pid, :, h, :]
+        ks = vs = None
+        if quant:
+            ks, vs = ks_ref[layer, pid, :, h], vs_ref[layer, pid, :, h]
+        return pj, k, v, ks, vs
+
+    def update(carry, pj, k, v, ks, vs):
+        """The online softmax's step over one page."""
+        m_i, l_i, acc = carry
         k_scale, v_scale = scale, None
         if quant and fold:  # per-token scales on the scores and on the softmax weights
-            k_scale = ks_ref[layer, pid, :, h][None, :] * scale           # [1, page]
-            v_scale = vs_ref[layer, pid, :, h][None, :]
-        elif quant:  # dequantized element by element (the A/B baseline, fold=False)
-            k = k.astype(jnp.float32) * ks_ref[layer, pid, :, h][:, None]
-            v = v.astype(jnp.float32) * vs_ref[layer, pid, :, h][:, None]
-        if quant and fold:
+            k_scale = ks[None, :] * scale                                  # [1, page]
+            v_scale = vs[None, :]
             k, v = _codes_as(k, cast), _codes_as(v, cast)
+        elif quant:  # dequantized element by element (the A/B baseline, fold=False)
+            k = k.astype(jnp.float32) * ks[:, None]
+            v = v.astype(jnp.float32) * vs[:, None]
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * k_scale  # [16, page]
@@ -106,9 +112,19 @@ def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, pag
             pv.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return m_new, l_i * alpha + jnp.sum(pr, axis=1), acc
 
+    def body(j, carry):  # `unroll` pages: every load first, then the updates in page order
+        pages = [load(first + unroll * j + u) for u in range(unroll)]
+        for pg in pages:
+            carry = update(carry, *pg)
+        return carry
+
     init = (jnp.full((_ROWS,), -jnp.inf, jnp.float32), jnp.zeros((_ROWS,), jnp.float32),
             jnp.zeros((_ROWS, hd), jnp.float32))
-    m_i, l_i, acc = lax.fori_loop(0, n, body, init)
+    carry = lax.fori_loop(0, n // unroll, body, init)
+    if unroll > 1:  # the split's last n % unroll pages, one a step (the same order of updates)
+        carry = lax.fori_loop(n // unroll * unroll, n,
+                              lambda j, c: update(c, *load(first + j)), carry)
+    m_i, l_i, acc = carry
     o_ref[b, s, h] = acc
     m_ref[b, s, h] = m_i
     l_ref[b, s, h] = l_i
@@ -136,25 +152,56 @@ def cast_default() -> str:
     return cast
 
 
+LAUNCH_DEFAULT = (512, 4, 2, 1)  # programs, num_warps, num_stages, unroll
+
+
+def launch_default() -> tuple[int, int, int, int]:
+    """The kernel's programs, warps, stages and pages a loop step: `NINFER_PAGED_DECODE` as
+    four integers `programs:warps:stages:unroll`, else LAUNCH_DEFAULT. A malformed value is
+    an error, not a silent default."""
+    raw = os.environ.get("NINFER_PAGED_DECODE", "")
+    if not raw:
+        return LAUNCH_DEFAULT
+    try:
+        vals = tuple(int(v) for v in raw.split(":"))
+    except ValueError:
+        vals = ()
+    if len(vals) != 4 or min(vals) < 1 or vals[1] & (vals[1] - 1):
+        raise ValueError("NINFER_PAGED_DECODE must be programs:warps:stages:unroll (positive "
+                         f"integers, warps a power of two), got {raw!r}")
+    return vals
+
+
 def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0, *,
-                 interpret: bool | None = None, programs: int = 512, num_warps: int = 4,
-                 num_stages: int = 2, fold: bool | None = None, cast: str | None = None):
+                 interpret: bool | None = None, programs: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 fold: bool | None = None, cast: str | None = None,
+                 unroll: int | None = None):
     """The kernel; same contract as `paged_attend_ref` (T must be 1). fold: INT8 scales on
     the scores and softmax weights (None: `fold_default()`); cast: how INT8 codes enter the
-    dots (None: `cast_default()`); both read here, outside the jit cache."""
+    dots (None: `cast_default()`); both read here, outside the jit cache. unroll: pages a
+    loop step (their loads issued together; the updates, and so the bits, are the same).
+    programs, num_warps, num_stages, unroll: None takes `launch_default()`."""
     cast = cast_default() if cast is None else cast
+    dp, dw, ds, du = launch_default()
+    programs = dp if programs is None else programs
+    num_warps = dw if num_warps is None else num_warps
+    num_stages = ds if num_stages is None else num_stages
+    unroll = du if unroll is None else unroll
     if cast not in INT8_CASTS:
         raise ValueError(f"cast must be one of {INT8_CASTS}, got {cast!r}")
     return _paged_attend(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
                          programs=programs, num_warps=num_warps, num_stages=num_stages,
-                         fold=fold_default() if fold is None else fold, cast=cast)
+                         fold=fold_default() if fold is None else fold, cast=cast,
+                         unroll=int(unroll))
 
 
 @functools.partial(jax.jit, static_argnames=("slot_offset", "interpret", "programs",
-                                             "num_warps", "num_stages", "fold", "cast"))
+                                             "num_warps", "num_stages", "fold", "cast",
+                                             "unroll"))
 def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
                   interpret: bool | None, programs: int, num_warps: int, num_stages: int,
-                  fold: bool, cast: str):
+                  fold: bool, cast: str, unroll: int):
     interpret = resolve_interpret(interpret)
     b, t, nh, hd = q.shape
     if t != 1:
@@ -177,7 +224,8 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - r), (0, 0)))
     kern = functools.partial(_kernel, pps=pps, page=page, hd=hd, max_pages=mp,
                              num_pages=pool.num_pages, slot_offset=slot_offset, quant=quant,
-                             scale=hd ** -0.5, fold=fold, cast=cast)
+                             scale=hd ** -0.5, fold=fold, cast=cast,
+                             unroll=unroll)
     args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), table.astype(jnp.int32),
             last_slot.astype(jnp.int32), qg, pool.k, pool.v]
     if quant:
