@@ -25,6 +25,9 @@
 #   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
 #   prefetch   the register-prefetch mma GEMV      readpat    read ceilings by access pattern
 #   kvint8     C1/C2 32K/128K over int8 KV, scales folded vs dequantized
+#   pagedab    the paged decode kernel's launch settings PAGEDAB_NEW (NINFER_PAGED_DECODE,
+#              programs:warps:stages:unroll) against PAGEDAB_OLD: GPU tests with the new ones,
+#              C1/C2 32K/128K over bf16 and int8 KV, the two in turn (PAGEDAB_REPS)
 #   kvcast     int8 KV: how codes become dot operands (NINFER_PAGED_INT8_CAST): GPU tests,
 #              the paged kernel's micro at 32K/128K, C1/C2 128K decode, bf16 against the best
 #   graphs     XLA command-buffer settings         cmdbuf     command buffers for loops too
@@ -339,6 +342,19 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --weights int4_g64 --batches 1,2 --contexts 32768,131072 --prefill "" --steps 10 \
             --out "$OUT/kvint8_${F}_$TAG.json"
           grep -E '^decode' "$OUT/kvint8_${F}_$TAG.log" | cut -c1-90 | sed "s/^/$F: /"
+        done ;;
+      pagedab)
+        NEW=${PAGEDAB_NEW:?PAGEDAB_NEW=programs:warps:stages:unroll}
+        OLD=${PAGEDAB_OLD:-512:4:2:1}
+        NINFER_PAGED_DECODE=$NEW run 150 "$OUT/pagedab_tests_$TAG.log" python3 -m pytest -q \
+          -m gpu -p no:cacheprovider tests/test_kernels_attention.py -k paged_decode
+        tail -n 2 "$OUT/pagedab_tests_$TAG.log"
+        V="{\"old\": {\"NINFER_PAGED_DECODE\": \"$OLD\"}, \"new\": {\"NINFER_PAGED_DECODE\": \"$NEW\"}}"
+        for KV in ${PAGEDAB_KV:-bfloat16 int8}; do
+          run 280 "$OUT/pagedab_${KV}_$TAG.log" $B27 --skip-peaks --kv "$KV" --weights int4_g64 \
+            --batches 1,2 --contexts "${PAGEDAB_CONTEXTS:-32768,131072}" --prefill "" --steps 10 \
+            --variants "$V" --variant-reps "${PAGEDAB_REPS:-1}" --out "$OUT/pagedab_${KV}_$TAG.json"
+          grep -E '^variant' "$OUT/pagedab_${KV}_$TAG.log" | sed "s/^/$KV: /"
         done ;;
       kvcast)  # int8 KV pages: bf16 / f16 / magic casts of the codes (paged_decode's docstring)
         run 150 "$OUT/kvcast_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
