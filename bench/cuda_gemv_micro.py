@@ -82,6 +82,9 @@ def main() -> None:
     ap.add_argument("--kernel-times", action="store_true", help="also the GEMV kernel's own "
                     "time a launch, from a profiler trace of the timed loop (per_call's time "
                     "includes the loop's and the dispatch's)")
+    ap.add_argument("--nk", default="", help="matrices N x K to time in place of SHAPES, e.g. "
+                    "4224x5120,8448x5120: a sweep of N at one K separates a call's fixed cost "
+                    "(ramp, tail) from its rate and shows the waves of 16-row tiles")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
     args = ap.parse_args()
     peaks = torch_peaks()
@@ -93,6 +96,9 @@ def main() -> None:
     print(f"copy {copy / 1e12:.2f} TB/s; CUDA op available: {res['cuda_available']} "
           f"{res['why_unavailable']}", flush=True)
     picks = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+    if args.nk:
+        picks = [(f"{n}x{k}", int(n), int(k))
+                 for n, k in (v.split("x") for v in args.nk.split(",") if v)]
     for name, n, k in picks:
         layers = args.layers if n * k < 1e9 else 1
         w = _random_qtensor(jax.random.key(n + k), (layers, n, k), "int4_g64")

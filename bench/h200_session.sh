@@ -28,6 +28,8 @@
 #   pagedab    the paged decode kernel's launch settings PAGEDAB_NEW (NINFER_PAGED_DECODE,
 #              programs:warps:stages:unroll) against PAGEDAB_OLD: GPU tests with the new ones,
 #              C1/C2 32K/128K over bf16 and int8 KV, the two in turn (PAGEDAB_REPS)
+#   waves      the wide GEMV's kernel time against N (16-row tiles) at K = 5120 and 17408, 4 and
+#              8 warps a tile: its fixed cost a call, its rate, the waves' steps
 #   kvcast     int8 KV: how codes become dot operands (NINFER_PAGED_INT8_CAST): GPU tests,
 #              the paged kernel's micro at 32K/128K, C1/C2 128K decode, bf16 against the best
 #   graphs     XLA command-buffer settings         cmdbuf     command buffers for loops too
@@ -343,6 +345,15 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --out "$OUT/kvint8_${F}_$TAG.json"
           grep -E '^decode' "$OUT/kvint8_${F}_$TAG.log" | cut -c1-90 | sed "s/^/$F: /"
         done ;;
+      waves)
+        NK1=""; for t in ${WAVES_TILES1:-264 528 792 1056 1320 1584 1848 2112 2176 2640 3168}; do
+          NK1="$NK1$((16 * t))x5120,"; done
+        NK2=""; for t in ${WAVES_TILES2:-132 264 320 396 528 660}; do
+          NK2="$NK2$((16 * t))x17408,"; done
+        run 420 "$OUT/waves_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 --rpw "" \
+          --stages "" --no-pallas --wide 2 --wide-warps 4,8 --wide-occ 32 --kernel-times \
+          --nk "$NK1$NK2" --out "$OUT/cuda_gemv_micro_waves_$TAG.json"
+        grep -E 'kernel' "$OUT/waves_$TAG.log" ;;
       pagedab)
         NEW=${PAGEDAB_NEW:?PAGEDAB_NEW=programs:warps:stages:unroll}
         OLD=${PAGEDAB_OLD:-512:4:2:1}
