@@ -74,6 +74,33 @@ def test_paged_decode_int8_casts(monkeypatch):
         paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8)
 
 
+def test_paged_decode_launch_settings(monkeypatch):
+    """The launch settings by page dtype, NINFER_PAGED_DECODE over them, a malformed value an
+    error; pages a loop step (unroll) and warps/stages change nothing of the result."""
+    from engine.kernels.paged_decode import LAUNCH_DEFAULTS, launch_default
+
+    monkeypatch.delenv("NINFER_PAGED_DECODE", raising=False)
+    assert launch_default("bfloat16") == LAUNCH_DEFAULTS["bfloat16"] == (512, 8, 2, 1)
+    assert launch_default("int8") == (512, 4, 2, 1)
+    assert launch_default("float32") == launch_default("float16") == (512, 4, 2, 1)
+    monkeypatch.setenv("NINFER_PAGED_DECODE", "1024:4:3:2")
+    assert launch_default("bfloat16") == launch_default("int8") == (1024, 4, 3, 2)
+    for bad in ("512:4:2", "512:3:2:1", "a:b:c:d", "512:4:0:1"):
+        monkeypatch.setenv("NINFER_PAGED_DECODE", bad)
+        with pytest.raises(ValueError, match="NINFER_PAGED_DECODE"):
+            launch_default("bfloat16")
+    monkeypatch.delenv("NINFER_PAGED_DECODE")
+    rng = np.random.default_rng(13)
+    for kv_dtype in ("bfloat16", "int8"):
+        pool, table, q, last = _paged_case(rng, kv_dtype, 2, mp=7)
+        base = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=4)
+        for unroll in (2, 3):
+            again = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True,
+                                 programs=4, unroll=unroll)
+            np.testing.assert_array_equal(np.asarray(base, np.float32),
+                                          np.asarray(again, np.float32))
+
+
 def test_paged_decode_magic_codes_are_exact():
     """Every int8 code through the magic bitcast comes out as itself."""
     from engine.kernels.paged_decode import _codes_as

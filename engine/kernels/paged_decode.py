@@ -152,16 +152,21 @@ def cast_default() -> str:
     return cast
 
 
-LAUNCH_DEFAULT = (512, 4, 2, 1)  # programs, num_warps, num_stages, unroll
+# programs, num_warps, num_stages, unroll by the pool's dtype. H200, the 27B's heads, a 128K
+# row (bench/paged_decode_micro.py, v21b, kernel time and merge a call): bf16 pages 140.9 us
+# with 8 warps against 148.7 with 4 (B = 2: 264.8 / 280.9); int8 pages 110.4 us with 4
+# against 178.3 with 8. 1024 programs, 1 or 3 stages and 2 pages a loop step were no faster.
+LAUNCH_DEFAULTS = {"int8": (512, 4, 2, 1), "bfloat16": (512, 8, 2, 1),
+                   "float32": (512, 4, 2, 1)}
 
 
-def launch_default() -> tuple[int, int, int, int]:
+def launch_default(kv_dtype: str = "bfloat16") -> tuple[int, int, int, int]:
     """The kernel's programs, warps, stages and pages a loop step: `NINFER_PAGED_DECODE` as
-    four integers `programs:warps:stages:unroll`, else LAUNCH_DEFAULT. A malformed value is
-    an error, not a silent default."""
+    four integers `programs:warps:stages:unroll`, else LAUNCH_DEFAULTS for pages of that
+    dtype. A malformed value is an error, not a silent default."""
     raw = os.environ.get("NINFER_PAGED_DECODE", "")
     if not raw:
-        return LAUNCH_DEFAULT
+        return LAUNCH_DEFAULTS.get(kv_dtype, LAUNCH_DEFAULTS["float32"])
     try:
         vals = tuple(int(v) for v in raw.split(":"))
     except ValueError:
@@ -183,7 +188,7 @@ def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0,
     loop step (their loads issued together; the updates, and so the bits, are the same).
     programs, num_warps, num_stages, unroll: None takes `launch_default()`."""
     cast = cast_default() if cast is None else cast
-    dp, dw, ds, du = launch_default()
+    dp, dw, ds, du = launch_default(str(jnp.dtype(pool.k.dtype)))
     programs = dp if programs is None else programs
     num_warps = dw if num_warps is None else num_warps
     num_stages = ds if num_stages is None else num_stages
