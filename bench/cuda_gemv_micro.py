@@ -71,7 +71,7 @@ def main() -> None:
                     "offset off: 0 group sums of x from XLA, 1 MMAs in the kernel (0,1: both)")
     ap.add_argument("--wide-occ", default="0", help="resident warps an SM the wide kernel's "
                     "registers are capped for (0: the compiler's choice; 32: prefetch 2, bias "
-                    "0 only; 24: prefetch 3 or 4, 8 warps, bias 0)")
+                    "0 only)")
     ap.add_argument("--wide-stages", default="0", help="the wide kernel's shared-memory ring "
                     "depth (0: the register ring; 4, 8: warps 4 or 8, bias 0, occupancy 0)")
     ap.add_argument("--no-pallas", action="store_true", help="leave out the Pallas kernel")
@@ -117,9 +117,7 @@ def main() -> None:
                              for wp in args.wide_warps.split(",")
                              for b in args.wide_bias.split(",")
                              for o in args.wide_occ.split(",")
-                             if (int(o) == 0 and p in ("2", "4")) or b == "0" and (
-                                 (o == "32" and p == "2") or (o == "24" and p in ("3", "4")
-                                                              and wp == "8"))})
+                             if int(o) == 0 or (p == "2" and b == "0")})
             variants.update({f"wide_ring_s{st}w{wp}": ("wide", 2, int(wp), 0, 0, int(st))
                              for st in args.wide_stages.split(",") if st and int(st)
                              and m <= cuda_ops.WIDE_MAX_M

@@ -28,8 +28,6 @@
 #   pagedab    the paged decode kernel's launch settings PAGEDAB_NEW (NINFER_PAGED_DECODE,
 #              programs:warps:stages:unroll) against PAGEDAB_OLD: GPU tests with the new ones,
 #              C1/C2 32K/128K over bf16 and int8 KV, the two in turn (PAGEDAB_REPS)
-#   deep       deeper rings for the few-tile GEMV calls (NINFER_INT4_DEEP 3/4): GPU tests, the
-#              kernel times at down/out_proj, C1/C2 1K decode against off (DEEP_REPS, twice)
 #   waves      the wide GEMV's kernel time against N (16-row tiles) at K = 5120 and 17408, 4 and
 #              8 warps a tile: its fixed cost a call, its rate, the waves' steps
 #   kvcast     int8 KV: how codes become dot operands (NINFER_PAGED_INT8_CAST): GPU tests,
@@ -347,19 +345,6 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --out "$OUT/kvint8_${F}_$TAG.json"
           grep -E '^decode' "$OUT/kvint8_${F}_$TAG.log" | cut -c1-90 | sed "s/^/$F: /"
         done ;;
-      deep)
-        run 200 "$OUT/deep_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "wide_tensor_core or two_launches or 27b_shapes"
-        tail -n 2 "$OUT/deep_tests_$TAG.log"
-        run 150 "$OUT/deep_micro_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 --rpw "" \
-          --stages "" --no-pallas --wide 2,3,4 --wide-warps 8 --wide-occ 32,24 --kernel-times \
-          --nk 5120x17408,5120x6144 --out "$OUT/cuda_gemv_micro_deep_$TAG.json"
-        grep -E 'kernel' "$OUT/deep_micro_$TAG.log"
-        run 300 "$OUT/deep_decode_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
-          --contexts 1024 --prefill "" --steps 10 --variant-reps "${DEEP_REPS:-2}" \
-          --variants '{"off": {"NINFER_INT4_DEEP": "0"}, "deep3": {"NINFER_INT4_DEEP": "3"}, "deep4": {"NINFER_INT4_DEEP": "4"}}' \
-          --out "$OUT/deep_decode_$TAG.json"
-        grep -E '^variant' "$OUT/deep_decode_$TAG.log" ;;
       waves)
         NK1=""; for t in ${WAVES_TILES1:-264 528 792 1056 1320 1584 1848 2112 2176 2640 3168}; do
           NK1="$NK1$((16 * t))x5120,"; done

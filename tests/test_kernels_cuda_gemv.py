@@ -189,12 +189,6 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
                 x, w, variant="wide", prefetch=2, warps=wp, occupancy=32, xperm=True))(x, w)
             np.testing.assert_array_equal(np.asarray(permuted, np.float32),
                                           np.asarray(capped, np.float32))
-        if warps == 8:  # the deeper rings with registers for 24 warps: the same bits
-            for deep in (3, 4):
-                d = jax.jit(lambda x, w, p=deep: cuda_ops.int4_gemv(
-                    x, w, variant="wide", prefetch=p, warps=8, occupancy=24))(x, w)
-                np.testing.assert_array_equal(np.asarray(d, np.float32),
-                                              np.asarray(other_w, np.float32))
         # the shared-memory ring: the same pairs per warp in the same order, the same bits
         for stages in ((4, 8) if warps in (4, 8) else ()):
             ring = jax.jit(lambda x, w, wp=warps, st=stages: cuda_ops.int4_gemv(
@@ -434,43 +428,6 @@ def test_x_perm_words_are_the_kernels_b_registers(monkeypatch):
         assert ("stablehlo.transpose" in text) == on
 
 
-def test_deep_setting_takes_the_few_tile_calls_only(monkeypatch):
-    """NINFER_INT4_DEEP=3/4 gives the 8-warp wide calls (down- and out_proj-like: few tiles) a
-    ring of that depth with registers for 24 warps an SM, leaves the 4-warp calls (many
-    tiles) and explicit settings alone, and sets the MLP op's down launch; an unknown value
-    is an error."""
-    few, many = _qtensor(5120, 256, 1), _qtensor(34816, 128, 2)
-    x2, x1 = jnp.ones((1, 256), jnp.bfloat16), jnp.ones((1, 128), jnp.bfloat16)
-
-    def text(x, w, **kw):
-        return export.export(
-            jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", **kw)),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(
-                cuda_ops.INT4_WIDE_TARGET)])(x, w).mlir_module()
-
-    monkeypatch.delenv("NINFER_INT4_DEEP", raising=False)
-    assert "prefetch = 2 : i64" in text(x2, few) and "occupancy = 32 : i64" in text(x2, few)
-    for deep in ("3", "4"):
-        monkeypatch.setenv("NINFER_INT4_DEEP", deep)
-        t = text(x2, few)
-        assert f"prefetch = {deep} : i64" in t and "occupancy = 24 : i64" in t
-        assert "warps = 8 : i64" in t
-        t = text(x1, many)
-        assert "prefetch = 2 : i64" in t and "warps = 4 : i64" in t
-        assert "prefetch = 2 : i64" in text(x2, few, prefetch=2, occupancy=32)
-        x, h, (gate, up, down) = _mlp_case(1)
-        t = export.export(
-            jax.jit(lambda x, h, g, u, d: cuda_ops.int4_mlp(x, h, g, u, d, launches=2)),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_MLP_TARGET)])(
-            x, h, gate, up, down).mlir_module()
-        assert f"down_prefetch = {deep} : i64" in t
-    monkeypatch.setenv("NINFER_INT4_DEEP", "8")
-    with pytest.raises(ValueError, match="NINFER_INT4_DEEP"):
-        text(x2, few)
-
-
 def _mlp_case(m, k1=512, n1=1024, n2=1000, lead=(2,)):
     """x, h [m, ...] bf16 and stacked int4 gate / up [*lead, n1, k1], down [*lead, n2, n1]."""
     rng = np.random.default_rng(m)
@@ -518,11 +475,6 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
     assert text2.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1
     assert "launches = 2 : i64" in text2
     assert "warps = 8 : i64" in text2 and "occupancy = 32 : i64" in text2
-    assert "down_prefetch = 2 : i64" in text and "down_prefetch = 2 : i64" in text2
-    with pytest.raises(ValueError, match="down_prefetch"):
-        cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=1, down_prefetch=3)
-    with pytest.raises(ValueError, match="down_prefetch"):
-        cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=2, down_prefetch=5)
     with pytest.raises(ValueError, match="launches"):
         cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=4)
     with pytest.raises(ValueError, match="rows"):
@@ -590,10 +542,6 @@ def test_mlp_two_launches_are_the_persistent_kernels_bits_on_gpu():
             outs = [np.asarray(jax.jit(lambda x, h, g, u, d, i, n=n: cuda_ops.int4_mlp(
                 x, h, g, u, d, i, warps=8, occupancy=24, launches=n))(
                     x, h, gate, up, down, idx), np.float32) for n in (1, 2, 3)]
-            # down's deeper rings (registers for 24 warps an SM): the same pairs, the same bits
-            outs += [np.asarray(jax.jit(lambda x, h, g, u, d, i, n=n, p=p: cuda_ops.int4_mlp(
-                x, h, g, u, d, i, warps=8, occupancy=24, launches=n, down_prefetch=p))(
-                    x, h, gate, up, down, idx), np.float32) for n in (2, 3) for p in (3, 4)]
             for other in outs[1:]:
                 np.testing.assert_array_equal(other, outs[0])
 

@@ -246,22 +246,6 @@ def wide_warps(n: int, setting: str = "auto") -> int:
     return next((w for w in choices if tiles * w >= WIDE_AUTO_WARPS), choices[-1])
 
 
-DEEP_PREFETCH = (0, 3, 4)
-
-
-def deep_prefetch() -> int:
-    """NINFER_INT4_DEEP: the ring depth (pairs in flight a warp) of the few-tile calls, the
-    wide kernel's 8-warp calls (down, out_proj, o_proj: 320-384 tiles) and the MLP op's down
-    launch, with registers for 24 warps an SM (3 blocks of 8: every tile resident at once);
-    0 (the default) keeps their 2-pair ring with registers for 32. Why: those calls are held
-    by each warp's chain of pairs, not by the HBM (v21b: down's kernel time is 18.1 us for
-    132 tiles and 20.8 us for 320). An unknown value is an error."""
-    raw = os.environ.get("NINFER_INT4_DEEP", "0")
-    if raw not in {str(v) for v in DEEP_PREFETCH}:
-        raise ValueError(f"NINFER_INT4_DEEP must be one of {DEEP_PREFETCH}, got {raw!r}")
-    return int(raw)
-
-
 def default_variant(x) -> str:
     """"wide" (bf16 tensor cores, 16-byte loads) for bf16 x of M <= WIDE_MAX_M rows (it falls
     back to "mma" where K is not a multiple of 128), "mma" for bf16 x of more rows, "fma"
@@ -342,14 +326,10 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
             corr = jnp.zeros((m, 0), jnp.float32)
         else:
             corr = group_sums(xb)
+        prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
         warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "auto"))
         if stages is None:
             stages = int(os.environ.get("NINFER_INT4_WIDE_STAGES", "0"))
-        deep = deep_prefetch()
-        if (deep and prefetch is None and occupancy is None and warps == 8 and not bias
-                and not stages and "NINFER_INT4_WIDE_PREFETCH" not in os.environ):
-            prefetch, occupancy = deep, 24  # the few-tile calls' deeper ring (deep_prefetch)
-        prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
         if occupancy is None:  # 32 where it is built: the register ring of 2 pairs, bias 0
             occ = os.environ.get("NINFER_INT4_WIDE_OCC")
             occupancy = (int(occ) if occ is not None
@@ -446,8 +426,7 @@ def mlp_takes(x, h, gate, up, down) -> bool:
 
 
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
-             warps: int | None = None, occupancy: int | None = None, launches: int = 1,
-             down_prefetch: int | None = None):
+             warps: int | None = None, occupancy: int | None = None, launches: int = 1):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
     bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
     N1], or stacks read at `index`) in one call of the CUDA op (engine/kernels/cuda/
@@ -463,19 +442,12 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual`, with 2
     launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
     persistent kernel is slower than the separate calls, two launches with programmatic
-    dependent launch faster). down_prefetch: the down launch's ring depth with 2 or 3
-    launches (2, or 3 / 4 with registers for 24 warps an SM); None: `deep_prefetch()` (2 where
-    it is 0, and always 2 with 1 launch)."""
+    dependent launch faster)."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)
     if launches not in MLP_LAUNCHES:
         raise ValueError(f"int4_mlp: launches {MLP_LAUNCHES}, got {launches}")
     warps, occupancy = _mlp_setting("int4_mlp", launches, warps, occupancy)
-    if down_prefetch is None:
-        down_prefetch = (deep_prefetch() or 2) if launches != 1 else 2
-    if down_prefetch not in (2, 3, 4) or (launches == 1 and down_prefetch != 2):
-        raise ValueError("int4_mlp: down_prefetch 2, or 3 or 4 with 2 or 3 launches, got "
-                         f"{down_prefetch}")
     lead, k1 = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
     n1, n2 = gate.shape[0], down.shape[0]
@@ -490,6 +462,6 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
                      warps=np.int64(warps), occupancy=np.int64(occupancy),
-                     launches=np.int64(launches), down_prefetch=np.int64(down_prefetch))
+                     launches=np.int64(launches))
     return out.reshape(*lead, n2)
 

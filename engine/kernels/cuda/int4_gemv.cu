@@ -1120,11 +1120,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
 }
 
-// P: the ring's depth (pairs in flight a warp). Down's 320 tiles of 136 pairs leave each warp a
-// chain of 17 pairs: at P = 2 a call takes ~0.8 us a pair whatever the tiles (v21b: 132 tiles
-// 18.1 us, 320 tiles 20.8 us), so its time is the chain's, not the HBM's. P = 3 or 4 with
-// registers for 24 warps an SM (3 blocks of 8: all 320 tiles resident at once) shortens it.
-template <int W, int T, int P = 2>
+template <int W, int T>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_down(const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats dn,
                   const int32_t* __restrict__ index, const __nv_bfloat16* act,
@@ -1132,15 +1128,15 @@ __global__ void __launch_bounds__(W * 32, T / W)
   __shared__ float2 red[W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = 16 * blockIdx.x;
   const LaneRows ln(lane, m);
-  WideRing<P> ring;
+  WideRing<2> ring;
   const int64_t layer = layer_of<true>(dn, index);
   const WideTile<W> tl(dn, layer, k2, row0, warp, lane);
-  ring_fill<P, W, true>(ring, tl);
+  ring_fill<2, W, true>(ring, tl);
   // act and psum: the gate|up grid's, complete and visible from here on, so read through the
   // read-only path (L1 hits for the blocks of an SM, as the wide kernel's x)
   pdl_wait();
   float tot[2] = {0.0f, 0.0f};
-  ring_run<P, W, false, false, false>(ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2,
+  ring_run<2, W, false, false, false>(ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2,
                                                         warp, lane),
                                       ln.has_x, CorrTiles<W, false>{ln.psum_at(psum, k2, warp)},
                                       tot);
@@ -1169,26 +1165,21 @@ struct PdlLaunch {
 
 // The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
 // warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
-// programmatic stream serialization when `pdl` (else a plain launch: stream order). down_p:
-// down's ring depth, 2 (registers for T warps an SM) or 3 / 4 (for 24).
+// programmatic stream serialization when `pdl` (else a plain launch: stream order).
 template <int W, int T>
 cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
                            const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
                            const int32_t* index, __nv_bfloat16* act, float* psum,
-                           __nv_bfloat16* out, int k1, int m, bool pdl, int down_p) {
+                           __nv_bfloat16* out, int k1, int m, bool pdl) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
   int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
                                                                 k1, m);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl);
-  const auto* a = static_cast<const __nv_bfloat16*>(act);
-  const auto* ps = static_cast<const float*>(psum);
-  if (down_p == 3)
-    return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, 24, 3>, h, dn, index, a, ps, out, n1, m);
-  if (down_p == 4)
-    return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, 24, 4>, h, dn, index, a, ps, out, n1, m);
-  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h, dn, index, a, ps, out, n1, m);
+  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h, dn, index,
+                            static_cast<const __nv_bfloat16*>(act),
+                            static_cast<const float*>(psum), out, n1, m);
 }
 
 // The wide kernel with the codes and scales of the next S - 1 pairs copied into a shared-memory
@@ -1328,13 +1319,6 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
     return launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt, index, y, k, m);
   NINFER_WIDE32(2) NINFER_WIDE32(4) NINFER_WIDE32(8) NINFER_WIDE32(10) NINFER_WIDE32(16)
 #undef NINFER_WIDE32
-  // deeper rings for the few-tile calls (down, out_proj: 320 tiles, 8 warps), registers for
-  // 24 warps an SM: 3 blocks of 8, every tile resident at once (see int4_mlp_down)
-  if (warps == 8 && occupancy == 24 && !bias && (prefetch == 3 || prefetch == 4))
-    return prefetch == 3 ? launch_wide<3, 8, false, 24, OT>(stream, blocks, x, corr, mt, index,
-                                                           y, k, m)
-                         : launch_wide<4, 8, false, 24, OT>(stream, blocks, x, corr, mt, index,
-                                                           y, k, m);
   known = false;
   return cudaSuccess;
 }
@@ -1607,8 +1591,7 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   if (!known)
     return ffi::Error::InvalidArgument(
         "int4_gemv_wide: stages 0 (then prefetch 2 or 4, warps 2, 4, 8, 10 or 16, occupancy 0, "
-        "or 32 with prefetch 2 and bias 0, or 24 with prefetch 3 or 4, warps 8 and bias 0) "
-        "or stages 4 or 8 (warps 4 or 8, bias 0, "
+        "or 32 with prefetch 2 and bias 0) or stages 4 or 8 (warps 4 or 8, bias 0, "
         "occupancy 0); xperm 1 with prefetch 2, warps 4, 8 or 10, occupancy 32, bias 0, "
         "stages 0 only");
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
@@ -1653,7 +1636,7 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
                        ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                        ffi::Result<ffi::Buffer<ffi::BF16>> act,
                        ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
-                       int64_t occupancy, int64_t launches, int64_t down_prefetch) {
+                       int64_t occupancy, int64_t launches) {
   Mats gu{}, dn{};
   int64_t k1 = 0;
   if (const char* bad = decode_mlp(rest, index, gu, dn, k1))
@@ -1671,9 +1654,6 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     return ffi::Error::InvalidArgument("int4_mlp: act must be [M, N1], psum [M, N1/16]");
   if (launches < 1 || launches > 3)
     return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
-  if (down_prefetch < 2 || down_prefetch > 4 || (down_prefetch != 2 && launches == 1))
-    return ffi::Error::InvalidArgument(
-        "int4_mlp: down_prefetch 2, or 3 or 4 with launches 2 or 3");
   const int tiles = static_cast<int>(std::max((n1 + 15) / 16, (n2 + 15) / 16));
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const auto* hp = reinterpret_cast<const __nv_bfloat16*>(h.typed_data());
@@ -1688,8 +1668,7 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
                              psum->typed_data(), op, ki, mi, tiles);
     } else {
       err = launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
-                                 ap, psum->typed_data(), op, ki, mi, launches == 2,
-                                 static_cast<int>(down_prefetch));
+                                 ap, psum->typed_data(), op, ki, mi, launches == 2);
     }
   });
   if (!known) return ffi::Error::InvalidArgument("int4_mlp: warps 4 or 8, occupancy 24 or 32");
@@ -1751,6 +1730,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("occupancy")
-                                  .Attr<int64_t>("launches")
-                                  .Attr<int64_t>("down_prefetch"),
+                                  .Attr<int64_t>("launches"),
                               {ffi::Traits::kCmdBufferCompatible});
