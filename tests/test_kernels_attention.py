@@ -91,6 +91,9 @@ def test_paged_decode_launch_settings(monkeypatch):
             launch_default("bfloat16")
     monkeypatch.delenv("NINFER_PAGED_DECODE")
     rng = np.random.default_rng(13)
+    pool, table, q, last = _paged_case(rng, "bfloat16", 1)
+    with pytest.raises(ValueError, match="positive"):
+        paged_attend(pool, table, jnp.int32(0), q, last, interpret=True, unroll=0)
     for kv_dtype in ("bfloat16", "int8"):
         pool, table, q, last = _paged_case(rng, kv_dtype, 2, mp=7)
         base = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=4)

@@ -9,8 +9,9 @@ merges the splits' (max, sum, acc) partials. INT8 pages enter the dots as they a
 are exact in bf16); their per-token scales multiply the page's 64 scores (K) and the 64
 softmax weights (V) instead of every element: per element only a conversion is left.
 
-That conversion is the INT8 kernel's cost (a 128K row's pages are 4.3 G codes a step). How
-codes become dot operands, `NINFER_PAGED_INT8_CAST`:
+How the codes become dot operands, `NINFER_PAGED_INT8_CAST` (a 128K row's pages are 4.3 G
+codes a step; on the H200 none of the three was faster than bf16 in the decode step, v21, so
+the conversion is not what holds the INT8 kernel):
 - ``bf16``: ``astype(bfloat16)`` (an int -> float conversion, then a rounding to bf16);
 - ``f16``: ``astype(float16)``, q and the softmax weights in fp16 too (one conversion);
 - ``magic``: no conversion instruction: the int16 ``code + 0x6480`` has the bits of the fp16
@@ -19,6 +20,11 @@ codes become dot operands, `NINFER_PAGED_INT8_CAST`:
 Every way gives the codes exactly; K's dots are then the same products (q is exact in fp16
 at the magnitudes a normed, rotated query has), V's take the softmax weights in fp16 (11
 bits) instead of bf16 (8).
+
+Launch settings (programs, warps, stages, pages a loop step) by the pool's dtype,
+`LAUNCH_DEFAULTS`, measured per setting by bench/paged_decode_micro.py; `NINFER_PAGED_DECODE`
+overrides them. The split of a row's pages (programs) must not depend on the batch size: it
+orders the softmax merge (batch invariance).
 
 `paged_attend` takes what `paged_write_attend` gives `attention.attend` (after the write) and
 returns the same [B, 1, heads, head_dim]; `paged_attend_ref` is that reference path.
@@ -195,6 +201,9 @@ def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0,
     unroll = du if unroll is None else unroll
     if cast not in INT8_CASTS:
         raise ValueError(f"cast must be one of {INT8_CASTS}, got {cast!r}")
+    if min(programs, num_warps, num_stages, unroll) < 1:
+        raise ValueError("paged_attend: programs, num_warps, num_stages and unroll must be "
+                         f"positive, got {(programs, num_warps, num_stages, unroll)}")
     return _paged_attend(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
                          programs=programs, num_warps=num_warps, num_stages=num_stages,
                          fold=fold_default() if fold is None else fold, cast=cast,
