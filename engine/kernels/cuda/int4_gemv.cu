@@ -46,6 +46,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#ifndef NINFER_RING_FULL_ROUNDS
+#define NINFER_RING_FULL_ROUNDS 1  // ring_run's branch-free rounds (0: the per-pair branches)
+#endif
+
 constexpr int kWarps = 4;  // warps per block
 constexpr uint32_t kMagic = 0x4B000000u;  // the bits of 2^23 in fp32
 
@@ -799,7 +803,32 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
                                          float (&tot)[2]) {
   const uint4 *pa = tl.pa, *pb = tl.pb;
   const float2 *qa = tl.qa, *qb = tl.qb;
-  for (int i0 = 0; i0 < tl.count; i0 += P) {
+  int i0 = 0;
+#if NINFER_RING_FULL_ROUNDS
+  // Full rounds first: every slot computed and refilled, no branch between the pairs, so the
+  // compiler may overlap one pair's loads of x and corr with the MMAs of the pair before (with
+  // a branch a pair, each pair's chain runs alone). The same pairs in the same order: the
+  // same sums, bit for bit.
+  for (; i0 + 2 * P <= tl.count; i0 += P) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      wide_pair_with<kBias, kXPerm, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
+                                                xr + 16 * W * j, has_x,
+                                                [&corr, j]() { return corr.at(j); }, tot);
+      r.ca[j] = load_stream(pa + 4 * W * (j + P));
+      r.cb[j] = load_stream(pb + 4 * W * (j + P));
+      r.sa[j] = __ldg(qa + W * (j + P));
+      r.sb[j] = __ldg(qb + W * (j + P));
+    }
+    pa += 4 * W * P;
+    pb += 4 * W * P;
+    qa += W * P;
+    qb += W * P;
+    xr += 16 * W * P;
+    if constexpr (!kBias) corr.step(P);
+  }
+#endif
+  for (; i0 < tl.count; i0 += P) {
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       if (i0 + j < tl.count) {  // the same for the whole warp
