@@ -46,9 +46,19 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// ring_run's branch-free full rounds (see ring_run): 0 nowhere, 1 in the few-tile calls (the
+// wide kernel at 8 or more warps a tile: out_proj, o_proj; the MLP op's down), 2 everywhere.
+// H200 kernel times (docs/benchmarks/README.md v21e): faster where a warp's chain of pairs
+// holds the call (down-like 5120 x 17408: 19.25 against 20.81 us; out_proj 9.05 against
+// 9.68), slower at the full-wave calls (gate|up 34816 x 5120: 38.3-38.8 against 35.8-36.6;
+// in_proj 16.95 against 16.54), where the later refills cost more than the overlap gains.
 #ifndef NINFER_RING_FULL_ROUNDS
-#define NINFER_RING_FULL_ROUNDS 1  // ring_run's branch-free rounds (0: the per-pair branches)
+#define NINFER_RING_FULL_ROUNDS 1
 #endif
+// Whether a ring_run of a few-tile call (`few`) takes the full rounds.
+__host__ __device__ constexpr bool full_rounds(bool few) {
+  return NINFER_RING_FULL_ROUNDS == 2 || (NINFER_RING_FULL_ROUNDS == 1 && few);
+}
 
 constexpr int kWarps = 4;  // warps per block
 constexpr uint32_t kMagic = 0x4B000000u;  // the bits of 2^23 in fp32
@@ -797,19 +807,18 @@ struct CorrTiles {
 
 // The warp's pairs of one tile, from the ring (filled with the tile's first P), refilling
 // it from the same tile; x and corr at the warp's first pair (corr unused with kBias).
-template <int P, int W, bool kBias, bool kXPerm, bool kCoherentX, typename Corr>
+template <int P, int W, bool kBias, bool kXPerm, bool kCoherentX, bool kFull, typename Corr>
 __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
                                          const uint4* __restrict__ xr, bool has_x, Corr corr,
                                          float (&tot)[2]) {
   const uint4 *pa = tl.pa, *pb = tl.pb;
   const float2 *qa = tl.qa, *qb = tl.qb;
   int i0 = 0;
-#if NINFER_RING_FULL_ROUNDS
-  // Full rounds first: every slot computed and refilled, no branch between the pairs, so the
+  // kFull: full rounds first: every slot computed and refilled, no branch between the pairs, so the
   // compiler may overlap one pair's loads of x and corr with the MMAs of the pair before (with
   // a branch a pair, each pair's chain runs alone). The same pairs in the same order: the
   // same sums, bit for bit.
-  for (; i0 + 2 * P <= tl.count; i0 += P) {
+  for (; kFull && i0 + 2 * P <= tl.count; i0 += P) {
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       wide_pair_with<kBias, kXPerm, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
@@ -827,7 +836,6 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
     xr += 16 * W * P;
     if constexpr (!kBias) corr.step(P);
   }
-#endif
   for (; i0 < tl.count; i0 += P) {
 #pragma unroll
     for (int j = 0; j < P; ++j) {
@@ -926,7 +934,8 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
   WideRing<P> ring;
   ring_fill(ring, static_cast<const WideTile<W>&>(in));
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
-  ring_run<P, W, kBias, kXPerm, false>(ring, in, in.xr, in.has_x, CorrPairs<W>{in.cr}, tot);
+  ring_run<P, W, kBias, kXPerm, false, full_rounds(W >= 8)>(ring, in, in.xr, in.has_x,
+                                                             CorrPairs<W>{in.cr}, tot);
   wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
 }
 
@@ -1056,7 +1065,8 @@ __global__ void __launch_bounds__(W * 32, T / W)
   float2 gate = make_float2(0.0f, 0.0f);  // warp 0: the gate sums of the tile pair at hand
   for (int j = 0; j < 2 * count_a; ++j) {
     float tot[2] = {0.0f, 0.0f};
-    ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, tot);
+    ring_run<2, W, false, false, false, full_rounds(false)>(ring, cur, xa, ln.has_x,
+                                                              CorrPairs<W>{ca}, tot);
     // the next tile's first pairs in flight while this one is reduced (after phase A's last
     // tile: the first down tile, across the barrier)
     cur = j + 1 < 2 * count_a ? tile_a(j + 1) : count_b > 0 ? tile_b(0) : WideTile<W>();
@@ -1073,7 +1083,8 @@ __global__ void __launch_bounds__(W * 32, T / W)
   const float4* pb = ln.psum_at(psum, n1, warp);
   for (int j = 0; j < count_b; ++j) {
     float tot[2] = {0.0f, 0.0f};
-    ring_run<2, W, false, false, true>(ring, cur, xb, ln.has_x, CorrTiles<W, true>{pb}, tot);
+    ring_run<2, W, false, false, true, full_rounds(true)>(ring, cur, xb, ln.has_x,
+                                                            CorrTiles<W, true>{pb}, tot);
     cur = j + 1 < count_b ? tile_b(j + 1) : WideTile<W>();
     ring_fill(ring, cur);
     const float2 s = tile_sums<W>(red[parity], tot, warp, lane);
@@ -1140,11 +1151,13 @@ __global__ void __launch_bounds__(W * 32, T / W)
   WideTile<W> cur(gu, layer, k1, 16 * u, warp, lane);
   ring_fill(ring, cur);
   float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
-  ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, gt);
+  ring_run<2, W, false, false, false, full_rounds(false)>(ring, cur, xa, ln.has_x,
+                                                            CorrPairs<W>{ca}, gt);
   cur = WideTile<W>(gu, layer, k1, n1 + 16 * u, warp, lane);  // up's tile u in flight
   ring_fill(ring, cur);
   const float2 gate = tile_sums<W>(red[0], gt, warp, lane);
-  ring_run<2, W, false, false, false>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, ut);
+  ring_run<2, W, false, false, false, full_rounds(false)>(ring, cur, xa, ln.has_x,
+                                                            CorrPairs<W>{ca}, ut);
   const float2 up = tile_sums<W>(red[1], ut, warp, lane);
   if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
 }
@@ -1165,10 +1178,9 @@ __global__ void __launch_bounds__(W * 32, T / W)
   // read-only path (L1 hits for the blocks of an SM, as the wide kernel's x)
   pdl_wait();
   float tot[2] = {0.0f, 0.0f};
-  ring_run<2, W, false, false, false>(ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2,
-                                                        warp, lane),
-                                      ln.has_x, CorrTiles<W, false>{ln.psum_at(psum, k2, warp)},
-                                      tot);
+  ring_run<2, W, false, false, false, full_rounds(true)>(
+      ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2, warp, lane), ln.has_x,
+      CorrTiles<W, false>{ln.psum_at(psum, k2, warp)}, tot);
   const float2 s = tile_sums<W>(red, tot, warp, lane);
   if (warp == 0) mlp_out_store(s, row0, dn.start[dn.count], m, lane, h, out);
 }
