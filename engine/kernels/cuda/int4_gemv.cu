@@ -814,10 +814,10 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
   const uint4 *pa = tl.pa, *pb = tl.pb;
   const float2 *qa = tl.qa, *qb = tl.qb;
   int i0 = 0;
-  // kFull: full rounds first: every slot computed and refilled, no branch between the pairs, so the
-  // compiler may overlap one pair's loads of x and corr with the MMAs of the pair before (with
-  // a branch a pair, each pair's chain runs alone). The same pairs in the same order: the
-  // same sums, bit for bit.
+  // kFull: full rounds first, every slot computed and refilled with no branch between the
+  // pairs, so the compiler may overlap a pair's loads of x and corr with the MMAs of the pair
+  // before (with a branch a pair, each pair's chain runs alone). The same pairs in the same
+  // order: the same sums, bit for bit.
   for (; kFull && i0 + 2 * P <= tl.count; i0 += P) {
 #pragma unroll
     for (int j = 0; j < P; ++j) {
