@@ -805,6 +805,17 @@ struct CorrTiles {
   __device__ __forceinline__ void step(int n) { p += 2 * W * n; }
 };
 
+// Ring slot j with the pair P ahead of it (codes at pa / pb, scales at qa / qb: the round's).
+template <int P, int W>
+__device__ __forceinline__ void ring_refill(WideRing<P>& r, int j, const uint4* pa,
+                                            const uint4* pb, const float2* qa,
+                                            const float2* qb) {
+  r.ca[j] = load_stream(pa + 4 * W * (j + P));
+  r.cb[j] = load_stream(pb + 4 * W * (j + P));
+  r.sa[j] = __ldg(qa + W * (j + P));
+  r.sb[j] = __ldg(qb + W * (j + P));
+}
+
 // The warp's pairs of one tile, from the ring (filled with the tile's first P), refilling
 // it from the same tile; x and corr at the warp's first pair (corr unused with kBias).
 template <int P, int W, bool kBias, bool kXPerm, bool kCoherentX, bool kFull, typename Corr>
@@ -824,10 +835,7 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
       wide_pair_with<kBias, kXPerm, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
                                                 xr + 16 * W * j, has_x,
                                                 [&corr, j]() { return corr.at(j); }, tot);
-      r.ca[j] = load_stream(pa + 4 * W * (j + P));
-      r.cb[j] = load_stream(pb + 4 * W * (j + P));
-      r.sa[j] = __ldg(qa + W * (j + P));
-      r.sb[j] = __ldg(qb + W * (j + P));
+      ring_refill<P, W>(r, j, pa, pb, qa, qb);
     }
     pa += 4 * W * P;
     pb += 4 * W * P;
@@ -843,12 +851,8 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
         wide_pair_with<kBias, kXPerm, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
                                                   xr + 16 * W * j, has_x,
                                                   [&corr, j]() { return corr.at(j); }, tot);
-        if (i0 + j + P < tl.count) {  // the slot is free: refill it with the pair P ahead
-          r.ca[j] = load_stream(pa + 4 * W * (j + P));
-          r.cb[j] = load_stream(pb + 4 * W * (j + P));
-          r.sa[j] = __ldg(qa + W * (j + P));
-          r.sb[j] = __ldg(qb + W * (j + P));
-        }
+        if (i0 + j + P < tl.count)  // the slot is free: refill it with the pair P ahead
+          ring_refill<P, W>(r, j, pa, pb, qa, qb);
       }
     }
     pa += 4 * W * P;
