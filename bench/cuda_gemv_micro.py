@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.bench_27b import _random_qtensor, torch_peaks  # noqa: E402
-from bench.kernels_micro import LAYERS, call_loop, per_call  # noqa: E402
+from bench.kernels_micro import LAYERS, call_loop, per_call, traced_kernels  # noqa: E402
 from engine.kernels import cuda_ops, qgemv  # noqa: E402
 from engine.kernels.stacked import Stacked  # noqa: E402
 from engine.quant import linear  # noqa: E402
@@ -40,18 +40,8 @@ SHAPES = [("gdn in_proj_qkv", 10240, 5120), ("gdn in_proj_z", 6144, 5120),
 def kernel_us(one, x, w, layers: int) -> float | None:
     """Microseconds a launch of the int4 GEMV kernel takes inside per_call's loop, from a
     profiler trace of two runs of the loop."""
-    import tempfile
-
-    from bench import profile_summary
-
-    run = call_loop(one, x, w, layers=layers)
-    jax.block_until_ready(run(x, w))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(2):
-                jax.block_until_ready(run(x, w))
-        summary = profile_summary.summarize(profile_summary.newest_xplane(d), steps=2)
-    hits = [r for r in summary["by_kernel"] if "int4_gemv" in r["kernel"]]
+    rows = traced_kernels(call_loop(one, x, w, layers=layers), x, w)
+    hits = [r for r in rows if "int4_gemv" in r["kernel"]]
     calls = sum(r["calls"] for r in hits)
     return sum(r["us"] for r in hits) / calls if calls else None
 

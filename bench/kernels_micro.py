@@ -60,6 +60,22 @@ def call_loop(fn, *args, layers=LAYERS):
     return jax.jit(run)
 
 
+def traced_kernels(run, *args, runs: int = 2) -> list[dict]:
+    """GPU time by kernel (bench/profile_summary.py's rows, per run) of `run(*args)`, traced
+    `runs` times after one untraced warm-up call."""
+    import tempfile
+
+    from bench import profile_summary
+
+    jax.block_until_ready(run(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(runs):
+                jax.block_until_ready(run(*args))
+        summary = profile_summary.summarize(profile_summary.newest_xplane(d), steps=runs)
+    return summary["by_kernel"]
+
+
 def per_call(fn, *args, layers=LAYERS, reps=20):
     """Seconds a call of fn(*args, index) takes in `call_loop` (the loop's and the dispatch's
     share included)."""

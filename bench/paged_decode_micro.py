@@ -16,7 +16,6 @@ import argparse
 import itertools
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.kernels_micro import call_loop  # noqa: E402
+from bench.kernels_micro import call_loop, traced_kernels  # noqa: E402
 from engine.kernels.paged_decode import paged_attend  # noqa: E402
 from engine.paged_kv import KVPool  # noqa: E402
 
@@ -60,15 +59,7 @@ def layer_bytes(pool: KVPool, batch: int, ctx: int) -> int:
 def kernel_times(run, args) -> dict:
     """us a call: the paged kernel's, and every kernel's of the call (the merge's included),
     from a profiler trace of two runs of the loop."""
-    from bench import profile_summary
-
-    jax.block_until_ready(run(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(2):
-                jax.block_until_ready(run(*args))
-        summary = profile_summary.summarize(profile_summary.newest_xplane(d), steps=2)
-    rows = summary["by_kernel"]
+    rows = traced_kernels(run, *args)
     paged = [r for r in rows if "paged_decode" in r["kernel"]]
     calls = sum(r["calls"] for r in paged)
     if not calls:
