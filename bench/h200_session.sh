@@ -39,6 +39,7 @@
 #   prefbv     the scan's value tile (PREFBV)      prefscan   the scan's warps and stages
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
+#   probe      the wide GEMV's kernel time with loads left out of a pair's chain (PROBES)
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
 #   w10        10 warps a tile for down and out_proj (NINFER_INT4_WIDE_WARPS=auto:4,10)
@@ -354,6 +355,30 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --stages "" --no-pallas --wide 2 --wide-warps 4,8 --wide-occ 32 --kernel-times \
           --nk "$NK1$NK2" --out "$OUT/cuda_gemv_micro_waves_$TAG.json"
         grep -E 'kernel' "$OUT/waves_$TAG.log" ;;
+      probe)  # what a wide pair's chain waits for: the wide GEMV's kernel time (M = 1, 8
+        # warps, registers for 32) built with each NINFER_PROBE mask of PROBES (1 no x loads, 2
+        # no group-sum loads, 4 no ring refills; wrong sums, timing only) at PROBE_NK
+        PROBE_DIRS=""
+        for mask in ${PROBES:-0 1 2 3 4 7}; do
+          d=.whl/probe$mask
+          rm -rf "$d" && mkdir -p "$d" && cp -r engine bench "$d"/
+          sed -i "s/^#define NINFER_PROBE 0$/#define NINFER_PROBE $mask/" \
+            "$d/engine/kernels/cuda/int4_gemv.cu"
+          grep -q "^#define NINFER_PROBE $mask$" "$d/engine/kernels/cuda/int4_gemv.cu" || exit 1
+          PROBE_DIRS="$PROBE_DIRS $d"
+          (cd "$d" && JAX_PLATFORMS=cpu python3 -c "from engine.kernels import cuda_ops as c; \
+             c.build(c.INT4_SOURCE, '90', c._nvcc())" > "$OUT/probe_build_$mask.log" 2>&1) &
+        done
+        wait
+        for d in $PROBE_DIRS; do
+          mask=${d#.whl/probe}
+          run 200 "$OUT/probe_${mask}_$TAG.log" python3 "$d/bench/cuda_gemv_micro.py" --rows 1 \
+            --rpw "" --stages "" --no-pallas --wide 2 --wide-warps "${PROBE_WARPS:-8}" \
+            --wide-occ 32 --kernel-times \
+            --nk "${PROBE_NK:-5120x17408,2112x17408,5120x6144,34816x5120}" \
+            --out "$OUT/probe_${mask}_$TAG.json"
+          grep -E 'kernel' "$OUT/probe_${mask}_$TAG.log" | sed "s/^/probe $mask: /"
+        done ;;
       pagedab)
         NEW=${PAGEDAB_NEW:?PAGEDAB_NEW=programs:warps:stages:unroll}
         OLD=${PAGEDAB_OLD:-512:4:2:1}

@@ -60,6 +60,14 @@ __host__ __device__ constexpr bool full_rounds(bool few) {
   return NINFER_RING_FULL_ROUNDS == 2 || (NINFER_RING_FULL_ROUNDS == 1 && few);
 }
 
+// A diagnostic build (0 in every real build): which loads of a wide pair's chain to leave out,
+// a bit each, so that a kernel-time sweep shows what the chain waits for. 1: x (the B
+// registers made from the lane instead), 2: the group sums of x (corr), 4: the ring's refills
+// (a warp computes on its first codes throughout). Any bit set gives wrong sums.
+#ifndef NINFER_PROBE
+#define NINFER_PROBE 0
+#endif
+
 constexpr int kWarps = 4;  // warps per block
 constexpr uint32_t kMagic = 0x4B000000u;  // the bits of 2^23 in fp32
 
@@ -640,7 +648,10 @@ __device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, c
   if (has_x) {
 #pragma unroll
     for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
-      const uint4 xv = kCoherentX ? __ldcg(xp + v) : __ldg(xp + v);
+      const uint32_t fake = 0x3F803F80u ^ (threadIdx.x & 7u) ^ (v << 3);
+      const uint4 xv = (NINFER_PROBE & 1) ? make_uint4(fake, fake ^ 16u, fake ^ 32u, fake)
+                       : kCoherentX       ? __ldcg(xp + v)
+                                          : __ldg(xp + v);
       if constexpr (kXPerm) {
         b[4 * v] = xv.x;
         b[4 * v + 1] = xv.y;
@@ -674,7 +685,8 @@ __device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, c
     tot[1] = fmaf(sb.x, d[2], tot[1]);
     tot[1] = fmaf(sb.y, d[3], tot[1]);
   } else {
-    const float2 c = corr();  // group sums 2p, 2p + 1 of x row t
+    const float2 c = (NINFER_PROBE & 2) ? make_float2(0.5f, 0.25f)
+                                        : corr();  // group sums 2p, 2p + 1 of x row t
     tot[0] = fmaf(sa.x, fmaf(-136.0f, c.x, d[0]), tot[0]);
     tot[0] = fmaf(sa.y, fmaf(-136.0f, c.y, d[1]), tot[0]);
     tot[1] = fmaf(sb.x, fmaf(-136.0f, c.x, d[2]), tot[1]);
@@ -810,6 +822,7 @@ template <int P, int W>
 __device__ __forceinline__ void ring_refill(WideRing<P>& r, int j, const uint4* pa,
                                             const uint4* pb, const float2* qa,
                                             const float2* qb) {
+  if constexpr ((NINFER_PROBE & 4) != 0) return;
   r.ca[j] = load_stream(pa + 4 * W * (j + P));
   r.cb[j] = load_stream(pb + 4 * W * (j + P));
   r.sa[j] = __ldg(qa + W * (j + P));
