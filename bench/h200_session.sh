@@ -358,7 +358,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
       probe)  # what a wide pair's chain waits for: the wide GEMV's kernel time (M = 1, 8
         # warps, registers for 32) built with each NINFER_PROBE mask of PROBES (1 no x loads, 2
         # no group-sum loads, 4 no ring refills; wrong sums, timing only) at PROBE_NK
-        PROBE_DIRS=""
+        PROBE_DIRS="" PIDS=""
         for mask in ${PROBES:-0 1 2 3 4 7}; do
           d=.whl/probe$mask
           rm -rf "$d" && mkdir -p "$d" && cp -r engine bench "$d"/
@@ -368,8 +368,9 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           PROBE_DIRS="$PROBE_DIRS $d"
           (cd "$d" && JAX_PLATFORMS=cpu python3 -c "from engine.kernels import cuda_ops as c; \
              c.build(c.INT4_SOURCE, '90', c._nvcc())" > "$OUT/probe_build_$mask.log" 2>&1) &
+          PIDS="$PIDS $!"
         done
-        wait
+        wait $PIDS  # these builds only: a bare wait would wait for dmon too
         for d in $PROBE_DIRS; do
           mask=${d#.whl/probe}
           run 200 "$OUT/probe_${mask}_$TAG.log" python3 "$d/bench/cuda_gemv_micro.py" --rows 1 \
