@@ -40,6 +40,7 @@
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
 #   probe      the wide GEMV's kernel time with loads left out of a pair's chain (PROBES)
+#   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
 #   w10        10 warps a tile for down and out_proj (NINFER_INT4_WIDE_WARPS=auto:4,10)
@@ -380,6 +381,13 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --out "$OUT/probe_${mask}_$TAG.json"
           grep -E 'kernel' "$OUT/probe_${mask}_$TAG.log" | sed "s/^/probe $mask: /"
         done ;;
+      ringdepth)  # the same shapes as probe: the register ring at P = 2 and 4 (registers
+        # uncapped) against the cp.async shared-memory ring at 4 and 8 stages, 8 warps
+        run 300 "$OUT/ringdepth_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 --rpw "" \
+          --stages "" --no-pallas --wide 2,4 --wide-warps 8 --wide-occ 0 --wide-stages 4,8 \
+          --kernel-times --nk "${PROBE_NK:-5120x17408,2112x17408,5120x6144,34816x5120}" \
+          --out "$OUT/ringdepth_$TAG.json"
+        grep -E 'kernel' "$OUT/ringdepth_$TAG.log" ;;
       pagedab)
         NEW=${PAGEDAB_NEW:?PAGEDAB_NEW=programs:warps:stages:unroll}
         OLD=${PAGEDAB_OLD:-512:4:2:1}
