@@ -40,6 +40,7 @@
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
 #   probe      the wide GEMV's kernel time with loads left out of a pair's chain (PROBES)
+#   treeab     this tree against PREV_TREE: the wide GEMV's kernel times and C1/C2 1K decode
 #   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
@@ -381,6 +382,27 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             --out "$OUT/probe_${mask}_$TAG.json"
           grep -E 'kernel' "$OUT/probe_${mask}_$TAG.log" | sed "s/^/probe $mask: /"
         done ;;
+      treeab)  # this tree against PREV_TREE (an edited copy, carried): both int4 libraries
+        # built at once, then from each the wide GEMV's kernel times at TREEAB_NK (4 and 8
+        # warps) and C1/C2 1K decode, in turn
+        PIDS=""
+        for d in . "${PREV_TREE:-.whl/prev}"; do
+          (cd "$d" && JAX_PLATFORMS=cpu python3 -c "from engine.kernels import cuda_ops as c; \
+             c.build(c.INT4_SOURCE, '90', c._nvcc())") > /dev/null 2>&1 &
+          PIDS="$PIDS $!"
+        done
+        wait $PIDS
+        for side in cur prev; do
+          d=.; [ $side = prev ] && d=${PREV_TREE:-.whl/prev}
+          run 150 "$OUT/treeab_micro_${side}_$TAG.log" python3 "$d/bench/cuda_gemv_micro.py" \
+            --rows 1 --rpw "" --stages "" --no-pallas --wide 2 --wide-warps 4,8 --wide-occ 32 \
+            --kernel-times --nk "${TREEAB_NK:-5120x17408,5120x6144,34816x5120,16480x5120}" \
+            --out "$OUT/treeab_micro_${side}_$TAG.json"
+          grep -E 'kernel' "$OUT/treeab_micro_${side}_$TAG.log" | sed "s/^/$side: /"
+        done
+        decode1k treeab_cur
+        (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
+         decode1k treeab_prev) ;;
       ringdepth)  # the same shapes as probe: the register ring at P = 2 and 4 (registers
         # uncapped) against the cp.async shared-memory ring at 4 and 8 stages, 8 warps
         run 300 "$OUT/ringdepth_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 --rpw "" \

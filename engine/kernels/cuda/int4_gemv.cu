@@ -67,6 +67,14 @@ __host__ __device__ constexpr bool full_rounds(bool few) {
 #ifndef NINFER_PROBE
 #define NINFER_PROBE 0
 #endif
+// A wide pair's eight MMAs as two chains of four (1: the even and the odd MMAs into two
+// accumulators, added before the scales), or as one chain of eight (0). A warp's pair is a
+// serial chain (v22: ~75% of a call's time remains with its refills left out), and the
+// MMAs' accumulator dependency is the longest part of it. Other bits than 0 (another order of
+// the same products), the same for every variant and M: batch invariant either way.
+#ifndef NINFER_WIDE_ACC2
+#define NINFER_WIDE_ACC2 0
+#endif
 
 constexpr int kWarps = 4;  // warps per block
 constexpr uint32_t kMagic = 0x4B000000u;  // the bits of 2^23 in fp32
@@ -671,13 +679,19 @@ __device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, c
   const uint32_t wq[4] = {ca.x, ca.y, ca.z, ca.w};
   const uint32_t wr[4] = {cb.x, cb.y, cb.z, cb.w};
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float d2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the odd MMAs' chain with NINFER_WIDE_ACC2
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
     const int e = 2 * (q & 1);
+    float(&acc)[4] = (NINFER_WIDE_ACC2 && (q & 1)) ? d2 : d;
     if constexpr (kBias)
-      mma_bf16(d, kNeg136x2, kNeg136x2, kNeg136x2, kNeg136x2, b[2 * q], b[2 * q + 1]);
-    mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
+      mma_bf16(acc, kNeg136x2, kNeg136x2, kNeg136x2, kNeg136x2, b[2 * q], b[2 * q + 1]);
+    mma_bf16(acc, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
              pair(wr[q >> 1], e + 1), b[2 * q], b[2 * q + 1]);
+  }
+  if constexpr (NINFER_WIDE_ACC2 != 0) {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) d[v] += d2[v];
   }
   if constexpr (kBias) {
     tot[0] = fmaf(sa.x, d[0], tot[0]);
