@@ -586,6 +586,9 @@ done
 if [ "${PACK:-1}" = 1 ]; then
   kill $DMON 2>/dev/null
   wait $DMON 2>/dev/null
-  (cd "$OUT" && ls | grep -v "^session_$TAG.tgz$" | tar czf "session_$TAG.tgz" --remove-files -T -)
-  echo "packed: $OUT/session_$TAG.tgz"
+  # a second run under the same TAG in one call packs beside the first, not over it
+  PACKED=session_$TAG.tgz
+  [ -e "$OUT/$PACKED" ] && PACKED=session_${TAG}_$(date +%H%M%S).tgz
+  (cd "$OUT" && ls | grep -v '^session_.*\.tgz$' | tar czf "$PACKED" --remove-files -T -)
+  echo "packed: $OUT/$PACKED"
 fi

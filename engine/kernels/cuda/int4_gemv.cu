@@ -67,14 +67,6 @@ __host__ __device__ constexpr bool full_rounds(bool few) {
 #ifndef NINFER_PROBE
 #define NINFER_PROBE 0
 #endif
-// A wide pair's eight MMAs as two chains of four (1: the even and the odd MMAs into two
-// accumulators, added before the scales), or as one chain of eight (0). A warp's pair is a
-// serial chain (v22: ~75% of a call's time remains with its refills left out), and the
-// MMAs' accumulator dependency is the longest part of it. Other bits than 0 (another order of
-// the same products), the same for every variant and M: batch invariant either way.
-#ifndef NINFER_WIDE_ACC2
-#define NINFER_WIDE_ACC2 0
-#endif
 
 constexpr int kWarps = 4;  // warps per block
 constexpr uint32_t kMagic = 0x4B000000u;  // the bits of 2^23 in fp32
@@ -679,19 +671,13 @@ __device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, c
   const uint32_t wq[4] = {ca.x, ca.y, ca.z, ca.w};
   const uint32_t wr[4] = {cb.x, cb.y, cb.z, cb.w};
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  float d2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the odd MMAs' chain with NINFER_WIDE_ACC2
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
     const int e = 2 * (q & 1);
-    float(&acc)[4] = (NINFER_WIDE_ACC2 && (q & 1)) ? d2 : d;
     if constexpr (kBias)
-      mma_bf16(acc, kNeg136x2, kNeg136x2, kNeg136x2, kNeg136x2, b[2 * q], b[2 * q + 1]);
-    mma_bf16(acc, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
+      mma_bf16(d, kNeg136x2, kNeg136x2, kNeg136x2, kNeg136x2, b[2 * q], b[2 * q + 1]);
+    mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
              pair(wr[q >> 1], e + 1), b[2 * q], b[2 * q + 1]);
-  }
-  if constexpr (NINFER_WIDE_ACC2 != 0) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) d[v] += d2[v];
   }
   if constexpr (kBias) {
     tot[0] = fmaf(sa.x, d[0], tot[0]);
@@ -852,6 +838,13 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
   const uint4 *pa = tl.pa, *pb = tl.pb;
   const float2 *qa = tl.qa, *qb = tl.qb;
   int i0 = 0;
+  // What the ring buys, by the sm_90 SASS (v22): ptxas puts every refill on one scoreboard
+  // and waits for codes with a full drain of it (no partial DEPBAR), so in the conditional
+  // loop a pair's first use of its codes also waits for the refill issued just before it,
+  // and in the full rounds the refills sink to the round's end and are waited for at the
+  // next round's start: the ring hides about one pair's work, whatever P. With the refills
+  // left out (NINFER_PROBE 4: almost no HBM traffic) a call keeps 74-80% of its time, so the
+  // warps' own work a pair, not the bytes in flight, is most of what holds it.
   // kFull: full rounds first, every slot computed and refilled with no branch between the
   // pairs, so the compiler may overlap a pair's loads of x and corr with the MMAs of the pair
   // before (with a branch a pair, each pair's chain runs alone). The same pairs in the same
