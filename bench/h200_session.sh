@@ -80,6 +80,7 @@ run() {  # run <seconds> <log> <command...>: the tail of the log is what the cal
 }
 
 B27="python3 bench/bench_27b.py --paged --kernels pallas"
+RING_NK=5120x17408,2112x17408,5120x6144,34816x5120  # probe's and ringdepth's shapes
 prefill2() {  # prefill2 <name> [VAR=value ...]: 8K/32K bf16 prefill, two reps, with that env
   local name=$1
   shift
@@ -95,6 +96,24 @@ decode1k() {  # decode1k <name> [VAR=value ...]: C1/C2 int4 decode at 1K context
    run 150 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
      --contexts 1024 --prefill "" --steps 10 --out "$OUT/${name}_$TAG.json")
   grep -E '^decode' "$OUT/${name}_$TAG.log" | cut -c1-90 | sed "s/^/$name: /"
+}
+build_int4() {  # build_int4 <tree>...: each tree's int4 CUDA library at once (nvcc, no GPU);
+  # waits for these builds only (a bare wait would wait for dmon too)
+  local d pids=""
+  for d in "$@"; do
+    (cd "$d" && JAX_PLATFORMS=cpu python3 -c "from engine.kernels import cuda_ops as c; \
+       c.build(c.INT4_SOURCE, '90', c._nvcc())") > "$OUT/build_$(basename "$d")_$TAG.log" 2>&1 &
+    pids="$pids $!"
+  done
+  wait $pids
+}
+wide_micro() {  # wide_micro <name> <tree> <nk> [micro args...]: the wide GEMV's kernel time a
+  # launch (M = 1) from that tree's micro at the N x K list
+  local name=$1 tree=$2 nk=$3
+  shift 3
+  run 300 "$OUT/${name}_$TAG.log" python3 "$tree/bench/cuda_gemv_micro.py" --rows 1 --rpw "" \
+    --stages "" --no-pallas --kernel-times --nk "$nk" --out "$OUT/${name}_$TAG.json" "$@"
+  grep -E 'kernel' "$OUT/${name}_$TAG.log" | sed "s/^/$name: /"
 }
 envab() {  # envab <name> <pytest -k expr> VAR=value: the wide GEMV's GPU tests named by the
   # expression, C1/C2 1K decode without and with VAR=value twice in turn, and the engine's
@@ -360,7 +379,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
       probe)  # what a wide pair's chain waits for: the wide GEMV's kernel time (M = 1, 8
         # warps, registers for 32) built with each NINFER_PROBE mask of PROBES (1 no x loads, 2
         # no group-sum loads, 4 no ring refills; wrong sums, timing only) at PROBE_NK
-        PROBE_DIRS="" PIDS=""
+        PROBE_DIRS=""
         for mask in ${PROBES:-0 1 2 3 4 7}; do
           d=.whl/probe$mask
           rm -rf "$d" && mkdir -p "$d" && cp -r engine bench "$d"/
@@ -368,48 +387,30 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
             "$d/engine/kernels/cuda/int4_gemv.cu"
           grep -q "^#define NINFER_PROBE $mask$" "$d/engine/kernels/cuda/int4_gemv.cu" || exit 1
           PROBE_DIRS="$PROBE_DIRS $d"
-          (cd "$d" && JAX_PLATFORMS=cpu python3 -c "from engine.kernels import cuda_ops as c; \
-             c.build(c.INT4_SOURCE, '90', c._nvcc())" > "$OUT/probe_build_$mask.log" 2>&1) &
-          PIDS="$PIDS $!"
         done
-        wait $PIDS  # these builds only: a bare wait would wait for dmon too
+        build_int4 $PROBE_DIRS
         for d in $PROBE_DIRS; do
-          mask=${d#.whl/probe}
-          run 200 "$OUT/probe_${mask}_$TAG.log" python3 "$d/bench/cuda_gemv_micro.py" --rows 1 \
-            --rpw "" --stages "" --no-pallas --wide 2 --wide-warps "${PROBE_WARPS:-8}" \
-            --wide-occ 32 --kernel-times \
-            --nk "${PROBE_NK:-5120x17408,2112x17408,5120x6144,34816x5120}" \
-            --out "$OUT/probe_${mask}_$TAG.json"
-          grep -E 'kernel' "$OUT/probe_${mask}_$TAG.log" | sed "s/^/probe $mask: /"
+          wide_micro "probe_${d#.whl/probe}" "$d" "${PROBE_NK:-$RING_NK}" --wide 2 \
+            --wide-warps "${PROBE_WARPS:-8}" --wide-occ 32
         done ;;
       treeab)  # this tree against PREV_TREE (an edited copy, carried): both int4 libraries
         # built at once, then from each the wide GEMV's kernel times at TREEAB_NK (4 and 8
         # warps) and C1/C2 1K decode, in turn
-        PIDS=""
-        for d in . "${PREV_TREE:-.whl/prev}"; do
-          (cd "$d" && JAX_PLATFORMS=cpu python3 -c "from engine.kernels import cuda_ops as c; \
-             c.build(c.INT4_SOURCE, '90', c._nvcc())") > /dev/null 2>&1 &
-          PIDS="$PIDS $!"
-        done
-        wait $PIDS
+        PREV=${PREV_TREE:-.whl/prev}
+        build_int4 . "$PREV"
         for side in cur prev; do
-          d=.; [ $side = prev ] && d=${PREV_TREE:-.whl/prev}
-          run 150 "$OUT/treeab_micro_${side}_$TAG.log" python3 "$d/bench/cuda_gemv_micro.py" \
-            --rows 1 --rpw "" --stages "" --no-pallas --wide 2 --wide-warps 4,8 --wide-occ 32 \
-            --kernel-times --nk "${TREEAB_NK:-5120x17408,5120x6144,34816x5120,16480x5120}" \
-            --out "$OUT/treeab_micro_${side}_$TAG.json"
-          grep -E 'kernel' "$OUT/treeab_micro_${side}_$TAG.log" | sed "s/^/$side: /"
+          d=.; [ $side = prev ] && d=$PREV
+          wide_micro "treeab_micro_$side" "$d" \
+            "${TREEAB_NK:-5120x17408,5120x6144,34816x5120,16480x5120}" --wide 2 \
+            --wide-warps 4,8 --wide-occ 32
         done
         decode1k treeab_cur
-        (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
+        (B27="python3 $PREV/bench/bench_27b.py --paged --kernels pallas"
          decode1k treeab_prev) ;;
       ringdepth)  # the same shapes as probe: the register ring at P = 2 and 4 (registers
         # uncapped) against the cp.async shared-memory ring at 4 and 8 stages, 8 warps
-        run 300 "$OUT/ringdepth_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 --rpw "" \
-          --stages "" --no-pallas --wide 2,4 --wide-warps 8 --wide-occ 0 --wide-stages 4,8 \
-          --kernel-times --nk "${PROBE_NK:-5120x17408,2112x17408,5120x6144,34816x5120}" \
-          --out "$OUT/ringdepth_$TAG.json"
-        grep -E 'kernel' "$OUT/ringdepth_$TAG.log" ;;
+        wide_micro ringdepth . "${PROBE_NK:-$RING_NK}" --wide 2,4 --wide-warps 8 --wide-occ 0 \
+          --wide-stages 4,8 ;;
       pagedab)
         NEW=${PAGEDAB_NEW:?PAGEDAB_NEW=programs:warps:stages:unroll}
         OLD=${PAGEDAB_OLD:-512:4:2:1}
