@@ -40,6 +40,7 @@
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
 #   probe      the wide GEMV's kernel time with loads left out of a pair's chain (PROBES)
+#   lab        bench/gemv_lab.cu: the wide GEMV against candidates, no JAX (LAB_PROBES)
 #   treeab     this tree against PREV_TREE: the wide GEMV's kernel times and C1/C2 1K decode
 #   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
@@ -392,6 +393,34 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         for d in $PROBE_DIRS; do
           wide_micro "probe_${d#.whl/probe}" "$d" "${PROBE_NK:-$RING_NK}" --wide 2 \
             --wide-warps "${PROBE_WARPS:-8}" --wide-occ 32
+        done ;;
+      lab)  # bench/gemv_lab.cu (no JAX): the wide GEMV and candidate kernels at the four big
+        # shapes (kernel time a launch in CUDA graphs, bitwise against the engine's kernel,
+        # the read ceiling of the same bytes) and a per-round trace; LAB_PROBES: builds with
+        # those NINFER_PROBE masks (default 0 4), built at once
+        INC=$(python3 -c 'import jax; print(jax.ffi.include_dir())')
+        pids=""
+        for mask in ${LAB_PROBES:-0 4}; do
+          "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -O3 -std=c++17 \
+            -gencode arch=compute_90,code=sm_90 -I"$INC" \
+            -DNINFER_PROBE=$mask bench/gemv_lab.cu -o "/tmp/gemv_lab$mask" \
+            > "$OUT/lab_build${mask}_$TAG.log" 2>&1 &
+          pids="$pids $!"
+        done
+        wait $pids
+        for mask in ${LAB_PROBES:-0 4}; do
+          run 240 "$OUT/lab_probe${mask}_$TAG.log" "/tmp/gemv_lab$mask"
+          grep '^{' "$OUT/lab_probe${mask}_$TAG.log" > "$OUT/lab_probe${mask}_$TAG.jsonl"
+          python3 - "$OUT/lab_probe${mask}_$TAG.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["kind"] == "time":
+        print(f'{r["shape"]:22s} {r["variant"]:26s} {r["us"]:8.2f} us {r["tbps"]:6.3f} TB/s '
+              f'{r.get("of_ceiling", 1):6.3f} diff {r.get("rows_differing", 0)}')
+    else:
+        print(line.strip())
+PY
         done ;;
       treeab)  # this tree against PREV_TREE (an edited copy, carried): both int4 libraries
         # built at once, then from each the wide GEMV's kernel times at TREEAB_NK (4 and 8

@@ -1,0 +1,590 @@
+// A standalone lab for the wide int4 GEMV (no JAX): the engine's kernel and candidates,
+// timed as CUDA graphs of back-to-back launches over stacked layers (the weights come from
+// the HBM, as in the decode step), outputs compared bitwise with the engine's kernel, and a
+// globaltimer trace of each warp's rounds (where a call's time goes: the ramp, a round, the
+// tail). Built and run on the GPU machine (bench/h200_session.sh part `lab`):
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 -I$(python3 -c 'import jax; print(jax.ffi.include_dir())') \
+//       bench/gemv_lab.cu -o gemv_lab && ./gemv_lab > gemv_lab.json
+//
+// -DNINFER_PROBE=4 builds every kernel here without its ring refills (see int4_gemv.cu).
+#include "../engine/kernels/cuda/int4_gemv.cu"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define CK(e)                                                                  \
+  do {                                                                         \
+    cudaError_t err_ = (e);                                                    \
+    if (err_ != cudaSuccess) {                                                 \
+      fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
+      exit(1);                                                                 \
+    }                                                                          \
+  } while (0)
+
+namespace lab {
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+constexpr int kSlots = 40;  // trace stamps a warp: entry, filled, rounds..., run end, stored
+
+// The engine's wide kernel (P = 2, registers for 32 warps, corr, M = 1), with lane 0 of each
+// warp stamping the globaltimer at its entry, after the ring's fill, at each round of the
+// ring's loop, after the loop and after the store.
+template <int W>
+__global__ void __launch_bounds__(W * 32, 32 / W)
+    traced_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
+                const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
+                __nv_bfloat16* __restrict__ y, int k, unsigned long long* tr) {
+  __shared__ float2 red[W][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  unsigned long long* mine = tr + (static_cast<int64_t>(blockIdx.x) * W + warp) * kSlots;
+  if (lane == 0) mine[0] = now_ns();
+  const int row0 = blockIdx.x * 16;
+  const WideLane<W> in(x, corr, mt, index, k, 1, warp, lane, row0, false);
+  WideRing<2> r;
+  ring_fill(r, static_cast<const WideTile<W>&>(in));
+  if (lane == 0) mine[1] = now_ns();
+  float tot[2] = {0.0f, 0.0f};
+  const uint4 *pa = in.pa, *pb = in.pb;
+  const float2 *qa = in.qa, *qb = in.qb;
+  const uint4* xr = in.xr;
+  CorrPairs<W> cr{in.cr};
+  int slot = 2;
+  constexpr bool kFull = W >= 8;
+  int i0 = 0;
+  for (; kFull && i0 + 4 <= in.count; i0 += 2) {
+    if (lane == 0 && slot < kSlots - 2) mine[slot++] = now_ns();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wide_pair_with<false, false, false>(r.ca[j], r.cb[j], r.sa[j], r.sb[j], xr + 16 * W * j,
+                                          in.has_x, [&cr, j]() { return cr.at(j); }, tot);
+      ring_refill<2, W>(r, j, pa, pb, qa, qb);
+    }
+    pa += 8 * W;
+    pb += 8 * W;
+    qa += 2 * W;
+    qb += 2 * W;
+    xr += 32 * W;
+    cr.step(2);
+  }
+  for (; i0 < in.count; i0 += 2) {
+    if (lane == 0 && slot < kSlots - 2) mine[slot++] = now_ns();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (i0 + j < in.count) {
+        wide_pair_with<false, false, false>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
+                                            xr + 16 * W * j, in.has_x,
+                                            [&cr, j]() { return cr.at(j); }, tot);
+        if (i0 + j + 2 < in.count) ring_refill<2, W>(r, j, pa, pb, qa, qb);
+      }
+    }
+    pa += 8 * W;
+    pb += 8 * W;
+    qa += 2 * W;
+    qb += 2 * W;
+    xr += 32 * W;
+    cr.step(2);
+  }
+  if (lane == 0) mine[kSlots - 2] = now_ns();
+  wide_reduce_store<W, __nv_bfloat16>(red, tot, warp, lane, row0, mt.start[mt.count], 1, y);
+  if (lane == 0) mine[kSlots - 1] = now_ns();
+}
+
+// ---- candidate: x in shared memory, one 8-byte load a MMA ----------------------------------
+// x (M = 1, in the kXPerm order) is staged once a block into shared memory, lane slot t of
+// pair p at 272 p + 64 t + 8 (t >> 1) (the pad keeps the four x lanes off each other's banks);
+// lanes without x read a zero block. A pair's B registers are then 8 loads of 8 bytes, one
+// before each MMA, instead of 4 x loads of 16 bytes, 16 byte permutations and 8 zeroings, and
+// 2 registers live instead of 16: the room the ring's refills need to leave the round.
+constexpr int kXsPair = 272;
+
+__device__ __forceinline__ void pair_xs(const uint4 ca, const uint4 cb, const float2 sa,
+                                        const float2 sb, const uint2* xs, const float2 c,
+                                        float (&tot)[2]) {
+  const uint32_t wq[4] = {ca.x, ca.y, ca.z, ca.w};
+  const uint32_t wr[4] = {cb.x, cb.y, cb.z, cb.w};
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const uint2 b = xs[q];
+    const int e = 2 * (q & 1);
+    mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
+             pair(wr[q >> 1], e + 1), b.x, b.y);
+  }
+  tot[0] = fmaf(sa.x, fmaf(-136.0f, c.x, d[0]), tot[0]);
+  tot[0] = fmaf(sa.y, fmaf(-136.0f, c.y, d[1]), tot[0]);
+  tot[1] = fmaf(sb.x, fmaf(-136.0f, c.x, d[2]), tot[1]);
+  tot[1] = fmaf(sb.y, fmaf(-136.0f, c.y, d[3]), tot[1]);
+}
+
+// kSep: a __syncwarp after each pair's refill, so that ptxas cannot sink a slot's refill to
+// the round's end (it does without: every refill of a round is then waited for at the next
+// round's start, and a warp's loads and its work never overlap).
+template <int P, int W, int T, bool kFull, bool kSep = false>
+__global__ void __launch_bounds__(W * 32, T / W)
+    wide_xs(const uint4* __restrict__ xperm, const float* __restrict__ corr,
+            const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
+            __nv_bfloat16* __restrict__ y, int k) {
+  extern __shared__ __align__(16) unsigned char xsm[];
+  __shared__ float2 red[W][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = blockIdx.x * 16;
+  const WideLane<W> in(xperm, corr, mt, index, k, 1, warp, lane, row0, false);
+  WideRing<P> r;
+  ring_fill(r, static_cast<const WideTile<W>&>(in));
+  const int pairs = k >> 7;
+  for (int j = threadIdx.x; j < pairs * 16; j += W * 32) {
+    const uint4 v = __ldg(xperm + j);
+    const int p = j >> 4, t = (j >> 2) & 3, u = j & 3;
+    uint2* d = reinterpret_cast<uint2*>(xsm + kXsPair * p + 64 * t + 8 * (t >> 1) + 16 * u);
+    d[0] = make_uint2(v.x, v.y);
+    d[1] = make_uint2(v.z, v.w);
+  }
+  if (threadIdx.x < 8)
+    reinterpret_cast<uint2*>(xsm + kXsPair * pairs)[threadIdx.x] = make_uint2(0u, 0u);
+  __syncthreads();
+  const int t = lane & 3;
+  const unsigned char* xb =
+      in.has_x ? xsm + kXsPair * warp + 64 * t + 8 * (t >> 1) : xsm + kXsPair * pairs;
+  const int xstep = in.has_x ? kXsPair * W : 0;
+  float tot[2] = {0.0f, 0.0f};
+  const uint4 *pa = in.pa, *pb = in.pb;
+  const float2 *qa = in.qa, *qb = in.qb;
+  CorrPairs<W> cr{in.cr};
+  int i0 = 0;
+  for (; kFull && i0 + 2 * P <= in.count; i0 += P) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      pair_xs(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
+              reinterpret_cast<const uint2*>(xb + j * xstep), cr.at(j), tot);
+      ring_refill<P, W>(r, j, pa, pb, qa, qb);
+      if constexpr (kSep) __syncwarp();
+    }
+    pa += 4 * W * P;
+    pb += 4 * W * P;
+    qa += W * P;
+    qb += W * P;
+    xb += P * xstep;
+    cr.step(P);
+  }
+  for (; i0 < in.count; i0 += P) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      if (i0 + j < in.count) {
+        pair_xs(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
+                reinterpret_cast<const uint2*>(xb + j * xstep), cr.at(j), tot);
+        if (i0 + j + P < in.count) ring_refill<P, W>(r, j, pa, pb, qa, qb);
+        if constexpr (kSep) __syncwarp();
+      }
+    }
+    pa += 4 * W * P;
+    pb += 4 * W * P;
+    qa += W * P;
+    qb += W * P;
+    xb += P * xstep;
+    cr.step(P);
+  }
+  wide_reduce_store<W, __nv_bfloat16>(red, tot, warp, lane, row0, mt.start[mt.count], 1, y);
+}
+
+// ---- candidate: x in shared memory and the codes through a cp.async ring --------------------
+// The register ring cannot pipeline (ptxas waits for every refill of a slot with a full drain
+// of one scoreboard); cp.async groups complete in order, so `cp.async.wait_group S - 1` lets
+// S - 1 pairs stay in flight. Each warp has S stages of 1536 bytes (codes of row g, codes of
+// row g + 8, the two rows' scales: 16 bytes a lane each) after the block's staged x; each lane
+// copies and later reads only its own bytes, so its own wait is all the ordering it needs.
+template <int S, int W, int T>
+__global__ void __launch_bounds__(W * 32, T / W)
+    wide_xs_cp(const uint4* __restrict__ xperm, const float* __restrict__ corr,
+               const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
+               __nv_bfloat16* __restrict__ y, int k) {
+  extern __shared__ __align__(16) unsigned char xsm[];
+  __shared__ float2 red[W][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = blockIdx.x * 16;
+  const WideLane<W> in(xperm, corr, mt, index, k, 1, warp, lane, row0, false);
+  const int pairs = k >> 7;
+  const int xbytes = (kXsPair * pairs + 64 + 15) & ~15;
+  const unsigned ring0 = static_cast<unsigned>(__cvta_generic_to_shared(xsm)) + xbytes +
+                         warp * S * 1536 + lane * 16;
+  const uint4* ringp = reinterpret_cast<const uint4*>(xsm + xbytes + warp * S * 1536) + lane;
+  const uint4 *pa = in.pa, *pb = in.pb;
+  const float2 *qa = in.qa, *qb = in.qb;
+  int next = 0, slot = 0;
+  auto issue = [&]() {
+    if (next < in.count) {
+      const unsigned dst = ring0 + slot * 1536;
+      cp_async16(dst, pa);
+      cp_async16(dst + 512, pb);
+      cp_async8(dst + 1024, qa);
+      cp_async8(dst + 1032, qb);
+    }
+    cp_async_commit();
+    ++next;
+    pa += 4 * W;
+    pb += 4 * W;
+    qa += W;
+    qb += W;
+    slot = slot + 1 == S ? 0 : slot + 1;
+  };
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) issue();
+  for (int j = threadIdx.x; j < pairs * 16; j += W * 32) {
+    const uint4 v = __ldg(xperm + j);
+    const int p = j >> 4, t = (j >> 2) & 3, u = j & 3;
+    uint2* d = reinterpret_cast<uint2*>(xsm + kXsPair * p + 64 * t + 8 * (t >> 1) + 16 * u);
+    d[0] = make_uint2(v.x, v.y);
+    d[1] = make_uint2(v.z, v.w);
+  }
+  if (threadIdx.x < 8)
+    reinterpret_cast<uint2*>(xsm + kXsPair * pairs)[threadIdx.x] = make_uint2(0u, 0u);
+  __syncthreads();
+  const int t = lane & 3;
+  const unsigned char* xb =
+      in.has_x ? xsm + kXsPair * warp + 64 * t + 8 * (t >> 1) : xsm + kXsPair * pairs;
+  const int xstep = in.has_x ? kXsPair * W : 0;
+  float tot[2] = {0.0f, 0.0f};
+  CorrPairs<W> cr{in.cr};
+  int use = 0;
+  for (int i = 0; i < in.count; ++i) {
+    issue();
+    cp_async_wait<S - 1>();
+    const uint4* st = ringp + use * 96;
+    const uint4 sc = st[64];
+    pair_xs(st[0], st[32], make_float2(__uint_as_float(sc.x), __uint_as_float(sc.y)),
+            make_float2(__uint_as_float(sc.z), __uint_as_float(sc.w)),
+            reinterpret_cast<const uint2*>(xb), cr.at(0), tot);
+    xb += xstep;
+    cr.step(1);
+    use = use + 1 == S ? 0 : use + 1;
+  }
+  cp_async_wait<0>();
+  wide_reduce_store<W, __nv_bfloat16>(red, tot, warp, lane, row0, mt.start[mt.count], 1, y);
+}
+
+// The read ceiling of the same bytes: every byte of the layer's codes once, 16 bytes a load.
+__global__ void read_ceiling(const uint4* __restrict__ p, int64_t n16,
+                             const uint4* __restrict__ q, int64_t m16, uint4* sink) {
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  for (int64_t i = first; i < n16 + m16; i += stride) {
+    const uint4 v = load_stream(i < n16 ? p + i : q + (i - n16));
+    acc.x ^= v.x;
+    acc.y ^= v.y;
+    acc.z ^= v.z;
+    acc.w ^= v.w;
+  }
+  if ((acc.x & acc.y & acc.z & acc.w) == 0xFFFFFFFFu) sink[0] = acc;
+}
+
+struct Problem;
+// A kernel under test: launch(stream, problem, layer) for one call.
+struct Variant {
+  std::string name;
+  std::function<void(cudaStream_t, const Problem&, int)> launch;
+};
+
+struct Problem {
+  int n, k, layers;
+  uint8_t* w;
+  float* s;
+  __nv_bfloat16 *x, *xp;
+  float* corr;
+  int32_t* idx;  // [layers]: idx + l holds l
+  __nv_bfloat16* y;
+  Mats mt;
+};
+
+uint16_t bf16_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+Problem make_problem(int n, int k, int layers, unsigned seed) {
+  Problem p{};
+  p.n = n;
+  p.k = k;
+  p.layers = layers;
+  const size_t wb = static_cast<size_t>(layers) * n * (k / 2);
+  const size_t sb = static_cast<size_t>(layers) * n * (k / 64);
+  CK(cudaMalloc(&p.w, wb));
+  CK(cudaMalloc(&p.s, sb * 4));
+  std::vector<uint8_t> hw(wb);
+  uint32_t st = seed * 2654435761u + 1u;
+  for (size_t i = 0; i < wb; ++i) {
+    st = st * 1664525u + 1013904223u;
+    hw[i] = static_cast<uint8_t>(st >> 24);
+  }
+  CK(cudaMemcpy(p.w, hw.data(), wb, cudaMemcpyHostToDevice));
+  std::vector<float> hs(sb);
+  for (size_t i = 0; i < sb; ++i) {
+    st = st * 1664525u + 1013904223u;
+    hs[i] = 0.01f + static_cast<float>(st >> 8) * (0.02f / 16777216.0f);
+  }
+  CK(cudaMemcpy(p.s, hs.data(), sb * 4, cudaMemcpyHostToDevice));
+  std::vector<uint16_t> hx(k), hxp(k);
+  std::vector<float> xf(k), hc(k / 64, 0.0f);
+  for (int i = 0; i < k; ++i) {
+    st = st * 1664525u + 1013904223u;
+    hx[i] = bf16_bits((static_cast<float>(st >> 8) / 16777216.0f - 0.5f) * 2.0f);
+    xf[i] = bf16_float(hx[i]);
+  }
+  const int perm[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  for (int i = 0; i < k; i += 8)
+    for (int j = 0; j < 8; ++j) hxp[i + j] = hx[i + perm[j]];
+  for (int g = 0; g < k / 64; ++g) {
+    float c = 0.0f;
+    for (int i = 0; i < 64; ++i) c += xf[64 * g + i];
+    hc[g] = c;
+  }
+  CK(cudaMalloc(&p.x, k * 2));
+  CK(cudaMalloc(&p.xp, k * 2));
+  CK(cudaMalloc(&p.corr, (k / 64) * 4));
+  CK(cudaMemcpy(p.x, hx.data(), k * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(p.xp, hxp.data(), k * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(p.corr, hc.data(), (k / 64) * 4, cudaMemcpyHostToDevice));
+  std::vector<int32_t> hi(layers);
+  for (int l = 0; l < layers; ++l) hi[l] = l;
+  CK(cudaMalloc(&p.idx, layers * 4));
+  CK(cudaMemcpy(p.idx, hi.data(), layers * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&p.y, n * 2));
+  p.mt = Mats{};
+  p.mt.w[0] = p.w;
+  p.mt.s[0] = p.s;
+  p.mt.start[0] = 0;
+  for (int i = 1; i <= kMaxMats; ++i) p.mt.start[i] = n;
+  p.mt.count = 1;
+  p.mt.nlead = 1;
+  p.mt.l[0] = 1;
+  return p;
+}
+
+
+double time_us(const Variant& v, const Problem& p, cudaStream_t s) {
+  constexpr int kPerGraph = 64, kGraphs = 8;
+  for (int l = 0; l < p.layers; ++l) v.launch(s, p, l);  // warm up, load the module
+  CK(cudaStreamSynchronize(s));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kPerGraph; ++i) v.launch(s, p, i % p.layers);
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  CK(cudaGraphLaunch(ge, s));
+  CK(cudaStreamSynchronize(s));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  CK(cudaEventRecord(a, s));
+  for (int i = 0; i < kGraphs; ++i) CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(b, s));
+  CK(cudaEventSynchronize(b));
+  float ms = 0.0f;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  CK(cudaGetLastError());
+  return 1000.0 * ms / (kPerGraph * kGraphs);
+}
+
+std::vector<uint16_t> output(const Variant& v, const Problem& p, cudaStream_t s) {
+  CK(cudaMemset(p.y, 0xFF, p.n * 2));
+  v.launch(s, p, 1);
+  CK(cudaStreamSynchronize(s));
+  std::vector<uint16_t> h(p.n);
+  CK(cudaMemcpy(h.data(), p.y, p.n * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+template <int S, int W, int T>
+Variant xs_cp_variant(const char* name) {
+  return Variant{name, [](cudaStream_t s, const Problem& p, int l) {
+                   const int bytes =
+                       ((kXsPair * (p.k >> 7) + 64 + 15) & ~15) + W * S * 1536;
+                   static bool set = false;
+                   if (!set) {
+                     CK(cudaFuncSetAttribute(wide_xs_cp<S, W, T>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             200 * 1024));
+                     set = true;
+                   }
+                   wide_xs_cp<S, W, T><<<(p.n + 15) / 16, W * 32, bytes, s>>>(
+                       reinterpret_cast<const uint4*>(p.xp), p.corr, p.mt, p.idx + l, p.y,
+                       p.k);
+                 }};
+}
+
+template <int P, int W, int T, bool kFull, bool kSep = false>
+Variant xs_variant(const char* name) {
+  return Variant{name, [](cudaStream_t s, const Problem& p, int l) {
+                   const int bytes = kXsPair * (p.k >> 7) + 64;
+                   static bool set = false;
+                   if (!set) {
+                     CK(cudaFuncSetAttribute(wide_xs<P, W, T, kFull, kSep>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             64 * 1024));
+                     set = true;
+                   }
+                   wide_xs<P, W, T, kFull, kSep><<<(p.n + 15) / 16, W * 32, bytes, s>>>(
+                       reinterpret_cast<const uint4*>(p.xp), p.corr, p.mt, p.idx + l, p.y,
+                       p.k);
+                 }};
+}
+
+template <int W, bool kXPerm>
+Variant engine_variant(const char* name) {
+  return Variant{name, [](cudaStream_t s, const Problem& p, int l) {
+                   const cudaError_t e = launch_wide<2, W, false, 32, __nv_bfloat16, kXPerm>(
+                       s, (p.n + 15) / 16,
+                       reinterpret_cast<const uint4*>(kXPerm ? p.xp : p.x), p.corr, p.mt,
+                       p.idx + l, p.y, p.k, 1);
+                   CK(e);
+                 }};
+}
+
+void trace(const Problem& p, cudaStream_t s, const char* shape) {
+  constexpr int W = 8;
+  const int blocks = (p.n + 15) / 16;
+  unsigned long long* tr;
+  const size_t n = static_cast<size_t>(blocks) * W * kSlots;
+  CK(cudaMalloc(&tr, n * 8));
+  std::vector<unsigned long long> h(n);
+  double ramp = 0, fill = 0, round = 0, tailrun = 0, store = 0, span = 0, startspread = 0;
+  int rounds_n = 0, reps = 0;
+  for (int rep = 0; rep < 6; ++rep) {
+    CK(cudaMemset(tr, 0, n * 8));
+    traced_wide<W><<<blocks, W * 32, 0, s>>>(reinterpret_cast<const uint4*>(p.x), p.corr, p.mt,
+                                            p.idx + rep % p.layers, p.y, p.k, tr);
+    CK(cudaStreamSynchronize(s));
+    if (rep < 2) continue;  // warm
+    CK(cudaMemcpy(h.data(), tr, n * 8, cudaMemcpyDeviceToHost));
+    unsigned long long t0 = ~0ull, t1 = 0, lastentry = 0;
+    for (size_t wi = 0; wi < static_cast<size_t>(blocks) * W; ++wi) {
+      const unsigned long long* m = h.data() + wi * kSlots;
+      t0 = std::min(t0, m[0]);
+      t1 = std::max(t1, m[kSlots - 1]);
+      lastentry = std::max(lastentry, m[0]);
+    }
+    double sr = 0, sf = 0, sround = 0, stail = 0, sstore = 0;
+    int cnt = 0, rc = 0;
+    for (size_t wi = 0; wi < static_cast<size_t>(blocks) * W; ++wi) {
+      const unsigned long long* m = h.data() + wi * kSlots;
+      sr += m[0] - t0;
+      sf += m[1] - m[0];
+      int last = 2;
+      while (last + 1 < kSlots - 2 && m[last + 1] != 0) ++last;
+      for (int r = 2; r < last; ++r) {
+        sround += m[r + 1] - m[r];
+        ++rc;
+      }
+      stail += m[kSlots - 2] - m[last];
+      sstore += m[kSlots - 1] - m[kSlots - 2];
+      ++cnt;
+    }
+    ramp += sr / cnt;
+    fill += sf / cnt;
+    round += rc ? sround / rc : 0;
+    rounds_n = rc / cnt;
+    tailrun += stail / cnt;
+    store += sstore / cnt;
+    span += (t1 - t0);
+    startspread += lastentry - t0;
+    ++reps;
+  }
+  printf(
+      "{\"kind\": \"trace\", \"shape\": \"%s\", \"warps\": %d, \"span_us\": %.2f, "
+      "\"last_entry_us\": %.2f, \"mean_entry_us\": %.2f, \"fill_us\": %.3f, \"rounds\": %d, "
+      "\"round_us\": %.3f, \"last_round_to_end_us\": %.3f, \"reduce_store_us\": %.3f}\n",
+      shape, W, span / reps / 1e3, startspread / reps / 1e3, ramp / reps / 1e3,
+      fill / reps / 1e3, rounds_n, round / reps / 1e3, tailrun / reps / 1e3,
+      store / reps / 1e3);
+  CK(cudaFree(tr));
+}
+
+}  // namespace lab
+
+int main(int argc, char** argv) {
+  using namespace lab;
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
+  uint4* sink;
+  CK(cudaMalloc(&sink, 16));
+  struct Shape {
+    const char* name;
+    int n, k;
+  };
+  const Shape shapes[] = {{"down 5120x17408", 5120, 17408},
+                          {"gate|up 34816x5120", 34816, 5120},
+                          {"in_proj 16480x5120", 16480, 5120},
+                          {"out_proj 5120x6144", 5120, 6144}};
+  std::vector<Variant> vars = {
+      engine_variant<8, false>("engine w8"),
+      engine_variant<8, true>("engine w8 xperm"),
+      engine_variant<4, false>("engine w4"),
+      xs_variant<2, 8, 32, true>("xs p2 w8 t32 full"),
+      xs_variant<2, 8, 32, false>("xs p2 w8 t32"),
+      xs_variant<3, 8, 24, true>("xs p3 w8 t24 full"),
+      xs_variant<2, 4, 32, false>("xs p2 w4 t32"),
+      xs_variant<2, 4, 32, true>("xs p2 w4 t32 full"),
+      xs_variant<2, 8, 32, true, true>("xs p2 w8 t32 full sep"),
+      xs_variant<3, 8, 32, true, true>("xs p3 w8 t32 full sep"),
+      xs_variant<3, 8, 24, true, true>("xs p3 w8 t24 full sep"),
+      xs_variant<4, 8, 24, true, true>("xs p4 w8 t24 full sep"),
+      xs_variant<2, 4, 32, true, true>("xs p2 w4 t32 full sep"),
+      xs_variant<3, 4, 32, true, true>("xs p3 w4 t32 full sep"),
+      xs_cp_variant<3, 8, 32>("xs cp s3 w8 t32"),
+      xs_cp_variant<4, 8, 32>("xs cp s4 w8 t32"),
+      xs_cp_variant<4, 4, 32>("xs cp s4 w4 t32"),
+      xs_cp_variant<6, 4, 32>("xs cp s6 w4 t32"),
+  };
+  printf("{\"kind\": \"build\", \"probe\": %d}\n", NINFER_PROBE);
+  for (const Shape& sh : shapes) {
+    Problem p = make_problem(sh.n, sh.k, 4, 7);
+    const double bytes = static_cast<double>(sh.n) * (sh.k / 2) + sh.n * (sh.k / 64) * 4.0;
+    Variant rc{"read ceiling", [sink](cudaStream_t st, const Problem& q, int l) {
+                 const size_t per = static_cast<size_t>(q.n) * (q.k / 2) / 16;
+                 const size_t sper = static_cast<size_t>(q.n) * (q.k / 64) / 4;
+                 read_ceiling<<<132 * 8, 256, 0, st>>>(
+                     reinterpret_cast<const uint4*>(q.w) + l * per, per,
+                     reinterpret_cast<const uint4*>(q.s) + l * sper, sper, sink);
+               }};
+    const double ceil_us = time_us(rc, p, s);
+    printf("{\"kind\": \"time\", \"shape\": \"%s\", \"variant\": \"read ceiling\", "
+           "\"us\": %.2f, \"tbps\": %.3f}\n",
+           sh.name, ceil_us, bytes / ceil_us / 1e6);
+    const std::vector<uint16_t> ref = output(vars[0], p, s);
+    for (const Variant& v : vars) {
+      const double us = time_us(v, p, s);
+      const std::vector<uint16_t> o = output(v, p, s);
+      int diff = 0;
+      for (int i = 0; i < sh.n; ++i) diff += o[i] != ref[i];
+      printf("{\"kind\": \"time\", \"shape\": \"%s\", \"variant\": \"%s\", \"us\": %.2f, "
+             "\"tbps\": %.3f, \"of_ceiling\": %.3f, \"rows_differing\": %d}\n",
+             sh.name, v.name.c_str(), us, bytes / us / 1e6, ceil_us / us, diff);
+      fflush(stdout);
+    }
+    trace(p, s, sh.name);
+    fflush(stdout);
+    CK(cudaFree(p.w));
+    CK(cudaFree(p.s));
+  }
+  return 0;
+}
