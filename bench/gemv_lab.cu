@@ -18,7 +18,8 @@
 #include <string>
 #include <vector>
 
-#define CK(e)                                                                  \
+#define CK(...) CK1((__VA_ARGS__))
+#define CK1(e)                                                                 \
   do {                                                                         \
     cudaError_t err_ = (e);                                                    \
     if (err_ != cudaSuccess) {                                                 \
@@ -460,6 +461,66 @@ Variant engine_variant(const char* name) {
                  }};
 }
 
+template <int W>
+Variant engine_xs_variant(const char* name) {
+  return Variant{name, [](cudaStream_t s, const Problem& p, int l) {
+                   const cudaError_t e = launch_wide<2, W, false, 32, __nv_bfloat16, false, true>(
+                       s, (p.n + 15) / 16, reinterpret_cast<const uint4*>(p.x), p.corr, p.mt,
+                       p.idx + l, p.y, p.k, 1);
+                   CK(e);
+                 }};
+}
+
+// The MLP op's two launches (gate|up, then down chained by programmatic dependent launch,
+// the model's default) at the 27B's shapes, M rows: kernel time a call as above.
+void mlp(cudaStream_t s, int m) {
+  Problem g = make_problem(17408, 5120, 4, 11), u = make_problem(17408, 5120, 4, 12);
+  Problem d = make_problem(5120, 17408, 4, 13);
+  Mats gu{};
+  gu.w[0] = g.w;
+  gu.s[0] = g.s;
+  gu.w[1] = u.w;
+  gu.s[1] = u.s;
+  gu.start[0] = 0;
+  gu.start[1] = 17408;
+  for (int i = 2; i <= kMaxMats; ++i) gu.start[i] = 2 * 17408;
+  gu.count = 2;
+  gu.nlead = 1;
+  gu.l[0] = 1;
+  __nv_bfloat16 *x, *h, *act, *out;
+  float *corr, *psum;
+  CK(cudaMalloc(&x, m * 5120 * 2));
+  CK(cudaMalloc(&corr, m * 80 * 4));
+  CK(cudaMalloc(&h, m * 5120 * 2));
+  CK(cudaMalloc(&out, m * 5120 * 2));
+  CK(cudaMalloc(&act, m * 17408 * 2));
+  CK(cudaMalloc(&psum, m * 1088 * 4));
+  for (int r = 0; r < m; ++r) {
+    CK(cudaMemcpy(x + r * 5120, g.x, 5120 * 2, cudaMemcpyDeviceToDevice));
+    CK(cudaMemcpy(corr + r * 80, g.corr, 80 * 4, cudaMemcpyDeviceToDevice));
+  }
+  CK(cudaMemset(h, 0, m * 5120 * 2));
+  Variant v{"mlp op pdl", [&](cudaStream_t st, const Problem& q, int l) {
+              const cudaError_t e = launch_mlp_pdl<8, 32>(
+                  st, reinterpret_cast<const uint4*>(x), corr, h, gu, d.mt, q.idx + l, act, psum,
+                  out, 5120, m, true);
+              CK(e);
+            }};
+  const double us = time_us(v, g, s);
+  std::vector<uint16_t> o(m * 5120);
+  CK(cudaMemcpy(o.data(), out, m * 5120 * 2, cudaMemcpyDeviceToHost));
+  unsigned long long hsh = 1469598103934665603ull;
+  for (uint16_t b : o) hsh = (hsh ^ b) * 1099511628211ull;
+  printf("{\"kind\": \"mlp\", \"m\": %d, \"us\": %.2f, \"tbps\": %.3f, "
+         "\"out_fnv\": \"%016llx\"}\n",
+         m, us, (3.0 * 17408 * 5120 * (0.5 + 1.0 / 16)) / us / 1e6, hsh);
+  fflush(stdout);
+  for (Problem* p : {&g, &u, &d}) {
+    CK(cudaFree(p->w));
+    CK(cudaFree(p->s));
+  }
+}
+
 void trace(const Problem& p, cudaStream_t s, const char* shape) {
   constexpr int W = 8;
   const int blocks = (p.n + 15) / 16;
@@ -537,25 +598,18 @@ int main(int argc, char** argv) {
                           {"out_proj 5120x6144", 5120, 6144}};
   std::vector<Variant> vars = {
       engine_variant<8, false>("engine w8"),
-      engine_variant<8, true>("engine w8 xperm"),
       engine_variant<4, false>("engine w4"),
+      engine_xs_variant<8>("engine xs w8"),
+      engine_xs_variant<4>("engine xs w4"),
       xs_variant<2, 8, 32, true>("xs p2 w8 t32 full"),
-      xs_variant<2, 8, 32, false>("xs p2 w8 t32"),
-      xs_variant<3, 8, 24, true>("xs p3 w8 t24 full"),
-      xs_variant<2, 4, 32, false>("xs p2 w4 t32"),
       xs_variant<2, 4, 32, true>("xs p2 w4 t32 full"),
-      xs_variant<2, 8, 32, true, true>("xs p2 w8 t32 full sep"),
-      xs_variant<3, 8, 32, true, true>("xs p3 w8 t32 full sep"),
-      xs_variant<3, 8, 24, true, true>("xs p3 w8 t24 full sep"),
-      xs_variant<4, 8, 24, true, true>("xs p4 w8 t24 full sep"),
-      xs_variant<2, 4, 32, true, true>("xs p2 w4 t32 full sep"),
-      xs_variant<3, 4, 32, true, true>("xs p3 w4 t32 full sep"),
-      xs_cp_variant<3, 8, 32>("xs cp s3 w8 t32"),
-      xs_cp_variant<4, 8, 32>("xs cp s4 w8 t32"),
-      xs_cp_variant<4, 4, 32>("xs cp s4 w4 t32"),
-      xs_cp_variant<6, 4, 32>("xs cp s6 w4 t32"),
   };
-  printf("{\"kind\": \"build\", \"probe\": %d}\n", NINFER_PROBE);
+
+
+  printf("{\"kind\": \"build\", \"probe\": %d, \"wide_xs\": %d}\n", NINFER_PROBE,
+         NINFER_WIDE_XS);
+  mlp(s, 1);
+  mlp(s, 2);
   for (const Shape& sh : shapes) {
     Problem p = make_problem(sh.n, sh.k, 4, 7);
     const double bytes = static_cast<double>(sh.n) * (sh.k / 2) + sh.n * (sh.k / 64) * 4.0;

@@ -40,7 +40,7 @@
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
 #   probe      the wide GEMV's kernel time with loads left out of a pair's chain (PROBES)
-#   lab        bench/gemv_lab.cu: the wide GEMV against candidates, no JAX (LAB_PROBES)
+#   lab        bench/gemv_lab.cu: the wide GEMV against candidates, no JAX (LAB_BUILDS)
 #   treeab     this tree against PREV_TREE: the wide GEMV's kernel times and C1/C2 1K decode
 #   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
@@ -396,28 +396,35 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         done ;;
       lab)  # bench/gemv_lab.cu (no JAX): the wide GEMV and candidate kernels at the four big
         # shapes (kernel time a launch in CUDA graphs, bitwise against the engine's kernel,
-        # the read ceiling of the same bytes) and a per-round trace; LAB_PROBES: builds with
-        # those NINFER_PROBE masks (default 0 4), built at once
+        # the read ceiling of the same bytes) and a per-round trace, from each build of
+        # LAB_BUILDS (name:nvcc-flags, comma-joined flags), built at once
         INC=$(python3 -c 'import jax; print(jax.ffi.include_dir())')
+        NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+        BUILDS=${LAB_BUILDS:-xs1: xs0:-DNINFER_WIDE_XS=0 p4:-DNINFER_PROBE=4}
         pids=""
-        for mask in ${LAB_PROBES:-0 4}; do
-          "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" -O3 -std=c++17 \
-            -gencode arch=compute_90,code=sm_90 -I"$INC" \
-            -DNINFER_PROBE=$mask bench/gemv_lab.cu -o "/tmp/gemv_lab$mask" \
-            > "$OUT/lab_build${mask}_$TAG.log" 2>&1 &
+        for b in $BUILDS; do
+          "$NVCC" -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -I"$INC" \
+            ${b#*:} bench/gemv_lab.cu -o "/tmp/gemv_lab_${b%%:*}" \
+            > "$OUT/lab_build_${b%%:*}_$TAG.log" 2>&1 &
           pids="$pids $!"
         done
         wait $pids
-        for mask in ${LAB_PROBES:-0 4}; do
-          run 240 "$OUT/lab_probe${mask}_$TAG.log" "/tmp/gemv_lab$mask"
-          grep '^{' "$OUT/lab_probe${mask}_$TAG.log" > "$OUT/lab_probe${mask}_$TAG.jsonl"
-          python3 - "$OUT/lab_probe${mask}_$TAG.jsonl" <<'PY'
+        for b in $BUILDS; do
+          name=${b%%:*}
+          run 240 "$OUT/lab_${name}_$TAG.log" "/tmp/gemv_lab_$name"
+          grep '^{' "$OUT/lab_${name}_$TAG.log" > "$OUT/lab_${name}_$TAG.jsonl"
+          python3 - "$OUT/lab_${name}_$TAG.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r["kind"] == "time":
         print(f'{r["shape"]:22s} {r["variant"]:26s} {r["us"]:8.2f} us {r["tbps"]:6.3f} TB/s '
               f'{r.get("of_ceiling", 1):6.3f} diff {r.get("rows_differing", 0)}')
+    elif r["kind"] == "mlp":
+        print(f'mlp op M={r["m"]} {r["us"]:8.2f} us {r["tbps"]:6.3f} TB/s out {r["out_fnv"]}')
+    elif r["kind"] == "trace":
+        print(f'trace {r["shape"]}: round {r["round_us"]:.3f} us x {r["rounds"]}, '
+              f'fill {r["fill_us"]:.3f}, span {r["span_us"]:.2f}')
     else:
         print(line.strip())
 PY

@@ -285,13 +285,17 @@ def test_qmatmul_sends_large_int4_matrices_to_cuda_on_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["mma", "wide", "fma"])
-def test_batch_invariant_and_deterministic_on_gpu(variant):
-    """A row's result is bitwise the same whatever the other rows of x and however many."""
+@pytest.mark.parametrize("variant,k", [("mma", 5120), ("wide", 5120), ("fma", 5120),
+                                       ("wide", 17408), ("wide", 23040)])
+def test_batch_invariant_and_deterministic_on_gpu(variant, k):
+    """A row's result is bitwise the same whatever the other rows of x and however many. For
+    the wide kernel one row stages x in shared memory (K up to 22784: 5120, and down's 17408)
+    where more rows read it through L1, so this is also that the two paths' B registers
+    agree; past that K (23040) both read it through L1."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
-    w = _qtensor(3000, 5120, 9)
+    w = _qtensor(3000, k, 9)
     rng = np.random.default_rng(10)
-    x2 = jnp.asarray(rng.standard_normal((2, 5120)), jnp.bfloat16)
+    x2 = jnp.asarray(rng.standard_normal((2, k)), jnp.bfloat16)
     one = np.asarray(cuda_ops.int4_gemv(x2[:1], w, variant=variant), np.float32)
     two = np.asarray(cuda_ops.int4_gemv(x2, w, variant=variant), np.float32)
     again = np.asarray(cuda_ops.int4_gemv(x2, w, variant=variant), np.float32)

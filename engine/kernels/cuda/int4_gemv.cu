@@ -631,53 +631,66 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // not depend on M (its B column and its A are the same): batch invariant.
 constexpr uint32_t kNeg136x2 = 0xC308C308u;  // two bf16 -136.0
 
-// One pair of groups of a wide tile for lane (g, t): codes ca (row g) and cb (row g + 8), their
-// scales sa and sb, x at xp (the pair's 64 bytes of x row g / 2 from this lane's quarter), the
-// pair's corr at cp (kBias = false). Shared by both wide kernels: the same sums bit for bit.
-// kXPerm: x arrives with each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7 (`x_perm` of the
-// caller), so its 32-bit words are already the B registers' pairs (r, r + 4): the same
-// registers without the 16 byte permutations a pair.
-// `wide_pair_with` takes the pair's group sums of x from `corr()` (called where the sums are
-// used) and, with kCoherentX, loads x through L2 only (`__ldcg`): x written earlier in the
-// same launch (the persistent MLP kernel's activations) must not come from the read-only path.
-template <bool kBias, bool kXPerm, bool kCoherentX, typename Corr>
-__device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, const float2 sa,
-                                               const float2 sb, const uint4* __restrict__ xp,
-                                               bool has_x, Corr corr, float (&tot)[2]) {
+// A pair's B registers from x in global memory: lanes holding x load its 64 bytes (16 at a
+// time), four byte permutations a load put inputs (r, r + 4) of each 8 together (none with
+// kXPerm); the other lanes hold zeros. `[q]` gives MMA q's two registers.
+template <bool kXPerm, bool kCoherentX>
+struct XFragsGlobal {
   uint32_t b[16];
-  if (has_x) {
+  __device__ __forceinline__ XFragsGlobal(const uint4* __restrict__ xp, bool has_x) {
+    if (has_x) {
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
-      const uint32_t fake = 0x3F803F80u ^ (threadIdx.x & 7u) ^ (v << 3);
-      const uint4 xv = (NINFER_PROBE & 1) ? make_uint4(fake, fake ^ 16u, fake ^ 32u, fake)
-                       : kCoherentX       ? __ldcg(xp + v)
-                                          : __ldg(xp + v);
-      if constexpr (kXPerm) {
-        b[4 * v] = xv.x;
-        b[4 * v + 1] = xv.y;
-        b[4 * v + 2] = xv.z;
-        b[4 * v + 3] = xv.w;
-      } else {
-        b[4 * v] = __byte_perm(xv.x, xv.z, 0x5410);
-        b[4 * v + 1] = __byte_perm(xv.x, xv.z, 0x7632);
-        b[4 * v + 2] = __byte_perm(xv.y, xv.w, 0x5410);
-        b[4 * v + 3] = __byte_perm(xv.y, xv.w, 0x7632);
+      for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
+        const uint32_t fake = 0x3F803F80u ^ (threadIdx.x & 7u) ^ (v << 3);
+        const uint4 xv = (NINFER_PROBE & 1) ? make_uint4(fake, fake ^ 16u, fake ^ 32u, fake)
+                         : kCoherentX       ? __ldcg(xp + v)
+                                            : __ldg(xp + v);
+        if constexpr (kXPerm) {
+          b[4 * v] = xv.x;
+          b[4 * v + 1] = xv.y;
+          b[4 * v + 2] = xv.z;
+          b[4 * v + 3] = xv.w;
+        } else {
+          b[4 * v] = __byte_perm(xv.x, xv.z, 0x5410);
+          b[4 * v + 1] = __byte_perm(xv.x, xv.z, 0x7632);
+          b[4 * v + 2] = __byte_perm(xv.y, xv.w, 0x5410);
+          b[4 * v + 3] = __byte_perm(xv.y, xv.w, 0x7632);
+        }
       }
-    }
-  } else {
+    } else {
 #pragma unroll
-    for (int v = 0; v < 16; ++v) b[v] = 0u;
+      for (int v = 0; v < 16; ++v) b[v] = 0u;
+    }
   }
+  __device__ __forceinline__ uint2 operator[](int q) const {
+    return make_uint2(b[2 * q], b[2 * q + 1]);
+  }
+};
+
+// A pair's B registers from the block's copy of x in shared memory (`stage_x_shared`): MMA
+// q's two registers are 8 bytes at p + 8 q, loaded just before it (lanes without x point at
+// a zero block). Two registers live instead of 16, and no permutations.
+struct XFragsShared {
+  const uint2* p;
+  __device__ __forceinline__ uint2 operator[](int q) const { return p[q]; }
+};
+
+// One pair's eight MMAs over the B registers of `xf`, then the scales (and the group sums
+// of x from `corr()`, called where they are used, with kBias = false).
+template <bool kBias, typename Frags, typename Corr>
+__device__ __forceinline__ void wide_pair_frags(const uint4 ca, const uint4 cb, const float2 sa,
+                                                const float2 sb, const Frags& xf, Corr corr,
+                                                float (&tot)[2]) {
   const uint32_t wq[4] = {ca.x, ca.y, ca.z, ca.w};
   const uint32_t wr[4] = {cb.x, cb.y, cb.z, cb.w};
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
     const int e = 2 * (q & 1);
-    if constexpr (kBias)
-      mma_bf16(d, kNeg136x2, kNeg136x2, kNeg136x2, kNeg136x2, b[2 * q], b[2 * q + 1]);
+    const uint2 b = xf[q];
+    if constexpr (kBias) mma_bf16(d, kNeg136x2, kNeg136x2, kNeg136x2, kNeg136x2, b.x, b.y);
     mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
-             pair(wr[q >> 1], e + 1), b[2 * q], b[2 * q + 1]);
+             pair(wr[q >> 1], e + 1), b.x, b.y);
   }
   if constexpr (kBias) {
     tot[0] = fmaf(sa.x, d[0], tot[0]);
@@ -692,6 +705,23 @@ __device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, c
     tot[1] = fmaf(sb.x, fmaf(-136.0f, c.x, d[2]), tot[1]);
     tot[1] = fmaf(sb.y, fmaf(-136.0f, c.y, d[3]), tot[1]);
   }
+}
+
+// One pair of groups of a wide tile for lane (g, t): codes ca (row g) and cb (row g + 8), their
+// scales sa and sb, x at xp (the pair's 64 bytes of x row g / 2 from this lane's quarter), the
+// pair's corr at cp (kBias = false). Shared by both wide kernels: the same sums bit for bit.
+// kXPerm: x arrives with each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7 (`x_perm` of the
+// caller), so its 32-bit words are already the B registers' pairs (r, r + 4): the same
+// registers without the 16 byte permutations a pair.
+// It takes the pair's group sums of x from `corr()` (called where the sums are
+// used) and, with kCoherentX, loads x through L2 only (`__ldcg`): x written earlier in the
+// same launch (the persistent MLP kernel's activations) must not come from the read-only path.
+template <bool kBias, bool kXPerm, bool kCoherentX, typename Corr>
+__device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, const float2 sa,
+                                               const float2 sb, const uint4* __restrict__ xp,
+                                               bool has_x, Corr corr, float (&tot)[2]) {
+  wide_pair_frags<kBias>(ca, cb, sa, sb, XFragsGlobal<kXPerm, kCoherentX>(xp, has_x), corr,
+                         tot);
 }
 
 template <bool kBias, bool kXPerm = false>
@@ -829,12 +859,33 @@ __device__ __forceinline__ void ring_refill(WideRing<P>& r, int j, const uint4* 
   r.sb[j] = __ldg(qb + W * (j + P));
 }
 
+// Where a warp's pairs find x, `frags(j)` for the j-th pair from the current one, `step(n)`
+// moving n pairs on: XRunGlobal from x [M, K] in global memory (16 W uint4 a pair),
+// XRunShared from the block's copy in shared memory (`step` bytes a pair: 0 for a lane
+// without x, which reads the zero block throughout).
+template <int W, bool kXPerm, bool kCoherentX>
+struct XRunGlobal {
+  const uint4* p;
+  bool has_x;
+  __device__ __forceinline__ XFragsGlobal<kXPerm, kCoherentX> frags(int j) const {
+    return XFragsGlobal<kXPerm, kCoherentX>(p + 16 * W * j, has_x);
+  }
+  __device__ __forceinline__ void step(int n) { p += 16 * W * n; }
+};
+struct XRunShared {
+  const unsigned char* p;
+  int step_bytes;
+  __device__ __forceinline__ XFragsShared frags(int j) const {
+    return XFragsShared{reinterpret_cast<const uint2*>(p + j * step_bytes)};
+  }
+  __device__ __forceinline__ void step(int n) { p += n * step_bytes; }
+};
+
 // The warp's pairs of one tile, from the ring (filled with the tile's first P), refilling
 // it from the same tile; x and corr at the warp's first pair (corr unused with kBias).
-template <int P, int W, bool kBias, bool kXPerm, bool kCoherentX, bool kFull, typename Corr>
-__device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
-                                         const uint4* __restrict__ xr, bool has_x, Corr corr,
-                                         float (&tot)[2]) {
+template <int P, int W, bool kBias, bool kFull, typename X, typename Corr>
+__device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl, X x,
+                                           Corr corr, float (&tot)[2]) {
   const uint4 *pa = tl.pa, *pb = tl.pb;
   const float2 *qa = tl.qa, *qb = tl.qb;
   int i0 = 0;
@@ -852,25 +903,23 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
   for (; kFull && i0 + 2 * P <= tl.count; i0 += P) {
 #pragma unroll
     for (int j = 0; j < P; ++j) {
-      wide_pair_with<kBias, kXPerm, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
-                                                xr + 16 * W * j, has_x,
-                                                [&corr, j]() { return corr.at(j); }, tot);
+      wide_pair_frags<kBias>(r.ca[j], r.cb[j], r.sa[j], r.sb[j], x.frags(j),
+                             [&corr, j]() { return corr.at(j); }, tot);
       ring_refill<P, W>(r, j, pa, pb, qa, qb);
     }
     pa += 4 * W * P;
     pb += 4 * W * P;
     qa += W * P;
     qb += W * P;
-    xr += 16 * W * P;
+    x.step(P);
     if constexpr (!kBias) corr.step(P);
   }
   for (; i0 < tl.count; i0 += P) {
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       if (i0 + j < tl.count) {  // the same for the whole warp
-        wide_pair_with<kBias, kXPerm, kCoherentX>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
-                                                  xr + 16 * W * j, has_x,
-                                                  [&corr, j]() { return corr.at(j); }, tot);
+        wide_pair_frags<kBias>(r.ca[j], r.cb[j], r.sa[j], r.sb[j], x.frags(j),
+                               [&corr, j]() { return corr.at(j); }, tot);
         if (i0 + j + P < tl.count)  // the slot is free: refill it with the pair P ahead
           ring_refill<P, W>(r, j, pa, pb, qa, qb);
       }
@@ -879,9 +928,62 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
     pb += 4 * W * P;
     qa += W * P;
     qb += W * P;
-    xr += 16 * W * P;
+    x.step(P);
     if constexpr (!kBias) corr.step(P);
   }
+}
+
+// ring_run_x over x in global memory at xr (16 W uint4 a pair).
+template <int P, int W, bool kBias, bool kXPerm, bool kCoherentX, bool kFull, typename Corr>
+__device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
+                                         const uint4* __restrict__ xr, bool has_x, Corr corr,
+                                         float (&tot)[2]) {
+  ring_run_x<P, W, kBias, kFull>(r, tl, XRunGlobal<W, kXPerm, kCoherentX>{xr, has_x}, corr,
+                                 tot);
+}
+
+// ---- x staged in shared memory (M = 1) ------------------------------------------------------
+// A block's copy of x row 0 [K] for the wide kernels' B registers: pair p's 64 bytes of lane
+// quarter t at kXsPair p + 64 t + 8 (t >> 1) (the pad keeps the four lanes holding x on
+// different banks), each 8 inputs permuted as the global path permutes them, so that MMA q
+// reads 8 bytes at + 8 q; a zero block of 64 bytes after the last pair for the lanes without
+// x. The same B registers as the global path: the same sums, bit for bit. A pair's x then
+// costs 8 loads of 8 bytes from shared memory against 4 of 16 through L1, 16 permutations
+// and 8 zeroings, and 14 fewer live registers (docs/benchmarks/README.md v23).
+#ifndef NINFER_WIDE_XS
+#define NINFER_WIDE_XS 1
+#endif
+constexpr int kXsPair = 272;
+constexpr int kXsMaxK = 22784;  // the largest K whose copy fits the default 48 KB
+
+__host__ __device__ constexpr int xs_bytes(int k) { return kXsPair * (k >> 7) + 64; }
+// Whether a wide call stages x: one row of x, K small enough, the build's switch.
+__host__ __device__ constexpr bool xs_for(int m, int k) {
+  return NINFER_WIDE_XS != 0 && m == 1 && k <= kXsMaxK;
+}
+
+// The block's threads copy x [K] (natural order, read-only path) into xs; a barrier after.
+__device__ __forceinline__ void stage_x_shared(unsigned char* xs, const uint4* __restrict__ x,
+                                               int k) {
+  const int pairs = k >> 7;
+  for (int j = threadIdx.x; j < pairs * 16; j += blockDim.x) {
+    const uint4 v = __ldg(x + j);
+    const int p = j >> 4, t = (j >> 2) & 3, u = j & 3;
+    uint2* d = reinterpret_cast<uint2*>(xs + kXsPair * p + 64 * t + 8 * (t >> 1) + 16 * u);
+    d[0] = make_uint2(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
+    d[1] = make_uint2(__byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+  }
+  if (threadIdx.x < 8) reinterpret_cast<uint2*>(xs + kXsPair * pairs)[threadIdx.x] = uint2{};
+  __syncthreads();
+}
+
+// Lane `lane` of warp `warp` (of W) over the staged copy: its first pair and its step.
+template <int W>
+__device__ __forceinline__ XRunShared xs_run(const unsigned char* xs, int k, int warp,
+                                             int lane, bool has_x) {
+  const int t = lane & 3;
+  return has_x ? XRunShared{xs + kXsPair * warp + 64 * t + 8 * (t >> 1), kXsPair * W}
+               : XRunShared{xs + kXsPair * (k >> 7), 0};
 }
 
 // Which x row lane (g, t) of a wide tile reads (column g of B: x row g / 2 where (g & 1) ==
@@ -946,20 +1048,30 @@ __device__ __forceinline__ void pdl_wait() {
 // T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
 // 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
 // warps, more codes in flight.
-template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false>
+// kXs: x (M = 1) staged in shared memory (`stage_x_shared`, xs_bytes(k) of dynamic shared
+// memory), while the ring's first codes are in flight.
+template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false, bool kXs = false>
 __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
                    OT* __restrict__ y, int k, int m) {
   __shared__ float2 red[W][32];
+  extern __shared__ __align__(16) unsigned char xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * 16;
   const WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0, kBias);
   WideRing<P> ring;
   ring_fill(ring, static_cast<const WideTile<W>&>(in));
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
-  ring_run<P, W, kBias, kXPerm, false, full_rounds(W >= 8)>(ring, in, in.xr, in.has_x,
-                                                             CorrPairs<W>{in.cr}, tot);
+  if constexpr (kXs) {
+    stage_x_shared(xs, x, k);
+    ring_run_x<P, W, kBias, full_rounds(W >= 8)>(ring, in, xs_run<W>(xs, k, warp, lane,
+                                                                     in.has_x),
+                                                 CorrPairs<W>{in.cr}, tot);
+  } else {
+    ring_run<P, W, kBias, kXPerm, false, full_rounds(W >= 8)>(ring, in, in.xr, in.has_x,
+                                                               CorrPairs<W>{in.cr}, tot);
+  }
   wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
 }
 
@@ -1157,7 +1269,8 @@ cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
 // tail, with no co-residency requirement and no counters: launches may overlap. Without the
 // attribute (or on a GPU without it) the wait returns at once and stream order holds.
 
-template <int W, int T>
+// kXs (and int4_mlp_down's): x (act) staged in shared memory as the wide kernel's kXs.
+template <int W, int T, bool kXs = false>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_gate_up(const uint4* __restrict__ x, const float* __restrict__ corr,
                      const __grid_constant__ Mats gu, const int32_t* __restrict__ index,
@@ -1165,6 +1278,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
                      int m) {
   pdl_launch_dependents();
   __shared__ float2 red[2][W][32];
+  extern __shared__ __align__(16) unsigned char xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, u = blockIdx.x;
   const int n1 = gu.start[1];
   const int64_t layer = layer_of(gu, index);
@@ -1175,23 +1289,32 @@ __global__ void __launch_bounds__(W * 32, T / W)
   WideTile<W> cur(gu, layer, k1, 16 * u, warp, lane);
   ring_fill(ring, cur);
   float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
-  ring_run<2, W, false, false, false, full_rounds(false)>(ring, cur, xa, ln.has_x,
-                                                            CorrPairs<W>{ca}, gt);
+  auto run = [&](float(&tot)[2]) {
+    if constexpr (kXs)
+      ring_run_x<2, W, false, full_rounds(false)>(ring, cur,
+                                                  xs_run<W>(xs, k1, warp, lane, ln.has_x),
+                                                  CorrPairs<W>{ca}, tot);
+    else
+      ring_run<2, W, false, false, false, full_rounds(false)>(ring, cur, xa, ln.has_x,
+                                                                CorrPairs<W>{ca}, tot);
+  };
+  if constexpr (kXs) stage_x_shared(xs, x, k1);
+  run(gt);
   cur = WideTile<W>(gu, layer, k1, n1 + 16 * u, warp, lane);  // up's tile u in flight
   ring_fill(ring, cur);
   const float2 gate = tile_sums<W>(red[0], gt, warp, lane);
-  ring_run<2, W, false, false, false, full_rounds(false)>(ring, cur, xa, ln.has_x,
-                                                            CorrPairs<W>{ca}, ut);
+  run(ut);
   const float2 up = tile_sums<W>(red[1], ut, warp, lane);
   if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
 }
 
-template <int W, int T>
+template <int W, int T, bool kXs = false>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_down(const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats dn,
                   const int32_t* __restrict__ index, const __nv_bfloat16* act,
                   const float* psum, __nv_bfloat16* __restrict__ out, int k2, int m) {
   __shared__ float2 red[W][32];
+  extern __shared__ __align__(16) unsigned char xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = 16 * blockIdx.x;
   const LaneRows ln(lane, m);
   WideRing<2> ring;
@@ -1202,9 +1325,16 @@ __global__ void __launch_bounds__(W * 32, T / W)
   // read-only path (L1 hits for the blocks of an SM, as the wide kernel's x)
   pdl_wait();
   float tot[2] = {0.0f, 0.0f};
-  ring_run<2, W, false, false, false, full_rounds(true)>(
-      ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2, warp, lane), ln.has_x,
-      CorrTiles<W, false>{ln.psum_at(psum, k2, warp)}, tot);
+  if constexpr (kXs) {
+    stage_x_shared(xs, reinterpret_cast<const uint4*>(act), k2);
+    ring_run_x<2, W, false, full_rounds(true)>(ring, tl, xs_run<W>(xs, k2, warp, lane, ln.has_x),
+                                               CorrTiles<W, false>{ln.psum_at(psum, k2, warp)},
+                                               tot);
+  } else {
+    ring_run<2, W, false, false, false, full_rounds(true)>(
+        ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2, warp, lane), ln.has_x,
+        CorrTiles<W, false>{ln.psum_at(psum, k2, warp)}, tot);
+  }
   const float2 s = tile_sums<W>(red, tot, warp, lane);
   if (warp == 0) mlp_out_store(s, row0, dn.start[dn.count], m, lane, h, out);
 }
@@ -1216,10 +1346,10 @@ struct PdlLaunch {
   cudaLaunchAttribute attr[1];
   PdlLaunch(const PdlLaunch&) = delete;
   PdlLaunch& operator=(const PdlLaunch&) = delete;
-  PdlLaunch(cudaStream_t stream, int blocks, int threads, bool pdl) {
+  PdlLaunch(cudaStream_t stream, int blocks, int threads, bool pdl, size_t smem = 0) {
     cfg.gridDim = dim3(blocks);
     cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = 0;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -1237,13 +1367,18 @@ cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* cor
                            const int32_t* index, __nv_bfloat16* act, float* psum,
                            __nv_bfloat16* out, int k1, int m, bool pdl) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
-                                                                k1, m);
+  const bool xs1 = xs_for(m, k1), xs2 = xs_for(m, n1);
+  if (xs1)
+    int4_mlp_gate_up<W, T, true><<<(n1 + 15) / 16, W * 32, xs_bytes(k1), stream>>>(
+        x, corr, gu, index, act, psum, k1, m);
+  else
+    int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
+                                                                  psum, k1, m);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl);
-  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h, dn, index,
-                            static_cast<const __nv_bfloat16*>(act),
+  PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl, xs2 ? xs_bytes(n1) : 0);
+  return cudaLaunchKernelEx(&b.cfg, xs2 ? int4_mlp_down<8, T, true> : int4_mlp_down<8, T>, h,
+                            dn, index, static_cast<const __nv_bfloat16*>(act),
                             static_cast<const float*>(psum), out, n1, m);
 }
 
@@ -1327,11 +1462,12 @@ cudaError_t launch_wide_ring(cudaStream_t stream, int blocks, const uint4* x, co
   return cudaGetLastError();
 }
 
-template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false>
+template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false, bool kXs = false>
 cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
                         const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  int4_gemv_wide<P, W, kBias, T, OT, kXPerm><<<blocks, W * 32, 0, stream>>>(
-      x, corr, mt, index, static_cast<OT*>(y), k, m);
+  int4_gemv_wide<P, W, kBias, T, OT, kXPerm, kXs><<<blocks, W * 32, kXs ? xs_bytes(k) : 0,
+                                                     stream>>>(x, corr, mt, index,
+                                                               static_cast<OT*>(y), k, m);
   return cudaGetLastError();
 }
 
@@ -1381,7 +1517,11 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
 #undef NINFER_WIDE
 #define NINFER_WIDE32(W)                                                                  \
   if (prefetch == 2 && warps == W && occupancy == 32 && !bias)                            \
-    return launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt, index, y, k, m);
+    return xs_for(m, k) ? launch_wide<2, W, false, 32, OT, false, true>(stream, blocks, x,    \
+                                                                        corr, mt, index, y, \
+                                                                        k, m)               \
+                        : launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt,     \
+                                                           index, y, k, m);
   NINFER_WIDE32(2) NINFER_WIDE32(4) NINFER_WIDE32(8) NINFER_WIDE32(10) NINFER_WIDE32(16)
 #undef NINFER_WIDE32
   known = false;
