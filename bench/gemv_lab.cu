@@ -473,6 +473,7 @@ Variant engine_xs_variant(const char* name) {
 
 // The MLP op's two launches (gate|up, then down chained by programmatic dependent launch,
 // the model's default) at the 27B's shapes, M rows: kernel time a call as above.
+template <int WG>
 void mlp(cudaStream_t s, int m) {
   Problem g = make_problem(17408, 5120, 4, 11), u = make_problem(17408, 5120, 4, 12);
   Problem d = make_problem(5120, 17408, 4, 13);
@@ -501,7 +502,7 @@ void mlp(cudaStream_t s, int m) {
   }
   CK(cudaMemset(h, 0, m * 5120 * 2));
   Variant v{"mlp op pdl", [&](cudaStream_t st, const Problem& q, int l) {
-              const cudaError_t e = launch_mlp_pdl<8, 32>(
+              const cudaError_t e = launch_mlp_pdl<WG, 32>(
                   st, reinterpret_cast<const uint4*>(x), corr, h, gu, d.mt, q.idx + l, act, psum,
                   out, 5120, m, true);
               CK(e);
@@ -511,9 +512,9 @@ void mlp(cudaStream_t s, int m) {
   CK(cudaMemcpy(o.data(), out, m * 5120 * 2, cudaMemcpyDeviceToHost));
   unsigned long long hsh = 1469598103934665603ull;
   for (uint16_t b : o) hsh = (hsh ^ b) * 1099511628211ull;
-  printf("{\"kind\": \"mlp\", \"m\": %d, \"us\": %.2f, \"tbps\": %.3f, "
-         "\"out_fnv\": \"%016llx\"}\n",
-         m, us, (3.0 * 17408 * 5120 * (0.5 + 1.0 / 16)) / us / 1e6, hsh);
+  printf("{\"kind\": \"mlp\", \"m\": %d, \"gate_up_warps\": %d, \"us\": %.2f, "
+         "\"tbps\": %.3f, \"out_fnv\": \"%016llx\"}\n",
+         m, WG, us, (3.0 * 17408 * 5120 * (0.5 + 1.0 / 16)) / us / 1e6, hsh);
   fflush(stdout);
   for (Problem* p : {&g, &u, &d}) {
     CK(cudaFree(p->w));
@@ -608,8 +609,10 @@ int main(int argc, char** argv) {
 
   printf("{\"kind\": \"build\", \"probe\": %d, \"wide_xs\": %d}\n", NINFER_PROBE,
          NINFER_WIDE_XS);
-  mlp(s, 1);
-  mlp(s, 2);
+  mlp<8>(s, 1);
+  mlp<4>(s, 1);
+  mlp<8>(s, 2);
+  mlp<4>(s, 2);
   for (const Shape& sh : shapes) {
     Problem p = make_problem(sh.n, sh.k, 4, 7);
     const double bytes = static_cast<double>(sh.n) * (sh.k / 2) + sh.n * (sh.k / 64) * 4.0;

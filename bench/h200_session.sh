@@ -41,6 +41,7 @@
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
 #   probe      the wide GEMV's kernel time with loads left out of a pair's chain (PROBES)
 #   lab        bench/gemv_lab.cu: the wide GEMV against candidates, no JAX (LAB_BUILDS)
+#   xsab       x in shared memory: the lab, C1/C2 1K decode on/off (MLP gate|up at 8 and 4 warps)
 #   treeab     this tree against PREV_TREE: the wide GEMV's kernel times and C1/C2 1K decode
 #   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
@@ -400,7 +401,7 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         # LAB_BUILDS (name:nvcc-flags, comma-joined flags), built at once
         INC=$(python3 -c 'import jax; print(jax.ffi.include_dir())')
         NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-        BUILDS=${LAB_BUILDS:-xs1: xs0:-DNINFER_WIDE_XS=0 p4:-DNINFER_PROBE=4}
+        BUILDS=${LAB_BUILDS:-xs1: xs0:-DNINFER_WIDE_XS=0 dxs:-DNINFER_MLP_DOWN_XS=1}
         pids=""
         for b in $BUILDS; do
           "$NVCC" -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -I"$INC" \
@@ -421,13 +422,29 @@ for line in open(sys.argv[1]):
         print(f'{r["shape"]:22s} {r["variant"]:26s} {r["us"]:8.2f} us {r["tbps"]:6.3f} TB/s '
               f'{r.get("of_ceiling", 1):6.3f} diff {r.get("rows_differing", 0)}')
     elif r["kind"] == "mlp":
-        print(f'mlp op M={r["m"]} {r["us"]:8.2f} us {r["tbps"]:6.3f} TB/s out {r["out_fnv"]}')
+        print(f'mlp op M={r["m"]} gate|up warps {r["gate_up_warps"]} {r["us"]:8.2f} us {r["tbps"]:6.3f} TB/s out {r["out_fnv"]}')
     elif r["kind"] == "trace":
         print(f'trace {r["shape"]}: round {r["round_us"]:.3f} us x {r["rounds"]}, '
               f'fill {r["fill_us"]:.3f}, span {r["span_us"]:.2f}')
     else:
         print(line.strip())
 PY
+        done ;;
+      xsab)  # x staged in shared memory (NINFER_WIDE_XS): the lab, then C1/C2 1K decode from
+        # this tree (the MLP op's gate|up at 8 and at 4 warps) and from a copy built with 0
+        d=.whl/xs0
+        rm -rf "$d" && mkdir -p "$d" && cp -r engine bench "$d"/
+        sed -i "s/^#define NINFER_WIDE_XS 1$/#define NINFER_WIDE_XS 0/" \
+          "$d/engine/kernels/cuda/int4_gemv.cu"
+        grep -q "^#define NINFER_WIDE_XS 0$" "$d/engine/kernels/cuda/int4_gemv.cu" || exit 1
+        build_int4 . "$d" &
+        BPID=$!
+        bash "$0" lab
+        wait $BPID
+        for w in 8 4; do
+          decode1k xsab_on$w NINFER_INT4_MLP_WARPS=$w
+          (B27="python3 $d/bench/bench_27b.py --paged --kernels pallas"
+           decode1k xsab_off$w NINFER_INT4_MLP_WARPS=$w)
         done ;;
       treeab)  # this tree against PREV_TREE (an edited copy, carried): both int4 libraries
         # built at once, then from each the wide GEMV's kernel times at TREEAB_NK (4 and 8

@@ -389,6 +389,9 @@ def _mlp_setting(op: str, launches: int, warps, occupancy) -> tuple[int, int]:
     """(warps, occupancy) for an MLP call with that many launches: MLP_DEFAULTS where None,
     checked against what the kernels are built for."""
     dw, do = MLP_DEFAULTS[launches]
+    env = os.environ.get("NINFER_INT4_MLP_WARPS")  # gate|up's warps a tile, for A/Bs
+    if warps is None and env:
+        warps = int(env)
     warps, occupancy = dw if warps is None else warps, do if occupancy is None else occupancy
     if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
         raise ValueError(f"{op}: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")

@@ -954,6 +954,14 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
 #define NINFER_WIDE_XS 1
 #endif
 constexpr int kXsPair = 272;
+// Full rounds (ring_run) at every staged call: with x from shared memory they are faster at
+// the full-wave calls too (gate|up 34816 x 5120 at 4 warps 32.5 against 36.2 us; v23).
+constexpr bool kXsFull = true;
+// The MLP op's down launch stages act after its `griddepcontrol.wait`, on the step's path
+// (measured with and without, v23).
+#ifndef NINFER_MLP_DOWN_XS
+#define NINFER_MLP_DOWN_XS 0
+#endif
 constexpr int kXsMaxK = 22784;  // the largest K whose copy fits the default 48 KB
 
 __host__ __device__ constexpr int xs_bytes(int k) { return kXsPair * (k >> 7) + 64; }
@@ -1065,7 +1073,7 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
   if constexpr (kXs) {
     stage_x_shared(xs, x, k);
-    ring_run_x<P, W, kBias, full_rounds(W >= 8)>(ring, in, xs_run<W>(xs, k, warp, lane,
+    ring_run_x<P, W, kBias, kXsFull>(ring, in, xs_run<W>(xs, k, warp, lane,
                                                                      in.has_x),
                                                  CorrPairs<W>{in.cr}, tot);
   } else {
@@ -1291,7 +1299,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
   auto run = [&](float(&tot)[2]) {
     if constexpr (kXs)
-      ring_run_x<2, W, false, full_rounds(false)>(ring, cur,
+      ring_run_x<2, W, false, kXsFull>(ring, cur,
                                                   xs_run<W>(xs, k1, warp, lane, ln.has_x),
                                                   CorrPairs<W>{ca}, tot);
     else
@@ -1327,7 +1335,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   float tot[2] = {0.0f, 0.0f};
   if constexpr (kXs) {
     stage_x_shared(xs, reinterpret_cast<const uint4*>(act), k2);
-    ring_run_x<2, W, false, full_rounds(true)>(ring, tl, xs_run<W>(xs, k2, warp, lane, ln.has_x),
+    ring_run_x<2, W, false, kXsFull>(ring, tl, xs_run<W>(xs, k2, warp, lane, ln.has_x),
                                                CorrTiles<W, false>{ln.psum_at(psum, k2, warp)},
                                                tot);
   } else {
@@ -1367,7 +1375,7 @@ cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* cor
                            const int32_t* index, __nv_bfloat16* act, float* psum,
                            __nv_bfloat16* out, int k1, int m, bool pdl) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  const bool xs1 = xs_for(m, k1), xs2 = xs_for(m, n1);
+  const bool xs1 = xs_for(m, k1), xs2 = NINFER_MLP_DOWN_XS && xs_for(m, n1);
   if (xs1)
     int4_mlp_gate_up<W, T, true><<<(n1 + 15) / 16, W * 32, xs_bytes(k1), stream>>>(
         x, corr, gu, index, act, psum, k1, m);
