@@ -439,12 +439,14 @@ PY
         grep -q "^#define NINFER_WIDE_XS 0$" "$d/engine/kernels/cuda/int4_gemv.cu" || exit 1
         build_int4 . "$d" &
         BPID=$!
-        bash "$0" lab
+        [ "${XSAB_LAB:-1}" = 1 ] && bash "$0" lab
         wait $BPID
-        for w in 8 4; do
-          decode1k xsab_on$w NINFER_INT4_MLP_WARPS=$w
-          (B27="python3 $d/bench/bench_27b.py --paged --kernels pallas"
-           decode1k xsab_off$w NINFER_INT4_MLP_WARPS=$w)
+        for w in ${XSAB_WARPS:-8 4}; do
+          for rep in ${XSAB_REPS:-a}; do
+            decode1k xsab_on$w$rep NINFER_INT4_MLP_WARPS=$w
+            (B27="python3 $d/bench/bench_27b.py --paged --kernels pallas"
+             decode1k xsab_off$w$rep NINFER_INT4_MLP_WARPS=$w)
+          done
         done ;;
       treeab)  # this tree against PREV_TREE (an edited copy, carried): both int4 libraries
         # built at once, then from each the wide GEMV's kernel times at TREEAB_NK (4 and 8
