@@ -1,7 +1,8 @@
-// A standalone lab for the wide int4 GEMV (no JAX): the engine's kernel and candidates,
-// timed as CUDA graphs of back-to-back launches over stacked layers (the weights come from
-// the HBM, as in the decode step), outputs compared bitwise with the engine's kernel, and a
-// globaltimer trace of each warp's rounds (where a call's time goes: the ramp, a round, the
+// A standalone lab for the wide int4 GEMV (no JAX): the engine's wide kernel (x through L1,
+// and x staged in shared memory) and its MLP op, timed as CUDA graphs of back-to-back
+// launches over stacked layers (the weights come from the HBM, as in the decode step),
+// outputs compared bitwise with the engine's kernel, the read ceiling of the same bytes, and
+// a globaltimer trace of each warp's rounds (where a call's time goes: the ramp, a round, the
 // tail). Built and run on the GPU machine (bench/h200_session.sh part `lab`):
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I$(python3 -c 'import jax; print(jax.ffi.include_dir())') \
@@ -99,178 +100,6 @@ __global__ void __launch_bounds__(W * 32, 32 / W)
   if (lane == 0) mine[kSlots - 2] = now_ns();
   wide_reduce_store<W, __nv_bfloat16>(red, tot, warp, lane, row0, mt.start[mt.count], 1, y);
   if (lane == 0) mine[kSlots - 1] = now_ns();
-}
-
-// ---- candidate: x in shared memory, one 8-byte load a MMA ----------------------------------
-// x (M = 1, in the kXPerm order) is staged once a block into shared memory, lane slot t of
-// pair p at 272 p + 64 t + 8 (t >> 1) (the pad keeps the four x lanes off each other's banks);
-// lanes without x read a zero block. A pair's B registers are then 8 loads of 8 bytes, one
-// before each MMA, instead of 4 x loads of 16 bytes, 16 byte permutations and 8 zeroings, and
-// 2 registers live instead of 16: the room the ring's refills need to leave the round.
-constexpr int kXsPair = 272;
-
-__device__ __forceinline__ void pair_xs(const uint4 ca, const uint4 cb, const float2 sa,
-                                        const float2 sb, const uint2* xs, const float2 c,
-                                        float (&tot)[2]) {
-  const uint32_t wq[4] = {ca.x, ca.y, ca.z, ca.w};
-  const uint32_t wr[4] = {cb.x, cb.y, cb.z, cb.w};
-  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    const uint2 b = xs[q];
-    const int e = 2 * (q & 1);
-    mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
-             pair(wr[q >> 1], e + 1), b.x, b.y);
-  }
-  tot[0] = fmaf(sa.x, fmaf(-136.0f, c.x, d[0]), tot[0]);
-  tot[0] = fmaf(sa.y, fmaf(-136.0f, c.y, d[1]), tot[0]);
-  tot[1] = fmaf(sb.x, fmaf(-136.0f, c.x, d[2]), tot[1]);
-  tot[1] = fmaf(sb.y, fmaf(-136.0f, c.y, d[3]), tot[1]);
-}
-
-// kSep: a __syncwarp after each pair's refill, so that ptxas cannot sink a slot's refill to
-// the round's end (it does without: every refill of a round is then waited for at the next
-// round's start, and a warp's loads and its work never overlap).
-template <int P, int W, int T, bool kFull, bool kSep = false>
-__global__ void __launch_bounds__(W * 32, T / W)
-    wide_xs(const uint4* __restrict__ xperm, const float* __restrict__ corr,
-            const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
-            __nv_bfloat16* __restrict__ y, int k) {
-  extern __shared__ __align__(16) unsigned char xsm[];
-  __shared__ float2 red[W][32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = blockIdx.x * 16;
-  const WideLane<W> in(xperm, corr, mt, index, k, 1, warp, lane, row0, false);
-  WideRing<P> r;
-  ring_fill(r, static_cast<const WideTile<W>&>(in));
-  const int pairs = k >> 7;
-  for (int j = threadIdx.x; j < pairs * 16; j += W * 32) {
-    const uint4 v = __ldg(xperm + j);
-    const int p = j >> 4, t = (j >> 2) & 3, u = j & 3;
-    uint2* d = reinterpret_cast<uint2*>(xsm + kXsPair * p + 64 * t + 8 * (t >> 1) + 16 * u);
-    d[0] = make_uint2(v.x, v.y);
-    d[1] = make_uint2(v.z, v.w);
-  }
-  if (threadIdx.x < 8)
-    reinterpret_cast<uint2*>(xsm + kXsPair * pairs)[threadIdx.x] = make_uint2(0u, 0u);
-  __syncthreads();
-  const int t = lane & 3;
-  const unsigned char* xb =
-      in.has_x ? xsm + kXsPair * warp + 64 * t + 8 * (t >> 1) : xsm + kXsPair * pairs;
-  const int xstep = in.has_x ? kXsPair * W : 0;
-  float tot[2] = {0.0f, 0.0f};
-  const uint4 *pa = in.pa, *pb = in.pb;
-  const float2 *qa = in.qa, *qb = in.qb;
-  CorrPairs<W> cr{in.cr};
-  int i0 = 0;
-  for (; kFull && i0 + 2 * P <= in.count; i0 += P) {
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      pair_xs(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
-              reinterpret_cast<const uint2*>(xb + j * xstep), cr.at(j), tot);
-      ring_refill<P, W>(r, j, pa, pb, qa, qb);
-      if constexpr (kSep) __syncwarp();
-    }
-    pa += 4 * W * P;
-    pb += 4 * W * P;
-    qa += W * P;
-    qb += W * P;
-    xb += P * xstep;
-    cr.step(P);
-  }
-  for (; i0 < in.count; i0 += P) {
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      if (i0 + j < in.count) {
-        pair_xs(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
-                reinterpret_cast<const uint2*>(xb + j * xstep), cr.at(j), tot);
-        if (i0 + j + P < in.count) ring_refill<P, W>(r, j, pa, pb, qa, qb);
-        if constexpr (kSep) __syncwarp();
-      }
-    }
-    pa += 4 * W * P;
-    pb += 4 * W * P;
-    qa += W * P;
-    qb += W * P;
-    xb += P * xstep;
-    cr.step(P);
-  }
-  wide_reduce_store<W, __nv_bfloat16>(red, tot, warp, lane, row0, mt.start[mt.count], 1, y);
-}
-
-// ---- candidate: x in shared memory and the codes through a cp.async ring --------------------
-// The register ring cannot pipeline (ptxas waits for every refill of a slot with a full drain
-// of one scoreboard); cp.async groups complete in order, so `cp.async.wait_group S - 1` lets
-// S - 1 pairs stay in flight. Each warp has S stages of 1536 bytes (codes of row g, codes of
-// row g + 8, the two rows' scales: 16 bytes a lane each) after the block's staged x; each lane
-// copies and later reads only its own bytes, so its own wait is all the ordering it needs.
-template <int S, int W, int T>
-__global__ void __launch_bounds__(W * 32, T / W)
-    wide_xs_cp(const uint4* __restrict__ xperm, const float* __restrict__ corr,
-               const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
-               __nv_bfloat16* __restrict__ y, int k) {
-  extern __shared__ __align__(16) unsigned char xsm[];
-  __shared__ float2 red[W][32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = blockIdx.x * 16;
-  const WideLane<W> in(xperm, corr, mt, index, k, 1, warp, lane, row0, false);
-  const int pairs = k >> 7;
-  const int xbytes = (kXsPair * pairs + 64 + 15) & ~15;
-  const unsigned ring0 = static_cast<unsigned>(__cvta_generic_to_shared(xsm)) + xbytes +
-                         warp * S * 1536 + lane * 16;
-  const uint4* ringp = reinterpret_cast<const uint4*>(xsm + xbytes + warp * S * 1536) + lane;
-  const uint4 *pa = in.pa, *pb = in.pb;
-  const float2 *qa = in.qa, *qb = in.qb;
-  int next = 0, slot = 0;
-  auto issue = [&]() {
-    if (next < in.count) {
-      const unsigned dst = ring0 + slot * 1536;
-      cp_async16(dst, pa);
-      cp_async16(dst + 512, pb);
-      cp_async8(dst + 1024, qa);
-      cp_async8(dst + 1032, qb);
-    }
-    cp_async_commit();
-    ++next;
-    pa += 4 * W;
-    pb += 4 * W;
-    qa += W;
-    qb += W;
-    slot = slot + 1 == S ? 0 : slot + 1;
-  };
-#pragma unroll
-  for (int st = 0; st < S - 1; ++st) issue();
-  for (int j = threadIdx.x; j < pairs * 16; j += W * 32) {
-    const uint4 v = __ldg(xperm + j);
-    const int p = j >> 4, t = (j >> 2) & 3, u = j & 3;
-    uint2* d = reinterpret_cast<uint2*>(xsm + kXsPair * p + 64 * t + 8 * (t >> 1) + 16 * u);
-    d[0] = make_uint2(v.x, v.y);
-    d[1] = make_uint2(v.z, v.w);
-  }
-  if (threadIdx.x < 8)
-    reinterpret_cast<uint2*>(xsm + kXsPair * pairs)[threadIdx.x] = make_uint2(0u, 0u);
-  __syncthreads();
-  const int t = lane & 3;
-  const unsigned char* xb =
-      in.has_x ? xsm + kXsPair * warp + 64 * t + 8 * (t >> 1) : xsm + kXsPair * pairs;
-  const int xstep = in.has_x ? kXsPair * W : 0;
-  float tot[2] = {0.0f, 0.0f};
-  CorrPairs<W> cr{in.cr};
-  int use = 0;
-  for (int i = 0; i < in.count; ++i) {
-    issue();
-    cp_async_wait<S - 1>();
-    const uint4* st = ringp + use * 96;
-    const uint4 sc = st[64];
-    pair_xs(st[0], st[32], make_float2(__uint_as_float(sc.x), __uint_as_float(sc.y)),
-            make_float2(__uint_as_float(sc.z), __uint_as_float(sc.w)),
-            reinterpret_cast<const uint2*>(xb), cr.at(0), tot);
-    xb += xstep;
-    cr.step(1);
-    use = use + 1 == S ? 0 : use + 1;
-  }
-  cp_async_wait<0>();
-  wide_reduce_store<W, __nv_bfloat16>(red, tot, warp, lane, row0, mt.start[mt.count], 1, y);
 }
 
 // The read ceiling of the same bytes: every byte of the layer's codes once, 16 bytes a load.
@@ -413,41 +242,6 @@ std::vector<uint16_t> output(const Variant& v, const Problem& p, cudaStream_t s)
   std::vector<uint16_t> h(p.n);
   CK(cudaMemcpy(h.data(), p.y, p.n * 2, cudaMemcpyDeviceToHost));
   return h;
-}
-
-template <int S, int W, int T>
-Variant xs_cp_variant(const char* name) {
-  return Variant{name, [](cudaStream_t s, const Problem& p, int l) {
-                   const int bytes =
-                       ((kXsPair * (p.k >> 7) + 64 + 15) & ~15) + W * S * 1536;
-                   static bool set = false;
-                   if (!set) {
-                     CK(cudaFuncSetAttribute(wide_xs_cp<S, W, T>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             200 * 1024));
-                     set = true;
-                   }
-                   wide_xs_cp<S, W, T><<<(p.n + 15) / 16, W * 32, bytes, s>>>(
-                       reinterpret_cast<const uint4*>(p.xp), p.corr, p.mt, p.idx + l, p.y,
-                       p.k);
-                 }};
-}
-
-template <int P, int W, int T, bool kFull, bool kSep = false>
-Variant xs_variant(const char* name) {
-  return Variant{name, [](cudaStream_t s, const Problem& p, int l) {
-                   const int bytes = kXsPair * (p.k >> 7) + 64;
-                   static bool set = false;
-                   if (!set) {
-                     CK(cudaFuncSetAttribute(wide_xs<P, W, T, kFull, kSep>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             64 * 1024));
-                     set = true;
-                   }
-                   wide_xs<P, W, T, kFull, kSep><<<(p.n + 15) / 16, W * 32, bytes, s>>>(
-                       reinterpret_cast<const uint4*>(p.xp), p.corr, p.mt, p.idx + l, p.y,
-                       p.k);
-                 }};
 }
 
 template <int W, bool kXPerm>
@@ -602,9 +396,8 @@ int main(int argc, char** argv) {
       engine_variant<4, false>("engine w4"),
       engine_xs_variant<8>("engine xs w8"),
       engine_xs_variant<4>("engine xs w4"),
-      xs_variant<2, 8, 32, true>("xs p2 w8 t32 full"),
-      xs_variant<2, 4, 32, true>("xs p2 w4 t32 full"),
   };
+
 
 
   printf("{\"kind\": \"build\", \"probe\": %d, \"wide_xs\": %d}\n", NINFER_PROBE,

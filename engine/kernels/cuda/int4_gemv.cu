@@ -949,7 +949,9 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
 // reads 8 bytes at + 8 q; a zero block of 64 bytes after the last pair for the lanes without
 // x. The same B registers as the global path: the same sums, bit for bit. A pair's x then
 // costs 8 loads of 8 bytes from shared memory against 4 of 16 through L1, 16 permutations
-// and 8 zeroings, and 14 fewer live registers (docs/benchmarks/README.md v23).
+// and 8 zeroings, and 14 fewer live registers. H200 (docs/benchmarks/README.md v23): kernel
+// time at M = 1 4-11% lower (gate|up-like at 4 warps 32.1 against 36.1 us), the decode
+// step's GEMV kernels 3% lower in sum (7720 against 7955 us), the step itself the same.
 #ifndef NINFER_WIDE_XS
 #define NINFER_WIDE_XS 1
 #endif
