@@ -289,7 +289,7 @@ def test_qmatmul_sends_large_int4_matrices_to_cuda_on_gpu(monkeypatch):
                                        ("wide", 17408), ("wide", 23040)])
 def test_batch_invariant_and_deterministic_on_gpu(variant, k):
     """A row's result is bitwise the same whatever the other rows of x and however many. For
-    the wide kernel one row stages x in shared memory (K up to 22784: 5120, and down's 17408)
+    the wide kernel one row stages x in shared memory (K up to 20480: 5120, and down's 17408)
     where more rows read it through L1, so this is also that the two paths' B registers
     agree; past that K (23040) both read it through L1."""
     assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()

@@ -967,7 +967,10 @@ constexpr bool kXsFull = true;
 #ifndef NINFER_MLP_DOWN_XS
 #define NINFER_MLP_DOWN_XS 1
 #endif
-constexpr int kXsMaxK = 22784;  // the largest K whose copy fits the default 48 KB
+// The largest K staged: its copy (43.6 KB at 20480) and a kernel's static reduction buffers
+// (up to 4 KB) within the 48 KB a block gets without opting in.
+constexpr int kXsMaxK = 20480;
+static_assert(kXsPair * (kXsMaxK >> 7) + 64 + 4096 <= 48 * 1024, "staged x past 48 KB");
 
 __host__ __device__ constexpr int xs_bytes(int k) { return kXsPair * (k >> 7) + 64; }
 // Whether a wide call stages x: one row of x, K small enough, the build's switch.
