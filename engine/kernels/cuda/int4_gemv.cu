@@ -950,8 +950,8 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
 // x. The same B registers as the global path: the same sums, bit for bit. A pair's x then
 // costs 8 loads of 8 bytes from shared memory against 4 of 16 through L1, 16 permutations
 // and 8 zeroings, and 14 fewer live registers. H200 (docs/benchmarks/README.md v23): kernel
-// time at M = 1 4-11% lower (gate|up-like at 4 warps 32.1 against 36.1 us), the decode
-// step's GEMV kernels 3% lower in sum (7720 against 7955 us), the step itself the same.
+// time at M = 1 4-11% lower (gate|up-like at 4 warps 32.1 against 36.1 us); in the decode
+// step the wide calls' time alone on the GPU 137 us lower (1,871 against 2,008 us).
 #ifndef NINFER_WIDE_XS
 #define NINFER_WIDE_XS 1
 #endif
@@ -959,13 +959,15 @@ constexpr int kXsPair = 272;
 // Full rounds (ring_run) at every staged call: with x from shared memory they are faster at
 // the full-wave calls too (gate|up 34816 x 5120 at 4 warps 32.5 against 36.2 us; v23).
 constexpr bool kXsFull = true;
-// The MLP op's launches each stage theirs by their own switch (v23: the op at M = 1 took
-// 60.05 us with gate|up's staging against 58.62 without; down's staging 1.2 us faster).
+// The MLP op's launches each stage theirs by their own switch, both off (v23): gate|up's
+// staging made the op slower alone (60.05 against 58.62 us at M = 1); down's made it 1.2 us
+// faster alone but 117 us a step slower in the step's profile, where down's early part
+// overlaps gate|up's tail and its staging sits after the `griddepcontrol.wait`.
 #ifndef NINFER_MLP_GATE_UP_XS
 #define NINFER_MLP_GATE_UP_XS 0
 #endif
 #ifndef NINFER_MLP_DOWN_XS
-#define NINFER_MLP_DOWN_XS 1
+#define NINFER_MLP_DOWN_XS 0
 #endif
 // The largest K staged: its copy (43.6 KB at 20480) and a kernel's static reduction buffers
 // (up to 4 KB) within the 48 KB a block gets without opting in.
