@@ -39,9 +39,9 @@ __device__ __forceinline__ unsigned long long now_ns() {
 
 constexpr int kSlots = 40;  // trace stamps a warp: entry, filled, rounds..., run end, stored
 
-// The engine's wide kernel (P = 2, registers for 32 warps, corr, M = 1), with lane 0 of each
-// warp stamping the globaltimer at its entry, after the ring's fill, at each round of the
-// ring's loop, after the loop and after the store.
+// The engine's wide kernel (P = 2, registers for 32 warps, corr, M = 1, x through L1), with
+// lane 0 of each warp stamping the globaltimer at its entry, after the ring's fill, at each
+// round of the engine's ring_run_x (its `round` hook), after the loop and after the store.
 template <int W>
 __global__ void __launch_bounds__(W * 32, 32 / W)
     traced_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
@@ -57,52 +57,18 @@ __global__ void __launch_bounds__(W * 32, 32 / W)
   ring_fill(r, static_cast<const WideTile<W>&>(in));
   if (lane == 0) mine[1] = now_ns();
   float tot[2] = {0.0f, 0.0f};
-  const uint4 *pa = in.pa, *pb = in.pb;
-  const float2 *qa = in.qa, *qb = in.qb;
-  const uint4* xr = in.xr;
-  CorrPairs<W> cr{in.cr};
   int slot = 2;
-  constexpr bool kFull = W >= 8;
-  int i0 = 0;
-  for (; kFull && i0 + 4 <= in.count; i0 += 2) {
-    if (lane == 0 && slot < kSlots - 2) mine[slot++] = now_ns();
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      wide_pair_with<false, false, false>(r.ca[j], r.cb[j], r.sa[j], r.sb[j], xr + 16 * W * j,
-                                          in.has_x, [&cr, j]() { return cr.at(j); }, tot);
-      ring_refill<2, W>(r, j, pa, pb, qa, qb);
-    }
-    pa += 8 * W;
-    pb += 8 * W;
-    qa += 2 * W;
-    qb += 2 * W;
-    xr += 32 * W;
-    cr.step(2);
-  }
-  for (; i0 < in.count; i0 += 2) {
-    if (lane == 0 && slot < kSlots - 2) mine[slot++] = now_ns();
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (i0 + j < in.count) {
-        wide_pair_with<false, false, false>(r.ca[j], r.cb[j], r.sa[j], r.sb[j],
-                                            xr + 16 * W * j, in.has_x,
-                                            [&cr, j]() { return cr.at(j); }, tot);
-        if (i0 + j + 2 < in.count) ring_refill<2, W>(r, j, pa, pb, qa, qb);
-      }
-    }
-    pa += 8 * W;
-    pb += 8 * W;
-    qa += 2 * W;
-    qb += 2 * W;
-    xr += 32 * W;
-    cr.step(2);
-  }
+  ring_run_x<2, W, false, full_rounds(W >= 8)>(
+      r, in, XRunGlobal<W, false, false>{in.xr, in.has_x}, CorrPairs<W>{in.cr}, tot, [&]() {
+        if (lane == 0 && slot < kSlots - 2) mine[slot++] = now_ns();
+      });
   if (lane == 0) mine[kSlots - 2] = now_ns();
   wide_reduce_store<W, __nv_bfloat16>(red, tot, warp, lane, row0, mt.start[mt.count], 1, y);
   if (lane == 0) mine[kSlots - 1] = now_ns();
 }
 
-// The read ceiling of the same bytes: every byte of the layer's codes once, 16 bytes a load.
+// The read ceiling of the same bytes: the layer's codes, then its scales, each byte once, 16
+// bytes a load.
 __global__ void read_ceiling(const uint4* __restrict__ p, int64_t n16,
                              const uint4* __restrict__ q, int64_t m16, uint4* sink) {
   uint4 acc = make_uint4(0, 0, 0, 0);

@@ -881,11 +881,18 @@ struct XRunShared {
   __device__ __forceinline__ void step(int n) { p += n * step_bytes; }
 };
 
+// No work at a round's start (ring_run_x's `round`; bench/gemv_lab.cu stamps a timer there).
+struct NoRound {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // The warp's pairs of one tile, from the ring (filled with the tile's first P), refilling
-// it from the same tile; x and corr at the warp's first pair (corr unused with kBias).
-template <int P, int W, bool kBias, bool kFull, typename X, typename Corr>
+// it from the same tile; x and corr at the warp's first pair (corr unused with kBias);
+// `round()` at the start of each round of P pairs.
+template <int P, int W, bool kBias, bool kFull, typename X, typename Corr,
+          typename Round = NoRound>
 __device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl, X x,
-                                           Corr corr, float (&tot)[2]) {
+                                           Corr corr, float (&tot)[2], Round round = {}) {
   const uint4 *pa = tl.pa, *pb = tl.pb;
   const float2 *qa = tl.qa, *qb = tl.qb;
   int i0 = 0;
@@ -901,6 +908,7 @@ __device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl
   // before (with a branch a pair, each pair's chain runs alone). The same pairs in the same
   // order: the same sums, bit for bit.
   for (; kFull && i0 + 2 * P <= tl.count; i0 += P) {
+    round();
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       wide_pair_frags<kBias>(r.ca[j], r.cb[j], r.sa[j], r.sb[j], x.frags(j),
@@ -915,6 +923,7 @@ __device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl
     if constexpr (!kBias) corr.step(P);
   }
   for (; i0 < tl.count; i0 += P) {
+    round();
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       if (i0 + j < tl.count) {  // the same for the whole warp
