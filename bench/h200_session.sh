@@ -40,7 +40,7 @@
 #   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
 #   probe      the wide GEMV's kernel time with loads left out of a pair's chain (PROBES)
-#   lab        bench/gemv_lab.cu: the wide GEMV against candidates, no JAX (LAB_BUILDS)
+#   lab        bench/gemv_lab.cu: the wide GEMV and the MLP op by build, no JAX (LAB_BUILDS)
 #   xsab       x in shared memory: the lab, C1/C2 1K decode on/off (MLP gate|up at 8 and 4 warps)
 #   treeab     this tree against PREV_TREE: the wide GEMV's kernel times and C1/C2 1K decode
 #   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
@@ -395,10 +395,10 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           wide_micro "probe_${d#.whl/probe}" "$d" "${PROBE_NK:-$RING_NK}" --wide 2 \
             --wide-warps "${PROBE_WARPS:-8}" --wide-occ 32
         done ;;
-      lab)  # bench/gemv_lab.cu (no JAX): the wide GEMV and candidate kernels at the four big
-        # shapes (kernel time a launch in CUDA graphs, bitwise against the engine's kernel,
-        # the read ceiling of the same bytes) and a per-round trace, from each build of
-        # LAB_BUILDS (name:nvcc-flags, comma-joined flags), built at once
+      lab)  # bench/gemv_lab.cu (no JAX): the wide GEMV (x through L1 and staged) at the four
+        # big shapes and the MLP op (kernel time a launch in CUDA graphs, bitwise against the
+        # engine's kernel, the read ceiling of the same bytes) and a per-round trace, from
+        # each build of LAB_BUILDS (name:nvcc-flags, comma-joined flags), built at once
         INC=$(python3 -c 'import jax; print(jax.ffi.include_dir())')
         NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
         BUILDS=${LAB_BUILDS:-xs1: xs0:-DNINFER_WIDE_XS=0 dxs:-DNINFER_MLP_DOWN_XS=1}
