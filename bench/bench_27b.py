@@ -249,6 +249,32 @@ def run_decode(cfg, params, fmt, args, res, dt, variant: dict | None = None):
         del cache
 
 
+def install_extra_kernels() -> None:
+    """A probe of what one small kernel on a decode step's path costs: with
+    NINFER_BENCH_EXTRA_KERNELS=n (read when the step is traced, so a --variants entry may set
+    it), every decoder layer adds n to its output n times, each add its own XLA kernel on the
+    path from one layer to the next (an optimization barrier between them keeps XLA from
+    fusing them; z is a zero that XLA cannot see to be one). The model's results do not
+    change. The step time's slope against n over the layers is the cost of such a kernel."""
+    from engine import model
+
+    def with_extra(layer_fn):
+        def wrapped(p, cfg, x, *rest, **kw):
+            out = layer_fn(p, cfg, x, *rest, **kw)
+            n = int(os.environ.get("NINFER_BENCH_EXTRA_KERNELS", "0"))
+            if n <= 0:
+                return out
+            y = out[0]
+            z = (jnp.sum(y[..., :1].astype(jnp.float32)) * 0.0).astype(y.dtype)
+            for _ in range(n):
+                y = jax.lax.optimization_barrier(y + z)
+            return (y, *out[1:])
+        return wrapped
+
+    model.gdn_layer = with_extra(model.gdn_layer)
+    model.attention_layer = with_extra(model.attention_layer)
+
+
 def _fresh_jit():
     """M.jit_forward() over a new function object: JAX keeps the traces of one function
     across its jit wrappers, and a variant's settings are read when the step is traced."""
@@ -401,6 +427,7 @@ def main() -> None:
     ap.add_argument("--null-gemv", action="store_true", help="replace the GEMV kernel by zeros "
                     "(measures everything else in a decode step)")
     args = ap.parse_args()
+    install_extra_kernels()
     if args.null_gemv:
         from engine.kernels import qgemv
 

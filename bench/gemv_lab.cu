@@ -231,12 +231,17 @@ Variant engine_xs_variant(const char* name) {
                  }};
 }
 
-// The MLP op's two launches (gate|up, then down chained by programmatic dependent launch,
-// the model's default) at the 27B's shapes, M rows: kernel time a call as above.
+// The MLP op's two launches (gate|up, then down chained by programmatic dependent launch) at
+// the 27B's shapes, M rows: kernel time a call as above. `il`: the interleaved gate|up
+// (launches 4, psum of 8), else gate and up tiles in turn (launches 2). The output's FNV hash,
+// and against `ref` (another variant's output, if given) the rows differing and the largest
+// difference.
 template <int WG>
-void mlp(cudaStream_t s, int m) {
-  Problem g = make_problem(17408, 5120, 4, 11), u = make_problem(17408, 5120, 4, 12);
-  Problem d = make_problem(5120, 17408, 4, 13);
+std::vector<uint16_t> mlp(cudaStream_t s, int m, bool il = false,
+                          const std::vector<uint16_t>* ref = nullptr) {
+  // built once (~1 GB of codes made on the host), kept for every call
+  static Problem g = make_problem(17408, 5120, 4, 11), u = make_problem(17408, 5120, 4, 12);
+  static Problem d = make_problem(5120, 17408, 4, 13);
   Mats gu{};
   gu.w[0] = g.w;
   gu.s[0] = g.s;
@@ -255,16 +260,18 @@ void mlp(cudaStream_t s, int m) {
   CK(cudaMalloc(&h, m * 5120 * 2));
   CK(cudaMalloc(&out, m * 5120 * 2));
   CK(cudaMalloc(&act, m * 17408 * 2));
-  CK(cudaMalloc(&psum, m * 1088 * 4));
+  CK(cudaMalloc(&psum, m * 2176 * 4));
   for (int r = 0; r < m; ++r) {
     CK(cudaMemcpy(x + r * 5120, g.x, 5120 * 2, cudaMemcpyDeviceToDevice));
     CK(cudaMemcpy(corr + r * 80, g.corr, 80 * 4, cudaMemcpyDeviceToDevice));
   }
   CK(cudaMemset(h, 0, m * 5120 * 2));
   Variant v{"mlp op pdl", [&](cudaStream_t st, const Problem& q, int l) {
-              const cudaError_t e = launch_mlp_pdl<WG, 32>(
-                  st, reinterpret_cast<const uint4*>(x), corr, h, gu, d.mt, q.idx + l, act, psum,
-                  out, 5120, m, true);
+              const cudaError_t e =
+                  il ? launch_mlp_il<WG, 32>(st, reinterpret_cast<const uint4*>(x), corr, h, gu,
+                                             d.mt, q.idx + l, act, psum, out, 5120, m, true)
+                     : launch_mlp_pdl<WG, 32>(st, reinterpret_cast<const uint4*>(x), corr, h, gu,
+                                              d.mt, q.idx + l, act, psum, out, 5120, m, true);
               CK(e);
             }};
   const double us = time_us(v, g, s);
@@ -272,14 +279,23 @@ void mlp(cudaStream_t s, int m) {
   CK(cudaMemcpy(o.data(), out, m * 5120 * 2, cudaMemcpyDeviceToHost));
   unsigned long long hsh = 1469598103934665603ull;
   for (uint16_t b : o) hsh = (hsh ^ b) * 1099511628211ull;
-  printf("{\"kind\": \"mlp\", \"m\": %d, \"gate_up_warps\": %d, \"us\": %.2f, "
-         "\"tbps\": %.3f, \"out_fnv\": \"%016llx\"}\n",
-         m, WG, us, (3.0 * 17408 * 5120 * (0.5 + 1.0 / 16)) / us / 1e6, hsh);
+  int diff = 0;
+  float maxd = 0.0f;
+  if (ref && ref->size() == o.size())
+    for (size_t i = 0; i < o.size(); ++i) {
+      diff += o[i] != (*ref)[i];
+      maxd = std::max(maxd, std::fabs(bf16_float(o[i]) - bf16_float((*ref)[i])));
+    }
+  printf("{\"kind\": \"mlp\", \"m\": %d, \"gate_up_warps\": %d, \"interleaved\": %d, "
+         "\"us\": %.2f, \"tbps\": %.3f, \"out_fnv\": \"%016llx\", \"rows_differing\": %d, "
+         "\"max_diff\": %.4g}\n",
+         m, WG, il ? 1 : 0, us, (3.0 * 17408 * 5120 * (0.5 + 1.0 / 16)) / us / 1e6, hsh, diff,
+         maxd);
   fflush(stdout);
-  for (Problem* p : {&g, &u, &d}) {
-    CK(cudaFree(p->w));
-    CK(cudaFree(p->s));
-  }
+  for (void* b : {static_cast<void*>(x), static_cast<void*>(corr), static_cast<void*>(h),
+                  static_cast<void*>(out), static_cast<void*>(act), static_cast<void*>(psum)})
+    CK(cudaFree(b));
+  return o;
 }
 
 void trace(const Problem& p, cudaStream_t s, const char* shape) {
@@ -355,6 +371,7 @@ int main(int argc, char** argv) {
   };
   const Shape shapes[] = {{"down 5120x17408", 5120, 17408},
                           {"gate|up 34816x5120", 34816, 5120},
+                          {"2 waves at 4 warps 33792x5120", 33792, 5120},
                           {"in_proj 16480x5120", 16480, 5120},
                           {"out_proj 5120x6144", 5120, 6144}};
   std::vector<Variant> vars = {
@@ -368,10 +385,12 @@ int main(int argc, char** argv) {
 
   printf("{\"kind\": \"build\", \"probe\": %d, \"wide_xs\": %d}\n", NINFER_PROBE,
          NINFER_WIDE_XS);
-  mlp<8>(s, 1);
-  mlp<4>(s, 1);
-  mlp<8>(s, 2);
-  mlp<4>(s, 2);
+  for (int m : {1, 2}) {
+    const std::vector<uint16_t> base = mlp<8>(s, m);
+    mlp<4>(s, m, true, &base);
+    mlp<8>(s, m, true, &base);
+    mlp<8>(s, m, false, &base);  // the default again: the spread between two timings
+  }
   for (const Shape& sh : shapes) {
     Problem p = make_problem(sh.n, sh.k, 4, 7);
     const double bytes = static_cast<double>(sh.n) * (sh.k / 2) + sh.n * (sh.k / 64) * 4.0;

@@ -43,6 +43,8 @@
 #   lab        bench/gemv_lab.cu: the wide GEMV and the MLP op by build, no JAX (LAB_BUILDS)
 #   xsab       x in shared memory: the lab, C1/C2 1K decode on/off (MLP gate|up at 8 and 4 warps)
 #   treeab     this tree against PREV_TREE: the wide GEMV's kernel times and C1/C2 1K decode
+#   mlpil      the MLP op's interleaved gate|up (launches 4) against the default: lab, GPU
+#              tests, C1/C2 1K decode of both in one process (MLPIL_REPS)
 #   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
@@ -238,6 +240,27 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         prefill2 prefab_cur
         (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
          prefill2 prefab_prev) ;;
+      mlpil)  # the MLP op's interleaved gate|up (NINFER_MLP_FUSED=4) against the default (2):
+        # the lab's MLP rows (M = 1, 2) and the tail of gate|up at 4 warps (34816 against
+        # 33792 rows), the MLP GPU tests, then C1/C2 1K decode of both in one process, in
+        # turn MLPIL_REPS times, each variant's first C1 step profiled
+        INC=$(python3 -c 'import jax; print(jax.ffi.include_dir())')
+        NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+        "$NVCC" -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -I"$INC" bench/gemv_lab.cu \
+          -o /tmp/gemv_lab_il > "$OUT/lab_build_il_$TAG.log" 2>&1 &
+        labpid=$!
+        run 300 "$OUT/mlpil_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_cuda_gemv.py -k "mlp"
+        tail -n 3 "$OUT/mlpil_tests_$TAG.log"
+        wait $labpid
+        run 240 "$OUT/lab_il_$TAG.log" /tmp/gemv_lab_il
+        grep '^{' "$OUT/lab_il_$TAG.log" | grep -E '"mlp"|read ceiling|engine xs w4|engine w8' \
+          | cut -c1-200
+        run 400 "$OUT/mlpil_decode_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
+          --contexts 1024 --prefill "" --steps 10 --profile 2 --variant-reps "${MLPIL_REPS:-2}" \
+          --variants '{"mlp2": {"NINFER_MLP_FUSED": "2"}, "mlp4": {"NINFER_MLP_FUSED": "4"}}' \
+          --out "$OUT/mlpil_decode_$TAG.json"
+        grep -E '^variant|alone' "$OUT/mlpil_decode_$TAG.log" | cut -c1-150 ;;
       decab)  # C1/C2 1K decode of this tree, then of the tree in PREV_TREE (as prefab), in
         # turn DECAB_REPS times (default 1), one call
         for rep in $(seq "${DECAB_REPS:-1}"); do
