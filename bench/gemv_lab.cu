@@ -11,7 +11,10 @@
 // -DNINFER_PROBE=4 builds every kernel here without its ring refills (see int4_gemv.cu).
 #include "../engine/kernels/cuda/int4_gemv.cu"
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <cstdlib>
@@ -65,6 +68,72 @@ __global__ void __launch_bounds__(W * 32, 32 / W)
   if (lane == 0) mine[kSlots - 2] = now_ns();
   wide_reduce_store<W, __nv_bfloat16>(red, tot, warp, lane, row0, mt.start[mt.count], 1, y);
   if (lane == 0) mine[kSlots - 1] = now_ns();
+}
+
+// ---- K split over a cluster of S blocks (candidate for the few-tile calls) ----------------
+// A 16-row tile's pairs over S blocks of W warps (a thread-block cluster): virtual warp
+// v = rank W + warp takes pairs v, v + S W, ... (the wide kernel's loop with S W warps), so a
+// warp's chain is pairs / (S W) long instead of pairs / W, with as many warps resident as the
+// SMs hold (320 tiles x 3 x 4 warps = 3,840 <= 4,224). Each block stages only its own pairs'
+// x (compact, its W pairs of every S W). Each block adds its warps' sums in warp order; rank 0
+// then adds the blocks' sums in rank order from their shared memory (DSMEM): a fixed order,
+// the same for every M. M = 1 only here (x staged).
+namespace cg = cooperative_groups;
+
+template <int S, int W>
+__global__ void __launch_bounds__(W * 32, 32 / W)
+    split_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
+               const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
+               __nv_bfloat16* __restrict__ y, int k) {
+  __shared__ float2 red[W][32];
+  __shared__ float2 part[32];
+  extern __shared__ __align__(16) unsigned char xs[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tile = blockIdx.x / S, row0 = tile * 16, v = rank * W + warp;
+  const WideLane<S * W> in(x, corr, mt, index, k, 1, v, lane, row0, false);
+  WideRing<2> ring;
+  ring_fill(ring, static_cast<const WideTile<S * W>&>(in));
+  // stage this block's pairs: local slot j = i W + w holds pair i S W + rank W + w
+  const int pairs = k >> 7;
+  const int slots = ((pairs + S * W - 1) / (S * W)) * W;
+  for (int e = threadIdx.x; e < slots * 16; e += blockDim.x) {
+    const int j = e >> 4, q = e & 15, pr = (j / W) * S * W + rank * W + (j % W);
+    const int t = (q >> 2) & 3, u = q & 3;
+    uint2* d = reinterpret_cast<uint2*>(xs + kXsPair * j + 64 * t + 8 * (t >> 1) + 16 * u);
+    if (pr < pairs) {
+      const uint4 xv = __ldg(x + pr * 16 + q);
+      d[0] = make_uint2(__byte_perm(xv.x, xv.z, 0x5410), __byte_perm(xv.x, xv.z, 0x7632));
+      d[1] = make_uint2(__byte_perm(xv.y, xv.w, 0x5410), __byte_perm(xv.y, xv.w, 0x7632));
+    }
+  }
+  if (threadIdx.x < 8) reinterpret_cast<uint2*>(xs + kXsPair * slots)[threadIdx.x] = uint2{};
+  __syncthreads();
+  const int t = lane & 3;
+  const XRunShared xr = in.has_x
+                            ? XRunShared{xs + kXsPair * warp + 64 * t + 8 * (t >> 1), kXsPair * W}
+                            : XRunShared{xs + kXsPair * slots, 0};
+  float tot[2] = {0.0f, 0.0f};
+  ring_run_x<2, S * W, false, true>(ring, in, xr, CorrPairs<S * W>{in.cr}, tot);
+  const float2 s = tile_sums<W>(red, tot, warp, lane);
+  if (warp == 0) part[lane] = s;
+  cluster.sync();
+  if (rank == 0 && warp == 0) {
+    float2 a = part[lane];
+#pragma unroll
+    for (int r = 1; r < S; ++r) {
+      const float2 o = cluster.map_shared_rank(part, r)[lane];
+      a.x += o.x;
+      a.y += o.y;
+    }
+    const int g = lane >> 2, n = mt.start[mt.count];
+    if (t == 0) {
+      if (row0 + g < n) y[row0 + g] = __float2bfloat16_rn(a.x);
+      if (row0 + g + 8 < n) y[row0 + g + 8] = __float2bfloat16_rn(a.y);
+    }
+  }
+  cluster.sync();  // the other blocks' `part` stays until rank 0 has read it
 }
 
 // The read ceiling of the same bytes: the layer's codes, then its scales, each byte once, 16
@@ -221,6 +290,31 @@ Variant engine_variant(const char* name) {
                  }};
 }
 
+template <int S, int W>
+cudaError_t launch_split(cudaStream_t st, const Problem& p, int l) {
+  const int pairs = p.k >> 7, slots = ((pairs + S * W - 1) / (S * W)) * W;
+  const size_t smem = kXsPair * slots + 64;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3(((p.n + 15) / 16) * S);
+  cfg.blockDim = dim3(W * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = S;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, split_wide<S, W>, reinterpret_cast<const uint4*>(p.x), p.corr,
+                            p.mt, p.idx + l, p.y, p.k);
+}
+
+template <int S, int W>
+Variant split_variant(const char* name) {
+  return Variant{name, [](cudaStream_t s, const Problem& p, int l) { CK(launch_split<S, W>(s, p, l)); }};
+}
+
 template <int W>
 Variant engine_xs_variant(const char* name) {
   return Variant{name, [](cudaStream_t s, const Problem& p, int l) {
@@ -231,14 +325,12 @@ Variant engine_xs_variant(const char* name) {
                  }};
 }
 
-// The MLP op's two launches (gate|up, then down chained by programmatic dependent launch) at
-// the 27B's shapes, M rows: kernel time a call as above. `il`: the interleaved gate|up
-// (launches 4, psum of 8), else gate and up tiles in turn (launches 2). The output's FNV hash,
-// and against `ref` (another variant's output, if given) the rows differing and the largest
-// difference.
+// The MLP op's two launches (gate|up, then down chained by programmatic dependent launch, the
+// model's default) at the 27B's shapes, M rows: kernel time a call as above. The output's FNV
+// hash, and against `ref` (another variant's output, if given) the rows differing and the
+// largest difference.
 template <int WG>
-std::vector<uint16_t> mlp(cudaStream_t s, int m, bool il = false,
-                          const std::vector<uint16_t>* ref = nullptr) {
+std::vector<uint16_t> mlp(cudaStream_t s, int m, const std::vector<uint16_t>* ref = nullptr) {
   // built once (~1 GB of codes made on the host), kept for every call
   static Problem g = make_problem(17408, 5120, 4, 11), u = make_problem(17408, 5120, 4, 12);
   static Problem d = make_problem(5120, 17408, 4, 13);
@@ -260,18 +352,16 @@ std::vector<uint16_t> mlp(cudaStream_t s, int m, bool il = false,
   CK(cudaMalloc(&h, m * 5120 * 2));
   CK(cudaMalloc(&out, m * 5120 * 2));
   CK(cudaMalloc(&act, m * 17408 * 2));
-  CK(cudaMalloc(&psum, m * 2176 * 4));
+  CK(cudaMalloc(&psum, m * 1088 * 4));
   for (int r = 0; r < m; ++r) {
     CK(cudaMemcpy(x + r * 5120, g.x, 5120 * 2, cudaMemcpyDeviceToDevice));
     CK(cudaMemcpy(corr + r * 80, g.corr, 80 * 4, cudaMemcpyDeviceToDevice));
   }
   CK(cudaMemset(h, 0, m * 5120 * 2));
   Variant v{"mlp op pdl", [&](cudaStream_t st, const Problem& q, int l) {
-              const cudaError_t e =
-                  il ? launch_mlp_il<WG, 32>(st, reinterpret_cast<const uint4*>(x), corr, h, gu,
-                                             d.mt, q.idx + l, act, psum, out, 5120, m, true)
-                     : launch_mlp_pdl<WG, 32>(st, reinterpret_cast<const uint4*>(x), corr, h, gu,
-                                              d.mt, q.idx + l, act, psum, out, 5120, m, true);
+              const cudaError_t e = launch_mlp_pdl<WG, 32>(
+                  st, reinterpret_cast<const uint4*>(x), corr, h, gu, d.mt, q.idx + l, act, psum,
+                  out, 5120, m, true);
               CK(e);
             }};
   const double us = time_us(v, g, s);
@@ -286,11 +376,10 @@ std::vector<uint16_t> mlp(cudaStream_t s, int m, bool il = false,
       diff += o[i] != (*ref)[i];
       maxd = std::max(maxd, std::fabs(bf16_float(o[i]) - bf16_float((*ref)[i])));
     }
-  printf("{\"kind\": \"mlp\", \"m\": %d, \"gate_up_warps\": %d, \"interleaved\": %d, "
+  printf("{\"kind\": \"mlp\", \"m\": %d, \"gate_up_warps\": %d, "
          "\"us\": %.2f, \"tbps\": %.3f, \"out_fnv\": \"%016llx\", \"rows_differing\": %d, "
          "\"max_diff\": %.4g}\n",
-         m, WG, il ? 1 : 0, us, (3.0 * 17408 * 5120 * (0.5 + 1.0 / 16)) / us / 1e6, hsh, diff,
-         maxd);
+         m, WG, us, (3.0 * 17408 * 5120 * (0.5 + 1.0 / 16)) / us / 1e6, hsh, diff, maxd);
   fflush(stdout);
   for (void* b : {static_cast<void*>(x), static_cast<void*>(corr), static_cast<void*>(h),
                   static_cast<void*>(out), static_cast<void*>(act), static_cast<void*>(psum)})
@@ -379,6 +468,11 @@ int main(int argc, char** argv) {
       engine_variant<4, false>("engine w4"),
       engine_xs_variant<8>("engine xs w8"),
       engine_xs_variant<4>("engine xs w4"),
+      split_variant<2, 4>("split s2 w4"),
+      split_variant<2, 5>("split s2 w5"),
+      split_variant<3, 4>("split s3 w4"),
+      split_variant<4, 2>("split s4 w2"),
+      split_variant<4, 3>("split s4 w3"),
   };
 
 
@@ -387,9 +481,8 @@ int main(int argc, char** argv) {
          NINFER_WIDE_XS);
   for (int m : {1, 2}) {
     const std::vector<uint16_t> base = mlp<8>(s, m);
-    mlp<4>(s, m, true, &base);
-    mlp<8>(s, m, true, &base);
-    mlp<8>(s, m, false, &base);  // the default again: the spread between two timings
+    mlp<4>(s, m, &base);
+    mlp<8>(s, m, &base);  // the default again: the spread between two timings
   }
   for (const Shape& sh : shapes) {
     Problem p = make_problem(sh.n, sh.k, 4, 7);
@@ -410,10 +503,18 @@ int main(int argc, char** argv) {
       const double us = time_us(v, p, s);
       const std::vector<uint16_t> o = output(v, p, s);
       int diff = 0;
-      for (int i = 0; i < sh.n; ++i) diff += o[i] != ref[i];
+      double num = 0, den = 0;
+      for (int i = 0; i < sh.n; ++i) {
+        diff += o[i] != ref[i];
+        const double a = bf16_float(o[i]), b = bf16_float(ref[i]);
+        num += (a - b) * (a - b);
+        den += b * b;
+      }
       printf("{\"kind\": \"time\", \"shape\": \"%s\", \"variant\": \"%s\", \"us\": %.2f, "
-             "\"tbps\": %.3f, \"of_ceiling\": %.3f, \"rows_differing\": %d}\n",
-             sh.name, v.name.c_str(), us, bytes / us / 1e6, ceil_us / us, diff);
+             "\"tbps\": %.3f, \"of_ceiling\": %.3f, \"rows_differing\": %d, "
+             "\"rel_err\": %.3g}\n",
+             sh.name, v.name.c_str(), us, bytes / us / 1e6, ceil_us / us, diff,
+             den > 0 ? std::sqrt(num / den) : 0.0);
       fflush(stdout);
     }
     trace(p, s, sh.name);

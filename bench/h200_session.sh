@@ -43,8 +43,8 @@
 #   lab        bench/gemv_lab.cu: the wide GEMV and the MLP op by build, no JAX (LAB_BUILDS)
 #   xsab       x in shared memory: the lab, C1/C2 1K decode on/off (MLP gate|up at 8 and 4 warps)
 #   treeab     this tree against PREV_TREE: the wide GEMV's kernel times and C1/C2 1K decode
-#   mlpil      the MLP op's interleaved gate|up (launches 4) against the default: lab, GPU
-#              tests, C1/C2 1K decode of both in one process (MLPIL_REPS)
+#   gdnwarps   the fused GDN decode kernel's warps and state split, profiled
+#   kcost      the cost of a small XLA kernel on the step's path (0, 2, 6 extra a layer)
 #   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
 #   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
@@ -240,27 +240,25 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
         prefill2 prefab_cur
         (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
          prefill2 prefab_prev) ;;
-      mlpil)  # the MLP op's interleaved gate|up (NINFER_MLP_FUSED=4) against the default (2):
-        # the lab's MLP rows (M = 1, 2) and the tail of gate|up at 4 warps (34816 against
-        # 33792 rows), the MLP GPU tests, then C1/C2 1K decode of both in one process, in
-        # turn MLPIL_REPS times, each variant's first C1 step profiled
-        INC=$(python3 -c 'import jax; print(jax.ffi.include_dir())')
-        NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-        "$NVCC" -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -I"$INC" bench/gemv_lab.cu \
-          -o /tmp/gemv_lab_il > "$OUT/lab_build_il_$TAG.log" 2>&1 &
-        labpid=$!
-        run 300 "$OUT/mlpil_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "mlp"
-        tail -n 3 "$OUT/mlpil_tests_$TAG.log"
-        wait $labpid
-        run 240 "$OUT/lab_il_$TAG.log" /tmp/gemv_lab_il
-        grep '^{' "$OUT/lab_il_$TAG.log" | grep -E '"mlp"|read ceiling|engine xs w4|engine w8' \
-          | cut -c1-200
-        run 400 "$OUT/mlpil_decode_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
-          --contexts 1024 --prefill "" --steps 10 --profile 2 --variant-reps "${MLPIL_REPS:-2}" \
-          --variants '{"mlp2": {"NINFER_MLP_FUSED": "2"}, "mlp4": {"NINFER_MLP_FUSED": "4"}}' \
-          --out "$OUT/mlpil_decode_$TAG.json"
-        grep -E '^variant|alone' "$OUT/mlpil_decode_$TAG.log" | cut -c1-150 ;;
+      kcost)  # what one small kernel on the step's path costs: C1/C2 1K decode with 0, 2 and 6
+        # extra XLA kernels a layer (NINFER_BENCH_EXTRA_KERNELS, bench_27b.py), in one
+        # process, in turn KCOST_REPS times
+        run 400 "$OUT/kcost_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
+          --contexts 1024 --prefill "" --steps 10 --variant-reps "${KCOST_REPS:-2}" \
+          --variants '{"x0": {"NINFER_BENCH_EXTRA_KERNELS": "0"}, "x2": {"NINFER_BENCH_EXTRA_KERNELS": "2"}, "x6": {"NINFER_BENCH_EXTRA_KERNELS": "6"}}' \
+          --out "$OUT/kcost_$TAG.json"
+        grep -E '^variant' "$OUT/kcost_$TAG.log" ;;
+      gdnwarps)  # the fused GDN decode kernel's Triton warps and state split (variants in one
+        # process, each variant's first C1 step profiled: the kernel's own time)
+        # (GDNWARPS: "name:split:warps ..."; v24c ran w8 w4 w16 s2 s4 s4w4)
+        V=$(python3 -c 'import json, sys
+print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
+                  for n, s, w in (a.split(":") for a in sys.argv[1:])}))' \
+          ${GDNWARPS:-w8:1:8 w4:1:4 w16:1:16 s2:2:8 s4:4:8 s4w4:4:4})
+        run 500 "$OUT/gdnwarps_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
+          --contexts 1024 --prefill "" --steps 10 --profile 2 \
+          --variant-reps "${GDNWARPS_REPS:-1}" --variants "$V" --out "$OUT/gdnwarps_$TAG.json"
+        grep -E '^variant|gdn_decode|per step|^\[' "$OUT/gdnwarps_$TAG.log" | cut -c1-150 ;;
       decab)  # C1/C2 1K decode of this tree, then of the tree in PREV_TREE (as prefab), in
         # turn DECAB_REPS times (default 1), one call
         for rep in $(seq "${DECAB_REPS:-1}"); do

@@ -50,11 +50,10 @@ def mlp_residual(p, x, h, kernels: str = "xla"):
     layer views of stacks) on a GPU where the CUDA op builds: the MLP's two GEMVs, the SwiGLU
     and the residual in one call of `cuda_ops.int4_mlp` with NINFER_MLP_FUSED `launches`
     (default 2: two launches chained by programmatic dependent launch, v14f; 1 the
-    persistent kernel; 3 the two in stream order; 4 the interleaved gate|up tiles then down,
-    chained; 0 the separate calls), and
+    persistent kernel; 3 the two in stream order; 0 the separate calls), and
     NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`)."""
     fused = os.environ.get("NINFER_MLP_FUSED", "2")
-    if kernels == "pallas" and fused in ("1", "2", "3", "4"):
+    if kernels == "pallas" and fused in ("1", "2", "3"):
         from engine.kernels import cuda_ops
 
         if (st := _mlp_stacks(p)) and cuda_ops.mlp_takes(x, h, *st[0]):

@@ -166,11 +166,15 @@ def test_stacked_states_in_place_are_the_sliced_call(dtype):
 def test_model_decode_in_place_is_the_sliced_path(monkeypatch):
     """The in-place decode path (the default): the tiny model's decode step (one row without a token) with the
     state stacks carried whole and updated in place: the same logits and cache, bit for bit,
-    as the path that slices each block's states."""
+    as the path that slices each block's states, at the same launch (one program of 8 warps a
+    head, the sliced path's; the in-place default's split is checked against the reference in
+    `test_model_decode_with_split_heads_matches`)."""
     from engine import model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(7)
     lengths = jnp.asarray([1, 0], jnp.int32)
+    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", "1")
+    monkeypatch.setenv("NINFER_GDN_FUSED_WARPS", "8")
 
     def run():
         return M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), lengths=lengths,
@@ -254,24 +258,24 @@ def test_split_at_27b_heads_lowers_and_rejects_a_bad_split(monkeypatch):
                                                            interpret=False, split=4),
                     p, qkv, z, b_in, a_in, conv_all, rec_all, jnp.int32(3), lens)
     monkeypatch.delenv("NINFER_GDN_FUSED_SPLIT", raising=False)
-    assert split_setting() == 1
+    assert split_setting() == 2  # the in-place decode path's default (H200 v24d)
     monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", "4")
     assert split_setting() == 4
+    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", "1")
+    assert split_setting() == 1
     with pytest.raises(ValueError, match="divide Dv"):
         gdn_decode_fused(*args, "recurrent", "pallas", jnp.float32, interpret=True, split=3)
 
 
-# slow tier: a setting measured no faster (v13); the kernel-level split tests stay in the
-# default tier
-@pytest.mark.slow
-def test_model_decode_with_split_heads_matches(monkeypatch):
-    """The tiny model's in-place decode step with NINFER_GDN_FUSED_SPLIT=2 against the
-    reference path."""
+@pytest.mark.parametrize("split", ["1", "2"])
+def test_model_decode_with_split_heads_matches(monkeypatch, split):
+    """The tiny model's in-place decode step with NINFER_GDN_FUSED_SPLIT=1 and 2 (the default)
+    against the reference path."""
     from engine import model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(15)
     want, _, wc = M.forward(params, cfg, step, cache, kernels="xla")
-    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", "2")
+    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", split)
     got, _, gc = M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), kernels="pallas")
     assert_close(got, want, jnp.float32)
     for g, w in zip(jax.tree.leaves(gc), jax.tree.leaves(wc)):
@@ -281,18 +285,23 @@ def test_model_decode_with_split_heads_matches(monkeypatch):
 
 @pytest.mark.gpu
 def test_split_heads_on_gpu_27b_heads():
-    """On the GPU: the split kernel against the one-program kernel at the 27B's heads, two rows
-    (one without a token): the conv state bit for bit, the recurrent state within fp32
-    rounding (Triton may sum a narrower tile's columns in another order), the output within
-    bf16 rounding."""
+    """On the GPU: the split kernels (4 programs a head of 8 and 4 warps, 2 of 4 warps: the
+    in-place path's default) against the one-program kernel at the 27B's heads, two rows (one
+    without a token): the conv state bit for bit, the recurrent state within fp32 rounding
+    (Triton may sum a narrower tile's columns in another order), the output within bf16
+    rounding."""
     from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked
 
     assert on_gpu()
     p, qkv, z, b_in, a_in, conv_all, rec_all, lens, _ = _stacked_case(
         np.random.default_rng(16), QWEN38_27B, jnp.bfloat16, [1, 0], lead=(2, 3))
-    one, four = (gdn_decode_fused_stacked(p, QWEN38_27B, qkv, z, b_in, a_in, conv_all,
-                                          jnp.copy(rec_all), jnp.int32(4), lens, jnp.bfloat16,
-                                          split=s) for s in (1, 4))
-    assert_close(four[0], one[0], jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(four[1], np.float32), np.asarray(one[1], np.float32))
-    assert_close(four[2], one[2], jnp.float32)
+    one = gdn_decode_fused_stacked(p, QWEN38_27B, qkv, z, b_in, a_in, conv_all,
+                                   jnp.copy(rec_all), jnp.int32(4), lens, jnp.bfloat16, split=1)
+    for split, warps in ((4, 8), (2, 4), (4, 4)):  # (2, 4): the in-place path's default
+        many = gdn_decode_fused_stacked(p, QWEN38_27B, qkv, z, b_in, a_in, conv_all,
+                                        jnp.copy(rec_all), jnp.int32(4), lens, jnp.bfloat16,
+                                        split=split, num_warps=warps)
+        assert_close(many[0], one[0], jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(many[1], np.float32),
+                                      np.asarray(one[1], np.float32))
+        assert_close(many[2], one[2], jnp.float32)

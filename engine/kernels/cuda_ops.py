@@ -377,14 +377,12 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
 MLP_WARPS = (4, 8)
 MLP_OCCUPANCY = (24, 32)
 # `int4_mlp`'s launches: 1 the persistent kernel (grid barrier), 2 gate|up then down chained by
-# programmatic dependent launch (v14f), 3 the same two launches in plain stream order, 4 the
-# interleaved gate|up (a block's 16-row tile is 8 gate rows and the same 8 up rows: one wide
-# tile a block, x staged at M = 1) then down, chained; and the (warps, occupancy) each takes
-# when not given (v14: the persistent kernel's best, and for two launches 8 warps a gate|up
-# tile with registers for 32 warps an SM, the fastest of 4/24, 4/32 and 8/32 in the decode
-# step; 4 warps for the interleaved tiles, as the wide kernel's "auto" for as many tiles).
-MLP_LAUNCHES = (1, 2, 3, 4)
-MLP_DEFAULTS = {1: (8, 24), 2: (8, 32), 3: (8, 32), 4: (4, 32)}
+# programmatic dependent launch (the model's default, v14f), 3 the same two launches in plain
+# stream order; and the (warps, occupancy) each takes when not given (v14: the persistent
+# kernel's best, and for two launches 8 warps a gate|up tile with registers for 32 warps an
+# SM, the fastest of 4/24, 4/32 and 8/32 in the decode step).
+MLP_LAUNCHES = (1, 2, 3)
+MLP_DEFAULTS = {1: (8, 24), 2: (8, 32), 3: (8, 32)}
 
 
 def _mlp_setting(op: str, launches: int, warps, occupancy) -> tuple[int, int]:
@@ -440,9 +438,7 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     (`int4_mlp_persistent`, a grid barrier between the GEMVs, down's first codes in flight
     across it); 2, `int4_mlp_gate_up` then `int4_mlp_down` chained by programmatic dependent
     launch (down's blocks fill their rings while gate|up's last blocks run); 3, those two in
-    plain stream order; 4, `int4_mlp_gate_up_il` (a block's tile is 8 gate rows and the same
-    8 up rows, so each block ends with whole activations: one wide tile's work a block, x
-    staged in shared memory at M = 1) then down, chained. Each op rounded to bf16 as the separate calls round them; down's
+    plain stream order. Each op rounded to bf16 as the separate calls round them; down's
     group sums of the activations come from per-tile sums (another order of the same fp32
     sums, so close to the separate calls, not bitwise). warps (4 or 8 a tile; gate|up's with
     2 launches, down's is 8), occupancy (resident warps an SM the registers are capped for:
@@ -463,11 +459,10 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     xb = x.reshape(m, k1).astype(jnp.bfloat16)
     corr = group_sums(xb)
     pairs = [a for w in (gate, up, down) for a in (w.data, w.scale.astype(jnp.float32))]
-    psum_cols = n1 // 8 if launches == 4 else n1 // 16  # sums of 8 (interleaved) or 16
     call = jax.ffi.ffi_call(INT4_MLP_TARGET, (
         jax.ShapeDtypeStruct((m, n2), jnp.bfloat16),  # h + the MLP
         jax.ShapeDtypeStruct((m, n1), jnp.bfloat16),  # scratch: the activations
-        jax.ShapeDtypeStruct((m, psum_cols), jnp.float32)))  # scratch: their partial sums
+        jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
                      warps=np.int64(warps), occupancy=np.int64(occupancy),
                      launches=np.int64(launches))

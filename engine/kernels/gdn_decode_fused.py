@@ -154,25 +154,48 @@ def gdn_decode_fused_stacked(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_all, 
     return out, conv_state, rec_flat
 
 
+# The in-place decode path's launch: each value head's state over 2 programs by its Dv columns
+# (the gated output norm, which spans a head's Dv, in XLA after the kernel), 4 warps a program
+# (a [Dk, Dv / 2] fp32 half-state is 64 values a thread). H200, 27B heads, one row (v24c/d,
+# docs/benchmarks/README.md; the kernel's own time a C1 step): 1 program of 8 warps (the
+# default before) 398-400 us, 4 warps 307-310, 16 warps 417, 2 warps 2,825 (spills); split 2
+# of 8 warps 261, of 4 warps 213; split 4 of 4 warps 207, of 2 warps 208; split 8 222-240.
+# C1 1K decode: split 2 of 4 warps 133.0 / 131.3 tok/s against 127.4 / 125.4 for the old
+# launch in the same process (the norm's XLA kernel a layer included).
+DEFAULT_SPLIT = 2
+DEFAULT_WARPS = 4
+
+
 def split_setting() -> int:
     """Programs a value head's state is split over by its Dv columns: NINFER_GDN_FUSED_SPLIT
-    (1, the default: one program a head, the output norm inside; 2, 4, ...: the norm, which
-    spans the head's Dv, in XLA after the kernel). At the 27B's heads one program a head is
-    48 programs for one row on 132 SMs. Read by `gdn_decode_fused_rows`, the in-place decode
-    path (the default); `gdn_decode_fused` and `_stacked` take `split` as an argument."""
-    return int(os.environ.get("NINFER_GDN_FUSED_SPLIT", "1"))
+    (1: one program a head, the output norm inside; 2, the default, 4, ...: the norm in XLA
+    after the kernel). At the 27B's heads one program a head is 48 programs for one row on 132
+    SMs. Read by `gdn_decode_fused_rows`, the in-place decode path (the default);
+    `gdn_decode_fused` and `_stacked` take `split` as an argument (default 1)."""
+    return int(os.environ.get("NINFER_GDN_FUSED_SPLIT", str(DEFAULT_SPLIT)))
+
+
+def warps_setting() -> int:
+    """Triton warps of a program of the in-place decode path's kernel: NINFER_GDN_FUSED_WARPS
+    (default DEFAULT_WARPS)."""
+    w = int(os.environ.get("NINFER_GDN_FUSED_WARPS", str(DEFAULT_WARPS)))
+    if w not in (2, 4, 8, 16, 32):
+        raise ValueError(f"NINFER_GDN_FUSED_WARPS must be 2, 4, 8, 16 or 32, got {w}")
+    return w
 
 
 def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths,
-                          out_dtype, *, interpret: bool | None = None, num_warps: int = 8,
-                          split: int | None = None):
+                          out_dtype, *, interpret: bool | None = None,
+                          num_warps: int | None = None, split: int | None = None):
     """The kernel itself: proj [B, 1, conv_dim + Hv Dv + 2 Hv], the layer's input projections
     as one GEMV gives them (qkv, z, b, a side by side: no slices), `params` the KERNEL_PARAMS
     stacked [*L, ...] as the states are (the model's weight stacks), read at `layer` like the
-    states, which are as `gdn_decode_fused_stacked` takes them. split: `split_setting()` by
+    states, which are as `gdn_decode_fused_stacked` takes them. num_warps: `warps_setting()`
+    by default (read here, like split). split: `split_setting()` by
     default (read here, outside the jit cache); it must divide Dv."""
     return _rows(params, cfg, proj, conv_all, rec_all, layer, lengths, out_dtype,
-                 interpret=resolve_interpret(interpret), num_warps=num_warps,
+                 interpret=resolve_interpret(interpret),
+                 num_warps=warps_setting() if num_warps is None else int(num_warps),
                  split=split_setting() if split is None else int(split))
 
 

@@ -780,19 +780,13 @@ struct WideTile {
   int count = 0;
 
   __device__ __forceinline__ WideTile() {}
-  // The 16 rows row0 .. row0 + 15: lane (g, t) holds rows row0 + g and row0 + g + 8.
   __device__ __forceinline__ WideTile(const Mats& mt, int64_t layer, int k, int row0, int warp,
-                                      int lane)
-      : WideTile(mt, layer, k, row0 + (lane >> 2), row0 + (lane >> 2) + 8, warp, lane) {}
-  // Any two rows a lane: ra in the MMA's rows 0..7 (the lane's g), rb in rows 8..15 (the MLP's
-  // interleaved gate|up tile: gate row 8u + g and up row 8u + g, one output's two sums).
-  __device__ __forceinline__ WideTile(const Mats& mt, int64_t layer, int k, int ra, int rb,
-                                      int warp, int lane) {
-    const int n = mt.start[mt.count], t = lane & 3, pairs = k >> 7;
+                                      int lane) {
+    const int n = mt.start[mt.count], g = lane >> 2, t = lane & 3, pairs = k >> 7;
     const uint8_t *wa, *wb;
     const float *sa_p, *sb_p;
-    row_ptrs(mt, min(ra, n - 1), layer, k, wa, sa_p);
-    row_ptrs(mt, min(rb, n - 1), layer, k, wb, sb_p);
+    row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
+    row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
     pa = reinterpret_cast<const uint4*>(wa + warp * 64) + t;
     pb = reinterpret_cast<const uint4*>(wb + warp * 64) + t;
     qa = reinterpret_cast<const float2*>(sa_p) + warp;
@@ -851,20 +845,6 @@ struct CorrTiles {
     return make_float2(((lo.x + lo.y) + lo.z) + lo.w, ((hi.x + hi.y) + hi.z) + hi.w);
   }
   __device__ __forceinline__ void step(int n) { p += 2 * W * n; }
-};
-// The same from 8 sums of 8 activations a group (the interleaved gate|up launch's psum, one
-// sum a block of 8 outputs), added in a fixed order; read through the read-only path.
-template <int W>
-struct CorrOctets {
-  const float4* p;
-  __device__ __forceinline__ static float sum8(float4 a, float4 b) {
-    return (((a.x + a.y) + a.z) + a.w) + (((b.x + b.y) + b.z) + b.w);
-  }
-  __device__ __forceinline__ float2 at(int j) const {
-    const float4* q = p + 4 * W * j;
-    return make_float2(sum8(__ldg(q), __ldg(q + 1)), sum8(__ldg(q + 2), __ldg(q + 3)));
-  }
-  __device__ __forceinline__ void step(int n) { p += 4 * W * n; }
 };
 
 // Ring slot j with the pair P ahead of it (codes at pa / pb, scales at qa / qb: the round's).
@@ -1054,11 +1034,6 @@ struct LaneRows {
   __device__ __forceinline__ const float4* psum_at(const float* psum, int n1, int warp) const {
     const int64_t tiles = (n1 + 15) / 16;
     return reinterpret_cast<const float4*>(psum + crow * tiles) + 2 * warp;
-  }
-  // psum [M, N1/8] (CorrOctets): 16 sums a pair of groups
-  __device__ __forceinline__ const float4* psum8_at(const float* psum, int n1, int warp) const {
-    return reinterpret_cast<const float4*>(psum + crow * static_cast<int64_t>(n1 >> 3)) +
-           4 * warp;
   }
 };
 
@@ -1360,9 +1335,7 @@ __global__ void __launch_bounds__(W * 32, T / W)
   if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
 }
 
-// kOctets: psum holds a sum of 8 activations each ([M, N1/8], the interleaved gate|up
-// launch's), else of 16 ([M, N1/16]).
-template <int W, int T, bool kXs = false, bool kOctets = false>
+template <int W, int T, bool kXs = false>
 __global__ void __launch_bounds__(W * 32, T / W)
     int4_mlp_down(const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats dn,
                   const int32_t* __restrict__ index, const __nv_bfloat16* act,
@@ -1379,18 +1352,15 @@ __global__ void __launch_bounds__(W * 32, T / W)
   // read-only path (L1 hits for the blocks of an SM, as the wide kernel's x)
   pdl_wait();
   float tot[2] = {0.0f, 0.0f};
-  auto corr = [&]() {
-    if constexpr (kOctets) return CorrOctets<W>{ln.psum8_at(psum, k2, warp)};
-    else return CorrTiles<W, false>{ln.psum_at(psum, k2, warp)};
-  };
   if constexpr (kXs) {
     stage_x_shared(xs, reinterpret_cast<const uint4*>(act), k2);
-    ring_run_x<2, W, false, kXsFull>(ring, tl, xs_run<W>(xs, k2, warp, lane, ln.has_x), corr(),
-                                     tot);
+    ring_run_x<2, W, false, kXsFull>(ring, tl, xs_run<W>(xs, k2, warp, lane, ln.has_x),
+                                               CorrTiles<W, false>{ln.psum_at(psum, k2, warp)},
+                                               tot);
   } else {
     ring_run<2, W, false, false, false, full_rounds(true)>(
         ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2, warp, lane), ln.has_x,
-        corr(), tot);
+        CorrTiles<W, false>{ln.psum_at(psum, k2, warp)}, tot);
   }
   const float2 s = tile_sums<W>(red, tot, warp, lane);
   if (warp == 0) mlp_out_store(s, row0, dn.start[dn.count], m, lane, h, out);
@@ -1437,78 +1407,6 @@ cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* cor
   PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl, xs2 ? xs_bytes(n1) : 0);
   return cudaLaunchKernelEx(&b.cfg, xs2 ? int4_mlp_down<8, T, true> : int4_mlp_down<8, T>, h,
                             dn, index, static_cast<const __nv_bfloat16*>(act),
-                            static_cast<const float*>(psum), out, n1, m);
-}
-
-// ---- The MLP's gate|up as interleaved tiles (launches = 4) ----------------------------------
-//
-// int4_mlp_gate_up's block reduces gate tile u and then up tile u: 16 outputs a block, N1 / 16
-// blocks of twice a wide tile's work. At 8 warps that is 2.06 waves of 528 blocks on the H200
-// (4 resident an SM), at 4 warps 1.03 waves of 1,056, whose last 32 blocks run alone for a
-// whole block's time. Here block u's one 16-row tile is gate rows 8u .. 8u + 7 (the MMA's rows
-// 0..7) and up rows 8u .. 8u + 7 (rows 8..15): lane (g, t) ends with both sums of output 8u + g
-// for x row t, so the SwiGLU needs no second tile and a block does one wide tile's work, as
-// many blocks as the wide kernel runs for the same matrices. With one row of x, x is staged in
-// shared memory (`stage_x_shared`, as the wide kernel's M = 1 calls). act as int4_mlp_gate_up
-// rounds it; psum [M, N1 / 8] the sum of each block's 8 activations (fixed order), which down
-// adds 8 at a time (CorrOctets). A row's result depends on its own x row only.
-template <int W, int T, bool kXs = false>
-__global__ void __launch_bounds__(W * 32, T / W)
-    int4_mlp_gate_up_il(const uint4* __restrict__ x, const float* __restrict__ corr,
-                        const __grid_constant__ Mats gu, const int32_t* __restrict__ index,
-                        __nv_bfloat16* __restrict__ act, float* __restrict__ psum, int k1,
-                        int m) {
-  pdl_launch_dependents();
-  __shared__ float2 red[W][32];
-  extern __shared__ __align__(16) unsigned char xs[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, u = blockIdx.x;
-  const int n1 = gu.start[1], g = lane >> 2, t = lane & 3, out_row = 8 * u + g;
-  const int64_t layer = layer_of(gu, index);
-  const LaneRows ln(lane, m);
-  const WideTile<W> tl(gu, layer, k1, out_row, n1 + out_row, warp, lane);
-  WideRing<2> ring;
-  ring_fill(ring, tl);
-  float tot[2] = {0.0f, 0.0f};  // gate and up sums of output 8u + g, x row t
-  if constexpr (kXs) {
-    stage_x_shared(xs, x, k1);
-    ring_run_x<2, W, false, kXsFull>(ring, tl, xs_run<W>(xs, k1, warp, lane, ln.has_x),
-                                     CorrPairs<W>{ln.corr_at(corr, k1, warp)}, tot);
-  } else {
-    ring_run<2, W, false, false, false, full_rounds(W >= 8)>(
-        ring, tl, ln.x_at(x, k1, warp, lane), ln.has_x,
-        CorrPairs<W>{ln.corr_at(corr, k1, warp)}, tot);
-  }
-  const float2 s = tile_sums<W>(red, tot, warp, lane);
-  if (warp == 0) {
-    const float a = t < m ? swiglu_bf16(s.x, s.y) : 0.0f;
-    if (t < m) act[static_cast<int64_t>(t) * n1 + out_row] = __float2bfloat16_rn(a);
-    float p = a;  // the 8 outputs' sum for x row t, over g in a fixed tree
-    p += __shfl_xor_sync(0xffffffffu, p, 4);
-    p += __shfl_xor_sync(0xffffffffu, p, 8);
-    p += __shfl_xor_sync(0xffffffffu, p, 16);
-    if (g == 0 && t < m) psum[static_cast<int64_t>(t) * (n1 >> 3) + u] = p;
-  }
-}
-
-// The interleaved gate|up launch (W warps, N1 / 8 blocks; x staged at M = 1 where K1 fits)
-// then down (8 warps, CorrOctets), chained by programmatic dependent launch when `pdl`.
-template <int W, int T>
-cudaError_t launch_mlp_il(cudaStream_t stream, const uint4* x, const float* corr,
-                          const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
-                          const int32_t* index, __nv_bfloat16* act, float* psum,
-                          __nv_bfloat16* out, int k1, int m, bool pdl) {
-  const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  if (xs_for(m, k1))
-    int4_mlp_gate_up_il<W, T, true><<<n1 / 8, W * 32, xs_bytes(k1), stream>>>(
-        x, corr, gu, index, act, psum, k1, m);
-  else
-    int4_mlp_gate_up_il<W, T><<<n1 / 8, W * 32, 0, stream>>>(x, corr, gu, index, act, psum,
-                                                             k1, m);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl);
-  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T, false, true>, h, dn, index,
-                            static_cast<const __nv_bfloat16*>(act),
                             static_cast<const float*>(psum), out, n1, m);
 }
 
@@ -1965,8 +1863,7 @@ bool with_mlp_setting(int64_t warps, int64_t occupancy, F f) {
 // residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
 // [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. launches: 1 the persistent
 // kernel; 2 gate|up then down chained by programmatic dependent launch; 3 the same two
-// launches in plain stream order; 4 the interleaved gate|up (psum [M, N1/8]) then down,
-// chained.
+// launches in plain stream order.
 ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> corr,
                        ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> index,
                        ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
@@ -1986,12 +1883,10 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     return ffi::Error::InvalidArgument("int4_mlp: corr must be [M, K1/64]");
   if (!is_matrix(h.dimensions(), m, n2) || !is_matrix(out->dimensions(), m, n2))
     return ffi::Error::InvalidArgument("int4_mlp: h and out must be [M, N2]");
-  if (launches < 1 || launches > 4)
-    return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2, 3 or 4");
-  const int64_t psum_cols = launches == 4 ? n1 / 8 : n1 / 16;
-  if (!is_matrix(act->dimensions(), m, n1) || !is_matrix(psum->dimensions(), m, psum_cols))
-    return ffi::Error::InvalidArgument(
-        "int4_mlp: act must be [M, N1], psum [M, N1/16] (launches 4: [M, N1/8])");
+  if (!is_matrix(act->dimensions(), m, n1) || !is_matrix(psum->dimensions(), m, n1 / 16))
+    return ffi::Error::InvalidArgument("int4_mlp: act must be [M, N1], psum [M, N1/16]");
+  if (launches < 1 || launches > 3)
+    return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
   const int tiles = static_cast<int>(std::max((n1 + 15) / 16, (n2 + 15) / 16));
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const auto* hp = reinterpret_cast<const __nv_bfloat16*>(h.typed_data());
@@ -2004,9 +1899,6 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     if (launches == 1) {
       err = launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(), ap,
                              psum->typed_data(), op, ki, mi, tiles);
-    } else if (launches == 4) {
-      err = launch_mlp_il<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
-                                ap, psum->typed_data(), op, ki, mi, true);
     } else {
       err = launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
                                  ap, psum->typed_data(), op, ki, mi, launches == 2);
