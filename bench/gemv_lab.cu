@@ -1,9 +1,10 @@
 // A standalone lab for the wide int4 GEMV (no JAX): the engine's wide kernel (x through L1,
-// and x staged in shared memory) and its MLP op, timed as CUDA graphs of back-to-back
-// launches over stacked layers (the weights come from the HBM, as in the decode step),
-// outputs compared bitwise with the engine's kernel, the read ceiling of the same bytes, and
-// a globaltimer trace of each warp's rounds (where a call's time goes: the ramp, a round, the
-// tail). Built and run on the GPU machine (bench/h200_session.sh part `lab`):
+// and x staged in shared memory), a candidate with K split over a thread-block cluster
+// (`split_wide`, measured in v24: -5% at down-like, no gain elsewhere) and the MLP op, timed as
+// CUDA graphs of back-to-back launches over stacked layers (the weights come from the HBM, as
+// in the decode step), outputs compared with the engine's kernel (rows differing, normwise
+// error), the read ceiling of the same bytes, and a globaltimer trace of each warp's rounds
+// (where a call's time goes: the ramp, a round, the tail). Built and run on the GPU machine (bench/h200_session.sh part `lab`):
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I$(python3 -c 'import jax; print(jax.ffi.include_dir())') \
 //       bench/gemv_lab.cu -o gemv_lab && ./gemv_lab > gemv_lab.json

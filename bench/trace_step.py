@@ -1,0 +1,151 @@
+"""Trace a few C1 decode steps of the 27B shapes and keep the whole trace (host and device
+planes), gzipped, for reading off the GPU: whether the device waits for the host's launches.
+
+    python3 bench/trace_step.py --out $OUT/trace_step.xplane.pb.gz [--steps 3] [--unroll]
+
+Then, anywhere with jax: `python3 bench/trace_step.py --read FILE` prints the device's busy
+and idle time (idle inside a step, in gaps of at most 20 us, and between steps), a histogram
+of the short gaps, and how far ahead of the device the host had launched each step's work
+(`gap_report`).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def record(args) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from bench.bench_27b import random_paged_cache, random_params
+    from engine import model as M
+    from engine.config import QWEN38_27B
+
+    cfg, dt = QWEN38_27B, jnp.bfloat16
+    params = random_params(cfg, dt, "int4_g64")
+    fwd = M.jit_forward()
+    cache = random_paged_cache(cfg, args.context, dt, 1)
+    tok = jnp.ones((1, 1), jnp.int32)
+
+    def step(c):
+        c = c._replace(pos=jnp.full((1,), args.context, jnp.int32))
+        logits, _, c = fwd(params, cfg, tok, c, last_only=True, unroll=args.unroll,
+                           kernels="pallas")
+        jax.block_until_ready(logits)
+        return c
+
+    for _ in range(3):
+        cache = step(cache)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(args.steps):
+                cache = step(cache)
+        path = max(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True),
+                   key=os.path.getmtime)
+        with open(path, "rb") as src, gzip.open(args.out, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    print(f"trace of {args.steps} steps: {args.out} ({os.path.getsize(args.out)} bytes)")
+
+
+def load(path: str):
+    """The ProfileData of a gzipped (or plain) xplane file."""
+    from jax.profiler import ProfileData
+
+    if not path.endswith(".gz"):
+        return ProfileData.from_file(path)
+    with tempfile.NamedTemporaryFile(suffix=".xplane.pb") as tmp:
+        with gzip.open(path, "rb") as src:
+            shutil.copyfileobj(src, tmp)
+        tmp.flush()
+        return ProfileData.from_file(tmp.name)
+
+
+def timelines(data) -> tuple[list, list]:
+    """(device kernels, host events) as (start_ns, end_ns, name) sorted by start: the GPU's
+    compute stream(s), and the events of the host thread that ran the program (the line with
+    the most events on the host plane)."""
+    dev, host = [], []
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if "Compute" in line.name or line.name.startswith("Stream"):
+                    if "Memcpy" in line.name:
+                        continue
+                    dev += [(e.start_ns, e.end_ns, e.name) for e in line.events]
+        elif plane.name == "/host:CPU":
+            best = max(plane.lines, key=lambda ln: len(list(ln.events)), default=None)
+            if best is not None:
+                host = [(e.start_ns, e.end_ns, e.name) for e in best.events]
+    return sorted(dev), sorted(host)
+
+
+def gap_report(dev: list, host: list, big_us: float = 20.0, program: str = "forward") -> dict:
+    """The device's idle time between kernels: in all, in gaps of at most `big_us` (inside a
+    step) and in longer ones (between steps: the host's work before its next launch, which
+    a pipelined dispatch would hide), a histogram of the short gaps by microsecond, and for
+    each call of the jitted `program` how long the device still ran after the host had
+    returned from launching it (> 0: the host was ahead, the device bound that call)."""
+    short = long_ = 0.0
+    hist: dict[int, int] = {}
+    end = dev[0][1] if dev else 0
+    for s, e, _ in dev[1:]:
+        gap = (s - end) / 1e3
+        if gap > 0:
+            if gap > big_us:
+                long_ += gap
+            else:
+                short += gap
+                hist[int(gap)] = hist.get(int(gap), 0) + 1
+        end = max(end, e)
+    launches = [h for h in host if h[2].startswith("cuGraphLaunch")]
+    # each call of the program (host events of that name, nested duplicates dropped): the
+    # device work from its first kernel to the next call's, and when the host returned
+    calls = sorted({(s, e) for s, e, name in host if name == f"PjitFunction({program})"})
+    ahead = []
+    for i, (s, e) in enumerate(calls):
+        nxt = calls[i + 1][0] if i + 1 < len(calls) else float("inf")
+        work = [d for d in dev if s <= d[0] < nxt]
+        if work:
+            ahead.append((max(d[1] for d in work) - e) / 1e3)
+    span = (dev[-1][1] - dev[0][0]) / 1e3 if dev else 0.0
+    busy = span - short - long_
+    return {"kernels": len(dev), "span_us": span, "busy_us": busy, "idle_short_us": short,
+            "idle_long_us": long_, "short_gap_histogram_us": dict(sorted(hist.items())),
+            "graph_launches": len(launches), "host_ahead_us": ahead}
+
+
+def read(path: str) -> None:
+    rep = gap_report(*timelines(load(path)))
+    print(f"{rep['kernels']} kernels in {rep['span_us']:.0f} us: busy {rep['busy_us']:.0f}, "
+          f"idle in gaps <= 20 us {rep['idle_short_us']:.0f}, in longer gaps "
+          f"{rep['idle_long_us']:.0f}; {rep['graph_launches']} graph launches")
+    print("short gaps (us: count):", rep["short_gap_histogram_us"])
+    print("device time after the host returned from each forward call (us):",
+          [round(a) for a in rep["host_ahead_us"]])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="trace_step.xplane.pb.gz")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--unroll", action="store_true")
+    ap.add_argument("--read", default="")
+    args = ap.parse_args()
+    if args.read:
+        read(args.read)
+    else:
+        record(args)
+
+
+if __name__ == "__main__":
+    main()

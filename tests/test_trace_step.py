@@ -1,0 +1,36 @@
+"""bench/trace_step.py's accounting of a traced step's idle time, on timelines whose answer
+is known."""
+from bench.trace_step import gap_report
+
+US = 1000  # the timelines are in ns
+
+
+def test_idle_inside_steps_and_between_steps_and_the_host_lead():
+    # two calls of the program: the host launches each in 10 us and returns while the device
+    # still runs its kernels; gaps of 1 and 2 us inside a step, 100 us between the steps
+    host = [(0, 10 * US, "PjitFunction(forward)"), (0, 10 * US, "PjitFunction(forward)"),
+            (2 * US, 3 * US, "cuGraphLaunch (CudaGraph:1)"),
+            (200 * US, 210 * US, "PjitFunction(forward)"),
+            (201 * US, 202 * US, "cuGraphLaunch (CudaGraph:1)"),
+            (150 * US, 160 * US, "PjitFunction(convert_element_type)")]
+    dev = [(5 * US, 50 * US, "gemv"), (51 * US, 90 * US, "norm"), (92 * US, 110 * US, "mlp"),
+           (210 * US, 260 * US, "gemv"), (261 * US, 300 * US, "norm")]
+    rep = gap_report(dev, host)
+    assert rep["kernels"] == 5
+    assert rep["span_us"] == 295.0
+    assert rep["idle_short_us"] == 1.0 + 2.0 + 1.0
+    assert rep["idle_long_us"] == 100.0
+    assert rep["busy_us"] == 295.0 - 4.0 - 100.0
+    assert rep["short_gap_histogram_us"] == {1: 2, 2: 1}
+    assert rep["graph_launches"] == 2
+    # the first call's device work ends at 110 us, 100 us after its host call returned; the
+    # second's at 300 us, 90 us after; the duplicate nested event counts once
+    assert rep["host_ahead_us"] == [100.0, 90.0]
+
+
+def test_overlapping_kernels_leave_no_gap_and_a_late_host_shows_as_negative_lead():
+    dev = [(0, 40 * US, "a"), (10 * US, 30 * US, "b"), (41 * US, 45 * US, "c")]
+    host = [(0, 60 * US, "PjitFunction(forward)")]
+    rep = gap_report(dev, host)
+    assert rep["idle_short_us"] == 1.0 and rep["idle_long_us"] == 0.0
+    assert rep["host_ahead_us"] == [-15.0]  # the host returned after the device had finished
