@@ -68,12 +68,15 @@ def main() -> None:
     res["prefill_2048"] = run(eng, [long_ids], 2)
     res["prefill_2048"]["prefill_tokens_per_s"] = 2048 / res["prefill_2048"]["ttft_s"][0]
     res["c2_over_c1_decode"] = res["c2"]["decode_tokens_per_s"] / res["c1"]["decode_tokens_per_s"]
+    # chained decode steps (NINFER_OVERLAP): on or off, and how many steps were chained
+    res["overlap"], res["chained_steps"] = eng._overlap, eng.chained_steps
     eng.stop()
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"compile {compile_s:.1f}s | decode C1 {res['c1']['decode_tokens_per_s']:.1f} tok/s, "
           f"C2 {res['c2']['decode_tokens_per_s']:.1f} tok/s aggregate "
           f"({res['c2_over_c1_decode']:.2f}x) | prefill 2048 tokens "
-          f"{res['prefill_2048']['prefill_tokens_per_s']:.0f} tok/s")
+          f"{res['prefill_2048']['prefill_tokens_per_s']:.0f} tok/s | overlap {res['overlap']} "
+          f"({res['chained_steps']} steps chained)")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 import secrets
 import queue
 import threading
@@ -26,7 +27,7 @@ from engine import model as M
 from engine.loader import LoadedModel, worker_threads
 from engine.runtime.memory import Memory
 from engine.runtime.scheduler import (QueueFull, Scheduler, Sequence,  # noqa: F401 (re-export)
-                                      piece_widths)
+                                      SeqStatus, piece_widths)
 from engine.sampling import SamplingParams, request_key, sample
 
 
@@ -91,6 +92,36 @@ def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, mask=None, 
     return sample(logits, temperature, top_k, top_p, keys)
 
 
+# Stop ids a row may have for its decode steps to be chained on the device (`_chain`): the
+# on-device stop test compares the sampled token with this many ids (padded with -1).
+CHAIN_STOP_IDS = 16
+
+
+def _next_inputs(picked, stops, live):
+    """The next decode step's tokens [B, 1] and lengths [B] from the device-resident tokens
+    `picked` [B] that the last step sampled: a row continues (length 1) where it is `live`
+    and its token is none of its stop ids `stops` [B, S] (a stop token is never fed, as the
+    synced path never feeds it); any other row has length 0 and its state is left alone."""
+    cont = live & jnp.all(picked[:, None] != stops, axis=1)
+    return picked[:, None].astype(jnp.int32), cont.astype(jnp.int32)
+
+
+@dataclass
+class _InFlight:
+    """A chained decode step on the device whose sampled tokens the host has not read: its
+    rows (as dispatched), the tokens, and its entry in the scheduler's step log."""
+    seqs: tuple
+    picked: object
+    log_at: int
+
+
+def overlap_enabled() -> bool:
+    """Whether decode steps are chained on the device (NINFER_OVERLAP, default on): the next
+    step is dispatched with the sampled tokens still on the device, before the host reads
+    them, so the host's dispatch and its token work run while the device computes."""
+    return os.environ.get("NINFER_OVERLAP", "1") != "0"
+
+
 class Engine:
     def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int,
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
@@ -133,6 +164,10 @@ class Engine:
                           state_slots=state_slots, host_state_bytes=host_state_bytes,
                           before_evict=before_evict)
         self.B = max_concurrency
+        self._overlap = overlap_enabled()
+        self._next_inputs = jax.jit(_next_inputs)
+        self._inflight: _InFlight | None = None
+        self.chained_steps = 0  # decode steps dispatched before the last one's tokens were read
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -275,7 +310,11 @@ class Engine:
         logits, _, self.mem.cache = self._fwd(self.model.params,
                                               jnp.zeros((self.B, 1), jnp.int32), self.mem.cache,
                                               zero)
-        self._sample_batch(logits[:, 0], [None] * self.B)
+        picked, _ = self._sample_batch(logits[:, 0], [None] * self.B)
+        # the chained steps' inputs (`_chain`), compiled here rather than on a first request
+        jax.block_until_ready(self._next_inputs(
+            picked, jnp.full((self.B, CHAIN_STOP_IDS), -1, jnp.int32),
+            jnp.zeros((self.B,), bool)))
         # The masked sampler too (a constrained request would otherwise compile it first).
         args = (np.zeros((self.B,), np.float32), np.zeros((self.B,), np.int32),
                 np.ones((self.B,), np.float32), np.zeros((self.B, 2), np.uint32),
@@ -287,6 +326,11 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            if self._inflight is not None:
+                # a chained decode step is on the device: chain the next one or read it; the
+                # inbox (submissions, commands, stop) waits until no step is in flight
+                self._advance_inflight()
+                continue
             if not self._drain_inbox(block=self.sched.idle):
                 return
             for seq in self.sched.expire():
@@ -362,11 +406,106 @@ class Engine:
             rows = [None] * self.B
             for s in ready:
                 rows[s.slot] = s
-            picked = self._sample_batch(logits[:, 0], rows)
-            for s in ready:
-                self._accept(s, int(picked[s.slot]))
+            picked, failed = self._sample_batch(logits[:, 0], rows)
+            # a decode step: the next one goes to the device before this one's tokens are read
+            nxt = self._chain(step.seqs, picked) if step.kind == "decode" and not failed \
+                else None
+            self._collect(ready, picked, failed)
+            if nxt is not None:
+                self._settle_log(nxt)
+            self._inflight = nxt
 
-    def _sample_batch(self, logits, rows: list) -> np.ndarray:
+    # ---- chained decode steps -------------------------------------------------------------
+    # While only decode steps of the same rows can follow (nothing waiting or prefilling, no
+    # constraint, no command or submission in the inbox), step K + 1 is dispatched with step
+    # K's sampled tokens still on the device, and only then are K's tokens read and accepted:
+    # the host's dispatch and token work run while the device computes, where the synced
+    # path leaves the device idle for both (H200 v24i: 0.7-0.8 ms a 27B step). The results
+    # are the synced path's: K + 1 feeds a row exactly the token the synced path would feed
+    # it (a stop token, tested on the device, and a row ending at its budget get length 0,
+    # which leaves its state alone), with the same sampling key and step; a row that ended
+    # at K is dropped from K + 1's log entry and its K + 1 token is never read.
+    def _may_chain(self, seqs) -> bool:
+        running = self.sched.running
+        return (self._overlap and self._inbox.empty() and not self.sched.waiting
+                and all(s.status is SeqStatus.DECODING for s in running)
+                and set(running) <= set(seqs)
+                and all(s.payload.constraint is None and not s.payload.cancelled.is_set()
+                        and len(s.payload.stop_ids) <= CHAIN_STOP_IDS for s in seqs))
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token in flight for `seq` (not yet read) will be its last (`_accept`)."""
+        done = len(seq.output_ids) + 1
+        return done >= seq.max_tokens or len(seq.prompt_ids) + done >= self.context_tokens
+
+    def _chain(self, seqs, picked) -> _InFlight | None:
+        """Dispatch the decode step after the one whose sampled tokens `picked` (on the
+        device, unread) are for `seqs`; None where it may not be chained (`_may_chain`)."""
+        if not self._may_chain(seqs):
+            return None
+        nxt = tuple(s for s in seqs
+                    if s.status is SeqStatus.DECODING and not self._ends_by_length(s))
+        # only where the pages are there without evicting a stored state: the synced path
+        # would release the pages of rows that end at K first
+        if not nxt or not all(s.table.can_append(1) for s in nxt):
+            return None
+        stops = np.full((self.B, CHAIN_STOP_IDS), -1, np.int32)
+        live = np.zeros((self.B,), bool)
+        rows = [None] * self.B
+        for s in nxt:
+            ids = sorted(s.payload.stop_ids)
+            stops[s.slot, :len(ids)] = ids
+            live[s.slot] = True
+            rows[s.slot] = s
+        self.sched.step_log.append(("decode", tuple(s.seq_id for s in nxt)))
+        log_at = len(self.sched.step_log) - 1
+        self.mem.prepare(nxt, 1)
+        tokens, lengths = self._next_inputs(picked, jax.device_put(stops),
+                                            jax.device_put(live))
+        logits, _, self.mem.cache = self._fwd(self.model.params, tokens, self.mem.cache,
+                                              lengths)
+        nxt_picked, _ = self._sample_batch(logits[:, 0], rows, ahead=1)
+        self.chained_steps += 1
+        return _InFlight(nxt, nxt_picked, log_at)
+
+    def _settle_log(self, inf: _InFlight) -> None:
+        """Once the step before `inf` is read (its entry is the log's last): rows that ended
+        there were never fed by `inf` (length 0): its log entry lists the rows the synced
+        path's step would have had, and goes when none is left."""
+        ids = tuple(s.seq_id for s in inf.seqs if s.status is SeqStatus.DECODING)
+        if ids:
+            self.sched.step_log[inf.log_at] = ("decode", ids)
+        else:  # every row ended at K: a step the synced path never runs (its rows all at 0)
+            del self.sched.step_log[inf.log_at]
+
+    def _advance_inflight(self) -> None:
+        """Chain the step after the one in flight (when it may be), then read and accept the
+        in-flight step's tokens."""
+        inf, self._inflight = self._inflight, None
+        try:
+            nxt = self._chain(inf.seqs, inf.picked)
+            self._collect([s for s in inf.seqs if s.status is SeqStatus.DECODING],
+                          inf.picked, [])
+            if nxt is not None:
+                self._settle_log(nxt)
+            self._inflight = nxt
+        except Exception as e:  # the engine thread must survive a failed step
+            for seq in inf.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    self._finish(seq, "error", error=type(e).__name__)
+
+    def _collect(self, seqs, picked, failed: list) -> None:
+        """Read a step's sampled tokens (the host waits for the device here) and accept each
+        row's; failed rows (a constraint that could not build its mask) get -1."""
+        picked = np.array(picked)
+        picked[failed] = -1  # _accept finishes these with "error"
+        for s in seqs:
+            self._accept(s, int(picked[s.slot]))
+
+    def _sample_batch(self, logits, rows: list, ahead: int = 0) -> tuple[jax.Array, list]:
+        """Dispatch the sampling of each row's token: (the tokens [B] on the device, the rows
+        whose constraint failed). `ahead`: tokens sampled but not yet accepted before this
+        one (1 for a chained step), so its key step is the synced path's."""
         temp = np.zeros((self.B,), np.float32)
         top_k = np.zeros((self.B,), np.int32)
         top_p = np.ones((self.B,), np.float32)
@@ -378,7 +517,7 @@ class Engine:
                 continue
             sp = seq.payload.sampling
             temp[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
-            keys[b], steps[b] = seq.payload.key_data, len(seq.output_ids)
+            keys[b], steps[b] = seq.payload.key_data, len(seq.output_ids) + ahead
             if seq.payload.constraint is not None:
                 # Host work for constrained rows only, while the device still runs the
                 # forward just dispatched; other rows keep all-ones rows (logits unchanged).
@@ -388,9 +527,7 @@ class Engine:
                 except Exception:  # a failed constraint ends its own sequence only
                     mask[b] = -1
                     failed.append(b)
-        picked = np.array(self._sample(logits, temp, top_k, top_p, keys, steps, mask))
-        picked[failed] = -1  # _accept finishes these with "error"
-        return picked
+        return self._sample(logits, temp, top_k, top_p, keys, steps, mask), failed
 
     def _mask_rows(self) -> np.ndarray:
         return np.full((self.B, self._mask_words), -1, np.int32)
