@@ -11,7 +11,6 @@ of the short gaps, and how far ahead of the device the host had launched each st
 from __future__ import annotations
 
 import argparse
-import glob
 import gzip
 import os
 import shutil
@@ -27,6 +26,7 @@ def record(args) -> None:
     import jax.numpy as jnp
 
     from bench.bench_27b import random_paged_cache, random_params
+    from bench.profile_summary import newest_xplane
     from engine import model as M
     from engine.config import QWEN38_27B
 
@@ -49,9 +49,7 @@ def record(args) -> None:
         with jax.profiler.trace(d):
             for _ in range(args.steps):
                 cache = step(cache)
-        path = max(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True),
-                   key=os.path.getmtime)
-        with open(path, "rb") as src, gzip.open(args.out, "wb") as dst:
+        with open(newest_xplane(d), "rb") as src, gzip.open(args.out, "wb") as dst:
             shutil.copyfileobj(src, dst)
     print(f"trace of {args.steps} steps: {args.out} ({os.path.getsize(args.out)} bytes)")
 

@@ -126,7 +126,8 @@ class Engine:
     def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int,
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
                  capacity_tokens: int | None = None, state_slots: int = 8,
-                 host_state_bytes: int = 0, before_evict=None, kernels: str = "xla"):
+                 host_state_bytes: int = 0, before_evict=None, kernels: str = "xla",
+                 overlap: bool | None = None):
         from engine.kernels import check_kernels
 
         self.model = model
@@ -164,8 +165,12 @@ class Engine:
                           state_slots=state_slots, host_state_bytes=host_state_bytes,
                           before_evict=before_evict)
         self.B = max_concurrency
-        self._overlap = overlap_enabled()
+        # chained decode steps: the argument, else NINFER_OVERLAP (`overlap_enabled`)
+        self._overlap = overlap_enabled() if overlap is None else bool(overlap)
         self._next_inputs = jax.jit(_next_inputs)
+        # the device's stop ids and live rows of the last chained row set: a chain's steps
+        # reuse them instead of building and copying them each step
+        self._chain_rows: tuple[tuple, object, object] | None = None
         self._inflight: _InFlight | None = None
         self.chained_steps = 0  # decode steps dispatched before the last one's tokens were read
 
@@ -449,19 +454,22 @@ class Engine:
         # would release the pages of rows that end at K first
         if not nxt or not all(s.table.can_append(1) for s in nxt):
             return None
-        stops = np.full((self.B, CHAIN_STOP_IDS), -1, np.int32)
-        live = np.zeros((self.B,), bool)
         rows = [None] * self.B
         for s in nxt:
-            ids = sorted(s.payload.stop_ids)
-            stops[s.slot, :len(ids)] = ids
-            live[s.slot] = True
             rows[s.slot] = s
+        key = tuple((s.slot, s.seq_id) for s in nxt)
+        if self._chain_rows is None or self._chain_rows[0] != key:
+            stops = np.full((self.B, CHAIN_STOP_IDS), -1, np.int32)
+            live = np.zeros((self.B,), bool)
+            for s in nxt:
+                ids = sorted(s.payload.stop_ids)
+                stops[s.slot, :len(ids)] = ids
+                live[s.slot] = True
+            self._chain_rows = (key, jax.device_put(stops), jax.device_put(live))
         self.sched.step_log.append(("decode", tuple(s.seq_id for s in nxt)))
         log_at = len(self.sched.step_log) - 1
         self.mem.prepare(nxt, 1)
-        tokens, lengths = self._next_inputs(picked, jax.device_put(stops),
-                                            jax.device_put(live))
+        tokens, lengths = self._next_inputs(picked, self._chain_rows[1], self._chain_rows[2])
         logits, _, self.mem.cache = self._fwd(self.model.params, tokens, self.mem.cache,
                                               lengths)
         nxt_picked, _ = self._sample_batch(logits[:, 0], rows, ahead=1)

@@ -19,19 +19,9 @@ def model(tiny_model):
     return tiny_model
 
 
-def _engine(model, overlap: bool, monkeypatch=None):
-    import os
-
-    old = os.environ.get("NINFER_OVERLAP")
-    os.environ["NINFER_OVERLAP"] = "1" if overlap else "0"
-    try:
-        eng = Engine(model, context_tokens=1024, prefill_chunk=64, max_concurrency=2,
-                     max_queue=8, capacity_tokens=8192, state_slots=16)
-    finally:
-        if old is None:
-            os.environ.pop("NINFER_OVERLAP", None)
-        else:
-            os.environ["NINFER_OVERLAP"] = old
+def _engine(model, overlap: bool):
+    eng = Engine(model, context_tokens=1024, prefill_chunk=64, max_concurrency=2, max_queue=8,
+                 capacity_tokens=8192, state_slots=16, overlap=overlap)
     eng.start()
     return eng
 
@@ -67,9 +57,15 @@ def _both(engines, fn):
     return out
 
 
-def test_chaining_is_on_by_default_and_off_with_the_switch(engines):
+def test_chaining_is_on_by_default_and_off_with_the_switch(model, engines, monkeypatch):
     on, off = engines
     assert on._overlap and not off._overlap
+    kw = dict(context_tokens=256, prefill_chunk=64)
+    monkeypatch.delenv("NINFER_OVERLAP", raising=False)
+    assert Engine(model, **kw)._overlap  # the default
+    monkeypatch.setenv("NINFER_OVERLAP", "0")
+    assert not Engine(model, **kw)._overlap
+    assert Engine(model, overlap=True, **kw)._overlap  # the argument wins
 
 
 def test_greedy_and_seeded_tokens_and_stop_at_a_chosen_token(model, engines):
