@@ -28,7 +28,7 @@ from engine.loader import LoadedModel, worker_threads
 from engine.runtime.memory import Memory
 from engine.runtime.scheduler import (QueueFull, Scheduler, Sequence,  # noqa: F401 (re-export)
                                       SeqStatus, piece_widths)
-from engine.sampling import SamplingParams, request_key, sample
+from engine.sampling import Paths, SamplingParams, batch_paths, request_key, sample
 
 
 @dataclass
@@ -74,7 +74,7 @@ class GenerationRequest:
 
 
 def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, mask=None, *,
-                 n_vocab: int):
+                 n_vocab: int, paths: Paths | None = None):
     """Sample one token per row; row b uses only fold_in(key_b, steps_b): batch-invariant.
 
     logits: [B, V] f32; key_data: [B, 2] uint32; steps: [B] int32. Ids >= n_vocab are padding
@@ -89,7 +89,13 @@ def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, mask=None, 
     logits = jnp.where(allowed, logits, -jnp.inf)
     keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(
         key_data, steps)
-    return sample(logits, temperature, top_k, top_p, keys)
+    return sample(logits, temperature, top_k, top_p, keys, paths=paths)
+
+
+# The sampler variants warm_run compiles: what the server's requests make (top_k is never set
+# there): greedy, temperature alone, temperature with top_p < 1.
+WARM_PATHS = (Paths(False, False, False, False), Paths(True, True, False, False),
+              Paths(True, False, True, True))
 
 
 # Stop ids a row may have for its decode steps to be chained on the device (`_chain`): the
@@ -151,13 +157,24 @@ class Engine:
             return lambda p, t, c, n: f(p, cfg, t, c, lengths=n, last_only=True,
                                         kernels=kernels)
         self._jit_fwd, self._lower = bound(fwd), bound(fwd.lower)
-        # width -> its compiled forward (compile() fills it): called without jit's dispatch
-        # and trace cache, so a width loaded from an ExecStore is never traced
-        self._compiled: dict[int, object] = {}
+        # A prefill piece is one row's: in an engine of more rows it runs over that row alone
+        # (`forward_rows`), not with the others as padding through every matmul.
+        rows_fwd = M.jit_forward_rows()
+
+        def bound_rows(f):
+            return lambda p, t, c, n, r: f(p, cfg, t, c, r, lengths=n, kernels=kernels)
+        self._jit_rows, self._lower_rows = bound_rows(rows_fwd), bound_rows(rows_fwd.lower)
+        # (rows, width) -> its compiled forward (compile() fills it): called without jit's
+        # dispatch and trace cache, so a width loaded from an ExecStore is never traced; rows
+        # B: every row (`forward`), fewer: `forward_rows`
+        self._compiled: dict[tuple[int, int], object] = {}
         self.exec_counts = {"loaded": 0, "compiled": 0}
         self.exec_saving: threading.Thread | None = None  # compile()'s background saves
+        # paths (static): which sampler paths the batch's rows take, known here from their
+        # parameters, so that no cond on the device decides it (`engine.sampling.Paths`)
         self._sample = jax.jit(functools.partial(_sample_rows,
-                                                 n_vocab=model.tokenizer.vocab_size))
+                                                 n_vocab=model.tokenizer.vocab_size),
+                               static_argnames=("paths",))
         self._mask_words = (model.tokenizer.vocab_size + 31) // 32  # bitmask row width
         self.mem = Memory(cfg, batch=max_concurrency, context_tokens=context_tokens,
                           capacity_tokens=capacity_tokens or context_tokens * max_concurrency,
@@ -227,11 +244,25 @@ class Engine:
         The same as compile() then warm_run()."""
         return self.compile(threads) + self.warm_run()
 
-    def _fwd(self, params, tokens, cache, lengths):
-        compiled = self._compiled.get(tokens.shape[1])
+    def _fwd(self, params, tokens, cache, lengths, rows=None):
+        """The forward over every row, or over the cache rows `rows` (tokens and lengths then
+        have one row each of them); returns (logits [B, 1, V], hidden or None, cache)."""
+        compiled = self._compiled.get((tokens.shape[0], tokens.shape[1]))
+        if rows is None:
+            if compiled is not None:
+                return compiled(params, tokens, cache, lengths=lengths)
+            return self._jit_fwd(params, tokens, cache, lengths)
         if compiled is not None:
-            return compiled(params, tokens, cache, lengths=lengths)
-        return self._jit_fwd(params, tokens, cache, lengths)
+            logits, cache = compiled(params, tokens, cache, rows, lengths=lengths)
+        else:
+            logits, cache = self._jit_rows(params, tokens, cache, lengths, rows)
+        return logits, None, cache
+
+    def _shapes(self) -> list[tuple[int, int]]:
+        """The (rows, width) forwards this engine runs: every prefill piece width over one
+        row (all rows when the engine has one), and the decode step over all rows."""
+        narrow = 1 if self.B > 1 else self.B
+        return [(narrow, w) for w in piece_widths(self.sched.prefill_chunk)] + [(self.B, 1)]
 
     def compile(self, threads: int | None = None, store=None) -> float:
         """Compile the forward for the decode step and every prefill piece width, ahead of
@@ -253,8 +284,7 @@ class Engine:
                                                runtime_description)
 
         t0 = time.monotonic()
-        zero = jax.ShapeDtypeStruct((self.B,), jnp.int32)
-        widths = piece_widths(self.sched.prefill_chunk) + [1]  # 1: the decode step
+        shapes = self._shapes()
         threads = threads or worker_threads()
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                               self.model.params)
@@ -272,25 +302,32 @@ class Engine:
                 "batch": self.B, "kernels": self.kernels, "fn": "forward/last_only",
                 "cuda_ffi": ffi}
         runtime = runtime_description() if store is not None else None
-        keys = ({w: describe({**call, "width": w}, runtime) for w in widths}
-                if store is not None else {})
+        def describe_shape(n, w):
+            if n == self.B:  # the key the store has always had for the whole batch's forward
+                return describe({**call, "width": w}, runtime)
+            return describe({**call, "fn": "forward_rows", "rows": n, "width": w}, runtime)
+        keys = ({sw: describe_shape(*sw) for sw in shapes} if store is not None else {})
 
         to_save, from_cache = [], []  # (key, compiled), (key, lowered): for the store
 
-        def compile_width(w):
-            compiled = store.load(keys[w]) if store is not None else None
+        def compile_shape(sw):
+            n, w = sw
+            compiled = store.load(keys[sw]) if store is not None else None
             if compiled is not None:
-                return w, compiled, "loaded"
-            lowered = self._lower(params, jax.ShapeDtypeStruct((self.B, w), jnp.int32),
-                                  cache, zero)
+                return sw, compiled, "loaded"
+            i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+            if n == self.B:
+                lowered = self._lower(params, i32((n, w)), cache, i32((n,)))
+            else:
+                lowered = self._lower_rows(params, i32((n, w)), cache, i32((n,)), i32((n,)))
             compiled, cached = compile_noting_cache(lowered)
             if store is not None:
                 (from_cache if cached else to_save).append(
-                    (keys[w], lowered if cached else compiled))
-            return w, compiled, "compiled"
+                    (keys[sw], lowered if cached else compiled))
+            return sw, compiled, "compiled"
         with concurrent.futures.ThreadPoolExecutor(threads, "ninfer-compile") as pool:
-            for w, compiled, how in pool.map(compile_width, widths):
-                self._compiled[w] = compiled
+            for sw, compiled, how in pool.map(compile_shape, shapes):
+                self._compiled[sw] = compiled
                 self.exec_counts[how] += 1
         if store is not None:
             store.keep(keys.values())
@@ -320,11 +357,14 @@ class Engine:
         jax.block_until_ready(self._next_inputs(
             picked, jnp.full((self.B, CHAIN_STOP_IDS), -1, jnp.int32),
             jnp.zeros((self.B,), bool)))
-        # The masked sampler too (a constrained request would otherwise compile it first).
+        # The server's sampler variants, unmasked and masked (a first request, constrained
+        # or not, would otherwise compile its own).
         args = (np.zeros((self.B,), np.float32), np.zeros((self.B,), np.int32),
                 np.ones((self.B,), np.float32), np.zeros((self.B, 2), np.uint32),
                 np.zeros((self.B,), np.int32))
-        jax.block_until_ready(self._sample(logits[:, 0], *args, self._mask_rows()))
+        for paths in WARM_PATHS:
+            for mask in (None, self._mask_rows()):
+                jax.block_until_ready(self._sample(logits[:, 0], *args, mask, paths=paths))
         jax.block_until_ready(self.mem.cache)
         return time.monotonic() - t0
 
@@ -384,21 +424,28 @@ class Engine:
         # [B, width]: a prefill piece may be right-padded past its size; padded steps are not
         # valid, so they write no KV and leave the GDN state alone (tests/test_engine_padding.py),
         # and pages are made for the real tokens only.
-        tokens = np.zeros((self.B, step.width), np.int32)
-        lengths = np.zeros((self.B,), np.int32)
+        rows = None
         if step.kind == "prefill":
             seq = step.seqs[0]
-            tokens[seq.slot, :step.size] = seq.prompt_ids[step.start:step.start + step.size]
-            lengths[seq.slot] = step.size
+            # one row's piece: over that row alone where the engine has more (`_shapes`)
+            n, at = (1, 0) if self.B > 1 else (self.B, seq.slot)
+            rows = np.array([seq.slot], np.int32) if self.B > 1 else None
+            tokens = np.zeros((n, step.width), np.int32)
+            lengths = np.zeros((n,), np.int32)
+            tokens[at, :step.size] = seq.prompt_ids[step.start:step.start + step.size]
+            lengths[at] = step.size
         else:
+            tokens = np.zeros((self.B, step.width), np.int32)
+            lengths = np.zeros((self.B,), np.int32)
             for seq in step.seqs:
                 tokens[seq.slot, 0] = seq.output_ids[-1]
                 lengths[seq.slot] = 1
         self.mem.prepare(step.seqs, max(step.size, 1))
         # fresh arrays each step: device_put (jnp.asarray compiles a staging computation for
         # each new shape, ~10 ms the first time a piece width runs)
-        logits, _, self.mem.cache = self._fwd(self.model.params, jax.device_put(tokens),
-                                              self.mem.cache, jax.device_put(lengths))
+        logits, _, self.mem.cache = self._fwd(
+            self.model.params, jax.device_put(tokens), self.mem.cache, jax.device_put(lengths),
+            None if rows is None else jax.device_put(rows))
         if step.kind == "prefill":
             seq = step.seqs[0]
             self.sched.prefilled(seq, step.size)
@@ -535,7 +582,8 @@ class Engine:
                 except Exception:  # a failed constraint ends its own sequence only
                     mask[b] = -1
                     failed.append(b)
-        return self._sample(logits, temp, top_k, top_p, keys, steps, mask), failed
+        paths = batch_paths(temp, top_k, top_p, logits.shape[-1])
+        return self._sample(logits, temp, top_k, top_p, keys, steps, mask, paths=paths), failed
 
     def _mask_rows(self) -> np.ndarray:
         return np.full((self.B, self._mask_words), -1, np.int32)

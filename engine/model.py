@@ -152,6 +152,34 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     return logits, hidden, cache._replace(pos=cache.pos + lengths)
 
 
+def forward_rows(params, cfg: ModelConfig, tokens, cache: PagedCache, rows, *, lengths=None,
+                 kernels: str = "xla"):
+    """`forward` (last_only) over a few rows of a batched paged cache: tokens [n, T] for the
+    cache rows `rows` [n] int32 (distinct), the other rows left alone and not computed.
+
+    A prefill piece is one row's work: `forward` over all B rows would run the other B - 1
+    as padding through every matmul (an engine of two rows prefilled at half the rate, H200
+    v25). The rows' GDN states, positions and block-table rows are taken out, `forward` runs
+    on them with the shared KV pool, and they are put back (in place once the cache is
+    donated; the states' copy is ~0.15 GB a 27B row, tens of us against a piece's ms).
+    Returns (logits fp32 [B, 1, V] with zeros in the rows not run, the new cache)."""
+    rows = jnp.asarray(rows, jnp.int32)
+    sub = cache._replace(block_table=cache.block_table[rows], conv=cache.conv[:, :, rows],
+                         rec=cache.rec[:, :, rows], pos=cache.pos[rows],
+                         mtp_pos=cache.mtp_pos[rows])
+    logits, _, sub = forward(params, cfg, tokens, sub, lengths=lengths, last_only=True,
+                             kernels=kernels)
+    out = jnp.zeros((cache.pos.shape[0],) + logits.shape[1:], logits.dtype).at[rows].set(logits)
+    return out, cache._replace(pool=sub.pool, conv=cache.conv.at[:, :, rows].set(sub.conv),
+                               rec=cache.rec.at[:, :, rows].set(sub.rec),
+                               pos=cache.pos.at[rows].set(sub.pos))
+
+
+def jit_forward_rows():
+    """forward_rows, jitted with cfg/kernels static and the cache donated."""
+    return jax.jit(forward_rows, static_argnames=("cfg", "kernels"), donate_argnames=("cache",))
+
+
 def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCache, *,
                 lengths=None, last_only: bool = False):
     """Multi-token-prediction head: entry t pairs the main model's hidden h_t with token x_{t+1}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,14 +94,44 @@ def batch_arrays(params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray, 
             np.array([p.top_p for p in params], np.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("top_k_cap",))
+class Paths(NamedTuple):
+    """Which of the sampler's paths some row of a batch can take, known on the host from the
+    rows' parameters (`batch_paths`). Passed to `sample` as a static argument, it replaces the
+    data-dependent `lax.cond`s that choose them: on a GPU each such cond copies its predicate to
+    the host and blocks the host until the device gets there, so a step's sampling would wait
+    for the forward dispatched before it, and the engine could not dispatch the next step
+    while the device runs this one (H200, v25: 2 ms of idle device a 27B decode step)."""
+    stochastic: bool  # a row with temperature > 0
+    plain: bool       # ... and neither top-k nor top-p: the full softmax
+    cut: bool         # ... with top-k and/or top-p: from the top `cap`
+    full: bool        # ... whose kept set may reach past the cap (top-p alone, or top_k > cap)
+
+
+def batch_paths(temperature, top_k, top_p, vocab: int,
+                top_k_cap: int = DEFAULT_TOP_K_CAP) -> Paths:
+    """The `Paths` of a batch from its host arrays (`batch_arrays`'s), rows as `sample` sees
+    them: top_k <= 0 or >= vocab is off."""
+    temperature, top_k, top_p = (np.asarray(a) for a in (temperature, top_k, top_p))
+    hot = temperature > 0
+    k = np.where((top_k <= 0) | (top_k >= vocab), 0, top_k)
+    plain = hot & (k == 0) & (top_p >= 1.0)
+    cut = hot & ~plain
+    full = cut & (((k == 0) & (top_p < 1.0)) | (k > min(top_k_cap, vocab)))
+    return Paths(bool(hot.any()), bool(plain.any()), bool(cut.any()), bool(full.any()))
+
+
+@functools.partial(jax.jit, static_argnames=("top_k_cap", "paths"))
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           keys: jax.Array, top_k_cap: int = DEFAULT_TOP_K_CAP) -> jax.Array:
+           keys: jax.Array, top_k_cap: int = DEFAULT_TOP_K_CAP,
+           paths: Paths | None = None) -> jax.Array:
     """One token per row.
 
     logits [B, V] f32; temperature [B] f32 (0 = greedy); top_k [B] int32 (0 = off);
     top_p [B] f32 in (0, 1]; keys [B] typed PRNG keys or [B, 2] uint32 threefry key data.
-    Returns tokens [B] int32.
+    paths: None (each path runs under a `lax.cond` on the rows' values), or the batch's
+    `batch_paths` (static: the paths no row takes are left out and no cond chooses among the
+    others, except the full-vocabulary one on a CPU, where a cond costs nothing more). A row's
+    token is the same either way. Returns tokens [B] int32.
     """
     if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
         keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl="threefry2x32")
@@ -108,27 +139,45 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     vocab = logits.shape[-1]
     top_k = jnp.where((top_k <= 0) | (top_k >= vocab), 0, top_k).astype(jnp.int32)  # 0 = off
     greedy = jnp.argmax(logits, axis=-1)
-    stochastic = jax.lax.cond(jnp.any(temperature > 0),
-                              functools.partial(_sample_stochastic, cap=min(top_k_cap, vocab)),
-                              lambda *_: greedy, logits, temperature, top_k, top_p, keys)
-    return jnp.where(temperature > 0, stochastic, greedy).astype(jnp.int32)
+    stochastic = functools.partial(_sample_stochastic, cap=min(top_k_cap, vocab), paths=paths)
+    args = (logits, temperature, top_k, top_p, keys)
+    if paths is None:
+        picked = jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda *_: greedy, *args)
+    elif paths.stochastic:
+        picked = stochastic(*args)
+    else:
+        return greedy.astype(jnp.int32)
+    return jnp.where(temperature > 0, picked, greedy).astype(jnp.int32)
 
 
-def _sample_stochastic(logits, temperature, top_k, top_p, keys, *, cap):
+def _when(flag: bool | None, pred, fn, other, *args):
+    """fn(*args) where some row needs it: under a cond on `pred` (flag None), always (True),
+    never (False: `other`)."""
+    if flag is None:
+        return jax.lax.cond(pred, fn, lambda *_: other, *args)
+    return fn(*args) if flag else other
+
+
+def _sample_stochastic(logits, temperature, top_k, top_p, keys, *, cap, paths=None):
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, _MIN_TEMPERATURE)[:, None]  # [B, V]
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)  # [B, V]
     plain = (top_k == 0) & (top_p >= 1.0)  # [B]: sample from the full softmax, O(V)
     nothing = jnp.zeros(plain.shape, jnp.int32)
-    plain_token = jax.lax.cond(jnp.any(plain), lambda: jnp.argmax(scaled + noise, axis=-1),
-                               lambda: nothing)
-    cut_token = jax.lax.cond(jnp.any(~plain & (temperature > 0)),
-                             functools.partial(_sample_cut, cap=cap), lambda *_: nothing,
-                             scaled, noise, temperature, top_k, top_p)
+    plain_token = _when(paths and paths.plain, jnp.any(plain),
+                        lambda: jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32), nothing)
+    cut_token = _when(paths and paths.cut, jnp.any(~plain & (temperature > 0)),
+                      functools.partial(_sample_cut, cap=cap, paths=paths), nothing,
+                      scaled, noise, temperature, top_k, top_p)
     return jnp.where(plain, plain_token, cut_token)
 
 
-def _sample_cut(scaled, noise, temperature, top_k, top_p, *, cap):
+def _full_under_cond() -> bool:
+    """Whether the full-vocabulary path stays under its cond when the paths are known."""
+    return jax.default_backend() == "cpu"
+
+
+def _sample_cut(scaled, noise, temperature, top_k, top_p, *, cap, paths=None):
     """Rows with top-k and/or top-p: from the top `cap` when their kept set provably lies there."""
     # top_p applies to the distribution after top-k; with top-k off that is the full softmax.
     cap_vals, cap_idx = jax.lax.top_k(scaled, cap)  # [B, cap], descending, ties: lower index
@@ -143,8 +192,12 @@ def _sample_cut(scaled, noise, temperature, top_k, top_p, *, cap):
     scores = jnp.where(keep, cap_vals + jnp.take_along_axis(noise, cap_idx, axis=-1), -jnp.inf)
     cap_token = jnp.take_along_axis(cap_idx, jnp.argmax(scores, axis=-1)[:, None], axis=-1)[:, 0]
     needs_full = ~fits & (temperature > 0)
-    full_token = jax.lax.cond(jnp.any(needs_full), _full_vocab, lambda *_: cap_token,
-                              scaled, noise, top_k, top_p)
+    # with the paths known, the full path runs for every step that may need it, except on a
+    # CPU (a cond there only costs the branch), where it stays under its cond
+    flag = None if paths is None or (paths.full and _full_under_cond()) else paths.full
+    full_token = _when(flag, jnp.any(needs_full),
+                       functools.partial(_full_vocab, unroll=flag is not None), cap_token,
+                       scaled, noise, top_k, top_p)
     return jnp.where(needs_full, full_token, cap_token)
 
 
@@ -153,19 +206,20 @@ def _in_nucleus(mass_before, top_p):
     return (mass_before < top_p[:, None]) | (top_p >= 1.0)[:, None]
 
 
-def _full_vocab(scaled, noise, top_k, top_p):
+def _full_vocab(scaled, noise, top_k, top_p, unroll: bool = False):
     """Top-k then top-p over the whole vocabulary without sorting it. Tokens [B].
 
     Each cut is a threshold found by a 32-step bisection on float bit patterns (a few O(V)
     passes, where an XLA:CPU sort of 248K costs ~65 ms). Values tied at a threshold are all
     kept, so with ties the set can be larger than the rank-based one of the capped path."""
     order_key = _order_preserving_bits(scaled)  # [B, V] uint32, same order as scaled
-    kth = _largest_threshold(order_key, lambda above: jnp.sum(above, axis=-1) >= top_k)
+    kth = _largest_threshold(order_key, lambda above: jnp.sum(above, axis=-1) >= top_k, unroll)
     in_k = (top_k[:, None] == 0) | (order_key >= kth[:, None])
     probs = jax.nn.softmax(jnp.where(in_k, scaled, -jnp.inf), axis=-1)  # >= 0: bits are ordered
     prob_bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)
     cut = _largest_threshold(
-        prob_bits, lambda above: jnp.sum(jnp.where(above, probs, 0.0), axis=-1) >= top_p)
+        prob_bits, lambda above: jnp.sum(jnp.where(above, probs, 0.0), axis=-1) >= top_p,
+        unroll)
     keep = in_k & ((prob_bits >= cut[:, None]) | (top_p >= 1.0)[:, None])
     return jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
 
@@ -176,14 +230,15 @@ def _order_preserving_bits(x):
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _largest_threshold(keys, enough):
+def _largest_threshold(keys, enough, unroll: bool = False):
     """Per row, the largest uint32 t with enough(keys >= t) true ([B] -> [B] bool), built bit
-    by bit from the top; enough must be monotone (true at t = 0)."""
+    by bit from the top; enough must be monotone (true at t = 0). unroll: the 32 steps as
+    straight-line code (no while loop, whose condition a GPU reads on the host each step)."""
     def step(i, t):
         cand = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
         return jnp.where(enough(keys >= cand[:, None]), cand, t)
 
-    return jax.lax.fori_loop(0, 32, step, jnp.zeros(keys.shape[:1], jnp.uint32))
+    return jax.lax.fori_loop(0, 32, step, jnp.zeros(keys.shape[:1], jnp.uint32), unroll=unroll)
 
 
 def _bench(vocab: int = 248_320, steps: int = 10, rounds: int = 5) -> None:

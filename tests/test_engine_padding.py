@@ -78,6 +78,56 @@ def test_padded_piece_equals_unpadded(tiny_model, kernels):
         assert not np.any(slots[:, hist + n:]), "a padded step wrote KV"
 
 
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_forward_rows_equals_the_padded_batch(tiny_model, kernels):
+    """forward_rows over cache rows [2] (and [2, 0]) of three gives what `forward` over all
+    three gives with the others at length 0: the run rows' logits, GDN states, positions and
+    KV; the rows not run keep their states, positions and pages bit for bit, and their logits
+    rows are zeros."""
+    cfg, params = tiny_model.cfg, tiny_model.params
+    b, hist, n = 3, 40, 29
+    rng = np.random.default_rng(12)
+    ids = rng.integers(0, tiny_model.tokenizer.vocab_size, (b, hist + n)).astype(np.int32)
+    fwd, fwd_rows = M.jit_forward(), M.jit_forward_rows()
+
+    def history():  # every row holds `hist` tokens of its own
+        cache = _paged_cache(cfg, b, 2)
+        _, _, cache = fwd(params, cfg, jnp.asarray(ids[:, :hist]), cache,
+                          lengths=jnp.full((b,), hist, jnp.int32), last_only=True,
+                          kernels=kernels)
+        return cache
+
+    for rows in ([2], [2, 0]):
+        lengths = np.zeros((b,), np.int32)
+        lengths[rows] = n
+        tok = np.zeros((b, 32), np.int32)
+        tok[rows, :n] = ids[rows, hist:]
+        want_logits, _, want = fwd(params, cfg, jnp.asarray(tok), history(),
+                                   lengths=jnp.asarray(lengths), last_only=True,
+                                   kernels=kernels)
+        before = jax.device_get(history())
+        got_logits, got = fwd_rows(params, cfg, jnp.asarray(tok[rows]), history(),
+                                   jnp.asarray(rows, jnp.int32),
+                                   lengths=jnp.asarray(lengths[rows]), kernels=kernels)
+        got, want = jax.device_get(got), jax.device_get(want)
+        others = [r for r in range(b) if r not in rows]
+        assert got_logits.shape == want_logits.shape
+        assert_close(np.asarray(got_logits)[rows], np.asarray(want_logits)[rows], jnp.float32)
+        assert not np.any(np.asarray(got_logits)[others])
+        assert list(got.pos) == list(want.pos) and list(got.mtp_pos) == list(before.mtp_pos)
+        assert (np.asarray(got.block_table) == np.asarray(before.block_table)).all()
+        for name in ("conv", "rec"):
+            g, w, o = (np.asarray(getattr(c, name)) for c in (got, want, before))
+            assert_close(g[:, :, rows], w[:, :, rows], jnp.float32)
+            assert (g[:, :, others] == o[:, :, others]).all(), f"{name} of a row not run"
+        for a, w, o in zip(jax.tree.leaves(got.pool), jax.tree.leaves(want.pool),
+                           jax.tree.leaves(before.pool)):
+            assert_close(a, w, jnp.float32)
+            pages = np.asarray(a).reshape(a.shape[0], b, -1, *a.shape[3:])  # 2 pages a row
+            old = np.asarray(o).reshape(o.shape[0], b, -1, *o.shape[3:])
+            assert (pages[:, others] == old[:, others]).all(), "a row not run: KV written"
+
+
 def test_padded_remainder_generates_the_same_tokens(tiny_model):
     """A 45-token prompt with chunk 64: prefilled as one piece of 45 padded to 64. The same
     prompt with chunk 16 runs as 32 + 13 (padded to 16); with chunk 1 token by token (no
@@ -91,12 +141,15 @@ def test_padded_remainder_generates_the_same_tokens(tiny_model):
         assert got == ref, f"chunk {chunk}"
 
 
-def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, tiny_model):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, tiny_model,
+                                                           rows):
     """The restart path (server/cli.py): an engine built on ModelLoad.abstract (params as
     shapes only) compiles every width ahead of time, on a thread pool, while the weights are
     still being copied; attach() gives it the loaded model and warm_run() runs the decode step.
     A request served afterwards (pieces of 32 and 13 padded to 16, then decode steps) compiles
-    no forward and no sampler, and gives the tokens of an engine that compiled as it went."""
+    no forward and no sampler, and gives the tokens of an engine that compiled as it went.
+    With two rows the pieces run over one row (`forward_rows`), the decode step over both."""
     import logging
     import queue
 
@@ -123,7 +176,7 @@ def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, 
                for x in jax.tree.leaves(loading.abstract.params))
     # 200 context tokens: cache shapes no other test uses, so no executable of an earlier test
     # can stand in for the warmup's
-    eng = Engine(loading.abstract, context_tokens=200, prefill_chunk=32, max_concurrency=1,
+    eng = Engine(loading.abstract, context_tokens=200, prefill_chunk=32, max_concurrency=rows,
                  max_queue=2)
     assert eng.compile(threads=3) > 0
     model = loading.result()

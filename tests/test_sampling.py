@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampling import SamplingParams, batch_arrays, request_key, sample, step_key
+from engine import sampling
+from engine.sampling import (Paths, SamplingParams, batch_arrays, batch_paths, request_key,
+                             sample, step_key)
 
 V = 1000
 
@@ -203,3 +205,69 @@ def test_params_defaults_and_arrays():
     assert p.greedy and not SamplingParams().greedy
     t, k, pp = batch_arrays([p, SamplingParams()])
     assert t.dtype == np.float32 and k.tolist() == [20, 0] and pp.tolist()[1] == 1.0
+
+
+def test_batch_paths_classify_rows():
+    """Which paths a batch takes, from the host arrays: top_k off at <= 0 and >= V, the full
+    path for top-p alone or top_k past the cap."""
+    def paths(*rows):
+        t, k, p = (np.array(c) for c in zip(*rows))
+        return batch_paths(t.astype(np.float32), k.astype(np.int32), p.astype(np.float32), V)
+
+    assert paths((0.0, 0, 1.0), (0.0, 40, 0.5)) == Paths(False, False, False, False)
+    assert paths((0.7, 0, 1.0), (0.0, 0, 0.5)) == Paths(True, True, False, False)
+    assert paths((0.7, V, 1.0)) == Paths(True, True, False, False)   # top_k >= V: off
+    assert paths((0.7, 20, 0.95)) == Paths(True, False, True, False)
+    assert paths((0.7, 64, 1.0)) == Paths(True, False, True, False)  # top_k == cap fits
+    assert paths((0.7, 65, 1.0)) == Paths(True, False, True, True)
+    assert paths((0.7, 0, 0.9), (1.0, 0, 1.0)) == Paths(True, True, True, True)
+
+
+@pytest.mark.parametrize("conds_on_cpu", [True, False])
+def test_known_paths_pick_the_conds_tokens(monkeypatch, conds_on_cpu):
+    """With the batch's paths passed (no cond on the device chooses them), every row gets the
+    token the conds give, greedy, plain, top-k, nucleus and full-vocabulary rows mixed; also
+    with the full path run unconditionally (unrolled), as on a GPU."""
+    monkeypatch.setattr(sampling, "_full_under_cond", lambda: conds_on_cpu)
+    eager = sample.__wrapped__  # traced afresh: the patched choice applies
+    rows = [(0.0, 0, 1.0), (0.8, 0, 1.0), (0.6, 20, 0.95), (1.0, 0, 0.9), (1.0, 0, 0.999),
+            (1.2, 300, 1.0)]
+    b = len(rows)
+    t, k, p = (np.array(c) for c in zip(*rows))
+    t, k, p = t.astype(np.float32), k.astype(np.int32), p.astype(np.float32)
+    logits = random_logits(21, b, scale=1.0)
+    logits[4] *= 0.05  # flat under top_p 0.999: reaches past the cap
+    subsets = [list(range(b)), [0], [1], [2, 0], [3, 4], [5, 1]]
+    for step in range(4):
+        keys = keys_for(range(b), [step] * b)
+        for rows_ in subsets:
+            x, tt, kk, pp = logits[rows_], t[rows_], k[rows_], p[rows_]
+            want = run(x, tt, kk, pp, keys[np.array(rows_)], cap=8)
+            paths = batch_paths(tt, kk, pp, V, top_k_cap=8)
+            got = eager(jnp.asarray(x), tt, kk, pp, keys[np.array(rows_)], top_k_cap=8,
+                        paths=paths)
+            assert (np.asarray(got) == want).all(), (rows_, paths)
+
+
+def test_known_paths_leave_no_cond(monkeypatch):
+    """The point of the paths: with them, the sampler's program has no conditional, and the
+    full path's bisections are straight-line code where it runs unconditionally (a GPU)."""
+    t = np.array([0.7, 0.0], np.float32)
+    k = np.array([0, 0], np.int32)
+    p = np.array([0.9, 1.0], np.float32)
+    args = (jnp.zeros((2, V)), t, k, p, keys_for([1, 2], [0, 0]))
+
+    def branches(paths, under_cond=True):
+        monkeypatch.setattr(sampling, "_full_under_cond", lambda: under_cond)
+        jax.clear_caches()  # traced afresh: the patched choice applies
+        text = sample.lower(*args, paths=paths).as_text()
+        return text.count("stablehlo.case"), text.count("stablehlo.while")
+
+    assert branches(None)[0] >= 3  # the default chooses every path on the device
+    full = batch_paths(t, k, p, V)
+    assert full == Paths(True, False, True, True)
+    # the loop left is the noise's threefry rounds: a fixed trip count, which XLA runs without
+    # reading a condition on the host; a CPU keeps the full path's two bisections under a cond
+    assert branches(full, under_cond=True) == (1, 3)
+    assert branches(full, under_cond=False) == (0, 1)
+    assert branches(batch_paths(np.zeros(2, np.float32), k, p, V)) == (0, 0)  # greedy

@@ -1,0 +1,239 @@
+"""Decode and prefill through the serving engine itself (engine/engine.py: scheduler, paged
+memory, sampler, chained steps) on the qwen3.8-27b shapes with synthetic weights, one GPU.
+
+bench_27b.py times the jitted forward alone; this times what a request gets: the engine's
+thread, its step log, the sampler, the host's token work and, with NINFER_OVERLAP, decode steps
+chained on the device. For each engine width B (max_concurrency) and context:
+
+  prefill   one row's prompt of `ctx` random tokens, from empty: seconds and tokens/s (in an
+            engine of B rows a prefill step is one sequence's piece)
+  decode    C1 (row 0) and, where B > 1, C2 (rows 0 and 1 at once): each run a continuation
+            of the row's stored state (the prompt extends what it holds, so only the new tokens
+            are computed), --decode-tokens greedy tokens; the chained steps on and off in
+            turn, --reps times each, in one process
+
+    python3 bench/engine_27b.py --batches 1,2 --contexts 1024,32768,131072 --out e27.json
+    .venv/bin/python bench/engine_27b.py --preset tiny --kernels xla --batches 1,2 \
+        --contexts 256,1024 --decode-tokens 32 --out /tmp/e_tiny.json     # the same on a CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import queue
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.bench_27b import random_params  # noqa: E402
+from engine.config import QWEN38_27B, preset  # noqa: E402
+from engine.engine import Engine, GenerationRequest, TokenEvent  # noqa: E402
+from engine.loader import LoadedModel  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
+
+
+class Rows:
+    """Each row's token history (what its stored state holds once a request is done)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.ids: dict[int, list[int]] = {}
+
+    def request(self, rows: list[int], extra: dict[int, list[int]], max_tokens: int,
+                sampling: SamplingParams = SamplingParams(temperature=0)) -> list:
+        """Submit one request per row at once (prompt = the row's history + extra[row]); wait
+        for all; returns their DoneEvents and appends what each produced to its history."""
+        qs = {}
+        for r in rows:
+            prompt = self.ids.get(r, []) + extra[r]
+            q: queue.Queue = queue.Queue()
+            self.engine.submit(GenerationRequest(
+                prompt_ids=prompt, sampling=sampling, max_tokens=max_tokens,
+                stop_ids=frozenset(), emit=q.put, principal="bench", session=f"row{r}"))
+            qs[r] = (q, prompt)
+        dones = []
+        for r, (q, prompt) in qs.items():
+            out = []
+            while True:
+                ev = q.get(timeout=900)
+                if isinstance(ev, TokenEvent):
+                    out.append(ev.token_id)
+                    continue
+                if ev.finish_reason not in ("length", "stop"):
+                    raise RuntimeError(f"row {r}: {ev.finish_reason} {ev.error}")
+                dones.append(ev)
+                break
+            self.ids[r] = prompt + out
+        return dones
+
+
+SAMPLINGS = {"greedy": SamplingParams(temperature=0),
+             "t0.7": SamplingParams(temperature=0.7),
+             "t0.7p0.9": SamplingParams(temperature=0.7, top_p=0.9)}
+
+
+def trace_c1(rows: Rows, a, mode: bool, sampling: str) -> str:
+    """One C1 decode run of row 0 under jax.profiler.trace; returns the gzipped xplane's path."""
+    import gzip
+    import shutil
+    import tempfile
+
+    from bench.profile_summary import newest_xplane
+
+    eng = rows.engine
+    eng._overlap = mode
+    path = f"{a.trace}-{int(mode)}-{sampling}.xplane.pb.gz"
+    rng = np.random.default_rng(11)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            rows.request([0], {0: rng.integers(10, 1000, 4).tolist()}, 16,
+                         SAMPLINGS[sampling])
+        with open(newest_xplane(d), "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    log(f"traced C1 overlap={int(mode)} {sampling}: {path}")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default=QWEN38_27B.name)
+    ap.add_argument("--weights", default="int4_g64")
+    ap.add_argument("--kernels", default="pallas", choices=["xla", "pallas"])
+    ap.add_argument("--batches", default="1,2", help="engine widths (max_concurrency)")
+    ap.add_argument("--contexts", default="1024,32768,131072")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2, help="decode runs per mode (on/off)")
+    ap.add_argument("--modes", default="1,0", help="NINFER_OVERLAP values, in turn")
+    ap.add_argument("--sampling", default="greedy", help=f"decode runs' sampling, in turn: "
+                    f"some of {sorted(SAMPLINGS)}")
+    ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--room", type=int, default=2048, help="context beyond the longest prompt")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--budget-s", type=float, default=560.0, help="stop starting parts past it")
+    ap.add_argument("--trace", default="", help="also trace one C1 run of the first engine and "
+                    "context per mode into FILE-<overlap>.xplane.pb.gz (bench/trace_step.py "
+                    "--read FILE prints its timelines)")
+    ap.add_argument("--out", default="engine_27b.json")
+    a = ap.parse_args()
+    cfg = preset(a.preset)
+    dt = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
+    contexts = [int(c) for c in a.contexts.split(",") if c]
+    modes = [m == "1" for m in a.modes.split(",") if m]
+    samplings = [x for x in a.sampling.split(",") if x]
+    res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0]),
+           "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
+           "model": cfg.name, "weights": f"synthetic {a.weights}", "kernels": a.kernels,
+           "runs": []}
+    t = time.monotonic()
+    params = random_params(cfg, dt, a.weights)
+    jax.block_until_ready(params)
+    log(f"{a.weights} params built in {time.monotonic() - t:.1f}s")
+    tok = Tokenizer.qwen35()
+    model = LoadedModel(cfg=cfg, params=params, tokenizer=tok, chat_template="",
+                        sha256="synthetic", path=Path("synthetic"), compute_dtype=dt,
+                        kv_dtype=dt)
+    top = min(cfg.vocab_size, tok.vocab_size) - 1000
+    rng = np.random.default_rng(5)
+
+    def save():
+        Path(a.out).write_text(json.dumps(res, indent=2))
+
+    for B in [int(b) for b in a.batches.split(",") if b]:
+        eng = Engine(model, context_tokens=max(contexts) + a.room, prefill_chunk=a.prefill_chunk,
+                     max_concurrency=B, kernels=a.kernels, state_slots=2 * B + 2)
+        compile_s = eng.warmup()
+        eng.start()
+        log(f"B={B}: compiled and warmed in {compile_s:.1f}s")
+        rows = Rows(eng)
+        try:
+            for ctx in contexts:
+                if time.monotonic() - T0 > a.budget_s:
+                    log(f"B={B} ctx={ctx}: skipped, over the budget")
+                    res["runs"].append({"batch": B, "context": ctx, "skipped": "budget"})
+                    continue
+                for r in rows.ids:  # the last context's stored states free their pages
+                    eng.forget_session("bench", f"row{r}")
+                rows.ids = {}
+                run = {"batch": B, "context": ctx, "prefill": [], "decode": []}
+                for r in range(B):  # each row's prompt from empty, one at a time
+                    ids = rng.integers(10, top, ctx).tolist()
+                    d, = rows.request([r], {r: ids}, 1)
+                    run["prefill"].append({"row": r, "tokens": d.prompt_tokens,
+                                           "computed": d.computed_tokens,
+                                           "seconds": round(d.prefill_s, 4),
+                                           "tokens_per_s": round(d.computed_tokens /
+                                                                 d.prefill_s, 1)})
+                    log(f"B={B} ctx={ctx} row {r}: prefill {d.computed_tokens} tokens "
+                        f"{d.prefill_s:.3f}s")
+                concs = [1] + ([2] if B >= 2 else [])
+                for rep in range(a.reps):
+                    for smp in samplings:
+                        for mode in modes:
+                            for c in concs:
+                                eng._overlap = mode  # read by the engine thread, idle here
+                                chained0 = eng.chained_steps
+                                new = {r: rng.integers(10, top, 4).tolist() for r in range(c)}
+                                dones = rows.request(list(range(c)), new, a.decode_tokens,
+                                                     SAMPLINGS[smp])
+                                dec = max(d.decode_s for d in dones)
+                                n = sum(d.output_tokens - 1 for d in dones)
+                                e = {"concurrency": c, "overlap": mode, "sampling": smp,
+                                     "rep": rep, "tokens_per_s": round(n / dec, 2),
+                                     "ms_per_step": round(dec / (a.decode_tokens - 1) * 1e3,
+                                                          3),
+                                     "cached": [d.cached_tokens for d in dones],
+                                     "paths": [d.path for d in dones],
+                                     "chained_steps": eng.chained_steps - chained0}
+                                run["decode"].append(e)
+                                log(f"B={B} ctx={ctx} C{c} {smp} overlap={int(mode)}: "
+                                    f"{e['tokens_per_s']:.1f} tok/s ({e['ms_per_step']:.2f} "
+                                    f"ms a step, {e['chained_steps']} chained, paths "
+                                    f"{e['paths']})")
+                if a.trace and not res.get("traces"):
+                    res["traces"] = [trace_c1(rows, a, mode, smp) for smp in samplings
+                                     for mode in modes]
+                res["runs"].append(run)
+                save()
+        finally:
+            eng.stop()
+            del eng
+    summary = []
+    for run in res["runs"]:
+        for c in (1, 2):
+            for smp in samplings:
+                for mode in modes:
+                    v = [d["tokens_per_s"] for d in run.get("decode", [])
+                         if d["concurrency"] == c and d["overlap"] == mode
+                         and d["sampling"] == smp]
+                    if v:
+                        summary.append({"batch": run["batch"], "context": run["context"],
+                                        "concurrency": c, "sampling": smp, "overlap": mode,
+                                        "tokens_per_s_median": float(np.median(v))})
+    res["summary"] = summary
+    save()
+    print(f"{'B':>2} {'ctx':>7} {'C':>2} {'sampling':>9} {'overlap':>7} {'tok/s':>8}")
+    for s in summary:
+        print(f"{s['batch']:>2} {s['context']:>7} {s['concurrency']:>2} {s['sampling']:>9} "
+              f"{int(s['overlap']):>7} {s['tokens_per_s_median']:>8.1f}")
+    for run in res["runs"]:
+        for p in run.get("prefill", []):
+            print(f"prefill B={run['batch']} ctx={run['context']} row {p['row']}: "
+                  f"{p['seconds']:.3f}s {p['tokens_per_s']:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
