@@ -147,6 +147,28 @@ def test_paged_decode_is_batch_invariant():
                                   np.asarray(both[0], np.float32))
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_paged_decode_short_rows_in_a_wide_table(kv_dtype):
+    """Rows of 1-3 pages in a table of 24 (an engine's pool sized for its longest context):
+    each row splits its own pages, so it matches the reference, and its result is the same bits
+    in a table of 6 pages as in one of 24 (the splits depend on the row's length alone)."""
+    rng = np.random.default_rng(3)
+    pool = random_pool(rng, kv_dtype, 1, 48, 16, 2, 32)
+    narrow = rng.permutation(48)[:12].reshape(2, 6)
+    wide = np.full((2, 24), 47, np.int32)  # columns past the row: another row's page
+    wide[:, :6] = narrow
+    q = jnp.asarray(rng.standard_normal((2, 1, 6, 32)), jnp.bfloat16)
+    last = jnp.asarray([5, 40], jnp.int32)  # 1 and 3 pages
+    got = {}
+    for name, table in (("narrow", narrow), ("wide", wide)):
+        table = jnp.asarray(table, jnp.int32)
+        got[name] = paged_attend(pool, table, jnp.int32(0), q, last, interpret=True,
+                                 programs=16)
+        assert_close(got[name], paged_attend_ref(pool, table, jnp.int32(0), q, last), q.dtype)
+    np.testing.assert_array_equal(np.asarray(got["narrow"], np.float32),
+                                  np.asarray(got["wide"], np.float32))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("start", [0, 37])
 @pytest.mark.parametrize("split", [True, False])

@@ -4,8 +4,9 @@ Flash-decoding: the grid is (row, kv head, split); each program walks its share 
 pages through the block table, one page (64 tokens x head_dim, contiguous per token) per loop
 step, with an online softmax, for all query heads of its KV head at once (GQA: the group's
 heads are the rows of one [16, hd] tile, zero-padded, so both products are tensor-core dots).
-Programs stop at the row's last visible page, so a short row costs only its own pages. XLA then
-merges the splits' (max, sum, acc) partials. INT8 pages enter the dots as they are (int8 codes
+Each row shares its own visible pages evenly among its programs, so a short row costs only its
+own pages, in parallel, however wide the table. XLA then merges the splits' (max, sum, acc)
+partials. INT8 pages enter the dots as they are (int8 codes
 are exact in bf16); their per-token scales multiply the page's 64 scores (K) and the 64
 softmax weights (V) instead of every element: per element only a conversion is left.
 
@@ -70,7 +71,7 @@ def paged_attend_ref(pool: KVPool, table, layer, q, last_slot, slot_offset: int 
     return attend(q, keys, vals, visible)
 
 
-def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, page, hd,
+def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, splits, page, hd,
             max_pages, num_pages, slot_offset, quant, scale, fold, cast, unroll):
     if quant:
         ks_ref, vs_ref, o_ref, m_ref, l_ref = rest
@@ -80,8 +81,12 @@ def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, pag
     layer = layer_ref[0]
     last = last_ref[b]
     q = q_ref[b, h]                                                    # [16, hd]
+    # The row's visible pages, shared evenly by the splits: a short row's few pages run in
+    # parallel, one or two a program, rather than all in the first program's loop.
+    pages = jnp.minimum(last // page + 1, max_pages)
+    pps = jnp.maximum(1, (pages + splits - 1) // splits)
     first = s * pps
-    n = jnp.clip(jnp.minimum(last // page + 1, max_pages) - first, 0, pps)
+    n = jnp.clip(pages - first, 0, pps)
     tok = lax.broadcasted_iota(jnp.int32, (_ROWS, page), 1)
 
     def load(pj):
@@ -136,11 +141,14 @@ def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, pps, pag
     l_ref[b, s, h] = l_i
 
 
-def _pages_per_split(kvh: int, max_pages: int, programs: int) -> int:
-    """Pages per program. It must not depend on the batch size: the split decides the order of
-    the softmax merge, and a row's result must not change with the rows beside it (batch
-    invariance: the same greedy tokens at C1 and C2)."""
-    return max(1, -(-max_pages * kvh // programs))
+def _splits(kvh: int, max_pages: int, programs: int) -> int:
+    """Programs a row's pages are split over, per KV head. Each row divides its own visible
+    pages among them (`_kernel`), so the split, which orders the softmax merge, depends on the
+    row's length alone, never on the rows beside it (batch invariance: the same greedy tokens
+    at C1 and C2). A table wider than the row (an engine's pool sized for its longest context)
+    no longer leaves a short row's pages to one program (v25: 41 us a layer at 1K in a table of
+    133K, where the pages of a 1K table took a few)."""
+    return max(1, min(max_pages, -(-programs // kvh)))
 
 
 def fold_default() -> bool:
@@ -224,8 +232,7 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
     r = nh // kvh
     if r > _ROWS:
         return paged_attend_ref(pool, table, layer, q, last_slot, slot_offset)
-    pps = _pages_per_split(kvh, mp, programs)
-    splits = -(-mp // pps)
+    splits = _splits(kvh, mp, programs)
     # [B, kvh, 16, hd]: head h = g * r + i (HF repeat_kv order) -> group g, row i.
     quant = pool.k_scale is not None
     if quant and fold and cast != "bf16":
@@ -236,7 +243,7 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
         cdt = jnp.float32
     qg = q[:, 0].reshape(b, kvh, r, hd).astype(cdt)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - r), (0, 0)))
-    kern = functools.partial(_kernel, pps=pps, page=page, hd=hd, max_pages=mp,
+    kern = functools.partial(_kernel, splits=splits, page=page, hd=hd, max_pages=mp,
                              num_pages=pool.num_pages, slot_offset=slot_offset, quant=quant,
                              scale=hd ** -0.5, fold=fold, cast=cast,
                              unroll=unroll)
