@@ -86,8 +86,9 @@ SAMPLINGS = {"greedy": SamplingParams(temperature=0),
              "t0.7p0.9": SamplingParams(temperature=0.7, top_p=0.9)}
 
 
-def trace_c1(rows: Rows, a, mode: bool, sampling: str) -> str:
-    """One C1 decode run of row 0 under jax.profiler.trace; returns the gzipped xplane's path."""
+def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int) -> str:
+    """One decode run of rows 0..conc-1 under jax.profiler.trace; returns the gzipped xplane's
+    path."""
     import gzip
     import shutil
     import tempfile
@@ -96,15 +97,16 @@ def trace_c1(rows: Rows, a, mode: bool, sampling: str) -> str:
 
     eng = rows.engine
     eng._overlap = mode
-    path = f"{a.trace}-{int(mode)}-{sampling}.xplane.pb.gz"
+    path = f"{a.trace}-b{eng.B}-c{conc}-{int(mode)}-{sampling}.xplane.pb.gz"
     rng = np.random.default_rng(11)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
-            rows.request([0], {0: rng.integers(10, 1000, 4).tolist()}, 16,
+            rows.request(list(range(conc)),
+                         {r: rng.integers(10, 1000, 4).tolist() for r in range(conc)}, 16,
                          SAMPLINGS[sampling])
         with open(newest_xplane(d), "rb") as src, gzip.open(path, "wb") as dst:
             shutil.copyfileobj(src, dst)
-    log(f"traced C1 overlap={int(mode)} {sampling}: {path}")
+    log(f"traced B={eng.B} C{conc} overlap={int(mode)} {sampling}: {path}")
     return path
 
 
@@ -124,8 +126,9 @@ def main() -> None:
     ap.add_argument("--room", type=int, default=2048, help="context beyond the longest prompt")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget-s", type=float, default=560.0, help="stop starting parts past it")
-    ap.add_argument("--trace", default="", help="also trace one C1 run of the first engine and "
-                    "context per mode into FILE-<overlap>.xplane.pb.gz (bench/trace_step.py "
+    ap.add_argument("--trace", default="", help="also trace, at each engine's first context, "
+                    "one run per mode and sampling at its widest concurrency into "
+                    "FILE-b<B>-c<C>-<overlap>-<sampling>.xplane.pb.gz (bench/trace_step.py "
                     "--read FILE prints its timelines)")
     ap.add_argument("--out", default="engine_27b.json")
     a = ap.parse_args()
@@ -203,9 +206,10 @@ def main() -> None:
                                     f"{e['tokens_per_s']:.1f} tok/s ({e['ms_per_step']:.2f} "
                                     f"ms a step, {e['chained_steps']} chained, paths "
                                     f"{e['paths']})")
-                if a.trace and not res.get("traces"):
-                    res["traces"] = [trace_c1(rows, a, mode, smp) for smp in samplings
-                                     for mode in modes]
+                if a.trace and ctx == contexts[0]:
+                    res.setdefault("traces", []).extend(
+                        trace_run(rows, a, mode, smp, max(concs)) for smp in samplings
+                        for mode in modes)
                 res["runs"].append(run)
                 save()
         finally:

@@ -76,7 +76,9 @@ def timelines(data) -> tuple[list, list]:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 if "Compute" in line.name or line.name.startswith("Stream"):
-                    if "Memcpy" in line.name:
+                    # a copy-only stream; a compute stream may list copies too, e.g.
+                    # "Stream #14(MemcpyD2D,Compute,Memset,MemcpyD2H)"
+                    if "Memcpy" in line.name and "Compute" not in line.name:
                         continue
                     dev += [(e.start_ns, e.end_ns, e.name) for e in line.events]
         elif plane.name == "/host:CPU":
@@ -121,8 +123,50 @@ def gap_report(dev: list, host: list, big_us: float = 20.0, program: str = "forw
             "graph_launches": len(launches), "host_ahead_us": ahead}
 
 
+def busy_runs(dev: list, gap_us: float = 100.0) -> list[dict]:
+    """The device's runs of work: kernels split where the device idles longer than `gap_us`
+    (a run of chained decode steps is one run); each with its start, span, busy time (the
+    union of its kernels) and kernel count, in microseconds."""
+    runs, cur = [], []
+    for ev in dev:
+        if cur and (ev[0] - max(e[1] for e in cur)) / 1e3 > gap_us:
+            runs.append(cur)
+            cur = []
+        cur.append(ev)
+    if cur:
+        runs.append(cur)
+    out = []
+    for run in runs:
+        busy, end = 0.0, run[0][0]
+        for s, e, _ in run:
+            busy += max(0, e - max(s, end))
+            end = max(end, e)
+        out.append({"start_us": (run[0][0] - dev[0][0]) / 1e3,
+                    "span_us": (end - run[0][0]) / 1e3, "busy_us": busy / 1e3,
+                    "kernels": len(run)})
+    return out
+
+
+def kernel_table(dev: list, steps: int = 1) -> list[tuple[str, float, float]]:
+    """(kernel name up to its first "(", us a step, calls a step), largest first: the device's
+    time by kernel over `steps` steps."""
+    time_, calls = {}, {}
+    for s, e, name in dev:
+        key = name.split("(")[0].strip()[:80] or name[:80]
+        time_[key] = time_.get(key, 0.0) + (e - s) / 1e3
+        calls[key] = calls.get(key, 0) + 1
+    return sorted(((k, t / steps, calls[k] / steps) for k, t in time_.items()),
+                  key=lambda r: -r[1])
+
+
 def read(path: str) -> None:
-    rep = gap_report(*timelines(load(path)))
+    dev, host = timelines(load(path))
+    runs = busy_runs(dev)
+    longest = max(runs, key=lambda r: r["kernels"])
+    print(f"longest run of device work: {longest['kernels']} kernels, busy "
+          f"{longest['busy_us']:.0f} of {longest['span_us']:.0f} us "
+          f"({longest['busy_us'] / max(longest['span_us'], 1e-9):.1%})")
+    rep = gap_report(dev, host)
     print(f"{rep['kernels']} kernels in {rep['span_us']:.0f} us: busy {rep['busy_us']:.0f}, "
           f"idle in gaps <= 20 us {rep['idle_short_us']:.0f}, in longer gaps "
           f"{rep['idle_long_us']:.0f}; {rep['graph_launches']} graph launches")

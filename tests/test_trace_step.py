@@ -34,3 +34,17 @@ def test_overlapping_kernels_leave_no_gap_and_a_late_host_shows_as_negative_lead
     rep = gap_report(dev, host)
     assert rep["idle_short_us"] == 1.0 and rep["idle_long_us"] == 0.0
     assert rep["host_ahead_us"] == [-15.0]  # the host returned after the device had finished
+
+
+def test_busy_runs_split_on_long_idle_and_count_overlaps_once():
+    from bench.trace_step import busy_runs, kernel_table
+
+    dev = [(0, 40 * US, "gemv(a)"), (10 * US, 30 * US, "norm"), (41 * US, 45 * US, "gemv(b)"),
+           (300 * US, 350 * US, "gemv(c)"), (355 * US, 365 * US, "norm")]
+    runs = busy_runs(dev, gap_us=100)
+    assert [r["kernels"] for r in runs] == [3, 2]
+    assert runs[0]["span_us"] == 45.0 and runs[0]["busy_us"] == 44.0  # 40 + 4, overlap once
+    assert runs[1]["start_us"] == 300.0 and runs[1]["busy_us"] == 60.0
+    table = kernel_table(dev, steps=2)
+    assert table[0] == ("gemv", (40 + 4 + 50) / 2, 1.5)
+    assert table[1] == ("norm", (20 + 10) / 2, 1.0)

@@ -259,8 +259,18 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
         kern, grid=(b, kvh, splits), out_shape=out_shape, interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
         name="paged_decode")(*args)
-    # Merge the splits; an empty split has m = -inf and weighs 0.
+    # Merge the splits row by row: one reduction of the same shape for every row, so that
+    # XLA reduces each row's splits in the same order at any batch size (over [B, S, ...] the
+    # GPU's reduction order varied with B: a row's result changed in 1-2 elements of 6,144
+    # beside another row, v25d).
+    rows = [_merge(acc[i:i + 1], m[i:i + 1], l[i:i + 1]) for i in range(b)]
+    out = rows[0] if b == 1 else jnp.concatenate(rows)
+    return out[:, :, :r].reshape(b, 1, nh, hd).astype(q.dtype)
+
+
+def _merge(acc, m, l):
+    """The splits' partials [B, S, kvh, 16, (hd)] merged: an empty split has m = -inf and
+    weighs 0."""
     m_all = jnp.max(m, axis=1, keepdims=True)
     w = jnp.where(jnp.isfinite(m), jnp.exp(m - m_all), 0.0)                   # [B, S, kvh, 16]
-    out = jnp.sum(acc * w[..., None], axis=1) / jnp.sum(l * w, axis=1)[..., None]
-    return out[:, :, :r].reshape(b, 1, nh, hd).astype(q.dtype)
+    return jnp.sum(acc * w[..., None], axis=1) / jnp.sum(l * w, axis=1)[..., None]
