@@ -17,7 +17,9 @@ sends the transcript (one user message of ~--tokens tokens) with a prompt_cache_
 checkpoint is flushed (POST /v1/ninfer/checkpoints waits for the save); graceful stop (SIGTERM)
 and its stop report. (d) server 2 on the same state dir: restart-to-ready warm. (e) owner
 continues with a short turn (previous_response_id): TTFT restored (request log: path
-`disk-restored`, the restore's bytes and seconds). (f) another principal sends the same
+`disk-restored`, the restore's bytes and seconds). (e2) one more streamed greedy turn of
+--decode-tokens: decode tokens/s at the client (first delta to last) and by the engine's
+request log. (f) another principal sends the same
 transcript + answer + turn: TTFT of a cold re-prefill (--skip-reprefill leaves it out).
 (g) table + JSON (--out).
 
@@ -116,10 +118,12 @@ def transcript(tokenizer, n_tokens: int, seed: int = 7) -> tuple[str, int]:
 
 # ---- HTTP -------------------------------------------------------------------------------------
 def post_stream(srv, key: str, body: dict, timeout: float) -> dict:
-    """A streamed /v1/responses request; returns {response, client_ttft_s, client_total_s}."""
+    """A streamed /v1/responses request; returns {response, client_ttft_s, client_total_s,
+    deltas (the stream's delta events), client_stream_s (its first delta to its last)}."""
     t0 = time.monotonic()
     first = None
     last = None
+    deltas, t_last = 0, None
     with httpx.stream("POST", srv.api_url + "/responses", json={**body, "stream": True},
                       timeout=httpx.Timeout(timeout, connect=10),
                       headers={"Authorization": f"Bearer {key}"}) as r:
@@ -130,15 +134,19 @@ def post_stream(srv, key: str, body: dict, timeout: float) -> dict:
             if not line.startswith("data: "):
                 continue
             ev = json.loads(line[6:])
-            if first is None and str(ev.get("type", "")).endswith(".delta"):
-                first = time.monotonic() - t0
+            if str(ev.get("type", "")).endswith(".delta"):
+                t_last = time.monotonic() - t0
+                deltas += 1
+                if first is None:
+                    first = t_last
             if ev.get("type") in ("response.completed", "response.incomplete",
                                   "response.failed"):
                 last = ev["response"]
     if last is None:
         raise RuntimeError("the stream ended without a response")
     return {"response": last, "client_ttft_s": None if first is None else round(first, 3),
-            "client_total_s": round(time.monotonic() - t0, 3)}
+            "client_total_s": round(time.monotonic() - t0, 3), "deltas": deltas,
+            "client_stream_s": None if first is None else round(t_last - first, 3)}
 
 
 def post_json(srv, key: str, path: str, body: dict, timeout: float) -> dict:
@@ -273,6 +281,9 @@ def main(argv=None) -> int:
     ap.add_argument("--room", type=int, default=4096,
                     help="context beyond the transcript (template, answer, turn)")
     ap.add_argument("--max-output", type=int, default=8)
+    ap.add_argument("--decode-tokens", type=int, default=256,
+                    help="phase (e2): one more streamed, greedy turn of this many tokens after "
+                         "the restore, timed at the client and by the engine (0: skip)")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--kernels", default="pallas", help="the profile's kernels (xla, pallas)")
     ap.add_argument("--compute", default="bfloat16")
@@ -395,6 +406,28 @@ def main(argv=None) -> int:
         log(f"  restored turn: ttft {d2.get('ttft_s')}s (client {second['client_ttft_s']}s), "
             f"path {d2.get('path')}, computed {d2.get('computed_tokens')} tokens; "
             f"restore {[(x.get('state'), x.get('read_bytes'), x.get('seconds')) for x in restores]}")
+        # (e2) decode as a client sees it: one more turn of the session, streamed, greedy
+        decode = None
+        if a.decode_tokens:
+            third = post_stream(srv, OWNER, {"model": model_id, "input": TURN,
+                                             "previous_response_id": r2["id"],
+                                             "max_output_tokens": a.decode_tokens,
+                                             "temperature": 0, "prompt_cache_key": SESSION},
+                                left())
+            d3 = done_record(state, third["response"]["id"])
+            n_out = third["response"]["usage"]["output_tokens"]
+            decode = {"output_tokens": n_out, "finish_reason": d3.get("finish_reason"),
+                      "engine_decode_s": d3.get("decode_s"),
+                      "engine_decode_tokens_per_s": d3.get("decode_tokens_per_s"),
+                      "prompt_tokens": d3.get("prompt_tokens"), "path": d3.get("path"),
+                      "client_ttft_s": third["client_ttft_s"], "deltas": third["deltas"],
+                      "client_stream_s": third["client_stream_s"],
+                      "client_tokens_per_s": (round((n_out - 1) / third["client_stream_s"], 2)
+                                              if third["client_stream_s"] else None)}
+            log(f"  decode turn: {n_out} tokens ({d3.get('finish_reason')}), engine "
+                f"{d3.get('decode_tokens_per_s')} tok/s, client {decode['client_tokens_per_s']}"
+                f" tok/s over {third['deltas']} deltas")
+        result["decode"] = decode
         post_json(srv, OWNER, "/ninfer/checkpoints", {"prompt_cache_key": SESSION}, left())
 
         # (f) the same transcript, another principal: cold re-prefill
@@ -434,6 +467,8 @@ def main(argv=None) -> int:
             "ratio_reprefill_over_restore": (round(ttft_c / ttft_r, 2)
                                              if ttft_r and ttft_c else None),
             "restore_path": d2.get("path"),
+            "decode_client_tokens_per_s": (decode or {}).get("client_tokens_per_s"),
+            "decode_engine_tokens_per_s": (decode or {}).get("engine_decode_tokens_per_s"),
             "restore_bytes": rs.get("read_bytes"), "restore_s": rs.get("seconds"),
             "restart_to_ready_cold_s": s1["ready_generate_s"],
             "restart_to_ready_warm_s": s2["ready_generate_s"],
