@@ -348,6 +348,10 @@ class Engine:
         logits, so that the first request neither compiles nor loads anything; returns
         seconds. Needs the params on the device."""
         t0 = time.monotonic()
+        self.mem.warm()  # admission, reuse and storing's device ops (`Memory.warm`)
+        for n, w in self._shapes():  # a step's host arrays, as `_run_step` puts them
+            jax.device_put(np.zeros((n, w), np.int32))
+            jax.device_put(np.zeros((n,), np.int32))
         zero = jnp.zeros((self.B,), jnp.int32)
         logits, _, self.mem.cache = self._fwd(self.model.params,
                                               jnp.zeros((self.B, 1), jnp.int32), self.mem.cache,

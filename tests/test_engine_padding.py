@@ -147,8 +147,9 @@ def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, 
     """The restart path (server/cli.py): an engine built on ModelLoad.abstract (params as
     shapes only) compiles every width ahead of time, on a thread pool, while the weights are
     still being copied; attach() gives it the loaded model and warm_run() runs the decode step.
-    A request served afterwards (pieces of 32 and 13 padded to 16, then decode steps) compiles
-    no forward and no sampler, and gives the tokens of an engine that compiled as it went.
+    A request served afterwards (pieces of 32 and 13 padded to 16, then decode steps, its state
+    stored) and its continuation (the state restored) compile nothing at all, and the first
+    gives the tokens of an engine that compiled as it went.
     With two rows the pieces run over one row (`forward_rows`), the decode step over both."""
     import logging
     import queue
@@ -183,26 +184,37 @@ def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, 
     assert model.sha256 == tiny_model.sha256 and timings["verify"] == "full"
     eng.attach(model)
     eng.warm_run()
+    probe = jax.numpy.ones((3, 5, 7))  # built before the log: its own compile is not seen
     seen, log = Compiles(), logging.getLogger("jax")
     log.addHandler(seen)
     jax.config.update("jax_log_compiles", True)
     eng.start()
-    try:
+
+    def generate(prompt, n):
         q: queue.Queue = queue.Queue()
-        eng.submit(GenerationRequest(prompt_ids=list(ids),
-                                     sampling=SamplingParams(temperature=0.0), max_tokens=6,
-                                     stop_ids=frozenset(), emit=q.put))
-        toks = []
+        eng.submit(GenerationRequest(prompt_ids=list(prompt),
+                                     sampling=SamplingParams(temperature=0.0), max_tokens=n,
+                                     stop_ids=frozenset(), emit=q.put, principal="p",
+                                     session="s"))
+        out = []
         while not isinstance(ev := q.get(timeout=300), DoneEvent):
             if isinstance(ev, TokenEvent):
-                toks.append(ev.token_id)
-        jax.jit(lambda x: x * 3)(jax.numpy.ones((3, 5, 7)))  # the probe's own compile
+                out.append(ev.token_id)
+        return out, ev
+    try:
+        toks, _ = generate(ids, 6)  # a root prefill, decode steps, its state stored
+        # a continuation: the stored state restored into the row, its last page copied
+        more, done = generate(list(ids) + toks + [11, 12, 13], 3)
+        jax.jit(lambda x: x * 3)(probe)  # the probe's own compile
     finally:
         eng.stop()
         jax.config.update("jax_log_compiles", False)
         log.removeHandler(seen)
+    assert done.path == "continuation" and len(more) == 3
     assert "jit(<lambda>)" in seen.names, "the probe saw no compile: it is broken"
-    assert not [n for n in seen.names if "forward" in n or "sample" in n], seen.names
+    # nothing at all compiled while serving: no forward, no sampler, and none of the state
+    # and page operations of admission, reuse and storing (`Memory.warm`)
+    assert seen.names == ["jit(<lambda>)"], seen.names
     ref, _ = greedy_tokens(tiny_model, ids, 6, prefill_chunk=1)
     assert toks == ref
 

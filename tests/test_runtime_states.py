@@ -387,3 +387,20 @@ def test_retention_score_orders_like_weight_at_any_time(ra, rb, ta, tb, later):
     sa, sb = retention_score(ra, ta), retention_score(rb, tb)
     if not math.isclose(wa, wb, rel_tol=1e-9):
         assert (wa < wb) == (sa < sb)
+
+
+def test_warm_books_nothing_and_leaves_the_pool_working():
+    """StatePool.warm runs the copies once (for their compiles) and books nothing: no image,
+    no count; the cache's other rows keep their bits; with an image stored it does nothing."""
+    p = pool()
+    conv, rec, conv_np, rec_np = make_cache(5)
+    before = p.stats()
+    conv, rec = p.warm(conv, rec)
+    assert p.stats() == before and p.images() == []
+    # rows other than 0 untouched
+    assert same_bits(np.asarray(conv)[:, :, 1:], conv_np[:, :, 1:])
+    assert same_bits(np.asarray(rec)[:, :, 1:], rec_np[:, :, 1:])
+    a = store(p, "a")
+    assert same_bits(p.read(a)[1], CACHE[3][:, :, 0])  # slot 0 holds what was stored
+    c2, r2 = p.warm(conv, rec)  # an image stored: nothing is touched
+    assert c2 is conv and r2 is rec and same_bits(p.read(a)[1], CACHE[3][:, :, 0])

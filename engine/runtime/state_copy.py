@@ -83,3 +83,17 @@ def restore_to_row(slots_conv, slots_rec, cache_conv, cache_rec, slot, batch_row
     """Copy slot `slot` straight into batch row `batch_row` (no intermediate row arrays)."""
     conv, rec = _read(slots_conv, slots_rec, slot)
     return _write_row(cache_conv, cache_rec, batch_row, conv, rec)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def zero_row(cache_conv, cache_rec, batch_row):
+    """Clear batch row `batch_row` of the cache (a fresh sequence); returns the new arrays."""
+    conv = jnp.zeros(cache_conv.shape[:2] + cache_conv.shape[3:], cache_conv.dtype)
+    rec = jnp.zeros(cache_rec.shape[:2] + cache_rec.shape[3:], cache_rec.dtype)
+    return _write_row(cache_conv, cache_rec, batch_row, conv, rec)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def set_position(pos, mtp_pos, batch_row, value):
+    """Row `batch_row`'s position (and its MTP position) set to `value`; [B] int32 each."""
+    return pos.at[batch_row].set(value), mtp_pos.at[batch_row].set(value)

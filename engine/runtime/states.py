@@ -218,6 +218,26 @@ class StatePool:
         return sc.restore_to_row(self._conv, self._rec, cache_conv, cache_rec,
                                  np.int32(image.slot), np.int32(batch_row))
 
+    def warm(self, cache_conv: jax.Array, cache_rec: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Run each copy between the cache and the slots once (store, restore into a row, the
+        checkpoint's write and read), through slot 0 and batch row 0, so that a first request
+        compiles none of them. Books nothing (no image, no count). Only while no image is
+        stored: it overwrites slot 0 and row 0. Returns the cache arrays (donated)."""
+        self._check_mutable()
+        if self._by_key or not self.device_slots:
+            return cache_conv, cache_rec
+        zero = np.int32(0)
+        self._conv, self._rec = sc.snapshot_to_slot(self._conv, self._rec, cache_conv,
+                                                    cache_rec, zero, zero)
+        cache_conv, cache_rec = sc.restore_to_row(self._conv, self._rec, cache_conv, cache_rec,
+                                                  zero, zero)
+        jax.block_until_ready(sc.read_slot(self._conv, self._rec, zero))  # a spill's read
+        # a checkpoint's image, as `load` puts it
+        conv = jax.device_put(np.zeros(self.conv_shape, self.conv_dtype))
+        rec = jax.device_put(np.zeros(self.rec_shape, np.float32))
+        self._conv, self._rec = sc.write_slot(self._conv, self._rec, conv, rec, zero)
+        return cache_conv, cache_rec
+
     # ---- tier moves ------------------------------------------------------------------------
     def can_spill(self, image: StateImage) -> bool:
         """On the device, unpinned, and the host has room or holds a lower-ranked image."""
