@@ -97,7 +97,8 @@ def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int) -> str:
 
     eng = rows.engine
     eng._overlap = mode
-    path = f"{a.trace}-b{eng.B}-c{conc}-{int(mode)}-{sampling}.xplane.pb.gz"
+    path = (f"{a.trace}-b{eng.B}{'n' if eng._narrow else ''}-c{conc}-{int(mode)}-{sampling}"
+            ".xplane.pb.gz")
     rng = np.random.default_rng(11)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -122,13 +123,15 @@ def main() -> None:
     ap.add_argument("--modes", default="1,0", help="NINFER_OVERLAP values, in turn")
     ap.add_argument("--sampling", default="greedy", help=f"decode runs' sampling, in turn: "
                     f"some of {sorted(SAMPLINGS)}")
+    ap.add_argument("--narrow", default="0", help="for engines of more than one row: "
+                    "NINFER_NARROW_DECODE values, each its own engine (e.g. 0,1)")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--room", type=int, default=2048, help="context beyond the longest prompt")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget-s", type=float, default=560.0, help="stop starting parts past it")
     ap.add_argument("--trace", default="", help="also trace, at each engine's first context, "
                     "one run per mode and sampling at its widest concurrency into "
-                    "FILE-b<B>-c<C>-<overlap>-<sampling>.xplane.pb.gz (bench/trace_step.py "
+                    "FILE-b<B>[n]-c<C>-<overlap>-<sampling>.xplane.pb.gz (n: narrow; trace_step.py "
                     "--read FILE prints its timelines)")
     ap.add_argument("--out", default="engine_27b.json")
     a = ap.parse_args()
@@ -155,23 +158,28 @@ def main() -> None:
     def save():
         Path(a.out).write_text(json.dumps(res, indent=2))
 
-    for B in [int(b) for b in a.batches.split(",") if b]:
+    widths = [int(b) for b in a.batches.split(",") if b]
+    narrows = [x == "1" for x in a.narrow.split(",") if x]
+    for B, narrow in [(B, n) for B in widths for n in (narrows if B > 1 else [False])]:
         eng = Engine(model, context_tokens=max(contexts) + a.room, prefill_chunk=a.prefill_chunk,
-                     max_concurrency=B, kernels=a.kernels, state_slots=2 * B + 2)
+                     max_concurrency=B, kernels=a.kernels, state_slots=2 * B + 2,
+                     narrow_decode=narrow)
         compile_s = eng.warmup()
         eng.start()
-        log(f"B={B}: compiled and warmed in {compile_s:.1f}s")
+        log(f"B={B} narrow={int(narrow)}: compiled and warmed in {compile_s:.1f}s")
         rows = Rows(eng)
         try:
             for ctx in contexts:
                 if time.monotonic() - T0 > a.budget_s:
                     log(f"B={B} ctx={ctx}: skipped, over the budget")
-                    res["runs"].append({"batch": B, "context": ctx, "skipped": "budget"})
+                    res["runs"].append({"batch": B, "narrow": narrow, "context": ctx,
+                                        "skipped": "budget"})
                     continue
                 for r in rows.ids:  # the last context's stored states free their pages
                     eng.forget_session("bench", f"row{r}")
                 rows.ids = {}
-                run = {"batch": B, "context": ctx, "prefill": [], "decode": []}
+                run = {"batch": B, "narrow": narrow, "context": ctx, "prefill": [],
+                       "decode": []}
                 for r in range(B):  # each row's prompt from empty, one at a time
                     ids = rng.integers(10, top, ctx).tolist()
                     d, = rows.request([r], {r: ids}, 1)
@@ -224,18 +232,22 @@ def main() -> None:
                          if d["concurrency"] == c and d["overlap"] == mode
                          and d["sampling"] == smp]
                     if v:
-                        summary.append({"batch": run["batch"], "context": run["context"],
+                        summary.append({"batch": run["batch"],
+                                        "narrow": run.get("narrow", False),
+                                        "context": run["context"],
                                         "concurrency": c, "sampling": smp, "overlap": mode,
                                         "tokens_per_s_median": float(np.median(v))})
     res["summary"] = summary
     save()
-    print(f"{'B':>2} {'ctx':>7} {'C':>2} {'sampling':>9} {'overlap':>7} {'tok/s':>8}")
+    print(f"{'B':>2} {'narrow':>6} {'ctx':>7} {'C':>2} {'sampling':>9} {'overlap':>7} "
+          f"{'tok/s':>8}")
     for s in summary:
-        print(f"{s['batch']:>2} {s['context']:>7} {s['concurrency']:>2} {s['sampling']:>9} "
-              f"{int(s['overlap']):>7} {s['tokens_per_s_median']:>8.1f}")
+        print(f"{s['batch']:>2} {int(s['narrow']):>6} {s['context']:>7} {s['concurrency']:>2} "
+              f"{s['sampling']:>9} {int(s['overlap']):>7} {s['tokens_per_s_median']:>8.1f}")
     for run in res["runs"]:
         for p in run.get("prefill", []):
-            print(f"prefill B={run['batch']} ctx={run['context']} row {p['row']}: "
+            print(f"prefill B={run['batch']} narrow={int(run.get('narrow', False))} "
+                  f"ctx={run['context']} row {p['row']}: "
                   f"{p['seconds']:.3f}s {p['tokens_per_s']:.0f} tok/s")
 
 

@@ -112,6 +112,23 @@ def _next_inputs(picked, stops, live):
     return picked[:, None].astype(jnp.int32), cont.astype(jnp.int32)
 
 
+def _next_inputs_rows(picked, stops, live, rows):
+    """`_next_inputs` for the cache rows `rows` [n] alone (a narrow decode step): tokens
+    [n, 1], lengths [n]."""
+    tokens, lengths = _next_inputs(picked[rows], stops[rows], live[rows])
+    return tokens, lengths
+
+
+def narrow_decode_enabled() -> bool:
+    """Whether a decode step of fewer rows than the engine has runs over those rows alone
+    (`NINFER_NARROW_DECODE=1`; off by default): in an engine of two rows, one sequence
+    would decode at a one-row engine's rate, not with the other row as padding through every
+    matmul (v25: 117.9 against 130.2 tok/s at 1K). Off until the GPU shows that the greedy
+    tokens of one row stay those of two rows at once (batch invariance of the one-row forward
+    against the two-row one)."""
+    return os.environ.get("NINFER_NARROW_DECODE", "0") == "1"
+
+
 @dataclass
 class _InFlight:
     """A chained decode step on the device whose sampled tokens the host has not read: its
@@ -133,7 +150,7 @@ class Engine:
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
                  capacity_tokens: int | None = None, state_slots: int = 8,
                  host_state_bytes: int = 0, before_evict=None, kernels: str = "xla",
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, narrow_decode: bool | None = None):
         from engine.kernels import check_kernels
 
         self.model = model
@@ -182,12 +199,16 @@ class Engine:
                           state_slots=state_slots, host_state_bytes=host_state_bytes,
                           before_evict=before_evict)
         self.B = max_concurrency
+        # decode steps of fewer rows over those rows alone (`narrow_decode_enabled`)
+        self._narrow = self.B > 1 and (narrow_decode_enabled() if narrow_decode is None
+                                       else bool(narrow_decode))
         # chained decode steps: the argument, else NINFER_OVERLAP (`overlap_enabled`)
         self._overlap = overlap_enabled() if overlap is None else bool(overlap)
         self._next_inputs = jax.jit(_next_inputs)
-        # the device's stop ids and live rows of the last chained row set: a chain's steps
-        # reuse them instead of building and copying them each step
-        self._chain_rows: tuple[tuple, object, object] | None = None
+        self._next_inputs_rows = jax.jit(_next_inputs_rows)
+        # the device's stop ids, live rows and (narrow) row ids of the last chained row set: a
+        # chain's steps reuse them instead of building and copying them each step
+        self._chain_rows: tuple[tuple, object, object, object] | None = None
         self._inflight: _InFlight | None = None
         self.chained_steps = 0  # decode steps dispatched before the last one's tokens were read
 
@@ -262,7 +283,9 @@ class Engine:
         """The (rows, width) forwards this engine runs: every prefill piece width over one
         row (all rows when the engine has one), and the decode step over all rows."""
         narrow = 1 if self.B > 1 else self.B
-        return [(narrow, w) for w in piece_widths(self.sched.prefill_chunk)] + [(self.B, 1)]
+        decode = [(n, 1) for n in range(1, self.B)] if self._narrow else []
+        return ([(narrow, w) for w in piece_widths(self.sched.prefill_chunk)] + decode
+                + [(self.B, 1)])
 
     def compile(self, threads: int | None = None, store=None) -> float:
         """Compile the forward for the decode step and every prefill piece width, ahead of
@@ -358,9 +381,13 @@ class Engine:
                                               zero)
         picked, _ = self._sample_batch(logits[:, 0], [None] * self.B)
         # the chained steps' inputs (`_chain`), compiled here rather than on a first request
-        jax.block_until_ready(self._next_inputs(
-            picked, jnp.full((self.B, CHAIN_STOP_IDS), -1, jnp.int32),
-            jnp.zeros((self.B,), bool)))
+        stops = jnp.full((self.B, CHAIN_STOP_IDS), -1, jnp.int32)
+        live = jnp.zeros((self.B,), bool)
+        jax.block_until_ready(self._next_inputs(picked, stops, live))
+        for n, w in self._shapes():
+            if w == 1 and n < self.B:  # a narrow decode step's
+                jax.block_until_ready(self._next_inputs_rows(
+                    picked, stops, live, jax.device_put(np.zeros((n,), np.int32))))
         # The server's sampler variants, unmasked and masked (a first request, constrained
         # or not, would otherwise compile its own).
         args = (np.zeros((self.B,), np.float32), np.zeros((self.B,), np.int32),
@@ -438,6 +465,10 @@ class Engine:
             lengths = np.zeros((n,), np.int32)
             tokens[at, :step.size] = seq.prompt_ids[step.start:step.start + step.size]
             lengths[at] = step.size
+        elif self._narrow and len(step.seqs) < self.B:  # over the decoding rows alone
+            rows = np.array([seq.slot for seq in step.seqs], np.int32)
+            tokens = np.array([[seq.output_ids[-1]] for seq in step.seqs], np.int32)
+            lengths = np.ones((len(step.seqs),), np.int32)
         else:
             tokens = np.zeros((self.B, step.width), np.int32)
             lengths = np.zeros((self.B,), np.int32)
@@ -516,13 +547,20 @@ class Engine:
                 ids = sorted(s.payload.stop_ids)
                 stops[s.slot, :len(ids)] = ids
                 live[s.slot] = True
-            self._chain_rows = (key, jax.device_put(stops), jax.device_put(live))
+            rows_dev = None
+            if self._narrow and len(nxt) < self.B:
+                rows_dev = jax.device_put(np.array([s.slot for s in nxt], np.int32))
+            self._chain_rows = (key, jax.device_put(stops), jax.device_put(live), rows_dev)
         self.sched.step_log.append(("decode", tuple(s.seq_id for s in nxt)))
         log_at = len(self.sched.step_log) - 1
         self.mem.prepare(nxt, 1)
-        tokens, lengths = self._next_inputs(picked, self._chain_rows[1], self._chain_rows[2])
+        _, stops_dev, live_dev, rows_dev = self._chain_rows
+        if rows_dev is None:
+            tokens, lengths = self._next_inputs(picked, stops_dev, live_dev)
+        else:
+            tokens, lengths = self._next_inputs_rows(picked, stops_dev, live_dev, rows_dev)
         logits, _, self.mem.cache = self._fwd(self.model.params, tokens, self.mem.cache,
-                                              lengths)
+                                              lengths, rows_dev)
         nxt_picked, _ = self._sample_batch(logits[:, 0], rows, ahead=1)
         self.chained_steps += 1
         return _InFlight(nxt, nxt_picked, log_at)

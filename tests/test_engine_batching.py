@@ -15,9 +15,13 @@ def model(tiny_model):
     return tiny_model
 
 
-@pytest.fixture(scope="module")
-def engine(model):
-    eng = Engine(model, context_tokens=2048, prefill_chunk=64, max_concurrency=2, max_queue=4)
+@pytest.fixture(scope="module", params=[False, True], ids=["padded", "narrow"])
+def engine(model, request):
+    """An engine of two rows; "narrow": a decode step of one row runs over that row alone
+    (`NINFER_NARROW_DECODE`), so a sequence alone and two at once run different forwards."""
+    eng = Engine(model, context_tokens=2048, prefill_chunk=64, max_concurrency=2, max_queue=4,
+                 narrow_decode=request.param)
+    assert eng._narrow is request.param
     eng.start()
     yield eng
     eng.stop()

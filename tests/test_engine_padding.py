@@ -141,16 +141,18 @@ def test_padded_remainder_generates_the_same_tokens(tiny_model):
         assert got == ref, f"chunk {chunk}"
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows,narrow", [(1, False), (2, False), (2, True)],
+                         ids=["1", "2", "2-narrow"])
 def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, tiny_model,
-                                                           rows):
+                                                           rows, narrow):
     """The restart path (server/cli.py): an engine built on ModelLoad.abstract (params as
     shapes only) compiles every width ahead of time, on a thread pool, while the weights are
     still being copied; attach() gives it the loaded model and warm_run() runs the decode step.
     A request served afterwards (pieces of 32 and 13 padded to 16, then decode steps, its state
     stored) and its continuation (the state restored) compile nothing at all, and the first
     gives the tokens of an engine that compiled as it went.
-    With two rows the pieces run over one row (`forward_rows`), the decode step over both."""
+    With two rows the pieces run over one row (`forward_rows`), the decode step over both, or
+    (narrow decode) over the one decoding row."""
     import logging
     import queue
 
@@ -178,7 +180,7 @@ def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, 
     # 200 context tokens: cache shapes no other test uses, so no executable of an earlier test
     # can stand in for the warmup's
     eng = Engine(loading.abstract, context_tokens=200, prefill_chunk=32, max_concurrency=rows,
-                 max_queue=2)
+                 max_queue=2, narrow_decode=narrow)
     assert eng.compile(threads=3) > 0
     model = loading.result()
     assert model.sha256 == tiny_model.sha256 and timings["verify"] == "full"
