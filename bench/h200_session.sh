@@ -7,6 +7,9 @@
 #
 # Parts (each part's comment in the case below says more):
 #   tests      GPU kernel and engine tests          enginegpu  the engine's GPU tests alone
+#   engine     decode and prefill through the serving engine (bench/engine_27b.py), traced
+#              (ENGINE_CONTEXTS, ENGINE_SAMPLING)
+#   narrow     narrow decode in an engine of two rows: its GPU tests, then off against on
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
 #   headline   decode and 8K/32K/128K prefill from int4_g64 weights, one process
 #   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
@@ -266,6 +269,22 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
           (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
            decode1k "decab_prev_$rep")
         done ;;
+      engine)  # decode and prefill through the serving engine (bench/engine_27b.py, v25):
+        # B = 1 and 2, 1K/32K/128K, chained steps on/off, each engine's first context traced
+        run 560 "$OUT/engine_$TAG.log" python3 bench/engine_27b.py --batches 1,2 \
+          --contexts "${ENGINE_CONTEXTS:-1024,32768,131072}" --decode-tokens 64 --reps 2 \
+          --sampling "${ENGINE_SAMPLING:-greedy}" --trace "$OUT/etrace_$TAG" --budget-s 470 \
+          --out "$OUT/engine_$TAG.json"
+        grep -E '^ ?[0-9]|^prefill' "$OUT/engine_$TAG.log" ;;
+      narrow)  # narrow decode (NINFER_NARROW_DECODE) in an engine of two rows: the engine's
+        # GPU tests with it (greedy C1 == C2), then B = 2 engines without and with it
+        NINFER_NARROW_DECODE=1 run 200 "$OUT/narrowgpu_$TAG.log" python3 -m pytest -q -m gpu \
+          -p no:cacheprovider tests/test_engine_gpu.py
+        tail -n 3 "$OUT/narrowgpu_$TAG.log"
+        run 400 "$OUT/narrow_$TAG.log" python3 bench/engine_27b.py --batches 2 --narrow 0,1 \
+          --contexts 1024,32768 --decode-tokens 64 --reps 2 --trace "$OUT/etrace_$TAG" \
+          --budget-s 330 --out "$OUT/narrow_$TAG.json"
+        grep -E '^ ?[0-9]|^prefill' "$OUT/narrow_$TAG.log" ;;
       enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
         run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_engine_gpu.py tests/test_kernels_gdn_prefill.py
