@@ -115,8 +115,7 @@ def _next_inputs(picked, stops, live):
 def _next_inputs_rows(picked, stops, live, rows):
     """`_next_inputs` for the cache rows `rows` [n] alone (a narrow decode step): tokens
     [n, 1], lengths [n]."""
-    tokens, lengths = _next_inputs(picked[rows], stops[rows], live[rows])
-    return tokens, lengths
+    return _next_inputs(picked[rows], stops[rows], live[rows])
 
 
 def narrow_decode_enabled() -> bool:
@@ -278,6 +277,13 @@ class Engine:
         else:
             logits, cache = self._jit_rows(params, tokens, cache, lengths, rows)
         return logits, None, cache
+
+    def _narrow_step(self, kind: str, seqs) -> bool:
+        """Whether a step runs over its own rows alone (`forward_rows`): a prefill piece (one
+        row's) in an engine of more rows; a decode step of fewer rows with narrow decode on."""
+        if kind == "prefill":
+            return self.B > 1
+        return self._narrow and len(seqs) < self.B
 
     def _shapes(self) -> list[tuple[int, int]]:
         """The (rows, width) forwards this engine runs: every prefill piece width over one
@@ -455,26 +461,21 @@ class Engine:
         # [B, width]: a prefill piece may be right-padded past its size; padded steps are not
         # valid, so they write no KV and leave the GDN state alone (tests/test_engine_padding.py),
         # and pages are made for the real tokens only.
-        rows = None
-        if step.kind == "prefill":
-            seq = step.seqs[0]
-            # one row's piece: over that row alone where the engine has more (`_shapes`)
-            n, at = (1, 0) if self.B > 1 else (self.B, seq.slot)
-            rows = np.array([seq.slot], np.int32) if self.B > 1 else None
-            tokens = np.zeros((n, step.width), np.int32)
-            lengths = np.zeros((n,), np.int32)
-            tokens[at, :step.size] = seq.prompt_ids[step.start:step.start + step.size]
-            lengths[at] = step.size
-        elif self._narrow and len(step.seqs) < self.B:  # over the decoding rows alone
-            rows = np.array([seq.slot for seq in step.seqs], np.int32)
-            tokens = np.array([[seq.output_ids[-1]] for seq in step.seqs], np.int32)
-            lengths = np.ones((len(step.seqs),), np.int32)
-        else:
-            tokens = np.zeros((self.B, step.width), np.int32)
-            lengths = np.zeros((self.B,), np.int32)
-            for seq in step.seqs:
-                tokens[seq.slot, 0] = seq.output_ids[-1]
-                lengths[seq.slot] = 1
+        # Over the step's own rows where that is narrower than the engine (`_narrow_step`):
+        # tokens row i is step.seqs[i]'s; else over every row, row b the sequence in slot b.
+        narrow = self._narrow_step(step.kind, step.seqs)
+        n = len(step.seqs) if narrow else self.B
+        tokens = np.zeros((n, step.width), np.int32)
+        lengths = np.zeros((n,), np.int32)
+        for i, seq in enumerate(step.seqs):
+            at = i if narrow else seq.slot
+            if step.kind == "prefill":
+                tokens[at, :step.size] = seq.prompt_ids[step.start:step.start + step.size]
+                lengths[at] = step.size
+            else:
+                tokens[at, 0] = seq.output_ids[-1]
+                lengths[at] = 1
+        rows = np.array([seq.slot for seq in step.seqs], np.int32) if narrow else None
         self.mem.prepare(step.seqs, max(step.size, 1))
         # fresh arrays each step: device_put (jnp.asarray compiles a staging computation for
         # each new shape, ~10 ms the first time a piece width runs)
@@ -548,7 +549,7 @@ class Engine:
                 stops[s.slot, :len(ids)] = ids
                 live[s.slot] = True
             rows_dev = None
-            if self._narrow and len(nxt) < self.B:
+            if self._narrow_step("decode", nxt):
                 rows_dev = jax.device_put(np.array([s.slot for s in nxt], np.int32))
             self._chain_rows = (key, jax.device_put(stops), jax.device_put(live), rows_dev)
         self.sched.step_log.append(("decode", tuple(s.seq_id for s in nxt)))

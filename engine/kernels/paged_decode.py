@@ -6,9 +6,9 @@ step, with an online softmax, for all query heads of its KV head at once (GQA: t
 heads are the rows of one [16, hd] tile, zero-padded, so both products are tensor-core dots).
 Each row shares its own visible pages evenly among its programs, so a short row costs only its
 own pages, in parallel, however wide the table. XLA then merges the splits' (max, sum, acc)
-partials. INT8 pages enter the dots as they are (int8 codes
-are exact in bf16); their per-token scales multiply the page's 64 scores (K) and the 64
-softmax weights (V) instead of every element: per element only a conversion is left.
+partials, row by row. INT8 pages enter the dots as they are (int8 codes are exact in bf16);
+their per-token scales multiply the page's 64 scores (K) and the 64 softmax weights (V)
+instead of every element: per element only a conversion is left.
 
 How the codes become dot operands, `NINFER_PAGED_INT8_CAST` (a 128K row's pages are 4.3 G
 codes a step; on the H200 none of the three was faster than bf16 in the decode step, v21, so
