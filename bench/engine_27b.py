@@ -10,7 +10,11 @@ chained on the device. For each engine width B (max_concurrency) and context:
   decode    C1 (row 0) and, where B > 1, C2 (rows 0 and 1 at once): each run a continuation
             of the row's stored state (the prompt extends what it holds, so only the new tokens
             are computed), --decode-tokens greedy tokens; the chained steps on and off in
-            turn, --reps times each, in one process
+            turn, --reps times each, in one process. tok/s counts each row from its own first
+            token (what a client sees, so a C2 row includes the other row's new-turn prefill);
+            "steady" counts every row while all of them decode (the batch's decode rate)
+  turns     a new turn of each --turns size appended to row 0's history: its prefill seconds
+            (what an agent's next turn waits before its first token)
 
     python3 bench/engine_27b.py --batches 1,2 --contexts 1024,32768,131072 --out e27.json
     .venv/bin/python bench/engine_27b.py --preset tiny --kernels xla --batches 1,2 \
@@ -52,6 +56,7 @@ class Rows:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.ids: dict[int, list[int]] = {}
+        self.times: dict[int, list[float]] = {}  # the last request's token arrival times
 
     def request(self, rows: list[int], extra: dict[int, list[int]], max_tokens: int,
                 sampling: SamplingParams = SamplingParams(temperature=0)) -> list:
@@ -63,14 +68,16 @@ class Rows:
             q: queue.Queue = queue.Queue()
             self.engine.submit(GenerationRequest(
                 prompt_ids=prompt, sampling=sampling, max_tokens=max_tokens,
-                stop_ids=frozenset(), emit=q.put, principal="bench", session=f"row{r}"))
+                stop_ids=frozenset(), emit=lambda ev, q=q: q.put((time.monotonic(), ev)),
+                principal="bench", session=f"row{r}"))
             qs[r] = (q, prompt)
         dones = []
         for r, (q, prompt) in qs.items():
-            out = []
+            out, times = [], []
             while True:
-                ev = q.get(timeout=900)
+                at, ev = q.get(timeout=900)
                 if isinstance(ev, TokenEvent):
+                    times.append(at)  # when the engine thread emitted it
                     out.append(ev.token_id)
                     continue
                 if ev.finish_reason not in ("length", "stop"):
@@ -78,7 +85,17 @@ class Rows:
                 dones.append(ev)
                 break
             self.ids[r] = prompt + out
+            self.times[r] = times
         return dones
+
+    def steady_rate(self, rows: list[int]) -> float:
+        """Tokens a second over all `rows` while every one of them decodes: from the latest
+        first token to the last token, so a row's rate does not include the time another
+        row's prompt took (the rows' new tokens are prefilled one after another)."""
+        t0 = max(self.times[r][0] for r in rows)
+        t1 = max(self.times[r][-1] for r in rows)
+        n = sum(sum(1 for t in self.times[r] if t > t0) for r in rows)
+        return n / (t1 - t0) if t1 > t0 else float("nan")
 
 
 SAMPLINGS = {"greedy": SamplingParams(temperature=0),
@@ -128,6 +145,8 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--room", type=int, default=2048, help="context beyond the longest prompt")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--turns", default="4,64,500,2000", help="new turns' sizes: the time to "
+                    "prefill each, appended to row 0's history at every context")
     ap.add_argument("--budget-s", type=float, default=560.0, help="stop starting parts past it")
     ap.add_argument("--trace", default="", help="also trace, at each engine's first context, "
                     "one run per mode and sampling at its widest concurrency into "
@@ -140,6 +159,7 @@ def main() -> None:
     contexts = [int(c) for c in a.contexts.split(",") if c]
     modes = [m == "1" for m in a.modes.split(",") if m]
     samplings = [x for x in a.sampling.split(",") if x]
+    turns = [int(x) for x in a.turns.split(",") if x]
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0]),
            "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
            "model": cfg.name, "weights": f"synthetic {a.weights}", "kernels": a.kernels,
@@ -204,6 +224,9 @@ def main() -> None:
                                 n = sum(d.output_tokens - 1 for d in dones)
                                 e = {"concurrency": c, "overlap": mode, "sampling": smp,
                                      "rep": rep, "tokens_per_s": round(n / dec, 2),
+                                     "steady_tokens_per_s": round(
+                                         rows.steady_rate(list(range(c))), 2),
+                                     "turn_prefill_s": [round(d.prefill_s, 4) for d in dones],
                                      "ms_per_step": round(dec / (a.decode_tokens - 1) * 1e3,
                                                           3),
                                      "cached": [d.cached_tokens for d in dones],
@@ -211,9 +234,18 @@ def main() -> None:
                                      "chained_steps": eng.chained_steps - chained0}
                                 run["decode"].append(e)
                                 log(f"B={B} ctx={ctx} C{c} {smp} overlap={int(mode)}: "
-                                    f"{e['tokens_per_s']:.1f} tok/s ({e['ms_per_step']:.2f} "
+                                    f"{e['tokens_per_s']:.1f} tok/s, steady "
+                                    f"{e['steady_tokens_per_s']:.1f}, new turn's 4 tokens "
+                                    f"{e['turn_prefill_s']}s ({e['ms_per_step']:.2f} "
                                     f"ms a step, {e['chained_steps']} chained, paths "
                                     f"{e['paths']})")
+                for size in turns:  # a new turn of `size` tokens on row 0's history
+                    d, = rows.request([0], {0: rng.integers(10, top, size).tolist()}, 1)
+                    run.setdefault("turns", []).append(
+                        {"tokens": size, "computed": d.computed_tokens,
+                         "seconds": round(d.prefill_s, 4)})
+                    log(f"B={B} ctx={ctx} a new turn of {size} tokens: prefill "
+                        f"{d.computed_tokens} in {d.prefill_s:.3f}s")
                 if a.trace and ctx == contexts[0]:
                     res.setdefault("traces", []).extend(
                         trace_run(rows, a, mode, smp, max(concs)) for smp in samplings
@@ -228,27 +260,34 @@ def main() -> None:
         for c in (1, 2):
             for smp in samplings:
                 for mode in modes:
-                    v = [d["tokens_per_s"] for d in run.get("decode", [])
-                         if d["concurrency"] == c and d["overlap"] == mode
-                         and d["sampling"] == smp]
+                    got = [d for d in run.get("decode", [])
+                           if d["concurrency"] == c and d["overlap"] == mode
+                           and d["sampling"] == smp]
+                    v = [d["tokens_per_s"] for d in got]
                     if v:
                         summary.append({"batch": run["batch"],
                                         "narrow": run.get("narrow", False),
                                         "context": run["context"],
                                         "concurrency": c, "sampling": smp, "overlap": mode,
-                                        "tokens_per_s_median": float(np.median(v))})
+                                        "tokens_per_s_median": float(np.median(v)),
+                                        "steady_tokens_per_s_median": float(np.median(
+                                            [d["steady_tokens_per_s"] for d in got]))})
     res["summary"] = summary
     save()
     print(f"{'B':>2} {'narrow':>6} {'ctx':>7} {'C':>2} {'sampling':>9} {'overlap':>7} "
-          f"{'tok/s':>8}")
+          f"{'tok/s':>8} {'steady':>8}")
     for s in summary:
         print(f"{s['batch']:>2} {int(s['narrow']):>6} {s['context']:>7} {s['concurrency']:>2} "
-              f"{s['sampling']:>9} {int(s['overlap']):>7} {s['tokens_per_s_median']:>8.1f}")
+              f"{s['sampling']:>9} {int(s['overlap']):>7} {s['tokens_per_s_median']:>8.1f} "
+              f"{s['steady_tokens_per_s_median']:>8.1f}")
     for run in res["runs"]:
         for p in run.get("prefill", []):
             print(f"prefill B={run['batch']} narrow={int(run.get('narrow', False))} "
                   f"ctx={run['context']} row {p['row']}: "
                   f"{p['seconds']:.3f}s {p['tokens_per_s']:.0f} tok/s")
+        for t in run.get("turns", []):
+            print(f"turn B={run['batch']} ctx={run['context']} +{t['tokens']} tokens: "
+                  f"{t['seconds']:.3f}s")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ to the leaves only; `lax.scan` slices them off again, so `linear` sees [out, in]
 """
 from __future__ import annotations
 
+import math
 import os
 
 from dataclasses import dataclass
@@ -227,14 +228,23 @@ def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
     A QTensor is dequantized to x.dtype first, then multiplied exactly like a dense weight: this is
     the reference path that fused low-precision kernels must match. kernels="pallas" sends
     decode-sized x (at most `qgemv.MAX_ROWS` rows) to the weight-only GEMV kernel
-    (engine/kernels/qgemv.py), which reads the stored format directly.
+    (engine/kernels/qgemv.py), which reads the stored format directly, and on a GPU a prefill
+    piece's x (`qgemm.MIN_ROWS` to `qgemm.max_rows()` rows) against int4_g64 weights to the
+    int4 GEMM (engine/kernels/qgemm.py), which does not write a dequantized copy.
     """
     if kernels == "pallas":
-        from engine.kernels import qgemv
+        from engine.kernels import qgemm, qgemv
         from engine.kernels.stacked import Stacked
 
-        if isinstance(w, Stacked):  # a layer of a stacked weight (engine/kernels/stacked.py)
-            if qgemv.supported(x, w.w, int(w.index.shape[0])):
+        stacked = isinstance(w, Stacked)
+        mat, index = (w.w, w.index) if stacked else (w, None)
+        lead = int(index.shape[0]) if stacked else 0
+        rows = math.prod(x.shape[:-1])
+        if (rows >= qgemm.MIN_ROWS and rows <= qgemm.max_rows()
+                and jax.default_backend() == "gpu" and qgemm.takes(x, mat, lead)):
+            return qgemm.int4_matmul(x, mat, index)
+        if stacked:  # a layer of a stacked weight (engine/kernels/stacked.py)
+            if qgemv.supported(x, w.w, lead):
                 return qgemv.qmatmul(x, w.w, w.index)
             w = w.materialize()
         if qgemv.supported(x, w):
