@@ -102,8 +102,9 @@ def test_gemm_lowers_to_triton():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [9, 64, 200, 1024])
 @pytest.mark.parametrize("nk", [(5120, 17408), (17408, 5120), (1024, 5120)])
-def test_gemm_gpu_27b_shapes(m, nk):
+def test_gemm_gpu_27b_shapes(m, nk, monkeypatch):
     assert on_gpu()
+    monkeypatch.setenv("NINFER_INT4_GEMM_MAX_ROWS", "1024")
     rng = np.random.default_rng()
     n, k = nk
     w, _ = _weight(n, k, rng)

@@ -69,11 +69,16 @@ def env_config() -> GemmConfig | None:
     return GemmConfig(*vals)
 
 
+# The widest x the model sends here by default (MAX_ROWS_DEFAULT; 0: none). Wider pieces are
+# compute-bound, where dequantizing once costs little beside the matmul and cuBLAS's bf16 GEMM
+# over the copy is the faster one.
+MAX_ROWS_DEFAULT = 0
+
+
 def max_rows() -> int:
-    """The widest x (rows) the model sends here: NINFER_INT4_GEMM_MAX_ROWS, default 2048
-    (0 turns the kernel off). Wider pieces are compute-bound, where dequantizing once costs
-    little beside the matmul and cuBLAS's bf16 GEMM is the faster one."""
-    v = os.environ.get("NINFER_INT4_GEMM_MAX_ROWS", "2048")
+    """The widest x (rows) the model sends here: NINFER_INT4_GEMM_MAX_ROWS, else
+    MAX_ROWS_DEFAULT (0 turns the kernel off)."""
+    v = os.environ.get("NINFER_INT4_GEMM_MAX_ROWS", str(MAX_ROWS_DEFAULT))
     try:
         return int(v)
     except ValueError:
