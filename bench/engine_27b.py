@@ -181,7 +181,12 @@ def main() -> None:
     widths = [int(b) for b in a.batches.split(",") if b]
     narrows = [x == "1" for x in a.narrow.split(",") if x]
     for B, narrow in [(B, n) for B in widths for n in (narrows if B > 1 else [False])]:
-        eng = Engine(model, context_tokens=max(contexts) + a.room, prefill_chunk=a.prefill_chunk,
+        # room for what row 0's history gains past the longest prompt: every decode run's
+        # new tokens and output, the traced runs', and the new turns
+        runs = a.reps * len(modes) * len(samplings) + len(modes) * len(samplings)
+        grow = runs * (4 + a.decode_tokens) + sum(turns) + 2 * len(turns)
+        eng = Engine(model, context_tokens=max(contexts) + a.room + grow,
+                     prefill_chunk=a.prefill_chunk,
                      max_concurrency=B, kernels=a.kernels, state_slots=2 * B + 2,
                      narrow_decode=narrow)
         compile_s = eng.warmup()

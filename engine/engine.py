@@ -31,6 +31,11 @@ from engine.runtime.scheduler import (QueueFull, Scheduler, Sequence,  # noqa: F
 from engine.sampling import Paths, SamplingParams, batch_paths, request_key, sample
 
 
+class PromptTooLong(ValueError):
+    """A prompt of at least the engine's context_tokens: it could never be admitted (the
+    server answers 400 context_length_exceeded before it gets here)."""
+
+
 @dataclass
 class TokenEvent:
     token_id: int
@@ -220,7 +225,12 @@ class Engine:
         self._thread.join(timeout=30)
 
     def submit(self, req: GenerationRequest) -> None:
-        """Queue a request; raises QueueFull when max_queue requests already wait."""
+        """Queue a request; raises QueueFull when max_queue requests already wait, and
+        PromptTooLong at once for a prompt that leaves no room in the context (it would wait
+        in the queue until its timeout, as no row can ever hold it)."""
+        if len(req.prompt_ids) >= self.context_tokens:
+            raise PromptTooLong(f"the prompt is {len(req.prompt_ids)} tokens; the context holds "
+                                f"{self.context_tokens}, including at least one output token")
         with self._lock:
             if self._pending >= self.max_queue:
                 raise QueueFull(f"{self._pending} requests already waiting")

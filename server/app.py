@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from sanic import Request, Sanic, response
 
-from engine.engine import DoneEvent, Engine, GenerationRequest, QueueFull, TokenEvent
+from engine.engine import (DoneEvent, Engine, GenerationRequest, PromptTooLong, QueueFull,
+                           TokenEvent)
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from server import chains, chat_completions, routes_extra
@@ -301,6 +302,9 @@ def _submit(engine: Engine, m: LoadedModel, req: ResponseRequest, prompt_ids, ma
                             emit=functools.partial(_emit, loop, events))
     try:
         engine.submit(gen)
+    except PromptTooLong as exc:  # the budget check above runs first; kept fail-closed
+        raise invalid(f"{exc} (context_length_exceeded).", param="input",
+                      code="context_length_exceeded") from None
     except QueueFull:
         raise APIError(429, "The server is overloaded: too many requests are waiting. Retry "
                        "shortly.", type="server_error", code="server_overloaded",

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from engine.engine import DoneEvent, Engine, GenerationRequest, QueueFull, TokenEvent
+from engine.engine import (DoneEvent, Engine, GenerationRequest, PromptTooLong, QueueFull,
+                           TokenEvent)
 from engine.sampling import SamplingParams
 
 
@@ -145,6 +146,22 @@ def test_queue_timeout(model):
         c1.result()
     finally:
         eng.stop()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_at_once(model, engine):
+    c = Collector()
+    req = GenerationRequest(prompt_ids=[5] * engine.context_tokens, emit=c,
+                            sampling=SamplingParams(temperature=0.0), max_tokens=4,
+                            stop_ids=frozenset())
+    with pytest.raises(PromptTooLong, match="context holds"):
+        engine.submit(req)
+    assert c.events.empty()
+    # nothing was queued: the next request runs as usual
+    ok, c2 = _request(model, "still here", SamplingParams(temperature=0.0), max_tokens=3,
+                      stop=False)
+    engine.submit(ok)
+    toks, done = c2.result(timeout=300)
+    assert done.finish_reason == "length" and len(toks) == 3
 
 
 def test_submit_is_thread_safe(model, engine):

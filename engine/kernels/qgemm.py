@@ -43,7 +43,7 @@ class GemmConfig:
     """bm / bn: x rows / output columns a program; gb: groups (64 inputs each) a loop step;
     programs: the least number of programs wanted (sets the K split)."""
     bm: int = 64
-    bn: int = 64
+    bn: int = 128   # H200, M = 64: 128 columns 1.40x the reference on in_proj_qkv, 64 1.23x
     gb: int = 4
     programs: int = 264
     num_warps: int = 4
