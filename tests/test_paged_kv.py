@@ -288,6 +288,38 @@ def test_paged_write_skips_invalid_steps_and_unowned_slots():
     assert not new.k[~mask].any() and (new.k_scale[~mask] == 1.0).all()
 
 
+def test_an_idle_row_of_a_decode_step_reads_its_first_slot_only():
+    """kernels="pallas", T = 1: a row without a token this step (valid False: idle in a wider
+    engine) attends over its first visible slot alone instead of its whole stored context; the
+    live row's output is what it is with the idle row reading everything."""
+    from engine.kernels.paged_decode import paged_attend, paged_attend_ref
+
+    cfg, p, layer = TEST_SMALL, 8, 1
+    rng = np.random.default_rng()
+    shape = init_kv_pool(cfg, 12, p, "float32").k.shape
+    pool = init_kv_pool(cfg, 12, p, "float32")._replace(
+        k=jnp.asarray(rng.normal(size=shape), jnp.float32),
+        v=jnp.asarray(rng.normal(size=shape), jnp.float32))
+    table = jnp.asarray([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(2, 1, cfg.num_heads, cfg.head_dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 1, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
+            for _ in range(2))
+    positions = jnp.asarray([[20], [44]], jnp.int32)  # row 1 holds 44 tokens (six pages)
+    valid = jnp.asarray([[True], [False]])
+    out, kv = paged_write_attend(PagedKV(pool, table), jnp.int32(layer), q, k, v, positions,
+                                 valid, kernels="pallas")
+    # the live row: as when every row reads up to its position
+    full = paged_attend(kv.pool, table, jnp.int32(layer), q, positions[:, 0])
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(full[0]))
+    ref = paged_attend_ref(kv.pool, table, jnp.int32(layer), q, positions[:, 0])
+    assert rel_err(out[0], ref[0]) < 1e-5
+    # the idle row: one key, so each head's output is that slot's value (page 6, offset 0)
+    r = cfg.num_heads // cfg.num_kv_heads
+    want = np.repeat(np.asarray(kv.pool.v[layer, 6, 0]), r, axis=0)       # [heads, hd]
+    np.testing.assert_allclose(np.asarray(out[1, 0]), want, rtol=1e-6, atol=1e-6)
+    assert rel_err(full[1], out[1]) > 1e-2  # reading its context would have given another
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_attend_blocks_matches_one_softmax_and_ignores_other_rows(kv_dtype):
     """The blocked online softmax against one softmax over the gathered slots (`attend`), with
