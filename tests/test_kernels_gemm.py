@@ -39,13 +39,14 @@ def test_gemm_matches_linear_interpret(m):
     assert_close(got, quant.linear(x, w), jnp.float32)
 
 
-def test_gemm_bf16_activations():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gemm_16_bit_activations(dtype):
     rng = np.random.default_rng()
     w, _ = _weight(64, 256, rng)
-    x = jnp.asarray(rng.standard_normal((2, 24, 256)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, 24, 256)), dtype)
     got = qgemm.int4_matmul(x, w, interpret=True, config=qgemm.GemmConfig(bm=16, bn=32))
-    assert got.dtype == jnp.bfloat16 and got.shape == (2, 24, 64)
-    assert_close(got, quant.linear(x.astype(jnp.float32), _f32(w)), jnp.bfloat16)
+    assert got.dtype == dtype and got.shape == (2, 24, 64)
+    assert_close(got, quant.linear(x.astype(jnp.float32), _f32(w)), dtype)
 
 
 def test_gemm_reads_a_layer_of_a_stack_in_place():

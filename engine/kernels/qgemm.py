@@ -183,7 +183,7 @@ def _int4_matmul(x, w, idx, *, interpret: bool, config: GemmConfig, lead: int):
     m = xf.shape[0]
     bm, bn, gb, split, iters = plan(m, n, k, config)
     mp = -(-m // bm) * bm
-    cdt = jnp.bfloat16 if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    cdt = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
     xs = xf.astype(cdt).reshape(m, k // 2, 2).transpose(2, 0, 1)            # [2, M, K/2]
     if mp != m:
         xs = jnp.pad(xs, ((0, 0), (0, mp - m), (0, 0)))
