@@ -10,6 +10,9 @@
 #   engine     decode and prefill through the serving engine (bench/engine_27b.py), traced
 #              (ENGINE_CONTEXTS, ENGINE_SAMPLING)
 #   narrow     narrow decode in an engine of two rows: its GPU tests, then off against on
+#   pagedmerge the paged kernel's splits merged as chains (NINFER_PAGED_MERGE=chain): its GPU
+#              tests three times (both merges), the engine's GPU tests with it and narrow
+#              decode, C1/C2 1K/128K decode with each merge
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
 #   headline   decode and 8K/32K/128K prefill from int4_g64 weights, one process
 #   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
@@ -285,6 +288,23 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
           --contexts 1024,32768 --decode-tokens 64 --reps 2 --trace "$OUT/etrace_$TAG" \
           --budget-s 330 --out "$OUT/narrow_$TAG.json"
         grep -E '^ ?[0-9]|^prefill' "$OUT/narrow_$TAG.log" ;;
+      pagedmerge)  # NINFER_PAGED_MERGE=chain against reduce (v26): batch invariance on the
+        # GPU (fresh inputs each run), greedy C1 == C2 with narrow decode, the step's time
+        for i in 1 2 3; do
+          run 150 "$OUT/pagedmerge_tests${i}_$TAG.log" python3 -m pytest -q -m gpu \
+            -p no:cacheprovider tests/test_kernels_attention.py -k paged_decode_gpu
+          tail -n 4 "$OUT/pagedmerge_tests${i}_$TAG.log" | cut -c1-160
+        done
+        NINFER_PAGED_MERGE=chain NINFER_NARROW_DECODE=1 run 200 \
+          "$OUT/pagedmerge_narrowgpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_engine_gpu.py
+        tail -n 3 "$OUT/pagedmerge_narrowgpu_$TAG.log"
+        for mg in reduce chain; do
+          NINFER_PAGED_MERGE=$mg run 200 "$OUT/pagedmerge_${mg}_$TAG.log" $B27 --skip-peaks \
+            --weights int4_g64 --batches 1,2 --contexts 1024,131072 --prefill "" --steps 10 \
+            --out "$OUT/pagedmerge_${mg}_$TAG.json"
+          grep -E '^decode' "$OUT/pagedmerge_${mg}_$TAG.log" | cut -c1-90 | sed "s/^/$mg: /"
+        done ;;
       enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
         run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_engine_gpu.py tests/test_kernels_gdn_prefill.py

@@ -135,16 +135,37 @@ def test_paged_decode_reads_only_visible_slots():
     np.testing.assert_array_equal(got, again)
 
 
-def test_paged_decode_is_batch_invariant():
+@pytest.mark.parametrize("merge", ["reduce", "chain"])
+def test_paged_decode_is_batch_invariant(merge):
     """Row 0 alone and row 0 beside another row: bit-identical (the split does not depend on
     the batch size)."""
     rng = np.random.default_rng()
     pool, table, q, last = _paged_case(rng, "bfloat16", 2)
-    both = paged_attend(pool, table, jnp.int32(0), q, last, interpret=True, programs=8)
+    both = paged_attend(pool, table, jnp.int32(0), q, last, interpret=True, programs=8,
+                        merge=merge)
     alone = paged_attend(pool, table[:1], jnp.int32(0), q[:1], last[:1], interpret=True,
-                         programs=8)
+                         programs=8, merge=merge)
     np.testing.assert_array_equal(np.asarray(alone[0], np.float32),
                                   np.asarray(both[0], np.float32))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_paged_decode_chained_merge_matches(kv_dtype, monkeypatch):
+    """NINFER_PAGED_MERGE=chain: the reference's result, within the reduction's rounding of
+    the merged sums; short rows in a wide table (empty splits weigh nothing)."""
+    rng = np.random.default_rng()
+    pool, table, q, last = _paged_case(rng, kv_dtype, 2)
+    last = last.at[1].set(3)  # row 1: one page of a wide table
+    monkeypatch.setenv("NINFER_PAGED_MERGE", "chain")
+    got = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8)
+    bound = q.dtype  # the output's: fp32 queries with fp32 pages, else bf16
+    assert_close(got, paged_attend_ref(pool, table, jnp.int32(1), q, last), bound)
+    red = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8,
+                       merge="reduce")
+    assert_close(got, red, bound)
+    monkeypatch.setenv("NINFER_PAGED_MERGE", "tree")
+    with pytest.raises(ValueError, match="NINFER_PAGED_MERGE"):
+        paged_attend(pool, table, jnp.int32(1), q, last, interpret=True)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
@@ -217,8 +238,10 @@ def test_attention_kernels_lower_to_triton():
 @pytest.mark.parametrize("kv_dtype,cast", [("bfloat16", None), ("int8", "bf16"),
                                            ("int8", "f16"), ("int8", "magic")])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_paged_decode_gpu_27b_heads(kv_dtype, cast, batch):
+@pytest.mark.parametrize("merge", ["reduce", "chain"])
+def test_paged_decode_gpu_27b_heads(kv_dtype, cast, batch, merge, monkeypatch):
     assert on_gpu()
+    monkeypatch.setenv("NINFER_PAGED_MERGE", merge)
     rng = np.random.default_rng()
     pool, table, q, last = _paged_case(rng, kv_dtype, batch, layers=2, pages=batch * 40,
                                        page=64, kvh=4, hd=256, nh=24, mp=40)

@@ -6,7 +6,8 @@ step, with an online softmax, for all query heads of its KV head at once (GQA: t
 heads are the rows of one [16, hd] tile, zero-padded, so both products are tensor-core dots).
 Each row shares its own visible pages evenly among its programs, so a short row costs only its
 own pages, in parallel, however wide the table. XLA then merges the splits' (max, sum, acc)
-partials, row by row. INT8 pages enter the dots as they are (int8 codes are exact in bf16);
+partials: row by row in reductions, or with `NINFER_PAGED_MERGE=chain` as elementwise chains
+in split order (`merge_default`; on the GPU a reduction's order still varied with B). INT8 pages enter the dots as they are (int8 codes are exact in bf16);
 their per-token scales multiply the page's 64 scores (K) and the 64 softmax weights (V)
 instead of every element: per element only a conversion is left.
 
@@ -151,6 +152,21 @@ def _splits(kvh: int, max_pages: int, programs: int) -> int:
     return max(1, min(max_pages, -(-programs // kvh)))
 
 
+MERGES = ("reduce", "chain")
+
+
+def merge_default() -> str:
+    """How the splits' partials are merged (`NINFER_PAGED_MERGE`): "reduce" (default) XLA
+    reductions over the splits, row by row; "chain" one elementwise sum a split after the
+    other, in split order, which XLA emits as a loop fusion (no reduction tiling): the same
+    additions in the same order for every element at any batch size. An unknown name is an
+    error."""
+    merge = os.environ.get("NINFER_PAGED_MERGE", "reduce")
+    if merge not in MERGES:
+        raise ValueError(f"NINFER_PAGED_MERGE must be one of {MERGES}, got {merge!r}")
+    return merge
+
+
 def fold_default() -> bool:
     """Whether INT8 pages take their scales on the scores and softmax weights (default) or
     element by element (NINFER_PAGED_INT8=dequant: the benchmark's A/B baseline)."""
@@ -195,13 +211,17 @@ def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0,
                  interpret: bool | None = None, programs: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  fold: bool | None = None, cast: str | None = None,
-                 unroll: int | None = None):
+                 unroll: int | None = None, merge: str | None = None):
     """The kernel; same contract as `paged_attend_ref` (T must be 1). fold: INT8 scales on
     the scores and softmax weights (None: `fold_default()`); cast: how INT8 codes enter the
     dots (None: `cast_default()`); both read here, outside the jit cache. unroll: pages a
     loop step (their loads issued together; the updates, and so the bits, are the same).
-    programs, num_warps, num_stages, unroll: None takes `launch_default()`."""
+    programs, num_warps, num_stages, unroll: None takes `launch_default()`. merge: how the
+    splits are merged (None: `merge_default()`)."""
     cast = cast_default() if cast is None else cast
+    merge = merge_default() if merge is None else merge
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     dp, dw, ds, du = launch_default(str(jnp.dtype(pool.k.dtype)))
     programs = dp if programs is None else programs
     num_warps = dw if num_warps is None else num_warps
@@ -215,15 +235,15 @@ def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0,
     return _paged_attend(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
                          programs=programs, num_warps=num_warps, num_stages=num_stages,
                          fold=fold_default() if fold is None else fold, cast=cast,
-                         unroll=int(unroll))
+                         unroll=int(unroll), merge=merge)
 
 
 @functools.partial(jax.jit, static_argnames=("slot_offset", "interpret", "programs",
                                              "num_warps", "num_stages", "fold", "cast",
-                                             "unroll"))
+                                             "unroll", "merge"))
 def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
                   interpret: bool | None, programs: int, num_warps: int, num_stages: int,
-                  fold: bool, cast: str, unroll: int):
+                  fold: bool, cast: str, unroll: int, merge: str):
     interpret = resolve_interpret(interpret)
     b, t, nh, hd = q.shape
     if t != 1:
@@ -263,8 +283,11 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
     # XLA reduces each row's splits in the same order at any batch size (over [B, S, ...] the
     # GPU's reduction order varied with B: a row's result changed in 1-2 elements of 6,144
     # beside another row, v25d).
-    rows = [_merge(acc[i:i + 1], m[i:i + 1], l[i:i + 1]) for i in range(b)]
-    out = rows[0] if b == 1 else jnp.concatenate(rows)
+    if merge == "chain":
+        out = _merge_chain(acc, m, l)
+    else:
+        rows = [_merge(acc[i:i + 1], m[i:i + 1], l[i:i + 1]) for i in range(b)]
+        out = rows[0] if b == 1 else jnp.concatenate(rows)
     return out[:, :, :r].reshape(b, 1, nh, hd).astype(q.dtype)
 
 
@@ -274,3 +297,19 @@ def _merge(acc, m, l):
     m_all = jnp.max(m, axis=1, keepdims=True)
     w = jnp.where(jnp.isfinite(m), jnp.exp(m - m_all), 0.0)                   # [B, S, kvh, 16]
     return jnp.sum(acc * w[..., None], axis=1) / jnp.sum(l * w, axis=1)[..., None]
+
+
+def _merge_chain(acc, m, l):
+    """`_merge` as chains of elementwise ops in split order: the max (exact in any order),
+    then the weighted sums split by split, so that every element's additions run in one
+    order whatever the batch size (XLA's reductions tile by shape)."""
+    n = m.shape[1]
+    m_all = m[:, 0]
+    for s in range(1, n):
+        m_all = jnp.maximum(m_all, m[:, s])
+    num = den = None
+    for s in range(n):
+        w = jnp.where(jnp.isfinite(m[:, s]), jnp.exp(m[:, s] - m_all), 0.0)   # [B, kvh, 16]
+        a, d = acc[:, s] * w[..., None], l[:, s] * w
+        num, den = (a, d) if num is None else (num + a, den + d)
+    return num / den[..., None]
