@@ -182,8 +182,8 @@ def main() -> None:
     narrows = [x == "1" for x in a.narrow.split(",") if x]
     for B, narrow in [(B, n) for B in widths for n in (narrows if B > 1 else [False])]:
         # room for what row 0's history gains past the longest prompt: every decode run's
-        # new tokens and output, the traced runs', and the new turns
-        runs = a.reps * len(modes) * len(samplings) + len(modes) * len(samplings)
+        # new tokens and output (C1 and C2 runs each rep, then the traced ones), and the turns
+        runs = (a.reps * min(B, 2) + 1) * len(modes) * len(samplings)
         grow = runs * (4 + a.decode_tokens) + sum(turns) + 2 * len(turns)
         eng = Engine(model, context_tokens=max(contexts) + a.room + grow,
                      prefill_chunk=a.prefill_chunk,

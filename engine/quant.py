@@ -239,9 +239,8 @@ def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
         stacked = isinstance(w, Stacked)
         mat, index = (w.w, w.index) if stacked else (w, None)
         lead = int(index.shape[0]) if stacked else 0
-        rows = math.prod(x.shape[:-1])
-        if (rows >= qgemm.MIN_ROWS and rows <= qgemm.max_rows()
-                and jax.default_backend() == "gpu" and qgemm.takes(x, mat, lead)):
+        if (math.prod(x.shape[:-1]) <= qgemm.max_rows() and jax.default_backend() == "gpu"
+                and qgemm.takes(x, mat, lead)):  # takes: at least qgemm.MIN_ROWS rows
             return qgemm.int4_matmul(x, mat, index)
         if stacked:  # a layer of a stacked weight (engine/kernels/stacked.py)
             if qgemv.supported(x, w.w, lead):

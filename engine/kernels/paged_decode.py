@@ -6,10 +6,11 @@ step, with an online softmax, for all query heads of its KV head at once (GQA: t
 heads are the rows of one [16, hd] tile, zero-padded, so both products are tensor-core dots).
 Each row shares its own visible pages evenly among its programs, so a short row costs only its
 own pages, in parallel, however wide the table. XLA then merges the splits' (max, sum, acc)
-partials: row by row in reductions, or with `NINFER_PAGED_MERGE=chain` as elementwise chains
-in split order (`merge_default`; on the GPU a reduction's order still varied with B). INT8 pages enter the dots as they are (int8 codes are exact in bf16);
-their per-token scales multiply the page's 64 scores (K) and the 64 softmax weights (V)
-instead of every element: per element only a conversion is left.
+partials: in reductions, or with `NINFER_PAGED_MERGE=chain` as elementwise chains in split
+order (`merge_default`; on the GPU a reduction's order varied with B, v25d and v26a). INT8
+pages enter the dots as they are (int8 codes are exact in bf16); their per-token scales
+multiply the page's 64 scores (K) and the 64 softmax weights (V) instead of every element:
+per element only a conversion is left.
 
 How the codes become dot operands, `NINFER_PAGED_INT8_CAST` (a 128K row's pages are 4.3 G
 codes a step; on the H200 none of the three was faster than bf16 in the decode step, v21, so
@@ -279,15 +280,10 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
         kern, grid=(b, kvh, splits), out_shape=out_shape, interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
         name="paged_decode")(*args)
-    # Merge the splits row by row: one reduction of the same shape for every row, so that
-    # XLA reduces each row's splits in the same order at any batch size (over [B, S, ...] the
-    # GPU's reduction order varied with B: a row's result changed in 1-2 elements of 6,144
-    # beside another row, v25d).
-    if merge == "chain":
-        out = _merge_chain(acc, m, l)
-    else:
-        rows = [_merge(acc[i:i + 1], m[i:i + 1], l[i:i + 1]) for i in range(b)]
-        out = rows[0] if b == 1 else jnp.concatenate(rows)
+    # Merge the splits. XLA's reductions over [B, S, ...] reduce in an order that varies with
+    # B on the GPU (a row's result changed in 1-2 elements of 6,144 beside another row, v25d;
+    # reducing row by row did not fix it, v26a); "chain" fixes the order (`_merge_chain`).
+    out = _merge_chain(acc, m, l) if merge == "chain" else _merge(acc, m, l)
     return out[:, :, :r].reshape(b, 1, nh, hd).astype(q.dtype)
 
 

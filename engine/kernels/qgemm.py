@@ -31,10 +31,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from engine.kernels import resolve_interpret, triton_params
+# the GEMV's nibble-to-float constants, its dot and its K split
+from engine.kernels.qgemv import _MAGIC, _MAGIC_OFF, _dot, _split
 from engine.quant import GROUP, INT4_G64, QTensor, linear
 
-_MAGIC = 0x4B000000          # the bits of 2.0 ** 23 in fp32
-_MAGIC_OFF = 8388608.0 + 8   # 2^23 + the int4 offset
 MIN_ROWS = 9                 # fewer rows: the decode GEMV (qgemv / cuda_ops, M <= 8)
 
 
@@ -101,11 +101,6 @@ def takes(x, w, lead: int = 0, config: GemmConfig | None = None) -> bool:
             and bn >= 16 and bn & (bn - 1) == 0)  # Triton's tiles: powers of two
 
 
-def _dot(a, b):
-    """a [bm, k] . b [bn, k]^T -> [bm, bn] fp32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _kernel(idx_ref, x_ref, w_ref, s_ref, o_ref, *, bm, bn, gb, iters, lead):
     """x [2, Mp, K/2] (x's even and odd inputs, x's dtype), w [*stack, N, K/2] uint8 (two
     codes a byte, +8 offset: the low nibble is input 2j, the high one 2j + 1), s [*stack, N, G]
@@ -132,15 +127,6 @@ def _kernel(idx_ref, x_ref, w_ref, s_ref, o_ref, *, bm, bn, gb, iters, lead):
                 + _dot(xo, (hi * sc).astype(xo.dtype)))
 
     o_ref[s, xrows, rows] = lax.fori_loop(0, iters, body, jnp.zeros((bm, bn), jnp.float32))
-
-
-def _split(steps: int, want: int) -> int:
-    """The largest divisor of `steps` that is at most `want` (1 at least)."""
-    best = 1
-    for d in range(1, min(steps, max(want, 1)) + 1):
-        if steps % d == 0:
-            best = d
-    return best
 
 
 def plan(m: int, n: int, k: int, cfg: GemmConfig) -> tuple[int, int, int, int, int]:

@@ -163,7 +163,7 @@ def _int4_kernel(idx_ref, x_ref, w_ref, s_ref, o_ref, *, m, bn, gb, iters, lead)
 
 
 def _dot(a, b):
-    """a [16, k] . b [n, k]^T -> [16, n] fp32 (a tensor-core dot; 16 = Triton's minimum M)."""
+    """a [m, k] . b [n, k]^T -> [m, n] fp32 (a tensor-core dot; Triton takes m >= 16)."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
