@@ -118,17 +118,17 @@ def attend(q, keys, vals, visible):
 
 
 def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
-                    write_attend=kv_write_attend, kernels: str = "xla"):
+                    write_attend=kv_write_attend, kernels: str = "xla", corr=None):
     """Gated attention token mixer. p: the layer's `self_attn` params; x: [B, T, H] (normed).
 
     q_proj rows are grouped per head as [q (head_dim) | gate (head_dim)]. `write_attend` is
     `kv_write_attend` or `paged_kv.paged_write_attend`, matching the kind of `kv`. kernels:
-    "xla" or "pallas" (passed to the projections and to `write_attend`). Returns
-    (out [B, T, H], new kv).
+    "xla" or "pallas" (passed to the projections and to `write_attend`); corr: x's group sums
+    for the projections' GEMV (`quant.linear`). Returns (out [B, T, H], new kv).
     """
     b, t, _ = x.shape
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qg, k, v = linear_multi(x, [p["q_proj"], p["k_proj"], p["v_proj"]], kernels)
+    qg, k, v = linear_multi(x, [p["q_proj"], p["k_proj"], p["v_proj"]], kernels, corr=corr)
     qg = qg.reshape(b, t, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nh * hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)

@@ -20,9 +20,9 @@ from engine.quant import linear, linear_multi
 GDN_RULES = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}
 
 
-def mlp(p, x, kernels: str = "xla"):
-    """SwiGLU: down(silu(gate(x)) * up(x)). x: [B, T, H]."""
-    gate, up = linear_multi(x, [p["gate_proj"], p["up_proj"]], kernels)
+def mlp(p, x, kernels: str = "xla", corr=None):
+    """SwiGLU: down(silu(gate(x)) * up(x)). x: [B, T, H]; corr: x's group sums or None."""
+    gate, up = linear_multi(x, [p["gate_proj"], p["up_proj"]], kernels, corr=corr)
     return linear(jax.nn.silu(gate) * up, p["down_proj"], kernels)
 
 
@@ -45,20 +45,22 @@ def _mlp_settings() -> dict:
     return dict(warps=wp, occupancy=occ)
 
 
-def mlp_residual(p, x, h, kernels: str = "xla"):
+def mlp_residual(p, x, h, kernels: str = "xla", corr=None):
     """h + mlp(p, x). With kernels "pallas" and a decode step's rows (M <= 4 bf16, int4_g64
     layer views of stacks) on a GPU where the CUDA op builds: the MLP's two GEMVs, the SwiGLU
     and the residual in one call of `cuda_ops.int4_mlp` with NINFER_MLP_FUSED `launches`
     (default 2: two launches chained by programmatic dependent launch, v14f; 1 the
     persistent kernel; 3 the two in stream order; 0 the separate calls), and
-    NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`)."""
+    NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`).
+    corr: x's group sums where the norm before gave them (`norm_in`)."""
     fused = os.environ.get("NINFER_MLP_FUSED", "2")
     if kernels == "pallas" and fused in ("1", "2", "3"):
         from engine.kernels import cuda_ops
 
         if (st := _mlp_stacks(p)) and cuda_ops.mlp_takes(x, h, *st[0]):
-            return cuda_ops.int4_mlp(x, h, *st[0], st[1], launches=int(fused), **_mlp_settings())
-    return h + mlp(p, x, kernels)
+            return cuda_ops.int4_mlp(x, h, *st[0], st[1], launches=int(fused), corr=corr,
+                                     **_mlp_settings())
+    return h + mlp(p, x, kernels, corr)
 
 
 def _gdn_rule(mode: str, kernels: str, t: int):
@@ -83,12 +85,13 @@ class StackedStates(NamedTuple):
 
 
 def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
-              kernels: str = "xla"):
+              kernels: str = "xla", corr=None):
     """Gated DeltaNet token mixer. p: the layer's `linear_attn` params; x: [B, T, H] (normed).
 
     conv_state: [B, conv_dim, W-1]; rec_state: [B, Hv, Dk, Dv] fp32; lengths: [B] int32 valid
     steps per row; valid: [B, T] bool. Invalid steps get g = 0, beta = 0 so the recurrent state
-    skips them. kernels: "xla" (references) or "pallas" (engine/kernels).
+    skips them. kernels: "xla" (references) or "pallas" (engine/kernels). corr: x's group
+    sums for the projections' GEMV, or None.
     Returns (out [B, T, H], conv_state, rec_state).
     """
     b, t, _ = x.shape
@@ -98,18 +101,19 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
 
         st = conv_state
         # the four projections side by side, as the one GEMV launch writes them
-        proj = linear_multi(x, mats, kernels, concat=True)
-        out, conv_l, rec = gdn_decode_fused_rows(st.params, cfg, proj, st.conv, st.rec,
-                                                 st.layer, lengths, x.dtype)
+        proj = linear_multi(x, mats, kernels, concat=True, corr=corr)
+        out, conv_l, rec, out_sums = gdn_decode_fused_rows(
+            st.params, cfg, proj, st.conv, st.rec, st.layer, lengths, x.dtype,
+            sums=norm_fused(x))
         lead = st.conv.shape[:-3]
         # a plain dynamic update (the index is always in range): `.at[].set` drops an
         # out-of-range index, which costs a bounds-check kernel a layer on the GPU (v13 HLO)
         conv = jax.lax.dynamic_update_index_in_dim(
             st.conv.reshape(-1, *st.conv.shape[-3:]), conv_l, st.layer, 0).reshape(
                 *lead, *st.conv.shape[-3:])
-        return (linear(out.reshape(b, t, -1), p["out_proj"], kernels),
+        return (linear(out.reshape(b, t, -1), p["out_proj"], kernels, out_sums),
                 st._replace(conv=conv, rec=rec), None)
-    qkv, z, b_in, a_in = linear_multi(x, mats, kernels)
+    qkv, z, b_in, a_in = linear_multi(x, mats, kernels, corr=corr)
     core = gdn_core
     if kernels == "pallas" and t == 1 and fused_decode_enabled():
         from engine.kernels.gdn_decode_fused import gdn_decode_fused as core
@@ -167,16 +171,54 @@ def inplace_decode_enabled() -> bool:
     return os.environ.get("NINFER_GDN_INPLACE", "1") != "0"
 
 
+def plain(w):
+    """A layer weight as an array: a `Stacked` view (engine/kernels/stacked.py) materialized."""
+    from engine.kernels.stacked import Stacked
+
+    return w.materialize() if isinstance(w, Stacked) else w
+
+
+def norm_fused(x) -> bool:
+    """Whether the decode step's norms go through the fused norm kernels
+    (engine/kernels/norm_sums.py, NINFER_NORM_FUSED): bf16 rows of a decode step (at most
+    `norm_sums.MAX_ROWS`, T == 1) whose GEMVs are the CUDA op's, which take the kernels' group
+    sums. NINFER_NORM_FUSED=force takes the kernels without the CUDA op too (the CPU tests:
+    the GEMVs then make their own sums)."""
+    from engine.kernels import cuda_ops, norm_sums
+
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return (norm_sums.enabled() and x.dtype == jnp.bfloat16 and x.ndim == 3
+            and x.shape[1] == 1 and rows <= norm_sums.MAX_ROWS
+            and x.shape[-1] % norm_sums.GROUP == 0
+            and (norm_sums.forced() or cuda_ops.available()))
+
+
+def norm_in(x, w, eps: float, kernels: str, h=None):
+    """(s, rms_norm(s, w), its group sums or None) with s = x + h or x: the pre-norm of a
+    mixer or an MLP. With kernels "pallas", a decode step's rows on a GPU (`norm_fused`) and w
+    a layer view, one kernel computes all three (`norm_sums.rms_norm_sums`); otherwise the
+    plain ops, and no sums (each GEMV makes its own)."""
+    from engine.kernels import norm_sums
+    from engine.kernels.stacked import Stacked
+
+    if kernels == "pallas" and isinstance(w, Stacked) and norm_fused(x):
+        return norm_sums.rms_norm_sums(x, w.w, eps, h, index=w.index)
+    s = x if h is None else x + h
+    return s, rms_norm(s, plain(w), eps), None
+
+
 def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
               kernels: str = "xla"):
     """One GDN decoder layer (pre-norm residual mixer + MLP). x: [B, T, H].
     Returns (x, conv_state, rec_state)."""
-    h, conv_state, rec_state = gdn_mixer(
-        p["linear_attn"], cfg, rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
-        conv_state, rec_state, lengths, valid, mode, kernels)
-    x = x + h
-    x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
-                     kernels)
+    eps = cfg.rms_norm_eps
+    _, xn, corr = norm_in(x, p["input_layernorm"], eps, kernels)
+    h, conv_state, rec_state = gdn_mixer(p["linear_attn"], cfg, xn, conv_state, rec_state,
+                                         lengths, valid, mode, kernels, corr)
+    x, xn, corr = norm_in(x, p["post_attention_layernorm"], eps, kernels, h)
+    x = mlp_residual(p["mlp"], xn, x, kernels, corr)
     return x, conv_state, rec_state
 
 
@@ -185,10 +227,10 @@ def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid, kernels
     `attention.kv_write_attend` or a `paged_kv.PagedKV`; layer/positions/valid as there.
     Returns (x, kv) with kv of the same kind."""
     write_attend = paged_write_attend if isinstance(kv, PagedKV) else kv_write_attend
-    h, kv = attention_mixer(p["self_attn"], cfg,
-                            rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps),
-                            kv, layer, positions, valid, write_attend, kernels)
-    x = x + h
-    x = mlp_residual(p["mlp"], rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps), x,
-                     kernels)
+    eps = cfg.rms_norm_eps
+    _, xn, corr = norm_in(x, p["input_layernorm"], eps, kernels)
+    h, kv = attention_mixer(p["self_attn"], cfg, xn, kv, layer, positions, valid, write_attend,
+                            kernels, corr)
+    x, xn, corr = norm_in(x, p["post_attention_layernorm"], eps, kernels, h)
+    x = mlp_residual(p["mlp"], xn, x, kernels, corr)
     return x, kv

@@ -222,7 +222,7 @@ def dequantize_np(qt: QTensor) -> np.ndarray:
 
 
 # ---- the matmul the model uses ----------------------------------------------------------------
-def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
+def linear(x: jax.Array, w, kernels: str = "xla", corr=None) -> jax.Array:
     """x: [..., in] -> [..., out], with w: [out, in] (a dense array or a QTensor).
 
     A QTensor is dequantized to x.dtype first, then multiplied exactly like a dense weight: this is
@@ -230,7 +230,8 @@ def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
     decode-sized x (at most `qgemv.MAX_ROWS` rows) to the weight-only GEMV kernel
     (engine/kernels/qgemv.py), which reads the stored format directly, and on a GPU a prefill
     piece's x (`qgemm.MIN_ROWS` to `qgemm.max_rows()` rows) against int4_g64 weights to the
-    int4 GEMM (engine/kernels/qgemm.py), which does not write a dequantized copy.
+    int4 GEMM (engine/kernels/qgemm.py), which does not write a dequantized copy. corr: x's
+    group sums where the caller has them (engine/kernels/norm_sums.py), for the CUDA GEMV.
     """
     if kernels == "pallas":
         from engine.kernels import qgemm, qgemv
@@ -244,16 +245,16 @@ def linear(x: jax.Array, w, kernels: str = "xla") -> jax.Array:
             return qgemm.int4_matmul(x, mat, index)
         if stacked:  # a layer of a stacked weight (engine/kernels/stacked.py)
             if qgemv.supported(x, w.w, lead):
-                return qgemv.qmatmul(x, w.w, w.index)
+                return qgemv.qmatmul(x, w.w, w.index, corr=corr)
             w = w.materialize()
         if qgemv.supported(x, w):
-            return qgemv.qmatmul(x, w)
+            return qgemv.qmatmul(x, w, corr=corr)
     if isinstance(w, QTensor):  # code * scale in fp32, rounded once to x's dtype
         w = dequantize(w, x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
 
 
-def linear_multi(x: jax.Array, ws, kernels: str = "xla", concat: bool = False):
+def linear_multi(x: jax.Array, ws, kernels: str = "xla", concat: bool = False, corr=None):
     """[linear(x, w, kernels) for w in ws]: a layer's projections of one input. With
     kernels="pallas" on a GPU, int4_g64 weights (layer views of one stack, or plain QTensors)
     go to the CUDA GEMV in one launch that prepares x once (engine/kernels/cuda_ops.py
@@ -271,8 +272,8 @@ def linear_multi(x: jax.Array, ws, kernels: str = "xla", concat: bool = False):
         if (views or not any(isinstance(w, Stacked) for w in ws)) and cuda_ops.takes(
                 x, mats, lead):
             return cuda_ops.int4_gemv_multi(x, mats, ws[0].index if views else None,
-                                            concat=concat)
-    outs = [linear(x, w, kernels) for w in ws]
+                                            concat=concat, corr=corr)
+    outs = [linear(x, w, kernels, corr) for w in ws]
     return jnp.concatenate(outs, axis=-1) if concat else outs
 
 

@@ -263,7 +263,7 @@ def default_variant(x) -> str:
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
               prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
-              occupancy: int | None = None, xperm: bool | None = None):
+              occupancy: int | None = None, xperm: bool | None = None, corr=None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -291,18 +291,21 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     otherwise: no faster in the decode step, v14c). Otherwise x goes to the wide kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
-                           occupancy=occupancy, xperm=xperm)[0]
+                           occupancy=occupancy, xperm=xperm, corr=corr)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
                     prefetch: int | None = None, warps: int | None = None,
                     bias: int | None = None, occupancy: int | None = None,
-                    xperm: bool | None = None, concat: bool = False):
+                    xperm: bool | None = None, concat: bool = False, corr=None):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
-    sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead."""
+    sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead.
+    corr: x's group sums [..., K / 64] fp32 where the caller has them (`group_sums`, or the
+    fused norm kernel's, engine/kernels/norm_sums.py), for the wide kernel: no XLA reduction
+    of its own; other kernels ignore it."""
     if not 1 <= len(ws) <= MAX_MATS:
         raise ValueError(f"int4_gemv_multi takes 1..{MAX_MATS} weights, got {len(ws)}")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -324,8 +327,10 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         bias = int(os.environ.get("NINFER_INT4_WIDE_BIAS", "0")) if bias is None else int(bias)
         if bias:  # the kernel's MMAs take 136 * sum(x) off: nothing to prepare (slower, v10)
             corr = jnp.zeros((m, 0), jnp.float32)
-        else:
+        elif corr is None:
             corr = group_sums(xb)
+        else:
+            corr = jnp.asarray(corr, jnp.float32).reshape(m, k // GROUP)
         prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
         warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "auto"))
         if stages is None:
@@ -429,7 +434,8 @@ def mlp_takes(x, h, gate, up, down) -> bool:
 
 
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
-             warps: int | None = None, occupancy: int | None = None, launches: int = 1):
+             warps: int | None = None, occupancy: int | None = None, launches: int = 1,
+             corr=None):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
     bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
     N1], or stacks read at `index`) in one call of the CUDA op (engine/kernels/cuda/
@@ -445,7 +451,8 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual`, with 2
     launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
     persistent kernel is slower than the separate calls, two launches with programmatic
-    dependent launch faster)."""
+    dependent launch faster). corr: x's group sums [..., K1 / 64] where the caller has them
+    (as `int4_gemv_multi` takes them)."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)
     if launches not in MLP_LAUNCHES:
@@ -457,7 +464,8 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     idx = (jnp.zeros((1,), jnp.int32) if index is None
            else jnp.asarray(index, jnp.int32).reshape(-1))
     xb = x.reshape(m, k1).astype(jnp.bfloat16)
-    corr = group_sums(xb)
+    corr = (group_sums(xb) if corr is None
+            else jnp.asarray(corr, jnp.float32).reshape(m, k1 // GROUP))
     pairs = [a for w in (gate, up, down) for a in (w.data, w.scale.astype(jnp.float32))]
     call = jax.ffi.ffi_call(INT4_MLP_TARGET, (
         jax.ShapeDtypeStruct((m, n2), jnp.bfloat16),  # h + the MLP

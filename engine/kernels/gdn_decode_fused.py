@@ -148,7 +148,7 @@ def gdn_decode_fused_stacked(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_all, 
     # the state stacks' layers (a GPU read past a stack's end is not clamped)
     n = math.prod(rec_all.shape[:-4])
     params = {k: jnp.broadcast_to(p[k], (n, *p[k].shape)) for k in KERNEL_PARAMS}
-    out, conv_state, rec_flat = gdn_decode_fused_rows(
+    out, conv_state, rec_flat, _ = gdn_decode_fused_rows(
         params, cfg, proj, conv_all, rec_all, layer, lengths, out_dtype, interpret=interpret,
         num_warps=num_warps, split=split)
     return out, conv_state, rec_flat
@@ -186,23 +186,30 @@ def warps_setting() -> int:
 
 def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths,
                           out_dtype, *, interpret: bool | None = None,
-                          num_warps: int | None = None, split: int | None = None):
+                          num_warps: int | None = None, split: int | None = None,
+                          sums: bool = False):
     """The kernel itself: proj [B, 1, conv_dim + Hv Dv + 2 Hv], the layer's input projections
     as one GEMV gives them (qkv, z, b, a side by side: no slices), `params` the KERNEL_PARAMS
     stacked [*L, ...] as the states are (the model's weight stacks), read at `layer` like the
     states, which are as `gdn_decode_fused_stacked` takes them. num_warps: `warps_setting()`
     by default (read here, like split). split: `split_setting()` by
-    default (read here, outside the jit cache); it must divide Dv."""
+    default (read here, outside the jit cache); it must divide Dv. sums: also return the
+    output's group sums for out_proj's GEMV, the gated norm (split > 1) and the sums then one
+    kernel (`norm_sums.gated_norm_sums`); None where split is 1 or Dv is not a power of two
+    times 64. Returns (out, conv state, rec_all, sums or None)."""
+    split = split_setting() if split is None else int(split)
+    dv = cfg.linear_value_head_dim
+    sums = bool(sums) and split > 1 and dv % 64 == 0 and dv & (dv - 1) == 0
     return _rows(params, cfg, proj, conv_all, rec_all, layer, lengths, out_dtype,
                  interpret=resolve_interpret(interpret),
                  num_warps=warps_setting() if num_warps is None else int(num_warps),
-                 split=split_setting() if split is None else int(split))
+                 split=split, sums=sums)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps",
-                                             "split"))
+                                             "split", "sums"))
 def _rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths, out_dtype, *,
-          interpret: bool, num_warps: int, split: int):
+          interpret: bool, num_warps: int, split: int, sums: bool = False):
     bsz, t, width_in = proj.shape
     if t != 1:
         raise ValueError(f"gdn_decode_fused takes one step (T == 1), got T = {t}")
@@ -237,9 +244,17 @@ def _rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths, out
             proj[:, 0], flat["conv1d"], conv_flat, flat["A_log"], flat["dt_bias"],
             flat["norm"], rec_flat)
     out = out.reshape(bsz, 1, hv, dv)
+    rec_flat = rec_flat.reshape(rec_all.shape)
+    if sums:  # the gated norm and out_proj's group sums in one kernel
+        from engine.kernels.norm_sums import gated_norm_sums
+
+        out, out_sums = gated_norm_sums(out, proj, conv_dim, flat["norm"], cfg.rms_norm_eps,
+                                        index=jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+                                        out_dtype=out_dtype, interpret=interpret)
+        return out, conv_state, rec_flat, out_sums
     if split > 1:  # the gated output norm over each head's Dv, as the one-program kernel does
         z = proj[:, :, conv_dim:conv_dim + hv * dv].reshape(bsz, 1, hv, dv)
         norm_w = lax.dynamic_index_in_dim(flat["norm"], jnp.asarray(layer, jnp.int32),
                                           keepdims=False)
         out = gated_rms_norm(out, z, norm_w, cfg.rms_norm_eps).astype(out_dtype)
-    return out, conv_state, rec_flat.reshape(rec_all.shape)
+    return out, conv_state, rec_flat, None

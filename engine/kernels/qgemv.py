@@ -222,19 +222,20 @@ def supported(x, w, lead: int = 0) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
 def qmatmul(x, w, index=None, *, interpret: bool | None = None,
-            config: GemvConfig | None = None):
+            config: GemvConfig | None = None, corr=None):
     """x: [..., K] (M = prod of the leading dims <= MAX_ROWS); w: [N, K] dense array or QTensor,
     or with `index` (int32 [d]) a stack [*d dims, N, K] read at that layer in place.
     Returns [..., N] in x.dtype, accumulated in fp32. Same result as `quant.linear` up to the
     order of the fp32 sums (and bf16 rounding of the weights, which the reference does and the
-    kernel does not)."""
+    kernel does not). corr: x's group sums for the CUDA op (`cuda_ops.int4_gemv_multi`);
+    ignored elsewhere."""
     nlead = 0 if index is None else int(index.shape[0])
     if (config is None and isinstance(w, QTensor) and w.fmt == INT4_G64
             and not resolve_interpret(interpret)):
         from engine.kernels import cuda_ops  # int4 on a GPU: the CUDA op where it builds
 
         if cuda_ops.takes(x, [w], nlead):
-            return cuda_ops.int4_gemv(x, w, index)
+            return cuda_ops.int4_gemv(x, w, index, corr=corr)
     if not supported(x, w, nlead):
         if index is not None:
             from engine.kernels.stacked import Stacked

@@ -46,13 +46,19 @@ MATRICES = frozenset({"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out
                       "down_proj"})
 
 
+# The layer norms' weights, also handed out as views: the decode step's fused norm kernel
+# (engine/kernels/norm_sums.py) reads them from the stack too; `layers.plain` materializes
+# them for every other consumer.
+NORMS = frozenset({"input_layernorm", "post_attention_layernorm"})
+
+
 def _is_matrix(path, leaf) -> bool:
-    return bool(path) and str(getattr(path[-1], "key", "")) in MATRICES
+    return bool(path) and str(getattr(path[-1], "key", "")) in MATRICES | NORMS
 
 
 def select_layer(tree, index, lead: int):
-    """The params of one layer of a stacked tree: matrices as `Stacked` views at `index`
-    (int32 [lead]), everything else sliced. lead: how many leading stack dims the tree has."""
+    """The params of one layer of a stacked tree: matrices and layer norms as `Stacked` views
+    at `index` (int32 [lead]), everything else sliced. lead: how many leading stack dims the tree has."""
     index = jnp.asarray(index, jnp.int32).reshape(lead)
 
     def pick(path, leaf):
