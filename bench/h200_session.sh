@@ -13,6 +13,8 @@
 #   pagedmerge the paged kernel's splits merged as chains (NINFER_PAGED_MERGE=chain): its GPU
 #              tests three times (both merges), the engine's GPU tests with it and narrow
 #              decode, C1/C2 1K/128K decode with each merge
+#   norms      the fused decode norms (NINFER_NORM_FUSED): their GPU tests and the engine's,
+#              their micro (bench/norm_micro.py), C1/C2 through the engine off and on
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
 #   headline   decode and 8K/32K/128K prefill from int4_g64 weights, one process
 #   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
@@ -304,6 +306,21 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
             --weights int4_g64 --batches 1,2 --contexts 1024,131072 --prefill "" --steps 10 \
             --out "$OUT/pagedmerge_${mg}_$TAG.json"
           grep -E '^decode' "$OUT/pagedmerge_${mg}_$TAG.log" | cut -c1-90 | sed "s/^/$mg: /"
+        done ;;
+      norms)  # the fused decode norms (v27): kernels against references and greedy C1 == C2
+        # on the GPU, the micro, then the engine's C1/C2 without and with them, traced
+        run 150 "$OUT/norms_gpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_kernels_norm.py tests/test_engine_gpu.py
+        tail -n 2 "$OUT/norms_gpu_$TAG.log"
+        run 200 "$OUT/norm_micro_$TAG.log" python3 bench/norm_micro.py --rows 1,2 \
+          --out "$OUT/norm_micro_$TAG.json"
+        grep 'a call' "$OUT/norm_micro_$TAG.log"
+        for on in 0 1; do
+          NINFER_NORM_FUSED=$on run 250 "$OUT/norms_engine${on}_$TAG.log" python3 \
+            bench/engine_27b.py --batches 1,2 --contexts "${ENGINE_CONTEXTS:-1024}" \
+            --decode-tokens 64 --reps 1 --modes 1 --turns 4 --trace "$OUT/etrace_norms${on}_$TAG" \
+            --budget-s 200 --out "$OUT/norms_engine${on}_$TAG.json"
+          grep -E '^ ?[0-9]' "$OUT/norms_engine${on}_$TAG.log" | sed "s/^/fused=$on: /"
         done ;;
       enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
         run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -6,7 +6,10 @@ planes), gzipped, for reading off the GPU: whether the device waits for the host
 Then, anywhere with jax: `python3 bench/trace_step.py --read FILE` prints the device's busy
 and idle time (idle inside a step, in gaps of at most 20 us, and between steps), a histogram
 of the short gaps, and how far ahead of the device the host had launched each step's work
-(`gap_report`).
+(`gap_report`). `--diff A B` compares two traces' longest runs of device work (chained
+decode steps) kernel by kernel, a step each (steps counted by a kernel that runs a known
+number of times a step: `--marker paged_decode --per-step 16` for the 27B's attention
+layers), largest change first (`kernel_diff`).
 """
 from __future__ import annotations
 
@@ -159,6 +162,54 @@ def kernel_table(dev: list, steps: int = 1) -> list[tuple[str, float, float]]:
                   key=lambda r: -r[1])
 
 
+def longest_run(dev: list, gap_us: float = 100.0) -> list:
+    """The kernels of the longest run of device work (`busy_runs`' split), as in `dev`."""
+    runs, cur, end = [], [], None
+    for ev in dev:
+        if cur and (ev[0] - end) / 1e3 > gap_us:
+            runs.append(cur)
+            cur = []
+        end = ev[1] if not cur else max(end, ev[1])
+        cur.append(ev)
+    if cur:
+        runs.append(cur)
+    return max(runs, key=len) if runs else []
+
+
+def kernel_diff(dev_a: list, dev_b: list, marker: str = "paged_decode",
+                per_step: int = 1) -> dict:
+    """Two traces' longest runs a step each: steps = the calls of kernels named with `marker`
+    over `per_step`; {"steps": (a, b), "total_us": (a, b), "kernels": (a, b) a step, "rows":
+    [(name, us a step in a, in b, calls a step in a, in b)], largest |b - a| first}."""
+    out = {"steps": [], "total_us": [], "kernels": []}
+    tables = []
+    for dev in (dev_a, dev_b):
+        run = longest_run(dev)
+        steps = sum(1 for e in run if marker in e[2]) / per_step
+        if not steps:
+            raise ValueError(f"no kernel named with {marker!r} in the longest run")
+        table = {k: (t, c) for k, t, c in kernel_table(run, steps)}
+        out["steps"].append(steps)
+        out["total_us"].append(sum(t for t, _ in table.values()))
+        out["kernels"].append(len(run) / steps)
+        tables.append(table)
+    a, b = tables
+    names = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, (0, 0))[0] - a.get(k, (0, 0))[0]))
+    out["rows"] = [(k, a.get(k, (0.0, 0.0))[0], b.get(k, (0.0, 0.0))[0], a.get(k, (0.0, 0.0))[1],
+                    b.get(k, (0.0, 0.0))[1]) for k in names]
+    return out
+
+
+def diff(a: str, b: str, marker: str, per_step: int, top: int = 30) -> None:
+    d = kernel_diff(timelines(load(a))[0], timelines(load(b))[0], marker, per_step)
+    print(f"steps {d['steps'][0]:g} / {d['steps'][1]:g}; kernel time a step "
+          f"{d['total_us'][0]:.0f} / {d['total_us'][1]:.0f} us; kernels a step "
+          f"{d['kernels'][0]:.0f} / {d['kernels'][1]:.0f}")
+    print(f"{'us a':>8} {'us b':>8} {'b - a':>8} {'calls a':>7} {'calls b':>7}  kernel")
+    for name, ta, tb, ca, cb in d["rows"][:top]:
+        print(f"{ta:8.1f} {tb:8.1f} {tb - ta:+8.1f} {ca:7.1f} {cb:7.1f}  {name}")
+
+
 def read(path: str) -> None:
     dev, host = timelines(load(path))
     runs = busy_runs(dev)
@@ -182,8 +233,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--unroll", action="store_true")
     ap.add_argument("--read", default="")
+    ap.add_argument("--diff", nargs=2, default=None, metavar=("A", "B"))
+    ap.add_argument("--marker", default="paged_decode")
+    ap.add_argument("--per-step", type=int, default=16)
     args = ap.parse_args()
-    if args.read:
+    if args.diff:
+        diff(*args.diff, args.marker, args.per_step)
+    elif args.read:
         read(args.read)
     else:
         record(args)

@@ -48,3 +48,28 @@ def test_busy_runs_split_on_long_idle_and_count_overlaps_once():
     table = kernel_table(dev, steps=2)
     assert table[0] == ("gemv", (40 + 4 + 50) / 2, 1.5)
     assert table[1] == ("norm", (20 + 10) / 2, 1.0)
+
+
+def test_kernel_diff_compares_the_longest_runs_a_step_each():
+    from bench.trace_step import kernel_diff
+
+    # a: 2 steps of gemv + norm + add (and an earlier short run that does not count);
+    # b: 2 steps of gemv + fused norm
+    a = [(0, 5 * US, "warmup")]
+    for i in range(2):
+        t = 1000 * US + i * 100 * US
+        a += [(t, t + 50 * US, "gemv(x)"), (t + 51 * US, t + 55 * US, "norm"),
+              (t + 56 * US, t + 58 * US, "add")]
+    b = []
+    for i in range(2):
+        t = i * 100 * US
+        b += [(t, t + 50 * US, "gemv(x)"), (t + 51 * US, t + 54 * US, "fused_norm")]
+    d = kernel_diff(a, b, marker="gemv", per_step=1)
+    assert d["steps"] == [2.0, 2.0]
+    assert d["total_us"] == [56.0, 53.0] and d["kernels"] == [3.0, 2.0]
+    assert d["rows"][0] == ("norm", 4.0, 0.0, 1.0, 0.0)
+    assert d["rows"][1] == ("fused_norm", 0.0, 3.0, 0.0, 1.0)
+    assert ("gemv", 50.0, 50.0, 1.0, 1.0) in d["rows"]
+    import pytest
+    with pytest.raises(ValueError, match="paged_decode"):
+        kernel_diff(a, b)

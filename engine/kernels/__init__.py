@@ -21,7 +21,11 @@ Modules (kernel; reference):
 - `gdn_inverse`: the UT transform's diagonal-block inverses in one launch;
   `gdn.diag_block_inverse`.
 - `flash_prefill`: causal GQA attention over the contiguous cache; `attention.attend`.
-- `stacked`: layer views of stacked weights, so the GEMV reads a layer in place.
+- `norm_sums`: a decode step's RMSNorms (with the residual add) and the GDN output's gated
+  norm, each with the group sums the int4 GEMV takes, one kernel a norm
+  (NINFER_NORM_FUSED=0 turns them off); `norm_sums.rms_norm_sums_ref`, `gated_norm_sums_ref`.
+- `stacked`: layer views of stacked weights (and layer norms), so a kernel reads a layer in
+  place.
 """
 from __future__ import annotations
 
