@@ -13,6 +13,8 @@
 #   pagedmerge the paged kernel's splits merged as chains (NINFER_PAGED_MERGE=chain): its GPU
 #              tests three times (both merges), the engine's GPU tests with it and narrow
 #              decode, C1/C2 1K/128K decode with each merge
+#   xsrows     x of up to 2 rows staged in shared memory by the wide GEMV
+#              (NINFER_INT4_WIDE_XS_ROWS=2): its GPU tests, C1/C2 1K decode off/on, engine tests
 #   norms      the fused decode norms (NINFER_NORM_FUSED): their GPU tests and the engine's,
 #              their micro (bench/norm_micro.py), C1/C2 through the engine off and on
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
@@ -307,6 +309,9 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
             --out "$OUT/pagedmerge_${mg}_$TAG.json"
           grep -E '^decode' "$OUT/pagedmerge_${mg}_$TAG.log" | cut -c1-90 | sed "s/^/$mg: /"
         done ;;
+      xsrows)  # the wide GEMV stages x of two rows in shared memory as it does one (v27,
+        # built after the device time ran out): bitwise tests, then the A/B
+        envab xsrows "staged or xs_rows" NINFER_INT4_WIDE_XS_ROWS=2 ;;
       norms)  # the fused decode norms (v27): kernels against references and greedy C1 == C2
         # on the GPU, the micro, then the engine's C1/C2 without and with them, traced
         run 150 "$OUT/norms_gpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
