@@ -15,6 +15,8 @@
 #              decode, C1/C2 1K/128K decode with each merge
 #   xsrows     x of up to 2 rows staged in shared memory by the wide GEMV
 #              (NINFER_INT4_WIDE_XS_ROWS=2): its GPU tests, C1/C2 1K decode off/on, engine tests
+#   attnprep   the attention layers' decode prep kernel (NINFER_ATTN_PREP=1): GPU tests with it,
+#              C1/C2 through the engine off and on at ENGINE_CONTEXTS (default 1024,131072)
 #   norms      the fused decode norms (NINFER_NORM_FUSED): their GPU tests and the engine's,
 #              their micro (bench/norm_micro.py), C1/C2 through the engine off and on
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
@@ -312,6 +314,18 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
       xsrows)  # the wide GEMV stages x of two rows in shared memory as it does one (v27,
         # built after the device time ran out): bitwise tests, then the A/B
         envab xsrows "staged or xs_rows" NINFER_INT4_WIDE_XS_ROWS=2 ;;
+      attnprep)  # q/k norms, RoPE and the K/V write in one kernel a layer (v27, built after
+        # the device time ran out): its tests and greedy C1 == C2 with it, then the A/B
+        NINFER_ATTN_PREP=1 run 200 "$OUT/attnprep_gpu_$TAG.log" python3 -m pytest -q -m gpu \
+          -p no:cacheprovider tests/test_kernels_attn_prep.py tests/test_engine_gpu.py
+        tail -n 2 "$OUT/attnprep_gpu_$TAG.log"
+        for on in 0 1; do
+          NINFER_ATTN_PREP=$on run 280 "$OUT/attnprep_engine${on}_$TAG.log" python3 \
+            bench/engine_27b.py --batches 1,2 --contexts "${ENGINE_CONTEXTS:-1024,131072}" \
+            --decode-tokens 64 --reps 1 --modes 1 --turns "" --budget-s 240 \
+            --out "$OUT/attnprep_engine${on}_$TAG.json"
+          grep -E '^ ?[0-9]' "$OUT/attnprep_engine${on}_$TAG.log" | sed "s/^/prep=$on: /"
+        done ;;
       norms)  # the fused decode norms (v27): kernels against references and greedy C1 == C2
         # on the GPU, the micro, then the engine's C1/C2 without and with them, traced
         run 150 "$OUT/norms_gpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \

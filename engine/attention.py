@@ -8,6 +8,8 @@ layout-free softmax core.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,6 +119,18 @@ def attend(q, keys, vals, visible):
     return out.reshape(b, t, nh, hd).astype(q.dtype)
 
 
+def _prep_decode(cfg: ModelConfig, x, kv):
+    """`paged_kv.paged_prep_attend` where a decode step's layer takes it (the paged pool, the
+    kernel's switch and shapes: `attn_prep.takes`), else None."""
+    from engine.kernels import attn_prep
+    from engine.paged_kv import PagedKV, paged_prep_attend
+
+    if (isinstance(kv, PagedKV) and attn_prep.enabled()
+            and attn_prep.takes(cfg, kv.pool, x)):
+        return functools.partial(paged_prep_attend, cfg=cfg)
+    return None
+
+
 def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
                     write_attend=kv_write_attend, kernels: str = "xla", corr=None):
     """Gated attention token mixer. p: the layer's `self_attn` params; x: [B, T, H] (normed).
@@ -128,11 +142,22 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
     """
     b, t, _ = x.shape
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qg, k, v = linear_multi(x, [p["q_proj"], p["k_proj"], p["v_proj"]], kernels, corr=corr)
+    mats = [p["q_proj"], p["k_proj"], p["v_proj"]]
+    if kernels == "pallas" and (fused := _prep_decode(cfg, x, kv)) is not None:
+        # the norms, RoPE and the K/V write in one kernel after the projections' one launch
+        qkv = linear_multi(x, mats, kernels, concat=True, corr=corr)
+        out, kv = fused(kv, layer, qkv, p["q_norm"], p["k_norm"], positions, valid)
+        gate = qkv[..., :nh * 2 * hd].reshape(b, t, nh, 2 * hd)[..., hd:].reshape(b, t, nh * hd)
+        out = out.reshape(b, t, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(
+            x.dtype)
+        return linear(out, p["o_proj"], kernels), kv
+    qg, k, v = linear_multi(x, mats, kernels, corr=corr)
     qg = qg.reshape(b, t, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nh * hd)
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k.reshape(b, t, kvh, hd), p["k_norm"], cfg.rms_norm_eps)
+    from engine.kernels.stacked import plain
+
+    q = rms_norm(q, plain(p["q_norm"]), cfg.rms_norm_eps)
+    k = rms_norm(k.reshape(b, t, kvh, hd), plain(p["k_norm"]), cfg.rms_norm_eps)
     v = v.reshape(b, t, kvh, hd)
     cos, sin = rope_tables(cfg, positions)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -171,13 +171,6 @@ def inplace_decode_enabled() -> bool:
     return os.environ.get("NINFER_GDN_INPLACE", "1") != "0"
 
 
-def plain(w):
-    """A layer weight as an array: a `Stacked` view (engine/kernels/stacked.py) materialized."""
-    from engine.kernels.stacked import Stacked
-
-    return w.materialize() if isinstance(w, Stacked) else w
-
-
 def norm_fused(x) -> bool:
     """Whether the decode step's norms go through the fused norm kernels
     (engine/kernels/norm_sums.py, NINFER_NORM_FUSED): bf16 rows of a decode step (at most
@@ -201,7 +194,7 @@ def norm_in(x, w, eps: float, kernels: str, h=None):
     a layer view, one kernel computes all three (`norm_sums.rms_norm_sums`); otherwise the
     plain ops, and no sums (each GEMV makes its own)."""
     from engine.kernels import norm_sums
-    from engine.kernels.stacked import Stacked
+    from engine.kernels.stacked import Stacked, plain
 
     if kernels == "pallas" and isinstance(w, Stacked) and norm_fused(x):
         return norm_sums.rms_norm_sums(x, w.w, eps, h, index=w.index)

@@ -182,6 +182,26 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: s
     return attend_blocks(pool, table, layer, q, slots, valid, off0), kv._replace(pool=pool)
 
 
+def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg: ModelConfig):
+    """A decode step's attention from its projections' one output (qkv [B, 1, nh 2 hd + 2 kvh
+    hd], as `quant.linear_multi(concat=True)` gives it): the q/k norms, RoPE and this step's
+    K/V write in one kernel (engine/kernels/attn_prep.py; qn/kn the norm weights, or their
+    `Stacked` views read in place), then the paged decode kernel as `paged_write_attend` runs
+    it. Returns (out [B, 1, nh, hd], new PagedKV)."""
+    from engine.kernels.attn_prep import attn_prep
+    from engine.kernels.paged_decode import paged_attend
+    from engine.kernels.stacked import Stacked
+
+    pool, table, off0 = kv
+    (qw, qi), (kw, ki) = [(w.w, w.index) if isinstance(w, Stacked) else (w, None)
+                          for w in (qn, kn)]
+    q, pool = attn_prep(cfg, qkv, qw, kw, pool, table, positions, valid, layer, off0,
+                        qn_index=qi, kn_index=ki)
+    slots = positions + off0
+    last = jnp.where(valid[:, 0], slots[:, 0], off0)  # an idle row sees its first slot only
+    return paged_attend(pool, table, layer, q, last, off0), kv._replace(pool=pool)
+
+
 BLOCK_PAGES = 16  # pages per step of `attend_blocks` (1024 slots at P = 64)
 
 

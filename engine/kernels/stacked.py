@@ -40,16 +40,21 @@ class Stacked:
 jax.tree_util.register_dataclass(Stacked, data_fields=["w", "index"], meta_fields=[])
 
 
+def plain(w):
+    """A layer weight as an array: a `Stacked` view materialized, anything else as it is."""
+    return w.materialize() if isinstance(w, Stacked) else w
+
+
 # The layer matrices `linear` consumes (the canonical tensor names' last parts).
 MATRICES = frozenset({"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
                       "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                       "down_proj"})
 
 
-# The layer norms' weights, also handed out as views: the decode step's fused norm kernel
-# (engine/kernels/norm_sums.py) reads them from the stack too; `layers.plain` materializes
-# them for every other consumer.
-NORMS = frozenset({"input_layernorm", "post_attention_layernorm"})
+# The layer norms' weights, also handed out as views: the decode step's fused norm kernels
+# (engine/kernels/norm_sums.py, attn_prep.py) read them from the stack too; `plain`
+# materializes them for every other consumer.
+NORMS = frozenset({"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"})
 
 
 def _is_matrix(path, leaf) -> bool:
