@@ -126,20 +126,26 @@ def gap_report(dev: list, host: list, big_us: float = 20.0, program: str = "forw
             "graph_launches": len(launches), "host_ahead_us": ahead}
 
 
+def split_runs(dev: list, gap_us: float = 100.0) -> list[list]:
+    """The kernels of `dev` split where the device idles longer than `gap_us`."""
+    runs, cur, end = [], [], None
+    for ev in dev:
+        if cur and (ev[0] - end) / 1e3 > gap_us:
+            runs.append(cur)
+            cur = []
+        end = ev[1] if not cur else max(end, ev[1])
+        cur.append(ev)
+    if cur:
+        runs.append(cur)
+    return runs
+
+
 def busy_runs(dev: list, gap_us: float = 100.0) -> list[dict]:
     """The device's runs of work: kernels split where the device idles longer than `gap_us`
     (a run of chained decode steps is one run); each with its start, span, busy time (the
     union of its kernels) and kernel count, in microseconds."""
-    runs, cur = [], []
-    for ev in dev:
-        if cur and (ev[0] - max(e[1] for e in cur)) / 1e3 > gap_us:
-            runs.append(cur)
-            cur = []
-        cur.append(ev)
-    if cur:
-        runs.append(cur)
     out = []
-    for run in runs:
+    for run in split_runs(dev, gap_us):
         busy, end = 0.0, run[0][0]
         for s, e, _ in run:
             busy += max(0, e - max(s, end))
@@ -163,17 +169,8 @@ def kernel_table(dev: list, steps: int = 1) -> list[tuple[str, float, float]]:
 
 
 def longest_run(dev: list, gap_us: float = 100.0) -> list:
-    """The kernels of the longest run of device work (`busy_runs`' split), as in `dev`."""
-    runs, cur, end = [], [], None
-    for ev in dev:
-        if cur and (ev[0] - end) / 1e3 > gap_us:
-            runs.append(cur)
-            cur = []
-        end = ev[1] if not cur else max(end, ev[1])
-        cur.append(ev)
-    if cur:
-        runs.append(cur)
-    return max(runs, key=len) if runs else []
+    """The kernels of the longest run of device work (`split_runs`), as in `dev`."""
+    return max(split_runs(dev, gap_us), key=len, default=[])
 
 
 def kernel_diff(dev_a: list, dev_b: list, marker: str = "paged_decode",

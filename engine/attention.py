@@ -22,16 +22,20 @@ from engine.quant import linear, linear_multi
 _HI = lax.Precision.HIGHEST
 
 
+def inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE's inverse frequencies [rotary_dim / 2] fp32, the way HF computes them."""
+    d = cfg.rotary_dim
+    return (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32)
+                                                  / np.float32(d)))).astype(np.float32)
+
+
 def rope_tables(cfg: ModelConfig, positions):
     """cos, sin: [B, T, rotary_dim] fp32 for integer positions [B, T].
 
     Qwen3.5 declares multimodal RoPE sections, but for text all three position streams are equal,
     which makes it plain 1-D RoPE. inv_freq in fp32 the same way HF computes it.
     """
-    d = cfg.rotary_dim
-    inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32)
-                                                      / np.float32(d)))
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(cfg), jnp.float32)
     ang = jnp.concatenate([ang, ang], axis=-1)
     return jnp.cos(ang), jnp.sin(ang)
 
@@ -148,22 +152,20 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
         qkv = linear_multi(x, mats, kernels, concat=True, corr=corr)
         out, kv = fused(kv, layer, qkv, p["q_norm"], p["k_norm"], positions, valid)
         gate = qkv[..., :nh * 2 * hd].reshape(b, t, nh, 2 * hd)[..., hd:].reshape(b, t, nh * hd)
-        out = out.reshape(b, t, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(
-            x.dtype)
-        return linear(out, p["o_proj"], kernels), kv
-    qg, k, v = linear_multi(x, mats, kernels, corr=corr)
-    qg = qg.reshape(b, t, nh, 2 * hd)
-    q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nh * hd)
-    from engine.kernels.stacked import plain
-
-    q = rms_norm(q, plain(p["q_norm"]), cfg.rms_norm_eps)
-    k = rms_norm(k.reshape(b, t, kvh, hd), plain(p["k_norm"]), cfg.rms_norm_eps)
-    v = v.reshape(b, t, kvh, hd)
-    cos, sin = rope_tables(cfg, positions)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if kernels == "xla":  # keep the plain call: write_attend may be any reference
-        out, kv = write_attend(kv, layer, q, k, v, positions, valid)
     else:
-        out, kv = write_attend(kv, layer, q, k, v, positions, valid, kernels=kernels)
+        from engine.kernels.stacked import plain
+
+        qg, k, v = linear_multi(x, mats, kernels, corr=corr)
+        qg = qg.reshape(b, t, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, nh * hd)
+        q = rms_norm(q, plain(p["q_norm"]), cfg.rms_norm_eps)
+        k = rms_norm(k.reshape(b, t, kvh, hd), plain(p["k_norm"]), cfg.rms_norm_eps)
+        v = v.reshape(b, t, kvh, hd)
+        cos, sin = rope_tables(cfg, positions)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kernels == "xla":  # keep the plain call: write_attend may be any reference
+            out, kv = write_attend(kv, layer, q, k, v, positions, valid)
+        else:
+            out, kv = write_attend(kv, layer, q, k, v, positions, valid, kernels=kernels)
     out = out.reshape(b, t, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     return linear(out, p["o_proj"], kernels), kv

@@ -179,11 +179,8 @@ def norm_fused(x) -> bool:
     the GEMVs then make their own sums)."""
     from engine.kernels import cuda_ops, norm_sums
 
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
     return (norm_sums.enabled() and x.dtype == jnp.bfloat16 and x.ndim == 3
-            and x.shape[1] == 1 and rows <= norm_sums.MAX_ROWS
+            and x.shape[1] == 1 and x.shape[0] <= norm_sums.MAX_ROWS
             and x.shape[-1] % norm_sums.GROUP == 0
             and (norm_sums.forced() or cuda_ops.available()))
 

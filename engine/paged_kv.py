@@ -140,6 +140,32 @@ def _load(data, scale, layer, pages):
     return x.reshape(b, mp * p, *x.shape[3:])
 
 
+def write_pool(pool: KVPool, table, layer, positions, valid, slot_offset, k, v):
+    """This step's K/V [B, T, kvh, hd] into the pool at slots positions + slot_offset (page
+    table[b, s // P], offset s % P; quantized for int8 pools); invalid steps, slots past the
+    table and page ids out of range write nothing. Returns (pool, slots)."""
+    n, p, mp = pool.num_pages, pool.page_size, table.shape[1]
+    slots = positions + slot_offset
+    idx = slots // p
+    page = jnp.take_along_axis(table, jnp.clip(idx, 0, mp - 1), axis=1)
+    ok = valid & (idx < mp) & (page >= 0) & (page < n)
+    page = jnp.where(ok, page, n)  # out of range -> dropped by the scatter
+    k_data, k_scale = _store(pool.k, pool.k_scale, layer, page, slots % p, k)
+    v_data, v_scale = _store(pool.v, pool.v_scale, layer, page, slots % p, v)
+    return KVPool(k_data, v_data, k_scale, v_scale), slots
+
+
+def _decode_attend(pool: KVPool, table, layer, q, slots, valid, slot_offset):
+    """A decode step's attention (T = 1) by the paged-decode kernel. A row without a token
+    this step (idle in a wider engine) sees its first slot only: its output is dropped, and it
+    would otherwise read its whole stored context (at 128K, ~8.6 GB over the 27B's 16
+    attention layers: ~1.5 ms a step, H200 v26d)."""
+    from engine.kernels.paged_decode import paged_attend
+
+    last = jnp.where(valid[:, 0], slots[:, 0], slot_offset)
+    return paged_attend(pool, table, layer, q, last, slot_offset)
+
+
 def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: str = "xla"):
     """The paged replacement of `attention.kv_write_attend` (same signature and result).
 
@@ -156,23 +182,9 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: s
     Returns (out [B, T, heads, head_dim] in q.dtype, new PagedKV).
     """
     pool, table, off0 = kv
-    n, p, mp = pool.num_pages, pool.page_size, table.shape[1]
-    slots = positions + off0
-    idx = slots // p
-    page = jnp.take_along_axis(table, jnp.clip(idx, 0, mp - 1), axis=1)
-    ok = valid & (idx < mp) & (page >= 0) & (page < n)
-    page = jnp.where(ok, page, n)  # out of range -> dropped by the scatter
-    k_data, k_scale = _store(pool.k, pool.k_scale, layer, page, slots % p, k)
-    v_data, v_scale = _store(pool.v, pool.v_scale, layer, page, slots % p, v)
-    pool = KVPool(k_data, v_data, k_scale, v_scale)
+    pool, slots = write_pool(pool, table, layer, positions, valid, off0, k, v)
     if kernels == "pallas" and q.shape[1] == 1:
-        from engine.kernels.paged_decode import paged_attend
-
-        # A row without a token this step (idle in a wider engine) sees its first slot only:
-        # its output is dropped, and it would otherwise read its whole stored context (at
-        # 128K, ~8.6 GB over the 27B's 16 attention layers: ~1.5 ms a step, H200 v26d).
-        last = jnp.where(valid[:, 0], slots[:, 0], off0)
-        return paged_attend(pool, table, layer, q, last, off0), kv._replace(pool=pool)
+        return _decode_attend(pool, table, layer, q, slots, valid, off0), kv._replace(pool=pool)
     if kernels == "pallas":
         from engine.kernels import paged_prefill
 
@@ -189,7 +201,6 @@ def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg:
     `Stacked` views read in place), then the paged decode kernel as `paged_write_attend` runs
     it. Returns (out [B, 1, nh, hd], new PagedKV)."""
     from engine.kernels.attn_prep import attn_prep
-    from engine.kernels.paged_decode import paged_attend
     from engine.kernels.stacked import Stacked
 
     pool, table, off0 = kv
@@ -197,9 +208,8 @@ def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg:
                           for w in (qn, kn)]
     q, pool = attn_prep(cfg, qkv, qw, kw, pool, table, positions, valid, layer, off0,
                         qn_index=qi, kn_index=ki)
-    slots = positions + off0
-    last = jnp.where(valid[:, 0], slots[:, 0], off0)  # an idle row sees its first slot only
-    return paged_attend(pool, table, layer, q, last, off0), kv._replace(pool=pool)
+    return (_decode_attend(pool, table, layer, q, positions + off0, valid, off0),
+            kv._replace(pool=pool))
 
 
 BLOCK_PAGES = 16  # pages per step of `attend_blocks` (1024 slots at P = 64)

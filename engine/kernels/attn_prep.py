@@ -22,7 +22,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -47,18 +46,12 @@ def takes(cfg, pool, x) -> bool:
             and half & (half - 1) == 0 and hd % half == 0 and rows & (rows - 1) == 0)
 
 
-def _inv_freq(cfg) -> np.ndarray:
-    d = cfg.rotary_dim
-    return (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32)
-                                                  / np.float32(d)))).astype(np.float32)
-
-
 def prep_ref(cfg, qkv, qn, kn, pool, table, positions, valid, layer, slot_offset=0):
     """The model's ops: (q [B, 1, nh, hd] normed and rotated, the pool with this step's K/V
     written). qkv [B, 1, nh 2 hd + 2 kvh hd]; qn, kn [hd]."""
     from engine.attention import apply_rope, rope_tables
     from engine.norms import rms_norm
-    from engine.paged_kv import KVPool, _store
+    from engine.paged_kv import write_pool
 
     b = qkv.shape[0]
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -69,15 +62,8 @@ def prep_ref(cfg, qkv, qn, kn, pool, table, positions, valid, layer, slot_offset
     k = rms_norm(k, kn, cfg.rms_norm_eps)
     cos, sin = rope_tables(cfg, positions)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    n, p, mp = pool.num_pages, pool.page_size, table.shape[1]
-    slots = positions + slot_offset
-    idx = slots // p
-    page = jnp.take_along_axis(table, jnp.clip(idx, 0, mp - 1), axis=1)
-    ok = valid & (idx < mp) & (page >= 0) & (page < n)
-    page = jnp.where(ok, page, n)
-    kd, _ = _store(pool.k, None, layer, page, slots % p, k)
-    vd, _ = _store(pool.v, None, layer, page, slots % p, v)
-    return q, KVPool(kd, vd, None, None)
+    pool, _ = write_pool(pool, table, layer, positions, valid, slot_offset, k, v)
+    return q, pool
 
 
 def _kernel(at_ref, pos_ref, ok_ref, tab_ref, inv_ref, x_ref, qn_ref, kn_ref, kp_ref, vp_ref,
@@ -144,6 +130,7 @@ def attn_prep(cfg, qkv, qn, kn, pool, table, positions, valid, layer, slot_offse
 @functools.partial(jax.jit, static_argnames=("cfg", "slot_offset", "interpret", "num_warps"))
 def _prep(cfg, qkv, qs, ks, pool, table, positions, valid, at, *, slot_offset, interpret,
           num_warps):
+    from engine.attention import inv_freq
     from engine.paged_kv import KVPool
 
     b = qkv.shape[0]
@@ -167,7 +154,7 @@ def _prep(cfg, qkv, qs, ks, pool, table, positions, valid, at, *, slot_offset, i
         compiler_params=None if interpret else triton_params(num_warps, 1),
         name="attn_prep")(
             at, positions.reshape(b).astype(jnp.int32), valid.reshape(b).astype(jnp.int32),
-            table.astype(jnp.int32), jnp.asarray(_inv_freq(cfg)),
+            table.astype(jnp.int32), jnp.asarray(inv_freq(cfg)),
             qkv.reshape(b, width // half, half), qs.reshape(qs.shape[0], rows, half),
             ks.reshape(ks.shape[0], rows, half), pool.k.reshape(shape6),
             pool.v.reshape(shape6))

@@ -204,11 +204,11 @@ WIDE_XPERM_WARPS = (4, 8, 10)  # the warps the kernel taking x_perm is built for
 
 
 def group_sums(xb):
-    """x [M, K] bf16 -> [M, K/64] fp32: the group sums the wide kernels take the codes'
+    """x [..., K] -> [..., K/64] fp32: the group sums the wide kernels take the codes'
     offset with (136 x each, inside the kernel: an XLA multiply after the sums would be a
-    kernel of its own, 4 a layer)."""
-    m, k = xb.shape
-    return xb.astype(jnp.float32).reshape(m, k // GROUP, GROUP).sum(-1)
+    kernel of its own, 4 a layer); also the reference of the fused norms' sums
+    (engine/kernels/norm_sums.py)."""
+    return xb.astype(jnp.float32).reshape(*xb.shape[:-1], -1, GROUP).sum(-1)
 
 
 def x_perm(x):

@@ -31,9 +31,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from engine.kernels import resolve_interpret, triton_params
+from engine.kernels.cuda_ops import group_sums
 from engine.norms import gated_rms_norm, rms_norm
+from engine.quant import GROUP
 
-GROUP = 64
 MAX_ROWS = 4  # a decode step's rows (the wide GEMV's limit)
 
 
@@ -64,16 +65,11 @@ def _tile(groups: int, most: int = 16) -> int:
 
 # ---- references ---------------------------------------------------------------------------
 
-def group_sums_ref(y):
-    """y [..., K] -> [..., K / 64] fp32 sums of each 64 inputs (as the GEMV takes them)."""
-    return y.astype(jnp.float32).reshape(*y.shape[:-1], -1, GROUP).sum(-1)
-
-
 def rms_norm_sums_ref(x, w, eps: float, h=None):
     """(s, rms_norm(s, w), group sums of it), s = x + h (in x's dtype) or x."""
     s = x if h is None else x + h
     y = rms_norm(s, w, eps)
-    return s, y, group_sums_ref(y)
+    return s, y, group_sums(y)
 
 
 def gated_norm_sums_ref(out, z, w, eps: float, out_dtype=jnp.bfloat16):
@@ -81,7 +77,7 @@ def gated_norm_sums_ref(out, z, w, eps: float, out_dtype=jnp.bfloat16):
     [..., Hv Dv / 64] over the heads side by side)."""
     y = gated_rms_norm(out, z, w, eps).astype(out_dtype)
     flat = y.reshape(*y.shape[:-2], -1)
-    return y, group_sums_ref(flat)
+    return y, group_sums(flat)
 
 
 # ---- kernels ------------------------------------------------------------------------------
