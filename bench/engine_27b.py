@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import queue
 import sys
@@ -103,7 +104,7 @@ SAMPLINGS = {"greedy": SamplingParams(temperature=0),
              "t0.7p0.9": SamplingParams(temperature=0.7, top_p=0.9)}
 
 
-def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int) -> str:
+def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int, variant: str = "") -> str:
     """One decode run of rows 0..conc-1 under jax.profiler.trace; returns the gzipped xplane's
     path."""
     import gzip
@@ -114,7 +115,7 @@ def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int) -> str:
 
     eng = rows.engine
     eng._overlap = mode
-    path = (f"{a.trace}-b{eng.B}{'n' if eng._narrow else ''}-c{conc}-{int(mode)}-{sampling}"
+    path = (f"{a.trace}{'-' + variant if variant else ''}-b{eng.B}{'n' if eng._narrow else ''}-c{conc}-{int(mode)}-{sampling}"
             ".xplane.pb.gz")
     rng = np.random.default_rng(11)
     with tempfile.TemporaryDirectory() as d:
@@ -126,6 +127,23 @@ def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int) -> str:
             shutil.copyfileobj(src, dst)
     log(f"traced B={eng.B} C{conc} overlap={int(mode)} {sampling}: {path}")
     return path
+
+
+def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
+    """'base xs:A=1,B=2' -> [("base", {}), ("xs", {"A": "1", "B": "2"})]; "" -> one unnamed."""
+    out = []
+    for item in text.split():
+        name, _, sets = item.partition(":")
+        env = {}
+        for kv in filter(None, sets.split(",")):
+            k, eq, v = kv.partition("=")
+            if not eq or not k:
+                raise SystemExit(f"--variants: {kv!r} in {item!r} is not VAR=value")
+            env[k] = v
+        if not name or name in [n for n, _ in out]:
+            raise SystemExit(f"--variants: {item!r} needs a name of its own")
+        out.append((name, env))
+    return out or [("", {})]
 
 
 def main() -> None:
@@ -142,6 +160,10 @@ def main() -> None:
                     f"some of {sorted(SAMPLINGS)}")
     ap.add_argument("--narrow", default="0", help="for engines of more than one row: "
                     "NINFER_NARROW_DECODE values, each its own engine (e.g. 0,1)")
+    ap.add_argument("--variants", default="", help="settings compared in one process, each "
+                    "its own engines: space-separated NAME[:VAR=value,...] (e.g. 'base "
+                    "xs:NINFER_INT4_WIDE_XS_ROWS=2'); the environment is set before each engine "
+                    "is built and traced, and JAX's trace caches are cleared between them")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--room", type=int, default=2048, help="context beyond the longest prompt")
     ap.add_argument("--dtype", default="bfloat16")
@@ -180,7 +202,18 @@ def main() -> None:
 
     widths = [int(b) for b in a.batches.split(",") if b]
     narrows = [x == "1" for x in a.narrow.split(",") if x]
-    for B, narrow in [(B, n) for B in widths for n in (narrows if B > 1 else [False])]:
+    variants = parse_variants(a.variants)
+    base_env = {k: os.environ.get(k) for _, env in variants for k in env}
+    for vname, venv, B, narrow in [(v, e, B, n) for v, e in variants for B in widths
+                                   for n in (narrows if B > 1 else [False])]:
+        for k, v in base_env.items():  # this variant's settings over the process's own
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        os.environ.update(venv)
+        if len(variants) > 1:
+            jax.clear_caches()  # the settings are read when the step functions are traced
         # room for what row 0's history gains past the longest prompt: every decode run's
         # new tokens and output (C1 and C2 runs each rep, then the traced ones), and the turns
         runs = (a.reps * min(B, 2) + 1) * len(modes) * len(samplings)
@@ -191,20 +224,21 @@ def main() -> None:
                      narrow_decode=narrow)
         compile_s = eng.warmup()
         eng.start()
-        log(f"B={B} narrow={int(narrow)}: compiled and warmed in {compile_s:.1f}s")
+        log(f"{vname + ' ' if vname else ''}B={B} narrow={int(narrow)}: compiled and warmed in "
+            f"{compile_s:.1f}s")
         rows = Rows(eng)
         try:
             for ctx in contexts:
                 if time.monotonic() - T0 > a.budget_s:
                     log(f"B={B} ctx={ctx}: skipped, over the budget")
-                    res["runs"].append({"batch": B, "narrow": narrow, "context": ctx,
-                                        "skipped": "budget"})
+                    res["runs"].append({"variant": vname, "batch": B, "narrow": narrow,
+                                        "context": ctx, "skipped": "budget"})
                     continue
                 for r in rows.ids:  # the last context's stored states free their pages
                     eng.forget_session("bench", f"row{r}")
                 rows.ids = {}
-                run = {"batch": B, "narrow": narrow, "context": ctx, "prefill": [],
-                       "decode": []}
+                run = {"variant": vname, "env": venv, "batch": B, "narrow": narrow,
+                       "context": ctx, "prefill": [], "decode": []}
                 for r in range(B):  # each row's prompt from empty, one at a time
                     ids = rng.integers(10, top, ctx).tolist()
                     d, = rows.request([r], {r: ids}, 1)
@@ -238,7 +272,7 @@ def main() -> None:
                                      "paths": [d.path for d in dones],
                                      "chained_steps": eng.chained_steps - chained0}
                                 run["decode"].append(e)
-                                log(f"B={B} ctx={ctx} C{c} {smp} overlap={int(mode)}: "
+                                log(f"{vname + ' ' if vname else ''}B={B} ctx={ctx} C{c} {smp} overlap={int(mode)}: "
                                     f"{e['tokens_per_s']:.1f} tok/s, steady "
                                     f"{e['steady_tokens_per_s']:.1f}, new turn's 4 tokens "
                                     f"{e['turn_prefill_s']}s ({e['ms_per_step']:.2f} "
@@ -253,7 +287,7 @@ def main() -> None:
                         f"{d.computed_tokens} in {d.prefill_s:.3f}s")
                 if a.trace and ctx == contexts[0]:
                     res.setdefault("traces", []).extend(
-                        trace_run(rows, a, mode, smp, max(concs)) for smp in samplings
+                        trace_run(rows, a, mode, smp, max(concs), vname) for smp in samplings
                         for mode in modes)
                 res["runs"].append(run)
                 save()
@@ -270,7 +304,8 @@ def main() -> None:
                            and d["sampling"] == smp]
                     v = [d["tokens_per_s"] for d in got]
                     if v:
-                        summary.append({"batch": run["batch"],
+                        summary.append({"variant": run.get("variant", ""),
+                                        "batch": run["batch"],
                                         "narrow": run.get("narrow", False),
                                         "context": run["context"],
                                         "concurrency": c, "sampling": smp, "overlap": mode,
@@ -279,15 +314,15 @@ def main() -> None:
                                             [d["steady_tokens_per_s"] for d in got]))})
     res["summary"] = summary
     save()
-    print(f"{'B':>2} {'narrow':>6} {'ctx':>7} {'C':>2} {'sampling':>9} {'overlap':>7} "
+    print(f"{'variant':>8} {'B':>2} {'narrow':>6} {'ctx':>7} {'C':>2} {'sampling':>9} {'overlap':>7} "
           f"{'tok/s':>8} {'steady':>8}")
     for s in summary:
-        print(f"{s['batch']:>2} {int(s['narrow']):>6} {s['context']:>7} {s['concurrency']:>2} "
+        print(f"{s['variant']:>8} {s['batch']:>2} {int(s['narrow']):>6} {s['context']:>7} {s['concurrency']:>2} "
               f"{s['sampling']:>9} {int(s['overlap']):>7} {s['tokens_per_s_median']:>8.1f} "
               f"{s['steady_tokens_per_s_median']:>8.1f}")
     for run in res["runs"]:
         for p in run.get("prefill", []):
-            print(f"prefill B={run['batch']} narrow={int(run.get('narrow', False))} "
+            print(f"prefill {run.get('variant') or ''} B={run['batch']} narrow={int(run.get('narrow', False))} "
                   f"ctx={run['context']} row {p['row']}: "
                   f"{p['seconds']:.3f}s {p['tokens_per_s']:.0f} tok/s")
         for t in run.get("turns", []):
