@@ -141,3 +141,20 @@ def test_attn_prep_gpu_27b_heads():
     assert_close(q, want_q, jnp.bfloat16)
     assert_close(got.k, want.k, jnp.bfloat16)
     assert np.array_equal(np.asarray(got.v, np.float32), np.asarray(want.v, np.float32))
+
+
+def test_attn_prep_switch_defaults_to_the_gpu(monkeypatch):
+    """NINFER_ATTN_PREP unset: on where JAX's backend is the GPU, off elsewhere; 0 and 1 say
+    so everywhere."""
+    from engine.kernels import attn_prep
+
+    monkeypatch.delenv("NINFER_ATTN_PREP", raising=False)
+    assert attn_prep.enabled() == (jax.default_backend() == "gpu")
+    monkeypatch.setattr(attn_prep.jax, "default_backend", lambda: "gpu")
+    assert attn_prep.enabled()
+    monkeypatch.setenv("NINFER_ATTN_PREP", "0")
+    assert not attn_prep.enabled()
+    monkeypatch.setattr(attn_prep.jax, "default_backend", lambda: "cpu")
+    assert not attn_prep.enabled()
+    monkeypatch.setenv("NINFER_ATTN_PREP", "1")
+    assert attn_prep.enabled()

@@ -25,8 +25,8 @@ Modules (kernel; reference):
   norm, each with the group sums the int4 GEMV takes, one kernel a norm
   (NINFER_NORM_FUSED=0 turns them off); `norm_sums.rms_norm_sums_ref`, `gated_norm_sums_ref`.
 - `attn_prep`: a gated-attention layer's decode step between its projections and the paged
-  kernel (q/k norms, RoPE, the K/V write in place) in one kernel (NINFER_ATTN_PREP=1, off until
-  measured); `attn_prep.prep_ref`.
+  kernel (q/k norms, RoPE, the K/V write in place) in one kernel (NINFER_ATTN_PREP: on a GPU by
+  default, 0 off, 1 also on a CPU); `attn_prep.prep_ref`.
 - `stacked`: layer views of stacked weights (and layer norms), so a kernel reads a layer in
   place.
 """

@@ -29,9 +29,13 @@ from engine.kernels import resolve_interpret, triton_params
 
 
 def enabled() -> bool:
-    """NINFER_ATTN_PREP=1 sends a decode step's attention layers here (off by default until
-    measured on the GPU)."""
-    return os.environ.get("NINFER_ATTN_PREP", "0") == "1"
+    """Whether a decode step's attention layers come here (NINFER_ATTN_PREP): by default on a
+    GPU (v28: C1/C2 +1-4% at 1K-128K through the engine); 0 never; 1 also elsewhere (the CPU
+    tests, in the interpreter)."""
+    setting = os.environ.get("NINFER_ATTN_PREP", "auto")
+    if setting == "auto":
+        return jax.default_backend() == "gpu"
+    return setting == "1"
 
 
 def takes(cfg, pool, x) -> bool:
