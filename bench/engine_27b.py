@@ -162,7 +162,7 @@ def main() -> None:
                     "NINFER_NARROW_DECODE values, each its own engine (e.g. 0,1)")
     ap.add_argument("--variants", default="", help="settings compared in one process, each "
                     "its own engines: space-separated NAME[:VAR=value,...] (e.g. 'base "
-                    "xs:NINFER_INT4_WIDE_XS_ROWS=2'); the environment is set before each engine "
+                    "prep:NINFER_ATTN_PREP=1'); the environment is set before each engine "
                     "is built and traced, and JAX's trace caches are cleared between them")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--room", type=int, default=2048, help="context beyond the longest prompt")

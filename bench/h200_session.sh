@@ -13,11 +13,9 @@
 #   pagedmerge the paged kernel's splits merged as chains (NINFER_PAGED_MERGE=chain): its GPU
 #              tests three times (both merges), the engine's GPU tests with it and narrow
 #              decode, C1/C2 1K/128K decode with each merge
-#   xsrows     x of up to 2 rows staged in shared memory by the wide GEMV
-#              (NINFER_INT4_WIDE_XS_ROWS=2): its GPU tests, C1/C2 1K decode off/on, engine tests
-#   xsprep     xsrows's and attnprep's tests, then base / xs / prep / both in one engine process
-#   attnprep   the attention layers' decode prep kernel (NINFER_ATTN_PREP=1): GPU tests with it,
-#              C1/C2 through the engine off and on at ENGINE_CONTEXTS (default 1024,131072)
+#   attnprep   the attention layers' decode prep kernel (NINFER_ATTN_PREP, on since v28): GPU
+#              tests with it, C1/C2 through the engine off and on at ENGINE_CONTEXTS (default
+#              1024,131072)
 #   norms      the fused decode norms (NINFER_NORM_FUSED): their GPU tests and the engine's,
 #              their micro (bench/norm_micro.py), C1/C2 through the engine off and on
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
@@ -312,24 +310,6 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
             --out "$OUT/pagedmerge_${mg}_$TAG.json"
           grep -E '^decode' "$OUT/pagedmerge_${mg}_$TAG.log" | cut -c1-90 | sed "s/^/$mg: /"
         done ;;
-      xsrows)  # the wide GEMV stages x of two rows in shared memory as it does one (v27,
-        # built after the device time ran out): bitwise tests, then the A/B
-        envab xsrows "staged or xs_rows" NINFER_INT4_WIDE_XS_ROWS=2 ;;
-      xsprep)  # v28: xsrows and attnprep in one call: the staged two-row x's bitwise tests,
-        # the prep kernel's GPU tests and greedy C1 == C2 with both on, then one engine
-        # process comparing base / xs / prep / both (bench/engine_27b.py --variants)
-        run 150 "$OUT/xsprep_gemv_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "staged or xs_rows"
-        tail -n 2 "$OUT/xsprep_gemv_$TAG.log"
-        NINFER_ATTN_PREP=1 NINFER_INT4_WIDE_XS_ROWS=2 run 200 "$OUT/xsprep_gpu_$TAG.log" \
-          python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_attn_prep.py \
-          tests/test_engine_gpu.py
-        tail -n 2 "$OUT/xsprep_gpu_$TAG.log"
-        run 340 "$OUT/xsprep_engine_$TAG.log" python3 bench/engine_27b.py --batches 1,2 \
-          --contexts "${ENGINE_CONTEXTS:-1024}" --decode-tokens 64 --reps 1 --modes 1 \
-          --turns "" --budget-s 310 --out "$OUT/xsprep_engine_$TAG.json" --variants \
-          "base xs:NINFER_INT4_WIDE_XS_ROWS=2 prep:NINFER_ATTN_PREP=1 both:NINFER_INT4_WIDE_XS_ROWS=2,NINFER_ATTN_PREP=1"
-        grep -E '^ *[a-z]+ +[0-9]+ +[01] ' "$OUT/xsprep_engine_$TAG.log" ;;
       attnprep)  # q/k norms, RoPE and the K/V write in one kernel a layer (v27, built after
         # the device time ran out): its tests and greedy C1 == C2 with it, then the A/B
         NINFER_ATTN_PREP=1 run 200 "$OUT/attnprep_gpu_$TAG.log" python3 -m pytest -q -m gpu \

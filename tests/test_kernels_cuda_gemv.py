@@ -601,48 +601,18 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
 
 
 
-def test_wide_call_takes_xs_rows_and_the_callers_group_sums(monkeypatch):
-    """The wide call carries `xs_rows` (NINFER_INT4_WIDE_XS_ROWS, default 1; outside 1..4 a
-    clear error) and, given the group sums (`corr=`, the fused norms'), makes none itself."""
+def test_wide_call_takes_the_callers_group_sums():
+    """Given the group sums (`corr=`, the fused norms'), the wide call makes none itself: its
+    own sums are a reduction over x in the module, the caller's an argument."""
     w = _qtensor(64, 256, 3, lead=(2,))
     x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 256)), jnp.bfloat16)
     idx = jnp.array([1], jnp.int32)
 
-    def text(sums=False, **kw):
+    def text(sums=False):
         return export.export(
-            jax.jit(lambda x, w, i, c: cuda_ops.int4_gemv(x, w, i, variant="wide", **kw,
+            jax.jit(lambda x, w, i, c: cuda_ops.int4_gemv(x, w, i, variant="wide",
                                                           corr=c if sums else None)),
             platforms=["cuda"], disabled_checks=[
                 export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_WIDE_TARGET)])(
             x, w, idx, cuda_ops.group_sums(x)).mlir_module()
-    assert "xs_rows = 1 : i64" in text()
-    assert "xs_rows = 2 : i64" in text(xs_rows=2)
-    monkeypatch.setenv("NINFER_INT4_WIDE_XS_ROWS", "2")
-    assert "xs_rows = 2 : i64" in text()
-    monkeypatch.setenv("NINFER_INT4_WIDE_XS_ROWS", "5")
-    with pytest.raises(ValueError, match="xs_rows"):
-        text()
-    monkeypatch.delenv("NINFER_INT4_WIDE_XS_ROWS")
-    # its own sums are a reduction over x in the module; the caller's are an argument
     assert "stablehlo.reduce" in text() and "stablehlo.reduce" not in text(sums=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(2, 4096, 5120), (2, 517, 6144), (3, 300, 17408),
-                                   (4, 1000, 5120), (2, 64, 20480)])
-def test_wide_x_staged_for_several_rows_is_bitwise_on_gpu(m, n, k):
-    """x of M rows staged in shared memory (xs_rows >= M) gives the global path's sums bit for
-    bit, each row the same as alone (M = 1, staged), over a layer of a stack; past the shared
-    memory a block has (M x K too large) the call takes the global path."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
-    w = _qtensor(n, k, 5 * m + n, lead=(2,))
-    x = jnp.asarray(np.random.default_rng(m * k).standard_normal((m, k)), jnp.bfloat16)
-    idx = jnp.array([1], jnp.int32)
-
-    def run(x, rows):
-        return np.asarray(jax.jit(lambda x, w, i: cuda_ops.int4_gemv(
-            x, w, i, variant="wide", xs_rows=rows))(x, w, idx), np.float32)
-    glob, staged = run(x, 1), run(x, 4)
-    assert np.array_equal(staged, glob)
-    for r in range(m):
-        assert np.array_equal(run(x[r:r + 1], 1)[0], staged[r])

@@ -263,8 +263,7 @@ def default_variant(x) -> str:
 def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
               variant: str | None = None, stages: int | None = None,
               prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
-              occupancy: int | None = None, xperm: bool | None = None, corr=None,
-              xs_rows: int | None = None):
+              occupancy: int | None = None, xperm: bool | None = None, corr=None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
@@ -292,27 +291,21 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     otherwise: no faster in the decode step, v14c). Otherwise x goes to the wide kernel as it is."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
-                           occupancy=occupancy, xperm=xperm, corr=corr,
-                           xs_rows=xs_rows)[0]
+                           occupancy=occupancy, xperm=xperm, corr=corr)[0]
 
 
 def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                     variant: str | None = None, stages: int | None = None,
                     prefetch: int | None = None, warps: int | None = None,
                     bias: int | None = None, occupancy: int | None = None,
-                    xperm: bool | None = None, concat: bool = False, corr=None,
-                    xs_rows: int | None = None):
+                    xperm: bool | None = None, concat: bool = False, corr=None):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
     sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead.
     corr: x's group sums [..., K / 64] fp32 where the caller has them (`group_sums`, or the
     fused norm kernel's, engine/kernels/norm_sums.py), for the wide kernel: no XLA reduction
-    of its own; other kernels ignore it. xs_rows (wide, with the defaults' kernels: prefetch
-    2, registers capped, bias 0, no ring, x not permuted): up to how many rows of x a block
-    stages in shared memory (1 to 4; default NINFER_INT4_WIDE_XS_ROWS or 1: one row, v23;
-    2 gives two-row decode steps the same B registers from shared memory, unmeasured); the
-    same sums either way."""
+    of its own; other kernels ignore it."""
     if not 1 <= len(ws) <= MAX_MATS:
         raise ValueError(f"int4_gemv_multi takes 1..{MAX_MATS} weights, got {len(ws)}")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -352,15 +345,10 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
                      and warps in WIDE_XPERM_WARPS)
         if xperm:
             xb = x_perm(xb)
-        if xs_rows is None:
-            xs_rows = int(os.environ.get("NINFER_INT4_WIDE_XS_ROWS", "1"))
-        if not 1 <= xs_rows <= WIDE_MAX_M:
-            raise ValueError(f"int4_gemv: xs_rows (NINFER_INT4_WIDE_XS_ROWS) must be 1 to "
-                             f"{WIDE_MAX_M}, got {xs_rows}")
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
                  bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages),
-                 xperm=np.int64(bool(xperm)), xs_rows=np.int64(xs_rows))
+                 xperm=np.int64(bool(xperm)))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))

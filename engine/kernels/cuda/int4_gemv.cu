@@ -951,12 +951,12 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
                                  tot);
 }
 
-// ---- x staged in shared memory (M = 1, or up to the call's `xs_rows`) -----------------------
-// A block's copy of x [M, K] for the wide kernels' B registers: row r's pair p's 64 bytes of
-// lane quarter t at r kXsPair K / 128 + kXsPair p + 64 t + 8 (t >> 1) (the pad keeps the four
-// lanes holding x on different banks), each 8 inputs permuted as the global path permutes
-// them, so that MMA q reads 8 bytes at + 8 q; a zero block of 64 bytes after the last row for
-// the lanes without x. The same B registers as the global path: the same sums, bit for bit. A pair's x then
+// ---- x staged in shared memory (M = 1) ------------------------------------------------------
+// A block's copy of x row 0 [K] for the wide kernels' B registers: pair p's 64 bytes of lane
+// quarter t at kXsPair p + 64 t + 8 (t >> 1) (the pad keeps the four lanes holding x on
+// different banks), each 8 inputs permuted as the global path permutes them, so that MMA q
+// reads 8 bytes at + 8 q; a zero block of 64 bytes after the last pair for the lanes without
+// x. The same B registers as the global path: the same sums, bit for bit. A pair's x then
 // costs 8 loads of 8 bytes from shared memory against 4 of 16 through L1, 16 permutations
 // and 8 zeroings, and 14 fewer live registers. H200 (docs/benchmarks/README.md v23): kernel
 // time at M = 1 4-11% lower (gate|up-like at 4 warps 32.1 against 36.1 us); in the decode
@@ -983,42 +983,34 @@ constexpr bool kXsFull = true;
 constexpr int kXsMaxK = 20480;
 static_assert(kXsPair * (kXsMaxK >> 7) + 64 + 4096 <= 48 * 1024, "staged x past 48 KB");
 
-__host__ __device__ constexpr int xs_bytes(int k, int m = 1) {
-  return m * kXsPair * (k >> 7) + 64;
-}
-// Whether a wide call stages x: at most `rows` rows of x (1 by default; the wide GEMV's
-// `xs_rows` attribute may ask for more), K small enough for their copies, the build's switch.
-__host__ __device__ constexpr bool xs_for(int m, int k, int rows = 1) {
-  return NINFER_WIDE_XS != 0 && m >= 1 && m <= rows && k <= kXsMaxK &&
-         xs_bytes(k, m) + 4096 <= 48 * 1024;
+__host__ __device__ constexpr int xs_bytes(int k) { return kXsPair * (k >> 7) + 64; }
+// Whether a wide call stages x: one row of x, K small enough, the build's switch.
+__host__ __device__ constexpr bool xs_for(int m, int k) {
+  return NINFER_WIDE_XS != 0 && m == 1 && k <= kXsMaxK;
 }
 
-// The block's threads copy x [M, K] (natural order, read-only path) into xs; a barrier after.
+// The block's threads copy x [K] (natural order, read-only path) into xs; a barrier after.
 __device__ __forceinline__ void stage_x_shared(unsigned char* xs, const uint4* __restrict__ x,
-                                               int k, int m = 1) {
-  const int pairs = k >> 7, row_bytes = kXsPair * pairs;
-  for (int j = threadIdx.x; j < m * pairs * 16; j += blockDim.x) {
+                                               int k) {
+  const int pairs = k >> 7;
+  for (int j = threadIdx.x; j < pairs * 16; j += blockDim.x) {
     const uint4 v = __ldg(x + j);
-    const int r = j / (pairs * 16), jj = j - r * pairs * 16;
-    const int p = jj >> 4, t = (jj >> 2) & 3, u = jj & 3;
-    uint2* d = reinterpret_cast<uint2*>(xs + r * row_bytes + kXsPair * p + 64 * t +
-                                        8 * (t >> 1) + 16 * u);
+    const int p = j >> 4, t = (j >> 2) & 3, u = j & 3;
+    uint2* d = reinterpret_cast<uint2*>(xs + kXsPair * p + 64 * t + 8 * (t >> 1) + 16 * u);
     d[0] = make_uint2(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
     d[1] = make_uint2(__byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
   }
-  if (threadIdx.x < 8) reinterpret_cast<uint2*>(xs + m * row_bytes)[threadIdx.x] = uint2{};
+  if (threadIdx.x < 8) reinterpret_cast<uint2*>(xs + kXsPair * pairs)[threadIdx.x] = uint2{};
   __syncthreads();
 }
 
-// Lane `lane` of warp `warp` (of W) over the staged copy of m rows, reading x row `xrow`: its
-// first pair and its step.
+// Lane `lane` of warp `warp` (of W) over the staged copy: its first pair and its step.
 template <int W>
 __device__ __forceinline__ XRunShared xs_run(const unsigned char* xs, int k, int warp,
-                                             int lane, bool has_x, int xrow = 0, int m = 1) {
-  const int t = lane & 3, row_bytes = kXsPair * (k >> 7);
-  return has_x ? XRunShared{xs + xrow * row_bytes + kXsPair * warp + 64 * t + 8 * (t >> 1),
-                            kXsPair * W}
-               : XRunShared{xs + m * row_bytes, 0};
+                                             int lane, bool has_x) {
+  const int t = lane & 3;
+  return has_x ? XRunShared{xs + kXsPair * warp + 64 * t + 8 * (t >> 1), kXsPair * W}
+               : XRunShared{xs + kXsPair * (k >> 7), 0};
 }
 
 // Which x row lane (g, t) of a wide tile reads (column g of B: x row g / 2 where (g & 1) ==
@@ -1052,7 +1044,6 @@ struct WideLane : WideTile<W> {
   const uint4* xr;   // x (+ 16 W uint4 a pair)
   const float2* cr;  // corr (+ W a pair); null with the bias MMAs
   bool has_x;
-  int xrow;          // the row of x the lane's B column holds
 
   __device__ __forceinline__ WideLane(const uint4* __restrict__ x,
                                       const float* __restrict__ corr, const Mats& mt,
@@ -1061,7 +1052,6 @@ struct WideLane : WideTile<W> {
       : WideTile<W>(mt, layer_of(mt, index), k, row0, warp, lane) {
     const LaneRows rows(lane, m);
     has_x = rows.has_x;
-    xrow = rows.xrow;
     xr = rows.x_at(x, k, warp, lane);
     cr = bias ? nullptr : rows.corr_at(corr, k, warp);
   }
@@ -1085,8 +1075,8 @@ __device__ __forceinline__ void pdl_wait() {
 // T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
 // 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
 // warps, more codes in flight.
-// kXs: x (M rows, as `xs_for` allows) staged in shared memory (`stage_x_shared`,
-// xs_bytes(k, m) of dynamic shared memory), while the ring's first codes are in flight.
+// kXs: x (M = 1) staged in shared memory (`stage_x_shared`, xs_bytes(k) of dynamic shared
+// memory), while the ring's first codes are in flight.
 template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false, bool kXs = false>
 __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
@@ -1101,9 +1091,9 @@ __global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
   ring_fill(ring, static_cast<const WideTile<W>&>(in));
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
   if constexpr (kXs) {
-    stage_x_shared(xs, x, k, m);
+    stage_x_shared(xs, x, k);
     ring_run_x<P, W, kBias, kXsFull>(ring, in, xs_run<W>(xs, k, warp, lane,
-                                                                     in.has_x, in.xrow, m),
+                                                                     in.has_x),
                                                  CorrPairs<W>{in.cr}, tot);
   } else {
     ring_run<P, W, kBias, kXPerm, false, full_rounds(W >= 8)>(ring, in, in.xr, in.has_x,
@@ -1503,7 +1493,7 @@ cudaError_t launch_wide_ring(cudaStream_t stream, int blocks, const uint4* x, co
 template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false, bool kXs = false>
 cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
                         const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  int4_gemv_wide<P, W, kBias, T, OT, kXPerm, kXs><<<blocks, W * 32, kXs ? xs_bytes(k, m) : 0,
+  int4_gemv_wide<P, W, kBias, T, OT, kXPerm, kXs><<<blocks, W * 32, kXs ? xs_bytes(k) : 0,
                                                      stream>>>(x, corr, mt, index,
                                                                static_cast<OT*>(y), k, m);
   return cudaGetLastError();
@@ -1522,8 +1512,7 @@ cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const f
 // of its fixed cost (row pointers, the first loads' latency, the reduction).
 template <typename OT>
 cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
-                                int64_t occupancy, int64_t stages, bool xperm, int64_t xs_rows,
-                                int blocks,
+                                int64_t occupancy, int64_t stages, bool xperm, int blocks,
                                 const uint4* x, const float* corr, const Mats& mt,
                                 const int32_t* index, void* y, int k, int m, bool& known) {
   known = true;
@@ -1554,13 +1543,13 @@ cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t w
   NINFER_WIDE(2, 2) NINFER_WIDE(2, 4) NINFER_WIDE(2, 8) NINFER_WIDE(2, 10) NINFER_WIDE(2, 16)
   NINFER_WIDE(4, 2) NINFER_WIDE(4, 4) NINFER_WIDE(4, 8) NINFER_WIDE(4, 10) NINFER_WIDE(4, 16)
 #undef NINFER_WIDE
-#define NINFER_WIDE32(W)                                                                   \
-  if (prefetch == 2 && warps == W && occupancy == 32 && !bias)                             \
-    return xs_for(m, k, static_cast<int>(xs_rows))                                         \
-               ? launch_wide<2, W, false, 32, OT, false, true>(stream, blocks, x, corr, mt, \
-                                                               index, y, k, m)             \
-               : launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt, index, y, k, \
-                                                  m);
+#define NINFER_WIDE32(W)                                                                  \
+  if (prefetch == 2 && warps == W && occupancy == 32 && !bias)                            \
+    return xs_for(m, k) ? launch_wide<2, W, false, 32, OT, false, true>(stream, blocks, x,    \
+                                                                        corr, mt, index, y, \
+                                                                        k, m)               \
+                        : launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt,     \
+                                                           index, y, k, m);
   NINFER_WIDE32(2) NINFER_WIDE32(4) NINFER_WIDE32(8) NINFER_WIDE32(10) NINFER_WIDE32(16)
 #undef NINFER_WIDE32
   known = false;
@@ -1807,15 +1796,13 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
                             int64_t prefetch, int64_t warps, int64_t bias, int64_t occupancy,
-                            int64_t stages, int64_t xperm, int64_t xs_rows) {
+                            int64_t stages, int64_t xperm) {
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
   const int64_t n = mt.start[mt.count];
   if (bias != 0 && bias != 1)
     return ffi::Error::InvalidArgument("int4_gemv_wide: bias must be 0 or 1");
-  if (xs_rows < 1 || xs_rows > 4)
-    return ffi::Error::InvalidArgument("int4_gemv_wide: xs_rows must be 1 to 4");
   std::string why;
   const int64_t m = wide_operands(x, corr, y->dimensions(), y->element_type(), n, k,
                                   bias ? 0 : k / 64, why);
@@ -1829,11 +1816,10 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   bool known = false;
   const cudaError_t err =
       bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, occupancy,
-                                                stages, xperm != 0, xs_rows, blocks, x4, c, mt,
+                                                stages, xperm != 0, blocks, x4, c, mt,
                                                 index.typed_data(), yp, ki, mi, known)
            : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, occupancy, stages,
-                                        xperm != 0, xs_rows, blocks, x4, c, mt,
-                                        index.typed_data(), yp,
+                                        xperm != 0, blocks, x4, c, mt, index.typed_data(), yp,
                                         ki, mi, known);
   if (!known)
     return ffi::Error::InvalidArgument(
@@ -1961,8 +1947,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4GemvWide, Int4GemvWideImpl,
                                   .Attr<int64_t>("bias")
                                   .Attr<int64_t>("occupancy")
                                   .Attr<int64_t>("stages")
-                                  .Attr<int64_t>("xperm")
-                                  .Attr<int64_t>("xs_rows"),
+                                  .Attr<int64_t>("xperm"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
