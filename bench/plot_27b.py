@@ -2,6 +2,12 @@
 
   python bench/plot_27b.py docs/benchmarks/bench_27b_v3_pallas.json \
       --peer docs/benchmarks/peer_hf_fla_v3.json --out docs/benchmarks/bench_27b_v3.png
+
+With --engine FILE (a bench/engine_27b.py result), the decode bars are the serving engine's
+steady rates (C1 from its engine of one row, C2 from its engine of two; --variant picks one of
+its --variants) against the rooflines of the positional result's rows of the same batch and
+context (its bytes a step over its measured copy rate); prefill still comes from the
+positional result (or --prefill-from).
 """
 from __future__ import annotations
 
@@ -15,18 +21,38 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def engine_rows(eng: dict, res: dict, variant: str = "") -> list[dict]:
+    """The engine result's C1 rows (engine of one row) and C2 rows (engine of two) as decode
+    rows: steady tokens/s and the roofline of `res`'s row of the same batch and context."""
+    roof = {(r["batch"], r["context"]): r["roofline_tokens_per_s"] for r in res["decode"]}
+    rows = []
+    for s in eng["summary"]:
+        if (s.get("variant", "") != variant or s.get("narrow") or s["batch"] != s["concurrency"]
+                or (s["batch"], s["context"]) not in roof):
+            continue
+        rows.append({"weights": eng["weights"].split()[-1], "batch": s["concurrency"],
+                     "context": s["context"], "tokens_per_s": s["steady_tokens_per_s_median"],
+                     "roofline_tokens_per_s": roof[(s["batch"], s["context"])]})
+    if not rows:
+        raise SystemExit(f"no C1/C2 rows of variant {variant!r} with a roofline in the result")
+    return sorted(rows, key=lambda r: (r["batch"], r["context"]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("result")
     ap.add_argument("--peer")
     ap.add_argument("--prefill-from", help="take the prefill rows from this result instead (a "
                     "decode-only run charted beside the last prefill run)")
+    ap.add_argument("--engine", help="decode from this engine_27b.py result instead")
+    ap.add_argument("--variant", default="", help="the engine result's variant to chart")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     res = json.loads(Path(args.result).read_text())
     peer = json.loads(Path(args.peer).read_text()) if args.peer else None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    rows = res["decode"]
+    rows = engine_rows(json.loads(Path(args.engine).read_text()), res, args.variant) \
+        if args.engine else res["decode"]
     labels = [f"{r['weights'].replace('_g64', '')}\nC{r['batch']} {r['context'] // 1024}K"
               for r in rows]
     x = range(len(rows))
@@ -40,7 +66,8 @@ def main():
     ax1.axhline(240, color="#333", ls="--", lw=1, label="goal int4 C1 240 tok/s")
     ax1.set_xticks(list(x), labels, fontsize=7)
     ax1.set_ylabel("tokens/s")
-    ax1.set_title(f"decode, kernels={res['kernels']}, {res['device']}")
+    ax1.set_title(f"decode, kernels={res['kernels']}, {res['device']}" + (
+        f"\nthrough the engine, steady: {Path(args.engine).name}" if args.engine else ""))
     ax1.legend(fontsize=7)
     pre_res = json.loads(Path(args.prefill_from).read_text()) if args.prefill_from else res
     rows = [r for r in pre_res["prefill"] if "seconds" in r]
