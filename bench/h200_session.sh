@@ -13,6 +13,9 @@
 #   pagedmerge the paged kernel's splits merged as chains (NINFER_PAGED_MERGE=chain): its GPU
 #              tests three times (both merges), the engine's GPU tests with it and narrow
 #              decode, C1/C2 1K/128K decode with each merge
+#   attnmerge  the attention tail kernel (NINFER_ATTN_MERGE=1: the splits' merge, the gate,
+#              o_proj's sums): its GPU tests, greedy C1 == C2 with it, then base / merge in one
+#              engine process at ENGINE_CONTEXTS (default 1024,32768,131072)
 #   attnprep   the attention layers' decode prep kernel (NINFER_ATTN_PREP, on since v28): GPU
 #              tests with it, C1/C2 through the engine off and on at ENGINE_CONTEXTS (default
 #              1024,131072)
@@ -310,6 +313,16 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
             --out "$OUT/pagedmerge_${mg}_$TAG.json"
           grep -E '^decode' "$OUT/pagedmerge_${mg}_$TAG.log" | cut -c1-90 | sed "s/^/$mg: /"
         done ;;
+      attnmerge)  # the attention tail in one kernel (v28, built after the device time ran
+        # out): its GPU tests and the engine's with it, then the A/B in one process
+        NINFER_ATTN_MERGE=1 run 200 "$OUT/attnmerge_gpu_$TAG.log" python3 -m pytest -q -m gpu \
+          -p no:cacheprovider tests/test_kernels_attn_merge.py tests/test_engine_gpu.py
+        tail -n 2 "$OUT/attnmerge_gpu_$TAG.log"
+        run 400 "$OUT/attnmerge_engine_$TAG.log" python3 bench/engine_27b.py --batches 1,2 \
+          --contexts "${ENGINE_CONTEXTS:-1024,32768,131072}" --decode-tokens 64 --reps 2 \
+          --modes 1 --turns "" --budget-s 370 --out "$OUT/attnmerge_engine_$TAG.json" \
+          --variants "base merge:NINFER_ATTN_MERGE=1"
+        grep -E '^ *[a-z]+ +[0-9]+ +[01] ' "$OUT/attnmerge_engine_$TAG.log" ;;
       attnprep)  # q/k norms, RoPE and the K/V write in one kernel a layer (v27, built after
         # the device time ran out): its tests and greedy C1 == C2 with it, then the A/B
         NINFER_ATTN_PREP=1 run 200 "$OUT/attnprep_gpu_$TAG.log" python3 -m pytest -q -m gpu \

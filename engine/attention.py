@@ -150,6 +150,12 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
     if kernels == "pallas" and (fused := _prep_decode(cfg, x, kv)) is not None:
         # the norms, RoPE and the K/V write in one kernel after the projections' one launch
         qkv = linear_multi(x, mats, kernels, concat=True, corr=corr)
+        from engine.kernels import attn_merge
+
+        if attn_merge.enabled() and attn_merge.takes(hd):  # the splits' merge, the gate and o_proj's sums: one kernel
+            (y, sums), kv = fused(kv, layer, qkv, p["q_norm"], p["k_norm"], positions, valid,
+                                  gated=True)
+            return linear(y, p["o_proj"], kernels, corr=sums), kv
         out, kv = fused(kv, layer, qkv, p["q_norm"], p["k_norm"], positions, valid)
         gate = qkv[..., :nh * 2 * hd].reshape(b, t, nh, 2 * hd)[..., hd:].reshape(b, t, nh * hd)
     else:

@@ -155,14 +155,17 @@ def write_pool(pool: KVPool, table, layer, positions, valid, slot_offset, k, v):
     return KVPool(k_data, v_data, k_scale, v_scale), slots
 
 
-def _decode_attend(pool: KVPool, table, layer, q, slots, valid, slot_offset):
+def _decode_attend(pool: KVPool, table, layer, q, slots, valid, slot_offset, gate=None):
     """A decode step's attention (T = 1) by the paged-decode kernel. A row without a token
     this step (idle in a wider engine) sees its first slot only: its output is dropped, and it
     would otherwise read its whole stored context (at 128K, ~8.6 GB over the 27B's 16
-    attention layers: ~1.5 ms a step, H200 v26d)."""
-    from engine.kernels.paged_decode import paged_attend
+    attention layers: ~1.5 ms a step, H200 v26d). gate: (gate_src, gate_at, gate_stride) for
+    `paged_decode.paged_attend_gated` (the gated output and its group sums)."""
+    from engine.kernels.paged_decode import paged_attend, paged_attend_gated
 
     last = jnp.where(valid[:, 0], slots[:, 0], slot_offset)
+    if gate is not None:
+        return paged_attend_gated(pool, table, layer, q, last, *gate, slot_offset)
     return paged_attend(pool, table, layer, q, last, slot_offset)
 
 
@@ -194,12 +197,15 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: s
     return attend_blocks(pool, table, layer, q, slots, valid, off0), kv._replace(pool=pool)
 
 
-def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg: ModelConfig):
+def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg: ModelConfig,
+                      gated: bool = False):
     """A decode step's attention from its projections' one output (qkv [B, 1, nh 2 hd + 2 kvh
     hd], as `quant.linear_multi(concat=True)` gives it): the q/k norms, RoPE and this step's
     K/V write in one kernel (engine/kernels/attn_prep.py; qn/kn the norm weights, or their
     `Stacked` views read in place), then the paged decode kernel as `paged_write_attend` runs
-    it. Returns (out [B, 1, nh, hd], new PagedKV)."""
+    it. Returns (out [B, 1, nh, hd], new PagedKV); gated: ((out gated by the heads' gates in
+    qkv [B, 1, nh hd], its group sums [B, 1, nh hd / 64]), new PagedKV), the splits' merge,
+    the gate and the sums in one kernel (engine/kernels/attn_merge.py)."""
     from engine.kernels.attn_prep import attn_prep
     from engine.kernels.stacked import Stacked
 
@@ -208,7 +214,9 @@ def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg:
                           for w in (qn, kn)]
     q, pool = attn_prep(cfg, qkv, qw, kw, pool, table, positions, valid, layer, off0,
                         qn_index=qi, kn_index=ki)
-    return (_decode_attend(pool, table, layer, q, positions + off0, valid, off0),
+    hd = cfg.head_dim
+    gate = (qkv[:, 0], hd, 2 * hd) if gated else None
+    return (_decode_attend(pool, table, layer, q, positions + off0, valid, off0, gate),
             kv._replace(pool=pool))
 
 

@@ -208,6 +208,24 @@ def launch_default(kv_dtype: str = "bfloat16") -> tuple[int, int, int, int]:
     return vals
 
 
+def _settings(pool: KVPool, programs, num_warps, num_stages, fold, cast, unroll) -> dict:
+    """The kernel's launch and INT8 settings: None takes the defaults (`launch_default`,
+    `fold_default`, `cast_default`), read here, outside the jit cache."""
+    cast = cast_default() if cast is None else cast
+    dp, dw, ds, du = launch_default(str(jnp.dtype(pool.k.dtype)))
+    programs = dp if programs is None else programs
+    num_warps = dw if num_warps is None else num_warps
+    num_stages = ds if num_stages is None else num_stages
+    unroll = du if unroll is None else unroll
+    if cast not in INT8_CASTS:
+        raise ValueError(f"cast must be one of {INT8_CASTS}, got {cast!r}")
+    if min(programs, num_warps, num_stages, unroll) < 1:
+        raise ValueError("paged_attend: programs, num_warps, num_stages and unroll must be "
+                         f"positive, got {(programs, num_warps, num_stages, unroll)}")
+    return dict(programs=programs, num_warps=num_warps, num_stages=num_stages,
+                fold=fold_default() if fold is None else fold, cast=cast, unroll=int(unroll))
+
+
 def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0, *,
                  interpret: bool | None = None, programs: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
@@ -219,40 +237,88 @@ def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0,
     loop step (their loads issued together; the updates, and so the bits, are the same).
     programs, num_warps, num_stages, unroll: None takes `launch_default()`. merge: how the
     splits are merged (None: `merge_default()`)."""
-    cast = cast_default() if cast is None else cast
     merge = merge_default() if merge is None else merge
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
-    dp, dw, ds, du = launch_default(str(jnp.dtype(pool.k.dtype)))
-    programs = dp if programs is None else programs
-    num_warps = dw if num_warps is None else num_warps
-    num_stages = ds if num_stages is None else num_stages
-    unroll = du if unroll is None else unroll
-    if cast not in INT8_CASTS:
-        raise ValueError(f"cast must be one of {INT8_CASTS}, got {cast!r}")
-    if min(programs, num_warps, num_stages, unroll) < 1:
-        raise ValueError("paged_attend: programs, num_warps, num_stages and unroll must be "
-                         f"positive, got {(programs, num_warps, num_stages, unroll)}")
     return _paged_attend(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
-                         programs=programs, num_warps=num_warps, num_stages=num_stages,
-                         fold=fold_default() if fold is None else fold, cast=cast,
-                         unroll=int(unroll), merge=merge)
+                         merge=merge, **_settings(pool, programs, num_warps, num_stages, fold,
+                                                  cast, unroll))
 
 
-@functools.partial(jax.jit, static_argnames=("slot_offset", "interpret", "programs",
-                                             "num_warps", "num_stages", "fold", "cast",
-                                             "unroll", "merge"))
+def paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, gate_at: int,
+                       gate_stride: int, slot_offset: int = 0, *,
+                       interpret: bool | None = None, programs: int | None = None,
+                       num_warps: int | None = None, num_stages: int | None = None,
+                       fold: bool | None = None, cast: str | None = None,
+                       unroll: int | None = None):
+    """`paged_attend` with the attention layer's tail: the splits merged, the output gated by
+    sigmoid of head h's gate at columns [gate_at + h gate_stride, + hd) of gate_src [B, P],
+    and the group sums of the result, in one kernel after the paged one
+    (engine/kernels/attn_merge.py). Returns (y [B, 1, heads hd] in q.dtype, sums [B, 1,
+    heads hd / 64] fp32)."""
+    return _paged_attend_gated(pool, table, layer, q, last_slot, gate_src, slot_offset,
+                               gate_at=int(gate_at), gate_stride=int(gate_stride),
+                               interpret=interpret, **_settings(pool, programs, num_warps,
+                                                                num_stages, fold, cast, unroll))
+
+
+_STATIC = ("slot_offset", "interpret", "programs", "num_warps", "num_stages", "fold", "cast",
+           "unroll")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("merge",))
 def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
                   interpret: bool | None, programs: int, num_warps: int, num_stages: int,
                   fold: bool, cast: str, unroll: int, merge: str):
+    b, _, nh, hd = q.shape
+    r = nh // pool.k.shape[3]
+    if r > _ROWS:
+        return paged_attend_ref(pool, table, layer, q, last_slot, slot_offset)
+    acc, m, l = _partials(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
+                          programs=programs, num_warps=num_warps, num_stages=num_stages,
+                          fold=fold, cast=cast, unroll=unroll)
+    # Merge the splits. XLA's reductions over [B, S, ...] reduce in an order that varies with
+    # B on the GPU (a row's result changed in 1-2 elements of 6,144 beside another row, v25d;
+    # reducing row by row did not fix it, v26a); "chain" fixes the order (`_merge_chain`).
+    out = _merge_chain(acc, m, l) if merge == "chain" else _merge(acc, m, l)
+    return out[:, :, :r].reshape(b, 1, nh, hd).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("gate_at", "gate_stride"))
+def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot_offset: int,
+                        *, gate_at: int, gate_stride: int, interpret: bool | None,
+                        programs: int, num_warps: int, num_stages: int, fold: bool, cast: str,
+                        unroll: int):
+    from engine.kernels.attn_merge import merge_gate_sums
+    from engine.kernels.cuda_ops import group_sums
+
+    b, _, nh, hd = q.shape
+    if nh // pool.k.shape[3] > _ROWS:  # the reference's attention, gated as the model gates
+        out = paged_attend_ref(pool, table, layer, q, last_slot, slot_offset)
+        cols = (gate_at + jnp.arange(nh)[:, None] * gate_stride + jnp.arange(hd)).reshape(-1)
+        y = out.reshape(b, nh * hd) * jax.nn.sigmoid(
+            gate_src[:, cols].astype(jnp.float32)).astype(q.dtype)
+        return y[:, None], group_sums(y)[:, None]
+    acc, m, l = _partials(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
+                          programs=programs, num_warps=num_warps, num_stages=num_stages,
+                          fold=fold, cast=cast, unroll=unroll)
+    y, sums = merge_gate_sums(acc, m, l, last_slot, gate_src, heads=nh, page=pool.page_size,
+                              max_pages=table.shape[1], gate_at=gate_at,
+                              gate_stride=gate_stride, out_dtype=q.dtype, interpret=interpret)
+    return y[:, None], sums[:, None]
+
+
+def _partials(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
+              interpret: bool | None, programs: int, num_warps: int, num_stages: int,
+              fold: bool, cast: str, unroll: int):
+    """The paged kernel's per-split partials (acc [B, S, kvh, 16, hd], m and l [B, S, kvh,
+    16], fp32) for q [B, 1, nh, hd] with nh / kvh <= 16."""
     interpret = resolve_interpret(interpret)
     b, t, nh, hd = q.shape
     if t != 1:
         raise ValueError(f"paged_attend decodes one token per row, got T={t}")
     kvh, page, mp = pool.k.shape[3], pool.page_size, table.shape[1]
     r = nh // kvh
-    if r > _ROWS:
-        return paged_attend_ref(pool, table, layer, q, last_slot, slot_offset)
     splits = _splits(kvh, mp, programs)
     # [B, kvh, 16, hd]: head h = g * r + i (HF repeat_kv order) -> group g, row i.
     quant = pool.k_scale is not None
@@ -276,15 +342,10 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
     out_shape = (jax.ShapeDtypeStruct((b, splits, kvh, _ROWS, hd), f32),
                  jax.ShapeDtypeStruct((b, splits, kvh, _ROWS), f32),
                  jax.ShapeDtypeStruct((b, splits, kvh, _ROWS), f32))
-    acc, m, l = pl.pallas_call(
+    return pl.pallas_call(
         kern, grid=(b, kvh, splits), out_shape=out_shape, interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
         name="paged_decode")(*args)
-    # Merge the splits. XLA's reductions over [B, S, ...] reduce in an order that varies with
-    # B on the GPU (a row's result changed in 1-2 elements of 6,144 beside another row, v25d;
-    # reducing row by row did not fix it, v26a); "chain" fixes the order (`_merge_chain`).
-    out = _merge_chain(acc, m, l) if merge == "chain" else _merge(acc, m, l)
-    return out[:, :, :r].reshape(b, 1, nh, hd).astype(q.dtype)
 
 
 def _merge(acc, m, l):

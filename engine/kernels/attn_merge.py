@@ -1,0 +1,156 @@
+"""A decode step's attention tail in one kernel: the paged decode kernel's splits merged, the
+output gate applied, and the group sums that o_proj's int4 GEMV takes.
+
+After `paged_decode`'s kernel, XLA runs four kernels a gated-attention layer for this (the
+splits' max, the weighted sums of the values and of the softmax denominators, then the gate's
+multiply with the group sums: ~7 us a layer, 16 layers, H200 v28d). Here program (row, head,
+column tile) walks only the row's non-empty splits (which the row's own length fixes, as the
+paged kernel split them) in chunks, in split order: the max, then the weighted sums; divides,
+rounds to the activations' dtype, multiplies by sigmoid(gate) read from the projections' one
+output, and writes the tile and its 64-value group sums. The order of every addition depends
+on the row alone, so a row's bits are the same at any batch size (XLA's reductions tile by
+shape, `paged_decode.merge_default`).
+
+`merge_gate_sums_ref` is the model's ops (`paged_decode._merge`, the gate in
+`attention.attention_mixer`, `cuda_ops.group_sums`). NINFER_ATTN_MERGE=1 sends a decode step's
+attention layers here (with the prep kernel, `attn_prep`); off by default until measured on the
+GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from engine.kernels import resolve_interpret, triton_params
+from engine.kernels.cuda_ops import group_sums
+from engine.quant import GROUP
+
+TILE = 128  # output columns a program (two groups of 64)
+
+
+def enabled() -> bool:
+    """NINFER_ATTN_MERGE=1: a decode step's attention tail through `merge_gate_sums`."""
+    return os.environ.get("NINFER_ATTN_MERGE", "0") == "1"
+
+
+def takes(head_dim: int) -> bool:
+    """Whether a head's columns split into the kernel's tiles: a power of two, at least one
+    group of 64."""
+    return head_dim % GROUP == 0 and head_dim & (head_dim - 1) == 0
+
+
+def active_splits(last, page: int, splits: int, max_pages: int):
+    """How many of a row's splits hold pages: the paged kernel gives the row's visible pages
+    (up to its last slot) to its splits in runs of ceil(pages / splits)."""
+    pages = jnp.minimum(last // page + 1, max_pages)
+    pps = jnp.maximum(1, (pages + splits - 1) // splits)
+    return (pages + pps - 1) // pps
+
+
+def merge_gate_sums_ref(acc, m, l, gate, out_dtype):
+    """acc [B, S, kvh, R, hd], m and l [B, S, kvh, R] (the paged kernel's partials, R >= the
+    heads a KV head serves), gate [B, nh hd] (nh = kvh r, head h = g r + i) -> (y [B, nh hd]
+    in out_dtype, its group sums [B, nh hd / 64] fp32): the merged attention rounded to
+    out_dtype, times sigmoid(gate) rounded to out_dtype."""
+    from engine.kernels.paged_decode import _merge
+
+    b, _, kvh, _, hd = acc.shape
+    r = gate.shape[-1] // (kvh * hd)
+    out = _merge(acc, m, l)[:, :, :r].reshape(b, kvh * r * hd).astype(out_dtype)
+    y = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out_dtype)
+    return y, group_sums(y)
+
+
+def _kernel(last_ref, acc_ref, m_ref, l_ref, g_ref, y_ref, c_ref, *, r, hd, tile, chunk, page,
+            splits, max_pages, gate_at, gate_stride):
+    b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    grp, i = h // r, h % r
+    ns = active_splits(last_ref[b], page, splits, max_pages)
+    chunks = (ns + chunk - 1) // chunk
+
+    def m_at(j):
+        return m_ref[b, pl.ds(j * chunk, chunk), grp, i]
+
+    m_all = lax.fori_loop(0, chunks, lambda j, mx: jnp.maximum(mx, jnp.max(m_at(j))),
+                          jnp.float32(-jnp.inf))
+
+    def add(j, carry):
+        num, den = carry
+        mv = m_at(j)
+        w = jnp.where(mv > -jnp.inf, jnp.exp(mv - m_all), 0.0)                   # [chunk]
+        a = acc_ref[b, pl.ds(j * chunk, chunk), grp, i, pl.ds(t * tile, tile)]     # [chunk, tile]
+        return (num + jnp.sum(a * w[:, None], axis=0),
+                den + jnp.sum(l_ref[b, pl.ds(j * chunk, chunk), grp, i] * w))
+
+    num, den = lax.fori_loop(0, chunks, add, (jnp.zeros((tile,), jnp.float32),
+                                              jnp.float32(0.0)))
+    dt = y_ref.dtype
+    out = (num / den).astype(dt).astype(jnp.float32)
+    gate = g_ref[b, pl.ds(gate_at + h * gate_stride + t * tile, tile)].astype(jnp.float32)
+    sig = (1.0 / (1.0 + jnp.exp(-gate))).astype(dt).astype(jnp.float32)
+    y = (out * sig).astype(dt)
+    col = h * hd + t * tile
+    y_ref[b, pl.ds(col, tile)] = y
+    c_ref[b, pl.ds(col // GROUP, tile // GROUP)] = jnp.sum(
+        y.astype(jnp.float32).reshape(tile // GROUP, GROUP), axis=1)
+
+
+def _chunk(splits: int, most: int = 16) -> int:
+    """Splits a loop step: the largest power of two <= most that divides `splits`."""
+    c = 1
+    while 2 * c <= most and splits % (2 * c) == 0:
+        c *= 2
+    return c
+
+
+def merge_gate_sums(acc, m, l, last, gate_src, *, heads: int, page: int, max_pages: int,
+                    gate_at: int, gate_stride: int, out_dtype, tile: int = TILE,
+                    interpret: bool | None = None, num_warps: int = 4):
+    """`merge_gate_sums_ref` as one kernel, with head h's gate at columns [gate_at + h
+    gate_stride, + hd) of gate_src [B, P] (the projections' output as the GEMV wrote it: q and
+    gate side by side a head gives gate_at = hd, gate_stride = 2 hd) and the row's splits
+    that hold pages found from its last visible slot `last` [B] as the paged kernel found them
+    (page size, the table's width max_pages). Returns (y [B, heads hd], sums [B, heads hd /
+    64])."""
+    return _merge_gate(acc, m, l, last, gate_src, heads=int(heads), page=int(page),
+                       max_pages=int(max_pages), gate_at=int(gate_at),
+                       gate_stride=int(gate_stride), out_dtype=jnp.dtype(out_dtype),
+                       tile=int(tile), interpret=resolve_interpret(interpret),
+                       num_warps=int(num_warps))
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "page", "max_pages", "gate_at",
+                                             "gate_stride", "out_dtype", "tile", "interpret",
+                                             "num_warps"))
+def _merge_gate(acc, m, l, last, gate_src, *, heads, page, max_pages, gate_at, gate_stride,
+                out_dtype, tile, interpret, num_warps):
+    b, splits, kvh, rows, hd = acc.shape
+    r = heads // kvh
+    if heads % kvh or r > rows:
+        raise ValueError(f"merge_gate_sums: {heads} heads on {kvh} KV heads of {rows} rows")
+    if m.shape != acc.shape[:-1] or l.shape != m.shape:
+        raise ValueError(f"merge_gate_sums: m {m.shape} and l {l.shape} must be acc's "
+                         f"{acc.shape[:-1]}")
+    tile = min(tile, hd)
+    if tile % GROUP or hd % tile or tile & (tile - 1):
+        raise ValueError(f"merge_gate_sums: the tile ({tile}) must be a power of two, a "
+                         f"multiple of {GROUP} dividing head_dim {hd}")
+    if gate_src.ndim != 2 or gate_src.shape[0] != b or \
+            gate_at + (heads - 1) * gate_stride + hd > gate_src.shape[1]:
+        raise ValueError(f"merge_gate_sums: the gates (at {gate_at}, {gate_stride} a head) "
+                         f"must lie in gate_src {gate_src.shape} of {b} rows")
+    kern = functools.partial(_kernel, r=r, hd=hd, tile=tile, chunk=_chunk(splits), page=page,
+                             splits=splits, max_pages=max_pages, gate_at=gate_at,
+                             gate_stride=gate_stride)
+    return pl.pallas_call(
+        kern, grid=(b, heads, hd // tile),
+        out_shape=(jax.ShapeDtypeStruct((b, heads * hd), out_dtype),
+                   jax.ShapeDtypeStruct((b, heads * hd // GROUP), jnp.float32)),
+        interpret=interpret,
+        compiler_params=None if interpret else triton_params(num_warps, 1),
+        name="attn_merge")(last.astype(jnp.int32), acc, m, l, gate_src)
