@@ -16,6 +16,10 @@
 #   attnmerge  the attention tail kernel (NINFER_ATTN_MERGE=1: the splits' merge, the gate,
 #              o_proj's sums): its GPU tests, greedy C1 == C2 with it, then base / merge in one
 #              engine process at ENGINE_CONTEXTS (default 1024,32768,131072)
+#   convswap   the GDN conv state written into a second stack in place
+#              (NINFER_GDN_CONV_WRITE=swap): its GPU tests, greedy C1 == C2 with it
+#   v29ab      base / merge (NINFER_ATTN_MERGE=1) / swap / both in one engine process at
+#              ENGINE_CONTEXTS (default 1024,32768), after both parts' GPU tests with both on
 #   attnprep   the attention layers' decode prep kernel (NINFER_ATTN_PREP, on since v28): GPU
 #              tests with it, C1/C2 through the engine off and on at ENGINE_CONTEXTS (default
 #              1024,131072)
@@ -323,6 +327,22 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
           --modes 1 --turns "" --budget-s 370 --out "$OUT/attnmerge_engine_$TAG.json" \
           --variants "base merge:NINFER_ATTN_MERGE=1"
         grep -E '^ *[a-z]+ +[0-9]+ +[01] ' "$OUT/attnmerge_engine_$TAG.log" ;;
+      convswap)  # the conv state into a second stack (v28, built after the device time ran
+        # out): its GPU tests and the engine's with it
+        NINFER_GDN_CONV_WRITE=swap run 200 "$OUT/convswap_gpu_$TAG.log" python3 -m pytest -q \
+          -m gpu -p no:cacheprovider tests/test_kernels_gdn_fused.py tests/test_engine_gpu.py
+        tail -n 2 "$OUT/convswap_gpu_$TAG.log" ;;
+      v29ab)  # the two v28 builds' GPU tests with both on, then the four settings in one
+        # engine process
+        NINFER_GDN_CONV_WRITE=swap NINFER_ATTN_MERGE=1 run 240 "$OUT/v29ab_gpu_$TAG.log" \
+          python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gdn_fused.py \
+          tests/test_kernels_attn_merge.py tests/test_engine_gpu.py
+        tail -n 2 "$OUT/v29ab_gpu_$TAG.log"
+        run 420 "$OUT/v29ab_engine_$TAG.log" python3 bench/engine_27b.py --batches 1,2 \
+          --contexts "${ENGINE_CONTEXTS:-1024,32768}" --decode-tokens 64 --reps 2 --modes 1 \
+          --turns "" --budget-s 390 --out "$OUT/v29ab_engine_$TAG.json" --variants \
+          "base merge:NINFER_ATTN_MERGE=1 swap:NINFER_GDN_CONV_WRITE=swap both:NINFER_ATTN_MERGE=1,NINFER_GDN_CONV_WRITE=swap"
+        grep -E '^ *[a-z]+ +[0-9]+ +[01] ' "$OUT/v29ab_engine_$TAG.log" ;;
       attnprep)  # q/k norms, RoPE and the K/V write in one kernel a layer (v27, built after
         # the device time ran out): its tests and greedy C1 == C2 with it, then the A/B
         NINFER_ATTN_PREP=1 run 200 "$OUT/attnprep_gpu_$TAG.log" python3 -m pytest -q -m gpu \

@@ -77,11 +77,14 @@ class StackedStates(NamedTuple):
     states). Passed as a layer's conv_state (rec_state None) on the in-place decode path
     (`inplace_decode_enabled`): the fused decode kernel reads the layer's states and
     parameters in place and writes its recurrent state back in place, so the scans carry the
-    stacks and slice or copy no state."""
+    stacks and slice or copy no state. conv_out (`gdn_decode_fused.conv_write_setting`
+    "swap"): a second stack the kernel writes each layer's new conv state into, in place, while
+    `conv` is only read; the caller takes conv_out as the step's new conv stack."""
     conv: jax.Array
     rec: jax.Array
     layer: jax.Array
     params: dict
+    conv_out: jax.Array | None = None  # NINFER_GDN_CONV_WRITE=swap: the stack written
 
 
 def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
@@ -104,7 +107,10 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
         proj = linear_multi(x, mats, kernels, concat=True, corr=corr)
         out, conv_l, rec, out_sums = gdn_decode_fused_rows(
             st.params, cfg, proj, st.conv, st.rec, st.layer, lengths, x.dtype,
-            sums=norm_fused(x))
+            sums=norm_fused(x), conv_out=st.conv_out)
+        if st.conv_out is not None:  # written in place into the step's second stack
+            return (linear(out.reshape(b, t, -1), p["out_proj"], kernels, out_sums),
+                    st._replace(conv_out=conv_l, rec=rec), None)
         lead = st.conv.shape[:-3]
         # a plain dynamic update (the index is always in range): `.at[].set` drops an
         # out-of-range index, which costs a bounds-check kernel a layer on the GPU (v13 HLO)

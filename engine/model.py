@@ -59,9 +59,13 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
     stacked = (views and x.shape[1] == 1 and fused_decode_enabled()
                and inplace_decode_enabled())
 
+    swap = False
     if stacked:
-        from engine.kernels.gdn_decode_fused import KERNEL_PARAMS
+        from engine.kernels.gdn_decode_fused import KERNEL_PARAMS, conv_write_setting
         gdn_flat = flatten_stack(blocks["gdn"], 2)
+        # "swap": the layers read the cache's conv stack and write a second one in place,
+        # which the scans carry and the step returns (no copy a layer into the stack)
+        swap = conv_write_setting() == "swap"
 
     def block(carry, xs):
         x, kv, conv, rec = carry
@@ -82,11 +86,12 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
             layer = i * cfg.gdn_per_block + j
             # the layer's weights by their flat index into the [blocks * n, ...] stacks: the
             # GEMVs, the fused kernel and the states all take the one index
-            st = StackedStates(conv, rec, layer,
-                               {k: gdn_flat["linear_attn"][k] for k in KERNEL_PARAMS})
+            st = StackedStates(cache.conv if swap else conv, rec, layer,
+                               {k: gdn_flat["linear_attn"][k] for k in KERNEL_PARAMS},
+                               conv_out=conv if swap else None)
             x, st, _ = gdn_layer(select_layer(gdn_flat, layer, 1), cfg, x, st, None, lengths,
                                  valid, mode, kernels)
-            return (x, st.conv, st.rec), None
+            return (x, st.conv_out if swap else st.conv, st.rec), None
 
         gdn_ids = jnp.arange(cfg.gdn_per_block, dtype=jnp.int32)
         if stacked:
@@ -106,7 +111,9 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
     kv = cache.pool if paged else (cache.k, cache.v)
     ids = jnp.arange(cfg.num_blocks, dtype=jnp.int32)
     xs = (ids if views else blocks, ids)
-    (x, kv, conv, rec), _ = lax.scan(block, (x, kv, cache.conv, cache.rec), xs, unroll=unroll)
+    # swap: every GDN layer writes its slot of the new stack (an idle row its old window)
+    conv0 = jnp.zeros_like(cache.conv) if swap else cache.conv
+    (x, kv, conv, rec), _ = lax.scan(block, (x, kv, conv0, cache.rec), xs, unroll=unroll)
     if paged:
         return x, cache._replace(pool=kv, conv=conv, rec=rec)
     return x, cache._replace(k=kv[0], v=kv[1], conv=conv, rec=rec)

@@ -305,3 +305,97 @@ def test_split_heads_on_gpu_27b_heads():
         np.testing.assert_array_equal(np.asarray(many[1], np.float32),
                                       np.asarray(one[1], np.float32))
         assert_close(many[2], one[2], jnp.float32)
+
+
+def _rows_call(cfg, dtype, seed, lengths, *, interpret=True, **kw):
+    """gdn_decode_fused_rows at layer (1, 0) of [3, 2] stacks, its parameters stacked."""
+    from engine.kernels.gdn_decode_fused import KERNEL_PARAMS, gdn_decode_fused_rows
+
+    p, qkv, z, b_in, a_in, conv_all, rec_all, lens, _ = _stacked_case(
+        np.random.default_rng(seed), cfg, dtype, lengths)
+    params = {k: jnp.broadcast_to(p[k], (3, 2, *p[k].shape)) for k in KERNEL_PARAMS}
+    proj = jnp.concatenate([qkv, z, b_in, a_in], axis=-1)
+    return conv_all, lambda **more: gdn_decode_fused_rows(
+        params, cfg, proj, conv_all, rec_all, jnp.int32(2), lens, dtype, interpret=interpret,
+        **kw, **more)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_conv_state_written_into_a_second_stack(dtype):
+    """conv_out: the layer's new conv state lands in its slot of the second stack, bit for bit
+    the state the kernel returns alone (a row without a token keeps its window); every other
+    slot of that stack keeps what it held; the stack read is untouched."""
+    conv_all, call = _rows_call(preset("tiny"), dtype, 12, [1, 0])
+    before = np.asarray(conv_all, np.float32)
+    out, conv_l, rec, _ = call()
+    other = jnp.asarray(np.random.default_rng(13).standard_normal(conv_all.shape),
+                        conv_all.dtype)
+    other_np = np.asarray(other, np.float32)
+    out2, stack, rec2, _ = call(conv_out=other)
+    for a, b in ((out, out2), (rec, rec2)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    stack = np.array(stack, np.float32)
+    np.testing.assert_array_equal(stack[1, 0], np.asarray(conv_l, np.float32))
+    np.testing.assert_array_equal(stack[1, 0, 1], before[1, 0, 1])  # the idle row's window
+    stack[1, 0] = other_np[1, 0]
+    np.testing.assert_array_equal(stack, other_np)
+    np.testing.assert_array_equal(np.asarray(conv_all, np.float32), before)
+    with pytest.raises(ValueError, match="conv_out"):
+        call(conv_out=other[:2])
+
+
+def test_conv_out_lowers_to_triton():
+    conv_all, call = _rows_call(QWEN38_27B, jnp.bfloat16, 14, [1], interpret=False)
+    lowers_for_cuda(lambda c: call(conv_out=c)[1], conv_all)
+
+
+def test_model_decode_with_the_conv_stacks_swapped_is_the_copy_path(monkeypatch):
+    """NINFER_GDN_CONV_WRITE=swap: the tiny model's decode step (one row without a token)
+    reading the cache's conv stack and writing a second one in place gives the same logits
+    and cache, bit for bit, as the default path (a copy into the stack a layer), with no
+    dynamic-update-slice of the conv stack left; an unknown setting is an error."""
+    from engine import model as M
+
+    cfg, params, cache, step = _tiny_model_after_prefill(8)
+    lengths = jnp.asarray([1, 0], jnp.int32)
+
+    def run():
+        jax.clear_caches()  # the setting is read while tracing
+        return M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), lengths=lengths,
+                         kernels="pallas")
+
+    def hlo():
+        return jax.jit(lambda c: M.forward(params, cfg, step, c, lengths=lengths,
+                                           kernels="pallas")).lower(cache).as_text()
+
+    # the copy: one layer's state [1, B, conv_dim, W - 1] into the stack flattened to
+    # [layers, B, conv_dim, W - 1] (the interpreter's own updates write other shapes)
+    c = cache.conv.shape
+    flat = "tensor<" + "x".join(str(d) for d in (int(np.prod(c[:-3])), *c[-3:]))
+    one = "tensor<" + "x".join(str(d) for d in (1, *c[-3:]))
+
+    def conv_updates(text):
+        return sum("dynamic_update_slice" in line and flat in line and one in line
+                   for line in text.splitlines())
+
+    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "copy")
+    want = run()
+    assert conv_updates(hlo()) >= 1
+    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "swap")
+    got = run()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert conv_updates(hlo()) == 0
+    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "swapped")
+    with pytest.raises(ValueError, match="NINFER_GDN_CONV_WRITE"):
+        run()
+
+
+@pytest.mark.gpu
+def test_conv_state_into_a_second_stack_on_gpu_27b_heads():
+    assert on_gpu()
+    conv_all, call = _rows_call(QWEN38_27B, jnp.bfloat16, 15, [1, 0], interpret=None)
+    _, conv_l, _, _ = call()
+    _, stack, _, _ = call(conv_out=jnp.zeros_like(conv_all))
+    np.testing.assert_array_equal(np.asarray(stack[1, 0], np.float32),
+                                  np.asarray(conv_l, np.float32))

@@ -12,7 +12,9 @@ Decode only (T == 1): the reference for any T is `engine.layers.gdn_core`, which
 (same signature and result; `gdn_decode_fused_ref` names it for the tests). The conv state is
 not aliased: the r value-head programs of a key head all read its q/k window, and the first of
 them writes the shifted one, so the new state goes to a fresh buffer (B x conv_dim x (W - 1),
-a few hundred KB). The recurrent state is aliased: each program owns its head.
+a few hundred KB), or into a second stack of every layer's states at the layer's index
+(`conv_out`, NINFER_GDN_CONV_WRITE=swap). The recurrent state is aliased: each program owns
+its head.
 
 The kernel (`gdn_decode_fused_rows`) takes the layer's input projections as the one GEMV launch
 writes them, side by side in one row, and its parameters and states as [L, ...] stacks read at
@@ -43,9 +45,13 @@ def _silu(x):
 
 
 def _kernel(idx_ref, len_ref, proj_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref, s_ref,
-            o_ref, cso_ref, so_ref, *, r, dk, dv, key_dim, width, eps, scale, z_at, b_at, a_at,
-            split):
+            *rest, r, dk, dv, key_dim, width, eps, scale, z_at, b_at, a_at, split, conv_out):
+    if conv_out:  # the new conv state into the layer's slot of another stack (aliased)
+        _, o_ref, cso_ref, so_ref = rest
+    else:
+        o_ref, cso_ref, so_ref = rest
     at = (idx_ref[0],)  # the layer's index in the stacks [L, ...] of states and parameters
+    co = at if conv_out else ()
     b, h = pl.program_id(0), pl.program_id(1)
     # split > 1: program (b, h, c) owns columns [c dvs, (c + 1) dvs) of the head's state and
     # output (the other work of the head, a few hundred values, is done by each of them)
@@ -66,7 +72,7 @@ def _kernel(idx_ref, len_ref, proj_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref
         def write():
             shifted = win[1:] + [x]
             for i in range(width - 1):
-                cso_ref[b, cols, i] = jnp.where(valid, shifted[i], win[i]).astype(
+                cso_ref[(*co, b, cols, i)] = jnp.where(valid, shifted[i], win[i]).astype(
                     cso_ref.dtype)
         return _silu(y), write
 
@@ -166,6 +172,21 @@ DEFAULT_SPLIT = 2
 DEFAULT_WARPS = 4
 
 
+def conv_write_setting() -> str:
+    """How the in-place decode path stores a layer's new conv state (NINFER_GDN_CONV_WRITE):
+    "copy" (default) the kernel writes it to a buffer of its own and XLA copies that into the
+    cache's stack (a dynamic-update-slice kernel a GDN layer, 48 a 27B step, v28d); "swap"
+    the step reads the stack it was given and each layer's kernel writes into a second stack
+    in place (aliased), which becomes the cache's: one fill a step in place of the copies
+    (the key heads' windows are shared by their value heads' programs, so the stack read
+    cannot be the stack written). Off until measured on the GPU. An unknown name is an
+    error."""
+    setting = os.environ.get("NINFER_GDN_CONV_WRITE", "copy")
+    if setting not in ("copy", "swap"):
+        raise ValueError(f"NINFER_GDN_CONV_WRITE must be copy or swap, got {setting!r}")
+    return setting
+
+
 def split_setting() -> int:
     """Programs a value head's state is split over by its Dv columns: NINFER_GDN_FUSED_SPLIT
     (1: one program a head, the output norm inside; 2, the default, 4, ...: the norm in XLA
@@ -187,7 +208,7 @@ def warps_setting() -> int:
 def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths,
                           out_dtype, *, interpret: bool | None = None,
                           num_warps: int | None = None, split: int | None = None,
-                          sums: bool = False):
+                          sums: bool = False, conv_out=None):
     """The kernel itself: proj [B, 1, conv_dim + Hv Dv + 2 Hv], the layer's input projections
     as one GEMV gives them (qkv, z, b, a side by side: no slices), `params` the KERNEL_PARAMS
     stacked [*L, ...] as the states are (the model's weight stacks), read at `layer` like the
@@ -196,11 +217,17 @@ def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, lay
     default (read here, outside the jit cache); it must divide Dv. sums: also return the
     output's group sums for out_proj's GEMV, the gated norm (split > 1) and the sums then one
     kernel (`norm_sums.gated_norm_sums`); None where split is 1 or Dv is not a power of two
-    times 64. Returns (out, conv state, rec_all, sums or None)."""
+    times 64. conv_out: a stack shaped like conv_all that the new conv state is written into
+    at `layer`, in place (aliased; `conv_write_setting`): then the conv state returned is that
+    stack, else this layer's new state alone. Returns (out, conv state, rec_all, sums or
+    None)."""
     split = split_setting() if split is None else int(split)
     dv = cfg.linear_value_head_dim
     sums = bool(sums) and split > 1 and dv % 64 == 0 and dv & (dv - 1) == 0
-    return _rows(params, cfg, proj, conv_all, rec_all, layer, lengths, out_dtype,
+    if conv_out is not None and conv_out.shape != conv_all.shape:
+        raise ValueError(f"conv_out {conv_out.shape} must be shaped as conv_all "
+                         f"{conv_all.shape}")
+    return _rows(params, cfg, proj, conv_all, rec_all, layer, lengths, out_dtype, conv_out,
                  interpret=resolve_interpret(interpret),
                  num_warps=warps_setting() if num_warps is None else int(num_warps),
                  split=split, sums=sums)
@@ -208,8 +235,8 @@ def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, lay
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "num_warps",
                                              "split", "sums"))
-def _rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths, out_dtype, *,
-          interpret: bool, num_warps: int, split: int, sums: bool = False):
+def _rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths, out_dtype,
+          conv_out=None, *, interpret: bool, num_warps: int, split: int, sums: bool = False):
     bsz, t, width_in = proj.shape
     if t != 1:
         raise ValueError(f"gdn_decode_fused takes one step (T == 1), got T = {t}")
@@ -226,23 +253,31 @@ def _rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths, out
     kern = functools.partial(_kernel, r=hv // hk, dk=dk, dv=dv, key_dim=cfg.key_dim,
                              width=width, eps=cfg.rms_norm_eps, scale=dk ** -0.5,
                              z_at=conv_dim, b_at=conv_dim + hv * dv,
-                             a_at=conv_dim + hv * dv + hv, split=split)
+                             a_at=conv_dim + hv * dv + hv, split=split,
+                             conv_out=conv_out is not None)
     conv_flat = conv_all.reshape(n, *conv_all.shape[-3:])
     rec_flat = rec_all.reshape(n, *rec_all.shape[-4:])
     flat = {k: params[k].reshape(-1, *params[k].shape[-(2 if k == "conv1d" else 1):])
             for k in KERNEL_PARAMS}
+    ins = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths.astype(jnp.int32),
+           proj[:, 0], flat["conv1d"], conv_flat, flat["A_log"], flat["dt_bias"], flat["norm"],
+           rec_flat]
+    conv_shape = conv_flat.shape[1:]
+    aliases = {8: 2}
+    if conv_out is not None:  # written in place at the layer: no copy into the stack after
+        ins.append(conv_out.reshape(conv_flat.shape))
+        conv_shape, aliases = conv_flat.shape, {8: 2, 9: 1}
     out, conv_state, rec_flat = pl.pallas_call(
         kern, grid=(bsz, hv) if split == 1 else (bsz, hv, split),
         out_shape=(jax.ShapeDtypeStruct((bsz, hv * dv), out_dtype if split == 1 else
                                         jnp.float32),
-                   jax.ShapeDtypeStruct(conv_flat.shape[1:], conv_all.dtype),
+                   jax.ShapeDtypeStruct(conv_shape, conv_all.dtype),
                    jax.ShapeDtypeStruct(rec_flat.shape, jnp.float32)),
-        input_output_aliases={8: 2}, interpret=interpret,
+        input_output_aliases=aliases, interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, 1),
-        name="gdn_decode_fused")(
-            jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths.astype(jnp.int32),
-            proj[:, 0], flat["conv1d"], conv_flat, flat["A_log"], flat["dt_bias"],
-            flat["norm"], rec_flat)
+        name="gdn_decode_fused")(*ins)
+    if conv_out is not None:
+        conv_state = conv_state.reshape(conv_out.shape)
     out = out.reshape(bsz, 1, hv, dv)
     rec_flat = rec_flat.reshape(rec_all.shape)
     if sums:  # the gated norm and out_proj's group sums in one kernel
