@@ -155,17 +155,20 @@ def write_pool(pool: KVPool, table, layer, positions, valid, slot_offset, k, v):
     return KVPool(k_data, v_data, k_scale, v_scale), slots
 
 
-def _decode_attend(pool: KVPool, table, layer, q, slots, valid, slot_offset, gate=None):
+def _decode_attend(pool: KVPool, table, layer, q, slots, valid, slot_offset, gate=None,
+                   heads=None):
     """A decode step's attention (T = 1) by the paged-decode kernel. A row without a token
     this step (idle in a wider engine) sees its first slot only: its output is dropped, and it
     would otherwise read its whole stored context (at 128K, ~8.6 GB over the 27B's 16
     attention layers: ~1.5 ms a step, H200 v26d). gate: (gate_src, gate_at, gate_stride) for
-    `paged_decode.paged_attend_gated` (the gated output and its group sums)."""
+    `paged_decode.paged_attend_gated` (the gated output and its group sums), with q already
+    the kernel's tile holding `heads` heads where heads is given."""
     from engine.kernels.paged_decode import paged_attend, paged_attend_gated
 
     last = jnp.where(valid[:, 0], slots[:, 0], slot_offset)
     if gate is not None:
-        return paged_attend_gated(pool, table, layer, q, last, *gate, slot_offset)
+        return paged_attend_gated(pool, table, layer, q, last, *gate, slot_offset,
+                                  heads=heads)
     return paged_attend(pool, table, layer, q, last, slot_offset)
 
 
@@ -212,12 +215,16 @@ def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg:
     pool, table, off0 = kv
     (qw, qi), (kw, ki) = [(w.w, w.index) if isinstance(w, Stacked) else (w, None)
                           for w in (qn, kn)]
+    from engine.kernels.paged_decode import TILE_ROWS
+
+    # gated: q written as the paged kernel tiles it (no pad between the two kernels)
+    padded = gated and cfg.num_heads // cfg.num_kv_heads <= TILE_ROWS
     q, pool = attn_prep(cfg, qkv, qw, kw, pool, table, positions, valid, layer, off0,
-                        qn_index=qi, kn_index=ki)
+                        qn_index=qi, kn_index=ki, pad=TILE_ROWS if padded else 0)
     hd = cfg.head_dim
     gate = (qkv[:, 0], hd, 2 * hd) if gated else None
-    return (_decode_attend(pool, table, layer, q, positions + off0, valid, off0, gate),
-            kv._replace(pool=pool))
+    return (_decode_attend(pool, table, layer, q, positions + off0, valid, off0, gate,
+                           cfg.num_heads if padded else None), kv._replace(pool=pool))
 
 
 BLOCK_PAGES = 16  # pages per step of `attend_blocks` (1024 slots at P = 64)

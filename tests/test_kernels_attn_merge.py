@@ -179,3 +179,22 @@ def test_gated_attend_gpu_27b_heads(kv_dtype):
                                512)
     for a, b in zip(alone, (y, sums)):
         assert np.array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
+
+
+def test_gated_attend_takes_q_already_tiled():
+    """heads=: q as the paged kernel's [B, kvh, 16, hd] tile (the prep kernel's pad) gives
+    the plain call's bits; a q of another shape is an error."""
+    rng = np.random.default_rng()
+    pool, table, q, last = _paged_case(rng, "bfloat16", 2, pages=48, page=16, kvh=2, hd=128,
+                                       nh=6, mp=12)
+    gsrc = _gsrc(rng, q)
+    tile = jnp.pad(q[:, 0].reshape(2, 2, 3, 128), ((0, 0), (0, 0), (0, 13), (0, 0)))
+    plain = paged_attend_gated(pool, table, jnp.int32(1), q, last, gsrc, 128, 256,
+                               interpret=True, programs=8)
+    tiled = paged_attend_gated(pool, table, jnp.int32(1), tile, last, gsrc, 128, 256,
+                               heads=6, interpret=True, programs=8)
+    for a, b in zip(plain, tiled):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="padded q"):
+        paged_attend_gated(pool, table, jnp.int32(1), tile[:, :, :8], last, gsrc, 128, 256,
+                           heads=6, interpret=True)

@@ -158,3 +158,29 @@ def test_attn_prep_switch_defaults_to_the_gpu(monkeypatch):
     assert not attn_prep.enabled()
     monkeypatch.setenv("NINFER_ATTN_PREP", "1")
     assert attn_prep.enabled()
+
+
+def test_attn_prep_writes_q_as_the_paged_kernel_tiles_it():
+    """pad=16: q as [B, kvh, 16, hd], each group's heads then zero rows, bit for bit the
+    plain q; the same pool; a pad short of a group's heads is an error; it lowers."""
+    cfg = TEST_SMALL
+    rng = np.random.default_rng()
+    qkv, qn, kn, pool, table, positions = _case(rng, cfg)
+    valid = jnp.asarray([[True], [False]])
+    args = (cfg, qkv, qn[0], kn[1], pool, table, positions, valid, jnp.int32(1))
+    q, p1 = A.attn_prep(*args)
+    qp, p2 = A.attn_prep(*args, pad=16)
+    b, kvh, r, hd = 2, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    assert qp.shape == (b, kvh, 16, hd)
+    want = np.zeros((b, kvh, 16, hd), np.float32)
+    want[:, :, :r] = np.asarray(q, np.float32).reshape(b, kvh, r, hd)
+    np.testing.assert_array_equal(np.asarray(qp, np.float32), want)
+    for a, c in ((p1.k, p2.k), (p1.v, p2.v)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+    with pytest.raises(ValueError, match="pad"):
+        A.attn_prep(*args, pad=1)
+    big = QWEN38_27B
+    qkv, qn, kn, pool, table, positions = _case(rng, big, pages=4, page=64, layers=2)
+    lowers_for_cuda(lambda q, a, c, p, t, s: A.attn_prep(
+        big, q, a, c, p, t, s, jnp.ones((2, 1), bool), jnp.int32(1), 0, interpret=False,
+        pad=16), qkv, qn[0], kn[0], pool, table, positions)

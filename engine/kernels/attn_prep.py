@@ -71,7 +71,8 @@ def prep_ref(cfg, qkv, qn, kn, pool, table, positions, valid, layer, slot_offset
 
 
 def _kernel(at_ref, pos_ref, ok_ref, tab_ref, inv_ref, x_ref, qn_ref, kn_ref, kp_ref, vp_ref,
-            q_ref, ko_ref, vo_ref, *, nh, kvh, rows, half, eps, mp, n, page_size, offset):
+            q_ref, ko_ref, vo_ref, *, nh, kvh, rows, half, eps, mp, n, page_size, offset,
+            pad):
     del kp_ref, vp_ref  # aliased to ko_ref / vo_ref
     b, h = pl.program_id(0), pl.program_id(1)
     layer, qi, ki = at_ref[0], at_ref[1], at_ref[2]
@@ -97,10 +98,22 @@ def _kernel(at_ref, pos_ref, ok_ref, tab_ref, inv_ref, x_ref, qn_ref, kn_ref, kp
         y = jnp.where(rid == 0, r0 * cos - r1 * sin, jnp.where(rid == 1, r1 * cos + r0 * sin, y))
         return y
 
+    r = nh // kvh
+
     @pl.when(h < nh)
     def _():
         w = qn_ref[qi, :, :].astype(jnp.float32)
-        q_ref[b, h, :, :] = norm_rope(head(h * 2 * hd), w).astype(q_ref.dtype)
+        y = norm_rope(head(h * 2 * hd), w).astype(q_ref.dtype)
+        if pad:  # q as the paged kernel tiles it: [kvh, pad rows, ...], head h = g r + i
+            q_ref[b, h // r, h % r, :, :] = y
+        else:
+            q_ref[b, h, :, :] = y
+
+    if pad:  # the K programs zero their group's rows past its r heads (whatever the slot)
+        @pl.when((h >= nh) & (h < nh + kvh))
+        def _():
+            for i in range(r, pad):
+                q_ref[b, h - nh, i, :, :] = jnp.zeros((rows, half), q_ref.dtype)
 
     @pl.when((h >= nh) & (h < nh + kvh) & ok)
     def _():
@@ -118,22 +131,28 @@ def _kernel(at_ref, pos_ref, ok_ref, tab_ref, inv_ref, x_ref, qn_ref, kn_ref, kp
 
 def attn_prep(cfg, qkv, qn, kn, pool, table, positions, valid, layer, slot_offset: int = 0,
               qn_index=None, kn_index=None, *, interpret: bool | None = None,
-              num_warps: int = 2):
+              num_warps: int = 2, pad: int = 0):
     """`prep_ref` as one kernel. qn/kn: [hd], or stacks [*d, hd] read at qn_index/kn_index
     (int32 [d]); positions [B, 1], valid [B, 1]; layer: the pool's layer index. Returns (q,
-    the pool), the pool's K/V updated in place (aliased)."""
+    the pool), the pool's K/V updated in place (aliased). pad: q as [B, kvh, pad, hd] with
+    zero rows past each group's heads (the paged decode kernel's tile, `paged_decode._ROWS`;
+    XLA's pad then goes), else [B, 1, nh, hd]."""
+    if pad and pad < cfg.num_heads // cfg.num_kv_heads:
+        raise ValueError(f"attn_prep: pad ({pad}) must hold a group's "
+                         f"{cfg.num_heads // cfg.num_kv_heads} heads")
     from engine.kernels.norm_sums import _stack
 
     qs, qi = _stack(qn, qn_index)
     ks, ki = _stack(kn, kn_index)
     at = jnp.concatenate([jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), qi, ki])
     return _prep(cfg, qkv, qs, ks, pool, table, positions, valid, at, slot_offset=int(slot_offset),
-                 interpret=resolve_interpret(interpret), num_warps=num_warps)
+                 interpret=resolve_interpret(interpret), num_warps=num_warps, pad=int(pad))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "slot_offset", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("cfg", "slot_offset", "interpret", "num_warps",
+                                             "pad"))
 def _prep(cfg, qkv, qs, ks, pool, table, positions, valid, at, *, slot_offset, interpret,
-          num_warps):
+          num_warps, pad=0):
     from engine.attention import inv_freq
     from engine.paged_kv import KVPool
 
@@ -148,10 +167,11 @@ def _prep(cfg, qkv, qs, ks, pool, table, positions, valid, at, *, slot_offset, i
     shape6 = (L, n, p, kvh, rows, half)
     kern = functools.partial(_kernel, nh=nh, kvh=kvh, rows=rows, half=half,
                              eps=float(cfg.rms_norm_eps), mp=table.shape[1], n=n, page_size=p,
-                             offset=slot_offset)
+                             offset=slot_offset, pad=pad)
+    q_shape = (b, kvh, pad, rows, half) if pad else (b, nh, rows, half)
     q, kd, vd = pl.pallas_call(
         kern, grid=(b, nh + 2 * kvh),
-        out_shape=(jax.ShapeDtypeStruct((b, nh, rows, half), qkv.dtype),
+        out_shape=(jax.ShapeDtypeStruct(q_shape, qkv.dtype),
                    jax.ShapeDtypeStruct(shape6, pool.k.dtype),
                    jax.ShapeDtypeStruct(shape6, pool.v.dtype)),
         input_output_aliases={8: 1, 9: 2}, interpret=interpret,
@@ -162,5 +182,5 @@ def _prep(cfg, qkv, qs, ks, pool, table, positions, valid, at, *, slot_offset, i
             qkv.reshape(b, width // half, half), qs.reshape(qs.shape[0], rows, half),
             ks.reshape(ks.shape[0], rows, half), pool.k.reshape(shape6),
             pool.v.reshape(shape6))
-    return (q.reshape(b, 1, nh, hd),
+    return (q.reshape(b, kvh, pad, hd) if pad else q.reshape(b, 1, nh, hd),
             KVPool(kd.reshape(pool.k.shape), vd.reshape(pool.v.shape), None, None))

@@ -47,6 +47,7 @@ from engine.kernels import resolve_interpret, triton_params
 from engine.paged_kv import KVPool, _load
 
 _ROWS = 16  # minimum M of a Triton dot: the query-head group is padded to it
+TILE_ROWS = _ROWS  # q's rows a KV head as the kernel takes them (`paged_attend_gated` heads=)
 INT8_CASTS = ("bf16", "f16", "magic")
 
 
@@ -246,7 +247,7 @@ def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0,
 
 
 def paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, gate_at: int,
-                       gate_stride: int, slot_offset: int = 0, *,
+                       gate_stride: int, slot_offset: int = 0, *, heads: int | None = None,
                        interpret: bool | None = None, programs: int | None = None,
                        num_warps: int | None = None, num_stages: int | None = None,
                        fold: bool | None = None, cast: str | None = None,
@@ -254,10 +255,17 @@ def paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, gate_
     """`paged_attend` with the attention layer's tail: the splits merged, the output gated by
     sigmoid of head h's gate at columns [gate_at + h gate_stride, + hd) of gate_src [B, P],
     and the group sums of the result, in one kernel after the paged one
-    (engine/kernels/attn_merge.py). Returns (y [B, 1, heads hd] in q.dtype, sums [B, 1,
-    heads hd / 64] fp32)."""
+    (engine/kernels/attn_merge.py). heads: q is already the kernel's tile [B, kvh,
+    TILE_ROWS, hd] holding this many heads (the prep kernel's `pad`), else q is [B, 1, nh,
+    hd]. Returns (y [B, 1, heads hd] in q.dtype, sums [B, 1, heads hd / 64] fp32)."""
+    if heads is not None and (q.ndim != 4 or q.shape[1] != pool.k.shape[3]
+                              or q.shape[2] != _ROWS or heads % q.shape[1]
+                              or heads // q.shape[1] > _ROWS):
+        raise ValueError(f"paged_attend_gated: a padded q must be [B, kvh {pool.k.shape[3]}, "
+                         f"{_ROWS}, hd] holding {heads} heads, got {q.shape}")
     return _paged_attend_gated(pool, table, layer, q, last_slot, gate_src, slot_offset,
                                gate_at=int(gate_at), gate_stride=int(gate_stride),
+                               heads=None if heads is None else int(heads),
                                interpret=interpret, **_settings(pool, programs, num_warps,
                                                                 num_stages, fold, cast, unroll))
 
@@ -284,15 +292,18 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
     return out[:, :, :r].reshape(b, 1, nh, hd).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("gate_at", "gate_stride"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("gate_at", "gate_stride", "heads"))
 def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot_offset: int,
-                        *, gate_at: int, gate_stride: int, interpret: bool | None,
-                        programs: int, num_warps: int, num_stages: int, fold: bool, cast: str,
-                        unroll: int):
+                        *, gate_at: int, gate_stride: int, heads: int | None,
+                        interpret: bool | None, programs: int, num_warps: int,
+                        num_stages: int, fold: bool, cast: str, unroll: int):
     from engine.kernels.attn_merge import merge_gate_sums
     from engine.kernels.cuda_ops import group_sums
 
-    b, _, nh, hd = q.shape
+    if heads is not None:  # already the kernel's tile
+        b, hd, nh = q.shape[0], q.shape[-1], heads
+    else:
+        b, _, nh, hd = q.shape
     if nh // pool.k.shape[3] > _ROWS:  # the reference's attention, gated as the model gates
         out = paged_attend_ref(pool, table, layer, q, last_slot, slot_offset)
         cols = (gate_at + jnp.arange(nh)[:, None] * gate_stride + jnp.arange(hd)).reshape(-1)
@@ -301,7 +312,7 @@ def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot
         return y[:, None], group_sums(y)[:, None]
     acc, m, l = _partials(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
                           programs=programs, num_warps=num_warps, num_stages=num_stages,
-                          fold=fold, cast=cast, unroll=unroll)
+                          fold=fold, cast=cast, unroll=unroll, padded=heads is not None)
     y, sums = merge_gate_sums(acc, m, l, last_slot, gate_src, heads=nh, page=pool.page_size,
                               max_pages=table.shape[1], gate_at=gate_at,
                               gate_stride=gate_stride, out_dtype=q.dtype, interpret=interpret)
@@ -310,15 +321,19 @@ def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot
 
 def _partials(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
               interpret: bool | None, programs: int, num_warps: int, num_stages: int,
-              fold: bool, cast: str, unroll: int):
+              fold: bool, cast: str, unroll: int, padded: bool = False):
     """The paged kernel's per-split partials (acc [B, S, kvh, 16, hd], m and l [B, S, kvh,
-    16], fp32) for q [B, 1, nh, hd] with nh / kvh <= 16."""
+    16], fp32) for q [B, 1, nh, hd] with nh / kvh <= 16, or (padded) q already the kernel's
+    [B, kvh, 16, hd]."""
     interpret = resolve_interpret(interpret)
-    b, t, nh, hd = q.shape
-    if t != 1:
-        raise ValueError(f"paged_attend decodes one token per row, got T={t}")
     kvh, page, mp = pool.k.shape[3], pool.page_size, table.shape[1]
-    r = nh // kvh
+    if padded:
+        b, hd = q.shape[0], q.shape[-1]
+    else:
+        b, t, nh, hd = q.shape
+        if t != 1:
+            raise ValueError(f"paged_attend decodes one token per row, got T={t}")
+        r = nh // kvh
     splits = _splits(kvh, mp, programs)
     # [B, kvh, 16, hd]: head h = g * r + i (HF repeat_kv order) -> group g, row i.
     quant = pool.k_scale is not None
@@ -328,8 +343,11 @@ def _partials(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
         cdt = jnp.bfloat16
     else:
         cdt = jnp.float32
-    qg = q[:, 0].reshape(b, kvh, r, hd).astype(cdt)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - r), (0, 0)))
+    if padded:
+        qg = q.astype(cdt)
+    else:
+        qg = q[:, 0].reshape(b, kvh, r, hd).astype(cdt)
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - r), (0, 0)))
     kern = functools.partial(_kernel, splits=splits, page=page, hd=hd, max_pages=mp,
                              num_pages=pool.num_pages, slot_offset=slot_offset, quant=quant,
                              scale=hd ** -0.5, fold=fold, cast=cast,
