@@ -125,13 +125,15 @@ def attend(q, keys, vals, visible):
 
 def _prep_decode(cfg: ModelConfig, x, kv):
     """`paged_kv.paged_prep_attend` where a decode step's layer takes it (the paged pool, the
-    kernel's switch and shapes: `attn_prep.takes`), else None."""
-    from engine.kernels import attn_prep
+    kernel's switch and shapes: `attn_prep.takes`), with `gated` set where the attention tail
+    kernel takes the rest (`attn_merge`), else None."""
+    from engine.kernels import attn_merge, attn_prep
     from engine.paged_kv import PagedKV, paged_prep_attend
 
     if (isinstance(kv, PagedKV) and attn_prep.enabled()
             and attn_prep.takes(cfg, kv.pool, x)):
-        return functools.partial(paged_prep_attend, cfg=cfg)
+        return functools.partial(paged_prep_attend, cfg=cfg,
+                                 gated=attn_merge.enabled() and attn_merge.takes(cfg))
     return None
 
 
@@ -150,13 +152,10 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
     if kernels == "pallas" and (fused := _prep_decode(cfg, x, kv)) is not None:
         # the norms, RoPE and the K/V write in one kernel after the projections' one launch
         qkv = linear_multi(x, mats, kernels, concat=True, corr=corr)
-        from engine.kernels import attn_merge
-
-        if attn_merge.enabled() and attn_merge.takes(hd):  # the splits' merge, the gate and o_proj's sums: one kernel
-            (y, sums), kv = fused(kv, layer, qkv, p["q_norm"], p["k_norm"], positions, valid,
-                                  gated=True)
-            return linear(y, p["o_proj"], kernels, corr=sums), kv
         out, kv = fused(kv, layer, qkv, p["q_norm"], p["k_norm"], positions, valid)
+        if fused.keywords["gated"]:  # the splits' merge, the gate, o_proj's sums: one kernel
+            y, sums = out
+            return linear(y, p["o_proj"], kernels, corr=sums), kv
         gate = qkv[..., :nh * 2 * hd].reshape(b, t, nh, 2 * hd)[..., hd:].reshape(b, t, nh * hd)
     else:
         from engine.kernels.stacked import plain

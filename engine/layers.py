@@ -108,17 +108,16 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
         out, conv_l, rec, out_sums = gdn_decode_fused_rows(
             st.params, cfg, proj, st.conv, st.rec, st.layer, lengths, x.dtype,
             sums=norm_fused(x), conv_out=st.conv_out)
+        y = linear(out.reshape(b, t, -1), p["out_proj"], kernels, out_sums)
         if st.conv_out is not None:  # written in place into the step's second stack
-            return (linear(out.reshape(b, t, -1), p["out_proj"], kernels, out_sums),
-                    st._replace(conv_out=conv_l, rec=rec), None)
+            return y, st._replace(conv_out=conv_l, rec=rec), None
         lead = st.conv.shape[:-3]
         # a plain dynamic update (the index is always in range): `.at[].set` drops an
         # out-of-range index, which costs a bounds-check kernel a layer on the GPU (v13 HLO)
         conv = jax.lax.dynamic_update_index_in_dim(
             st.conv.reshape(-1, *st.conv.shape[-3:]), conv_l, st.layer, 0).reshape(
                 *lead, *st.conv.shape[-3:])
-        return (linear(out.reshape(b, t, -1), p["out_proj"], kernels, out_sums),
-                st._replace(conv=conv, rec=rec), None)
+        return y, st._replace(conv=conv, rec=rec), None
     qkv, z, b_in, a_in = linear_multi(x, mats, kernels, corr=corr)
     core = gdn_core
     if kernels == "pallas" and t == 1 and fused_decode_enabled():

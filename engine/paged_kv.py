@@ -208,23 +208,22 @@ def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg:
     `Stacked` views read in place), then the paged decode kernel as `paged_write_attend` runs
     it. Returns (out [B, 1, nh, hd], new PagedKV); gated: ((out gated by the heads' gates in
     qkv [B, 1, nh hd], its group sums [B, 1, nh hd / 64]), new PagedKV), the splits' merge,
-    the gate and the sums in one kernel (engine/kernels/attn_merge.py)."""
+    the gate and the sums in one kernel (engine/kernels/attn_merge.py; `attn_merge.takes`
+    must hold)."""
     from engine.kernels.attn_prep import attn_prep
+    from engine.kernels.paged_decode import TILE_ROWS
     from engine.kernels.stacked import Stacked
 
     pool, table, off0 = kv
     (qw, qi), (kw, ki) = [(w.w, w.index) if isinstance(w, Stacked) else (w, None)
                           for w in (qn, kn)]
-    from engine.kernels.paged_decode import TILE_ROWS
-
     # gated: q written as the paged kernel tiles it (no pad between the two kernels)
-    padded = gated and cfg.num_heads // cfg.num_kv_heads <= TILE_ROWS
     q, pool = attn_prep(cfg, qkv, qw, kw, pool, table, positions, valid, layer, off0,
-                        qn_index=qi, kn_index=ki, pad=TILE_ROWS if padded else 0)
+                        qn_index=qi, kn_index=ki, pad=TILE_ROWS if gated else 0)
     hd = cfg.head_dim
     gate = (qkv[:, 0], hd, 2 * hd) if gated else None
     return (_decode_attend(pool, table, layer, q, positions + off0, valid, off0, gate,
-                           cfg.num_heads if padded else None), kv._replace(pool=pool))
+                           cfg.num_heads if gated else None), kv._replace(pool=pool))
 
 
 BLOCK_PAGES = 16  # pages per step of `attend_blocks` (1024 slots at P = 64)

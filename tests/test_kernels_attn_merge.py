@@ -10,14 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model as M
-from engine import paged_kv as pk
-from engine.config import TEST_SMALL
+from engine.config import QWEN38_27B, TEST_SMALL
 from engine.kernels import attn_merge as AM
 from engine.kernels.cuda_ops import group_sums
-from engine.kernels.paged_decode import _partials, _settings, paged_attend, paged_attend_gated
-from engine.params import random_flat_params, stack_params
-from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
+from engine.kernels.paged_decode import (_partials, _settings, paged_attend,
+                                         paged_attend_gated)
+from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, paged_decode_ab
 from tests.test_kernels_attention import _paged_case
 
 
@@ -128,33 +126,14 @@ def test_model_paged_decode_through_the_merge_matches_the_plain_path(monkeypatch
     """bf16 paged decode steps with kernels="pallas" and the prep kernel: the attention tail
     kernel (NINFER_ATTN_MERGE=1) gives the XLA merge's logits within bf16's bound."""
     monkeypatch.setenv("NINFER_ATTN_PREP", "1")
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
-                          stack_params(random_flat_params(CFG, seed=9), CFG))
-    b = 2
-    rng = np.random.default_rng()
-    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, 8)), jnp.int32)
-    pool = pk.init_kv_pool(CFG, 2 * b, 16, jnp.bfloat16)
-    c0 = M.init_paged_cache(CFG, pool, np.arange(2 * b, dtype=np.int32).reshape(b, 2))
-    _, _, c0 = M.jit_forward()(params, CFG, prompt, c0)
-    outs = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("NINFER_ATTN_MERGE", setting)
-        jax.clear_caches()  # the switch is read while tracing
-        fwd, c, lg = M.jit_forward(), jax.tree.map(jnp.copy, c0), []
-        tok = prompt[:, -1:]
-        for _ in range(2):
-            out, _, c = fwd(params, CFG, tok, c, kernels="pallas")
-            lg.append(out)
-            tok = jnp.argmax(out[:, -1], -1).astype(jnp.int32)[:, None]
-        outs[setting] = jnp.concatenate(lg, 1)
-        text = str(jax.make_jaxpr(lambda c: fwd(params, CFG, prompt[:, -1:], c,
-                                                kernels="pallas"))(c0))
-        assert ("attn_merge" in text) == (setting == "1")
-    assert_close(outs["1"], outs["0"], jnp.bfloat16)
+    outs = paged_decode_ab(monkeypatch, CFG, "NINFER_ATTN_MERGE", "attn_merge")
+    assert_close(outs["1"][0], outs["0"][0], jnp.bfloat16)
 
 
 def test_merge_switch_is_off_by_default(monkeypatch):
-    assert AM.takes(64) and AM.takes(256) and not AM.takes(32) and not AM.takes(192)
+    assert AM.takes(CFG) and AM.takes(QWEN38_27B) and not AM.takes(TEST_SMALL)
+    assert not AM.takes(dataclasses.replace(QWEN38_27B, head_dim=192))
+    assert not AM.takes(dataclasses.replace(QWEN38_27B, num_heads=68))  # 17 a KV head
     monkeypatch.delenv("NINFER_ATTN_MERGE", raising=False)
     assert not AM.enabled()
     monkeypatch.setenv("NINFER_ATTN_MERGE", "1")

@@ -11,12 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model as M
 from engine import paged_kv as pk
 from engine.config import QWEN38_27B, TEST_SMALL
 from engine.kernels import attn_prep as A
-from engine.params import random_flat_params, stack_params
-from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
+from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, paged_decode_ab
 
 
 def _case(rng, cfg, b=2, pages=6, page=16, layers=3, dtype=jnp.bfloat16):
@@ -103,28 +101,7 @@ CFG = dataclasses.replace(TEST_SMALL, name="test-small-prep")
 def test_model_paged_decode_through_attn_prep_matches_the_plain_path(monkeypatch):
     """bf16 paged decode steps with kernels="pallas": the prep kernel (NINFER_ATTN_PREP=1)
     gives the plain path's logits within bf16's bound and writes the same KV pages."""
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
-                          stack_params(random_flat_params(CFG, seed=9), CFG))
-    b = 2
-    rng = np.random.default_rng()
-    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, 8)), jnp.int32)
-    pool = pk.init_kv_pool(CFG, 2 * b, 16, jnp.bfloat16)
-    c0 = M.init_paged_cache(CFG, pool, np.arange(2 * b, dtype=np.int32).reshape(b, 2))
-    _, _, c0 = M.jit_forward()(params, CFG, prompt, c0)
-    outs = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv("NINFER_ATTN_PREP", setting)
-        jax.clear_caches()  # the switch is read while tracing
-        fwd, c, lg = M.jit_forward(), jax.tree.map(jnp.copy, c0), []
-        tok = prompt[:, -1:]
-        for _ in range(2):
-            out, _, c = fwd(params, CFG, tok, c, kernels="pallas")
-            lg.append(out)
-            tok = jnp.argmax(out[:, -1], -1).astype(jnp.int32)[:, None]
-        outs[setting] = (jnp.concatenate(lg, 1), c)
-        text = str(jax.make_jaxpr(lambda c: fwd(params, CFG, prompt[:, -1:], c,
-                                                kernels="pallas"))(c0))
-        assert ("attn_prep" in text) == (setting == "1")
+    outs = paged_decode_ab(monkeypatch, CFG, "NINFER_ATTN_PREP", "attn_prep")
     assert_close(outs["1"][0], outs["0"][0], jnp.bfloat16)
     assert_close(outs["1"][1].pool.k, outs["0"][1].pool.k, jnp.bfloat16)
     assert_close(outs["1"][1].pool.v, outs["0"][1].pool.v, jnp.bfloat16)

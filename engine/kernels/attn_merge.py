@@ -38,10 +38,15 @@ def enabled() -> bool:
     return os.environ.get("NINFER_ATTN_MERGE", "0") == "1"
 
 
-def takes(head_dim: int) -> bool:
-    """Whether a head's columns split into the kernel's tiles: a power of two, at least one
-    group of 64."""
-    return head_dim % GROUP == 0 and head_dim & (head_dim - 1) == 0
+def takes(cfg) -> bool:
+    """Whether a model's attention layers fit the kernel: a head's columns split into its
+    tiles (a power of two, at least one group of 64) and a KV head's query heads fit the paged
+    kernel's tile (`paged_decode.TILE_ROWS`)."""
+    from engine.kernels.paged_decode import TILE_ROWS
+
+    hd = cfg.head_dim
+    return (hd % GROUP == 0 and hd & (hd - 1) == 0
+            and cfg.num_heads // cfg.num_kv_heads <= TILE_ROWS)
 
 
 def active_splits(last, page: int, splits: int, max_pages: int):

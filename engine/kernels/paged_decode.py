@@ -298,18 +298,11 @@ def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot
                         interpret: bool | None, programs: int, num_warps: int,
                         num_stages: int, fold: bool, cast: str, unroll: int):
     from engine.kernels.attn_merge import merge_gate_sums
-    from engine.kernels.cuda_ops import group_sums
 
-    if heads is not None:  # already the kernel's tile
-        b, hd, nh = q.shape[0], q.shape[-1], heads
-    else:
-        b, _, nh, hd = q.shape
-    if nh // pool.k.shape[3] > _ROWS:  # the reference's attention, gated as the model gates
-        out = paged_attend_ref(pool, table, layer, q, last_slot, slot_offset)
-        cols = (gate_at + jnp.arange(nh)[:, None] * gate_stride + jnp.arange(hd)).reshape(-1)
-        y = out.reshape(b, nh * hd) * jax.nn.sigmoid(
-            gate_src[:, cols].astype(jnp.float32)).astype(q.dtype)
-        return y[:, None], group_sums(y)[:, None]
+    nh = heads if heads is not None else q.shape[2]  # heads: q is already the kernel's tile
+    if nh // pool.k.shape[3] > _ROWS:
+        raise ValueError(f"paged_attend_gated: {nh} heads on {pool.k.shape[3]} KV heads "
+                         f"exceed the kernel's {_ROWS} rows (`attn_merge.takes`)")
     acc, m, l = _partials(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
                           programs=programs, num_warps=num_warps, num_stages=num_stages,
                           fold=fold, cast=cast, unroll=unroll, padded=heads is not None)
