@@ -18,6 +18,9 @@
 #              engine process at ENGINE_CONTEXTS (default 1024,32768,131072)
 #   convswap   the GDN conv state written into a second stack in place
 #              (NINFER_GDN_CONV_WRITE=swap): its GPU tests, greedy C1 == C2 with it
+#   engab      the default settings' GPU tests (ENGAB_TESTS), then engine_27b's C1/C2 of
+#              ENGAB_VARIANTS (default "default") in one process at ENGINE_CONTEXTS (default
+#              1024,32768,131072), ENGAB_REPS reps (default 2)
 #   v29ab      base / merge (NINFER_ATTN_MERGE=1) / swap / both in one engine process at
 #              ENGINE_CONTEXTS (default 1024,32768), after both parts' GPU tests with both on
 #   attnprep   the attention layers' decode prep kernel (NINFER_ATTN_PREP, on since v28): GPU
@@ -332,6 +335,18 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
         NINFER_GDN_CONV_WRITE=swap run 200 "$OUT/convswap_gpu_$TAG.log" python3 -m pytest -q \
           -m gpu -p no:cacheprovider tests/test_kernels_gdn_fused.py tests/test_engine_gpu.py
         tail -n 2 "$OUT/convswap_gpu_$TAG.log" ;;
+      engab)  # the defaults' GPU tests, then named settings in one engine process
+        if [ -n "${ENGAB_TESTS-tests/test_kernels_gdn_fused.py tests/test_engine_gpu.py}" ]; then
+          run 200 "$OUT/engab_gpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+            ${ENGAB_TESTS-tests/test_kernels_gdn_fused.py tests/test_engine_gpu.py}
+          tail -n 2 "$OUT/engab_gpu_$TAG.log"
+        fi
+        run "${ENGAB_LIMIT_S:-420}" "$OUT/engab_engine_$TAG.log" python3 bench/engine_27b.py \
+          --batches 1,2 --contexts "${ENGINE_CONTEXTS:-1024,32768,131072}" --decode-tokens 64 \
+          --reps "${ENGAB_REPS:-2}" --modes 1 --turns "" \
+          --budget-s "$(( ${ENGAB_LIMIT_S:-420} - 30 ))" --out "$OUT/engab_engine_$TAG.json" \
+          --variants "${ENGAB_VARIANTS:-default}"
+        grep -E '^ *[a-z]+ +[0-9]+ +[01] |^prefill' "$OUT/engab_engine_$TAG.log" ;;
       v29ab)  # the two v28 builds' GPU tests with both on, then the four settings in one
         # engine process
         NINFER_GDN_CONV_WRITE=swap NINFER_ATTN_MERGE=1 run 240 "$OUT/v29ab_gpu_$TAG.log" \

@@ -391,6 +391,27 @@ def test_model_decode_with_the_conv_stacks_swapped_is_the_copy_path(monkeypatch)
         run()
 
 
+def test_conv_write_switch_defaults_to_swap_on_the_gpu(monkeypatch):
+    """NINFER_GDN_CONV_WRITE unset or auto: swap where JAX's backend is the GPU, copy
+    elsewhere; copy and swap say so everywhere; anything else is an error."""
+    from engine.kernels import gdn_decode_fused as F
+
+    monkeypatch.delenv("NINFER_GDN_CONV_WRITE", raising=False)
+    assert F.conv_write_setting() == ("swap" if jax.default_backend() == "gpu" else "copy")
+    monkeypatch.setattr(F.jax, "default_backend", lambda: "gpu")
+    assert F.conv_write_setting() == "swap"
+    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "copy")
+    assert F.conv_write_setting() == "copy"
+    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "auto")
+    monkeypatch.setattr(F.jax, "default_backend", lambda: "cpu")
+    assert F.conv_write_setting() == "copy"
+    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "swap")
+    assert F.conv_write_setting() == "swap"
+    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "")
+    with pytest.raises(ValueError, match="auto, copy or swap"):
+        F.conv_write_setting()
+
+
 @pytest.mark.gpu
 def test_conv_state_into_a_second_stack_on_gpu_27b_heads():
     assert on_gpu()
