@@ -11,6 +11,7 @@
 //
 // -DNINFER_PROBE=4 builds every kernel here without its ring refills (see int4_gemv.cu).
 #include "../engine/kernels/cuda/int4_gemv.cu"
+#include "lab_common.cuh"
 
 #include <cooperative_groups.h>
 
@@ -23,23 +24,7 @@
 #include <string>
 #include <vector>
 
-#define CK(...) CK1((__VA_ARGS__))
-#define CK1(e)                                                                 \
-  do {                                                                         \
-    cudaError_t err_ = (e);                                                    \
-    if (err_ != cudaSuccess) {                                                 \
-      fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      exit(1);                                                                 \
-    }                                                                          \
-  } while (0)
-
 namespace lab {
-
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 constexpr int kSlots = 40;  // trace stamps a warp: entry, filled, rounds..., run end, stored
 
@@ -54,21 +39,21 @@ __global__ void __launch_bounds__(W * 32, 32 / W)
   __shared__ float2 red[W][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned long long* mine = tr + (static_cast<int64_t>(blockIdx.x) * W + warp) * kSlots;
-  if (lane == 0) mine[0] = now_ns();
+  if (lane == 0) mine[0] = lab_now_ns();
   const int row0 = blockIdx.x * 16;
   const WideLane<W> in(x, corr, mt, index, k, 1, warp, lane, row0, false);
   WideRing<2> r;
   ring_fill(r, static_cast<const WideTile<W>&>(in));
-  if (lane == 0) mine[1] = now_ns();
+  if (lane == 0) mine[1] = lab_now_ns();
   float tot[2] = {0.0f, 0.0f};
   int slot = 2;
   ring_run_x<2, W, false, full_rounds(W >= 8)>(
       r, in, XRunGlobal<W, false, false>{in.xr, in.has_x}, CorrPairs<W>{in.cr}, tot, [&]() {
-        if (lane == 0 && slot < kSlots - 2) mine[slot++] = now_ns();
+        if (lane == 0 && slot < kSlots - 2) mine[slot++] = lab_now_ns();
       });
-  if (lane == 0) mine[kSlots - 2] = now_ns();
+  if (lane == 0) mine[kSlots - 2] = lab_now_ns();
   wide_reduce_store<W, __nv_bfloat16>(red, tot, warp, lane, row0, mt.start[mt.count], 1, y);
-  if (lane == 0) mine[kSlots - 1] = now_ns();
+  if (lane == 0) mine[kSlots - 1] = lab_now_ns();
 }
 
 // ---- K split over a cluster of S blocks (candidate for the few-tile calls) ----------------

@@ -18,6 +18,9 @@
 #              engine process at ENGINE_CONTEXTS (default 1024,32768,131072)
 #   convswap   the GDN conv state written into a second stack in place
 #              (NINFER_GDN_CONV_WRITE=swap): its GPU tests, greedy C1 == C2 with it
+#   chain      bench/chain_lab.cu (no JAX): the C1 step's 257 int4 GEMVs as 257 launches against
+#              one persistent kernel with grid barriers (ring / L2 prefetch before them), the
+#              same body; the read ceiling of the same bytes (CHAIN_ARGS)
 #   engab      the default settings' GPU tests (ENGAB_TESTS), then engine_27b's C1/C2 of
 #              ENGAB_VARIANTS (default "default") in one process at ENGINE_CONTEXTS (default
 #              1024,32768,131072), ENGAB_REPS reps (default 2)
@@ -335,6 +338,20 @@ print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
         NINFER_GDN_CONV_WRITE=swap run 200 "$OUT/convswap_gpu_$TAG.log" python3 -m pytest -q \
           -m gpu -p no:cacheprovider tests/test_kernels_gdn_fused.py tests/test_engine_gpu.py
         tail -n 2 "$OUT/convswap_gpu_$TAG.log" ;;
+      chain)  # the step's GEMVs: separate launches against one persistent kernel (v29)
+        NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+        "$NVCC" -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 bench/chain_lab.cu \
+          -o /tmp/chain_lab > "$OUT/chain_build_$TAG.log" 2>&1
+        run 240 "$OUT/chain_$TAG.log" /tmp/chain_lab ${CHAIN_ARGS:-}
+        grep '^{' "$OUT/chain_$TAG.log" > "$OUT/chain_lab_$TAG.jsonl"
+        python3 - "$OUT/chain_lab_$TAG.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    k = r.pop("kind")
+    print(f"{k:8s} " + "  ".join(f"{a}={b}" for a, b in r.items()))
+PY
+        ;;
       engab)  # the defaults' GPU tests, then named settings in one engine process
         if [ -n "${ENGAB_TESTS-tests/test_kernels_gdn_fused.py tests/test_engine_gpu.py}" ]; then
           run 200 "$OUT/engab_gpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -29,7 +29,7 @@ Modules (kernel; reference):
   default, 0 off, 1 also on a CPU); `attn_prep.prep_ref`.
 - `attn_merge`: the attention layer's tail after the paged decode kernel (the splits' merge in
   the row's own order, the output gate, o_proj's group sums) in one kernel, with the prep
-  kernel (NINFER_ATTN_MERGE=1, off until measured); `attn_merge.merge_gate_sums_ref`.
+  kernel (NINFER_ATTN_MERGE=1; off: no faster in the step, v29); `attn_merge.merge_gate_sums_ref`.
 - `stacked`: layer views of stacked weights (and layer norms), so a kernel reads a layer in
   place.
 """

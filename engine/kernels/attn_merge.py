@@ -13,8 +13,8 @@ shape, `paged_decode.merge_default`).
 
 `merge_gate_sums_ref` is the model's ops (`paged_decode._merge`, the gate in
 `attention.attention_mixer`, `cuda_ops.group_sums`). NINFER_ATTN_MERGE=1 sends a decode step's
-attention layers here (with the prep kernel, `attn_prep`); off by default until measured on the
-GPU.
+attention layers here (with the prep kernel, `attn_prep`); off by default: measured on the H200
+within the runs' spread of the default path (v29: C2 +0.8% at 1K, -1.4% at 32K).
 """
 from __future__ import annotations
 
