@@ -1,11 +1,12 @@
 // The C1 decode step's 257 int4 GEMVs (the 27B's shapes, weights from the HBM), one kernel body
-// run two ways: as 257 launches (a CUDA graph, the engine's form) and as ONE persistent kernel
-// that walks the same chain with a grid barrier between GEMVs, with and without the next
-// GEMV's first weights loaded (into registers, and into L2 by a bulk prefetch) before the
-// barrier. The question it answers: how much of the step's GEMV time is the calls' boundaries
-// (launch, ramp, tail), and so what a persistent layer kernel could give the engine, before
-// anyone writes one. Standalone (no JAX, no engine code); built and run on the GPU machine
-// (bench/h200_session.sh part `chain`):
+// run as 257 launches (a CUDA graph, the engine's form) and as ONE persistent kernel that walks
+// the same chain with a grid barrier between GEMVs, with and without the next GEMV's first
+// codes loaded (into registers, and into L2 by a bulk prefetch) before the barrier; 4 or 8
+// steps of codes in flight a warp; and the persistent kernel without its barriers (wrong
+// sums, but the body's own stream: the bound of every form). The question it answers: how
+// much of the step's GEMV time is the calls' boundaries (launch, ramp, tail), and so what a
+// persistent layer kernel could give the engine, before anyone writes one. Standalone (no JAX,
+// no engine code); built and run on the GPU machine (bench/h200_session.sh part `chain`):
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 bench/chain_lab.cu -o chain_lab
 //   ./chain_lab [--reps 10] [--blocks 16] [--l2 8192] > chain_lab.jsonl
@@ -13,11 +14,11 @@
 // The body (not the engine's kernel: its own, simpler, the same in every variant): the codes
 // of a GEMV as [N, K/2] bytes (two 4-bit codes a byte, +8 offset; byte b of a 32-byte group
 // holds k = 64g + b in its low nibble and 64g + 32 + b in its high one) and f32 scales
-// [N, K/64]. The grid's warps split the GEMV's 512-byte steps (32 lanes x 16 bytes, one group
-// pair of a row a lane) evenly, so every warp has the same work (+-1 step) at every shape; a
-// warp keeps kD steps of codes in flight in registers; codes become f16 pairs by a mask and
-// an f16 magic number, multiply x (staged once a CTA in shared memory as f16, in the codes'
-// order) in f16 pairs over one 16-byte load, and that sum, scaled, goes into an f32
+// [N, K/64]. The grid's warps split the GEMV's 512-byte steps (32 lanes x 16 bytes, half a
+// 64-code group a lane) evenly, so every warp has the same work (+-1 step) at every shape; a
+// warp keeps kD (4 or 8) steps of codes in flight in registers; codes become f16 pairs by a
+// mask and an f16 magic number, multiply x (staged once a CTA in shared memory as f16, in the
+// codes' order) in f16 pairs over one 16-byte load, and that sum, scaled, goes into an f32
 // accumulator; a row's partial sums meet by atomicAdd in f32 (order not fixed: the check is a
 // normwise error against a plain f32 reference, not bits). x of GEMV j is GEMV j - 1's output
 // (at k mod its N, clamped to [-4, 4]): a real dependency chain, as in the step.
@@ -41,7 +42,6 @@
 namespace chain {
 
 constexpr int kWarps = 8;   // a CTA
-constexpr int kD = 4;       // steps (512 bytes of codes a warp) in flight a warp
 constexpr int kMaxK = 17408;
 constexpr int kShapes = 7;  // kinds, for the per-shape times
 const char* const kShapeNames[kShapes] = {"in_proj 16480x5120", "out_proj 5120x6144",
@@ -160,6 +160,7 @@ __device__ __forceinline__ Range range_of(const Gemv& g) {
                g.k >> 10};
 }
 
+template <int kD>  // steps (512 bytes of codes a warp) in flight a warp
 struct Ring {
   uint4 c[kD];
   float s[kD];
@@ -167,7 +168,8 @@ struct Ring {
 
 // Step t's codes at w + t * 512 + lane * 16, its scale at s + t * 16 + lane / 2 (a warp's
 // steps are contiguous bytes: rows follow each other).
-__device__ __forceinline__ void fill(const Gemv& g, const Range& r, Ring& ring, int lane) {
+template <int kD>
+__device__ __forceinline__ void fill(const Gemv& g, const Range& r, Ring<kD>& ring, int lane) {
 #pragma unroll
   for (int i = 0; i < kD; ++i)
     if (r.s0 + i < r.s1) {
@@ -176,8 +178,9 @@ __device__ __forceinline__ void fill(const Gemv& g, const Range& r, Ring& ring, 
     }
 }
 
-__device__ __forceinline__ void run(const Gemv& g, const Range& r, Ring& ring, const uint4* xs,
-                                    int lane) {
+template <int kD>
+__device__ __forceinline__ void run(const Gemv& g, const Range& r, Ring<kD>& ring,
+                                    const uint4* xs, int lane) {
   const int npos = g.k >> 5;
   float acc = 0.0f;
   for (int t0 = r.s0; t0 < r.s1; t0 += kD) {
@@ -211,14 +214,15 @@ __device__ __forceinline__ void zero_next(const Gemv& g) {
 // kMode 0: GEMVs [first, first + count) as they come, no barrier (launched one a GEMV: the
 // launch boundary is the barrier); 1: persistent, a grid barrier between GEMVs, each GEMV's
 // ring filled after it; 2: the next GEMV's ring filled before the barrier; 3: as 2, and the
-// next GEMV's codes past the ring (l2_bytes a warp) prefetched into L2 before the barrier.
-template <int kMode>
-__global__ void __launch_bounds__(kWarps * 32, 4)  // 64 registers: 4 CTAs, 32 warps an SM
+// next GEMV's codes past the ring (l2_bytes a warp) prefetched into L2 before the barrier;
+// 4: as 2 without the barrier (wrong sums: the body's stream alone, a bound, not a form).
+template <int kMode, int kD>
+__global__ void __launch_bounds__(kWarps * 32, kD >= 8 ? 3 : 4)  // 4 CTAs an SM: 64 registers
     gemv_chain(const Gemv* __restrict__ chain, int first, int count, int total, int l2_bytes,
                unsigned long long* stamps) {
   extern __shared__ uint4 xs[];
   const int lane = threadIdx.x & 31;
-  Ring ring;
+  Ring<kD> ring;
   if (stamps && blockIdx.x == 0 && threadIdx.x == 0) stamps[0] = lab_now_ns();
   Gemv g = chain[first % total];
   Range r = range_of(g);
@@ -237,7 +241,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)  // 64 registers: 4 CTAs, 32 w
       const int64_t bytes = to - from < l2_bytes ? to - from : l2_bytes;
       if (bytes >= 16) prefetch_l2(gn.w + from, static_cast<unsigned>(bytes & ~15ll));
     }
-    if (kMode >= 1) grid_sync();
+    if (kMode >= 1 && kMode <= 3) grid_sync();
     __syncthreads();  // xs is restaged
     if (stamps && blockIdx.x == 0 && threadIdx.x == 0) stamps[j + 1] = lab_now_ns();
     if (kMode < 2) fill(gn, rn, ring, lane);
@@ -245,7 +249,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)  // 64 registers: 4 CTAs, 32 w
     r = rn;
   }
   if (stamps) {
-    if (kMode >= 1) grid_sync();
+    if (kMode >= 1 && kMode <= 3) grid_sync();
     if (blockIdx.x == 0 && threadIdx.x == 0) stamps[count] = lab_now_ns();
   }
 }
@@ -391,28 +395,10 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   const int smem = 2 * kMaxK;  // x as f16, 4 words x K/32 positions x 16 bytes
-  int occ = 0;
-  CK(cudaFuncSetAttribute(gemv_chain<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CK(cudaFuncSetAttribute(gemv_chain<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CK(cudaFuncSetAttribute(gemv_chain<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CK(cudaFuncSetAttribute(gemv_chain<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  {
-    // co-resident CTAs an SM: the least of the four builds (their registers may differ)
-    int o[4];
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o[0], gemv_chain<0>, kWarps * 32, smem));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o[1], gemv_chain<1>, kWarps * 32, smem));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o[2], gemv_chain<2>, kWarps * 32, smem));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o[3], gemv_chain<3>, kWarps * 32, smem));
-    occ = std::min(std::min(o[0], o[1]), std::min(o[2], o[3]));
-  }
-  const int grid = occ * prop.multiProcessorCount;
-  cudaFuncAttributes fa;
-  CK(cudaFuncGetAttributes(&fa, gemv_chain<3>));
-  printf("{\"kind\": \"setup\", \"device\": \"%s\", \"sms\": %d, \"ctas_an_sm\": %d, "
-         "\"grid\": %d, \"warps_a_cta\": %d, \"regs\": %d, \"gemvs\": %d, \"bytes\": %lld, "
-         "\"l2_bytes_a_warp\": %d, \"ring_steps\": %d}\n",
-         prop.name, prop.multiProcessorCount, occ, grid, kWarps, fa.numRegs, total,
-         static_cast<long long>(bytes), l2_bytes, kD);
+  printf("{\"kind\": \"setup\", \"device\": \"%s\", \"sms\": %d, \"warps_a_cta\": %d, "
+         "\"gemvs\": %d, \"bytes\": %lld, \"l2_bytes_a_warp\": %d}\n",
+         prop.name, prop.multiProcessorCount, kWarps, total, static_cast<long long>(bytes),
+         l2_bytes);
   fflush(stdout);
 
   cudaStream_t s;
@@ -464,42 +450,49 @@ int main(int argc, char** argv) {
     fflush(stdout);
   };
 
-  // Separate launches: the chain as a CUDA graph of `total` launches.
-  {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    for (int j = 0; j < total; ++j)
-      gemv_chain<0><<<grid, kWarps * 32, smem, s>>>(dchain, j, 1, total, 0, nullptr);
-    CK(cudaStreamEndCapture(s, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    const double us = timed([&] { CK(cudaGraphLaunch(exec, s)); });
-    printf("{\"kind\": \"time\", \"variant\": \"separate launches\", \"us\": %.1f, "
-           "\"tbps\": %.3f, \"of_ceiling\": %.3f}\n",
-           us, bytes / us / 1e6, ceil_us / us);
-    fflush(stdout);
-    check("separate launches");
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
-  }
-
-  auto persistent = [&](auto kernel, const char* name) {
+  // One form: its kernel, its grid (every CTA resident: as many as its registers and shared
+  // memory let an SM hold), its step time, the check, and for the persistent forms one
+  // stamped run (the time between barriers, by shape).
+  auto form = [&](const void* kernel, const char* name, bool separate, int ring, bool checked) {
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int occ = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kWarps * 32, smem));
+    cudaFuncAttributes fa;
+    CK(cudaFuncGetAttributes(&fa, kernel));
+    const int grid = occ * prop.multiProcessorCount;
     unsigned long long* st = nullptr;
     int first = 0, count = total, tot = total, l2 = l2_bytes;
     void* args[] = {&dchain, &first, &count, &tot, &l2, &st};
-    auto launch = [&] {
-      CK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), grid, kWarps * 32, args,
-                                     smem, s));
-    };
-    const double us = timed(launch);
-    printf("{\"kind\": \"time\", \"variant\": \"%s\", \"us\": %.1f, \"tbps\": %.3f, "
-           "\"of_ceiling\": %.3f}\n",
-           name, us, bytes / us / 1e6, ceil_us / us);
+    double us = 0;
+    if (separate) {  // the chain as a CUDA graph of `total` launches
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      count = 1;
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+      for (int j = 0; j < total; ++j) {
+        first = j;  // the launch copies its arguments
+        CK(cudaLaunchKernel(kernel, grid, kWarps * 32, args, smem, s));
+      }
+      CK(cudaStreamEndCapture(s, &graph));
+      CK(cudaGraphInstantiate(&exec, graph, 0));
+      us = timed([&] { CK(cudaGraphLaunch(exec, s)); });
+      CK(cudaGraphExecDestroy(exec));
+      CK(cudaGraphDestroy(graph));
+      first = 0;
+      count = total;
+    } else {
+      us = timed([&] {
+        CK(cudaLaunchCooperativeKernel(kernel, grid, kWarps * 32, args, smem, s));
+      });
+    }
+    printf("{\"kind\": \"time\", \"variant\": \"%s\", \"ring_steps\": %d, \"grid\": %d, "
+           "\"regs\": %d, \"us\": %.1f, \"tbps\": %.3f, \"of_ceiling\": %.3f}\n",
+           name, ring, grid, fa.numRegs, us, bytes / us / 1e6, ceil_us / us);
     fflush(stdout);
-    check(name);
-    // one stamped run: the time between barriers, by shape
+    if (checked) check(name);
+    if (separate) return;
     st = stamps;
-    launch();
+    CK(cudaLaunchCooperativeKernel(kernel, grid, kWarps * 32, args, smem, s));
     std::vector<unsigned long long> h(total + 1);
     CK(cudaMemcpyAsync(h.data(), stamps, (total + 1) * 8, cudaMemcpyDeviceToHost, s));
     CK(cudaStreamSynchronize(s));
@@ -513,16 +506,26 @@ int main(int argc, char** argv) {
     }
     for (int sh = 0; sh < kShapes; ++sh)
       if (cnt[sh])
-        printf("{\"kind\": \"shape\", \"variant\": \"%s\", \"shape\": \"%s\", \"calls\": %d, "
-               "\"us_a_call\": %.2f, \"tbps\": %.3f}\n",
-               name, kShapeNames[sh], cnt[sh], sum[sh] / cnt[sh],
+        printf("{\"kind\": \"shape\", \"variant\": \"%s\", \"ring_steps\": %d, "
+               "\"shape\": \"%s\", \"calls\": %d, \"us_a_call\": %.2f, \"tbps\": %.3f}\n",
+               name, ring, kShapeNames[sh], cnt[sh], sum[sh] / cnt[sh],
                mb[sh] / (sum[sh] / cnt[sh]));
-    printf("{\"kind\": \"stamped\", \"variant\": \"%s\", \"us\": %.1f}\n", name,
-           (h[total] - h[0]) / 1e3);
+    printf("{\"kind\": \"stamped\", \"variant\": \"%s\", \"ring_steps\": %d, \"us\": %.1f}\n",
+           name, ring, (h[total] - h[0]) / 1e3);
     fflush(stdout);
   };
-  persistent(gemv_chain<1>, "persistent");
-  persistent(gemv_chain<2>, "persistent, ring filled before the barrier");
-  persistent(gemv_chain<3>, "persistent, ring and L2 prefetch before the barrier");
+  const char* sep = "separate launches";
+  const char* per = "persistent";
+  const char* ring = "persistent, ring filled before the barrier";
+  const char* l2 = "persistent, ring and L2 prefetch before the barrier";
+  const char* bound = "persistent, no barrier (the body's stream alone)";
+  form(reinterpret_cast<const void*>(gemv_chain<0, 4>), sep, true, 4, true);
+  form(reinterpret_cast<const void*>(gemv_chain<0, 8>), sep, true, 8, true);
+  form(reinterpret_cast<const void*>(gemv_chain<1, 4>), per, false, 4, true);
+  form(reinterpret_cast<const void*>(gemv_chain<2, 4>), ring, false, 4, true);
+  form(reinterpret_cast<const void*>(gemv_chain<2, 8>), ring, false, 8, true);
+  form(reinterpret_cast<const void*>(gemv_chain<3, 4>), l2, false, 4, true);
+  form(reinterpret_cast<const void*>(gemv_chain<3, 8>), l2, false, 8, true);
+  form(reinterpret_cast<const void*>(gemv_chain<4, 4>), bound, false, 4, false);
   return 0;
 }

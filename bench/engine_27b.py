@@ -167,6 +167,9 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--room", type=int, default=2048, help="context beyond the longest prompt")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv", default="", choices=["", "bfloat16", "float32", "int8"],
+                    help="the KV pool's dtype (default: --dtype; int8: codes and per-row "
+                         "scales, the engine's int8 KV format)")
     ap.add_argument("--turns", default="4,64,500,2000", help="new turns' sizes: the time to "
                     "prefill each, appended to row 0's history at every context")
     ap.add_argument("--budget-s", type=float, default=560.0, help="stop starting parts past it")
@@ -178,6 +181,7 @@ def main() -> None:
     a = ap.parse_args()
     cfg = preset(a.preset)
     dt = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
+    kv = {"": dt, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "int8": jnp.int8}[a.kv]
     contexts = [int(c) for c in a.contexts.split(",") if c]
     modes = [m == "1" for m in a.modes.split(",") if m]
     samplings = [x for x in a.sampling.split(",") if x]
@@ -185,6 +189,7 @@ def main() -> None:
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0]),
            "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
            "model": cfg.name, "weights": f"synthetic {a.weights}", "kernels": a.kernels,
+           "kv_dtype": jnp.dtype(kv).name,
            "runs": []}
     t = time.monotonic()
     params = random_params(cfg, dt, a.weights)
@@ -193,7 +198,7 @@ def main() -> None:
     tok = Tokenizer.qwen35()
     model = LoadedModel(cfg=cfg, params=params, tokenizer=tok, chat_template="",
                         sha256="synthetic", path=Path("synthetic"), compute_dtype=dt,
-                        kv_dtype=dt)
+                        kv_dtype=kv)
     top = min(cfg.vocab_size, tok.vocab_size) - 1000
     rng = np.random.default_rng(5)
 

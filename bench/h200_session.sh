@@ -23,7 +23,8 @@
 #              same body; the read ceiling of the same bytes (CHAIN_ARGS)
 #   engab      the default settings' GPU tests (ENGAB_TESTS), then engine_27b's C1/C2 of
 #              ENGAB_VARIANTS (default "default") in one process at ENGINE_CONTEXTS (default
-#              1024,32768,131072), ENGAB_REPS reps (default 2)
+#              1024,32768,131072), ENGAB_REPS reps (default 2), ENGAB_ARGS more of its
+#              arguments (e.g. --kv int8)
 #   v29ab      base / merge (NINFER_ATTN_MERGE=1) / swap / both in one engine process at
 #              ENGINE_CONTEXTS (default 1024,32768), after both parts' GPU tests with both on
 #   attnprep   the attention layers' decode prep kernel (NINFER_ATTN_PREP, on since v28): GPU
@@ -163,9 +164,13 @@ envab() {  # envab <name> <pytest -k expr> VAR=value: the wide GEMV's GPU tests 
 for part in "${@:-tests gemv decode profile prefill restore}"; do
   for p in $part; do
     case $p in
-      tests)
-        run 480 "$OUT/gpu_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_*.py tests/test_engine_gpu.py
+      tests)  # TESTS_FILES (default every kernel file and the engine's) under TESTS_LIMIT_S
+        # (default 480; v29f ran the Pallas kernels' 41 in ~200 s: split the files over two
+        # calls when the CUDA GEMV's 72 come too)
+        run "${TESTS_LIMIT_S:-480}" "$OUT/gpu_tests_$TAG.log" python3 -m pytest -v -m gpu \
+          -p no:cacheprovider ${TESTS_FILES:-tests/test_kernels_*.py tests/test_engine_gpu.py}
+        grep -cE ' PASSED' "$OUT/gpu_tests_$TAG.log" | sed 's/^/passed: /'
+        grep -E ' (FAILED|ERROR)' "$OUT/gpu_tests_$TAG.log" | head -20
         tail -n 2 "$OUT/gpu_tests_$TAG.log" ;;
       gemv)
         run 150 "$OUT/gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 --rpw 2 \
@@ -362,7 +367,7 @@ PY
           --batches 1,2 --contexts "${ENGINE_CONTEXTS:-1024,32768,131072}" --decode-tokens 64 \
           --reps "${ENGAB_REPS:-2}" --modes 1 --turns "" \
           --budget-s "$(( ${ENGAB_LIMIT_S:-420} - 30 ))" --out "$OUT/engab_engine_$TAG.json" \
-          --variants "${ENGAB_VARIANTS:-default}"
+          --variants "${ENGAB_VARIANTS:-default}" ${ENGAB_ARGS:-}
         grep -E '^ *[a-z]+ +[0-9]+ +[01] |^prefill' "$OUT/engab_engine_$TAG.log" ;;
       v29ab)  # the two v28 builds' GPU tests with both on, then the four settings in one
         # engine process
