@@ -13,8 +13,8 @@ Decode only (T == 1): the reference for any T is `engine.layers.gdn_core`, which
 not aliased: the r value-head programs of a key head all read its q/k window, and the first of
 them writes the shifted one, so the new state goes to a fresh buffer (B x conv_dim x (W - 1),
 a few hundred KB), or into a second stack of every layer's states at the layer's index
-(`conv_out`, NINFER_GDN_CONV_WRITE: swap by default on a GPU, v29). The recurrent state is aliased: each program owns
-its head.
+(`conv_out`, NINFER_GDN_CONV_WRITE: swap by default on a GPU, v29). The recurrent state is
+aliased: each program owns its head.
 
 The kernel (`gdn_decode_fused_rows`) takes the layer's input projections as the one GEMV launch
 writes them, side by side in one row, and its parameters and states as [L, ...] stacks read at
@@ -180,9 +180,9 @@ def conv_write_setting() -> str:
     (aliased), which becomes the cache's: one fill a step in place of the copies (the key
     heads' windows are shared by their value heads' programs, so the stack read cannot be the
     stack written); the second stack is a step's temporary of the conv stack's size (48 x
-    10240 x 3 bf16, 2.9 MiB a row at the 27B). Unset or "auto": swap where JAX's backend is
-    the GPU (v29: C2 +1.5% at 1K and 32K, C1 +3% at 32K through the engine), copy elsewhere
-    (the same bits). An unknown name is an error."""
+    10240 x 3 bf16, 2.8 MiB a row at the 27B). Unset or "auto": swap where JAX's backend is
+    the GPU (v29: C1 +0.9-1.2% at 1K-128K, C2 -0.3 to +2.9%, through the engine), copy
+    elsewhere (the same bits). An unknown name is an error."""
     setting = os.environ.get("NINFER_GDN_CONV_WRITE", "auto")
     if setting == "auto":
         return "swap" if jax.default_backend() == "gpu" else "copy"
