@@ -122,7 +122,7 @@ def test_attn_prep_gpu_27b_heads():
 
 def test_attn_prep_switch_defaults_to_the_gpu(monkeypatch):
     """NINFER_ATTN_PREP unset: on where JAX's backend is the GPU, off elsewhere; 0 and 1 say
-    so everywhere."""
+    so everywhere; anything else is an error."""
     from engine.kernels import attn_prep
 
     monkeypatch.delenv("NINFER_ATTN_PREP", raising=False)
@@ -135,6 +135,9 @@ def test_attn_prep_switch_defaults_to_the_gpu(monkeypatch):
     assert not attn_prep.enabled()
     monkeypatch.setenv("NINFER_ATTN_PREP", "1")
     assert attn_prep.enabled()
+    monkeypatch.setenv("NINFER_ATTN_PREP", "yes")  # not a setting: an error, not "off"
+    with pytest.raises(ValueError, match="NINFER_ATTN_PREP must be auto, 0 or 1"):
+        attn_prep.enabled()
 
 
 def test_attn_prep_writes_q_as_the_paged_kernel_tiles_it():

@@ -35,6 +35,8 @@ Modules (kernel; reference):
 """
 from __future__ import annotations
 
+import os
+
 import jax
 
 KERNEL_CHOICES = ("xla", "pallas")
@@ -51,6 +53,20 @@ def resolve_interpret(interpret: bool | None) -> bool:
     if interpret is None:
         return jax.default_backend() != "gpu"
     return bool(interpret)
+
+
+def gpu_default(var: str, choices: tuple[str, ...], gpu: str, other: str) -> str:
+    """A kernel switch from the environment variable `var`: unset or "auto" -> `gpu` where
+    JAX's backend is the GPU, `other` elsewhere; else one of `choices` (anything else is a
+    ValueError). Read while tracing, so a test that flips it clears JAX's caches."""
+    setting = os.environ.get(var, "auto")
+    if setting == "auto":
+        return gpu if jax.default_backend() == "gpu" else other
+    if setting not in choices:
+        names = ("auto",) + tuple(choices)
+        raise ValueError(f"{var} must be {', '.join(names[:-1])} or {names[-1]}, "
+                         f"got {setting!r}")
+    return setting
 
 
 def triton_params(num_warps: int, num_stages: int):

@@ -18,24 +18,20 @@ shuffles and no masked stores. Reference: `prep_ref` (the model's ops: `rms_norm
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.kernels import resolve_interpret, triton_params
+from engine.kernels import gpu_default, resolve_interpret, triton_params
 
 
 def enabled() -> bool:
     """Whether a decode step's attention layers come here (NINFER_ATTN_PREP): by default on a
     GPU (v28: C1/C2 +1-4% at 1K-128K through the engine); 0 never; 1 also elsewhere (the CPU
-    tests, in the interpreter)."""
-    setting = os.environ.get("NINFER_ATTN_PREP", "auto")
-    if setting == "auto":
-        return jax.default_backend() == "gpu"
-    return setting == "1"
+    tests, in the interpreter); anything else is an error."""
+    return gpu_default("NINFER_ATTN_PREP", ("0", "1"), "1", "0") == "1"
 
 
 def takes(cfg, pool, x) -> bool:

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from engine.config import ModelConfig
-from engine.kernels import resolve_interpret, triton_params
+from engine.kernels import gpu_default, resolve_interpret, triton_params
 from engine.layers import gdn_core
 from engine.norms import gated_rms_norm
 
@@ -183,12 +183,7 @@ def conv_write_setting() -> str:
     10240 x 3 bf16, 2.8 MiB a row at the 27B). Unset or "auto": swap where JAX's backend is
     the GPU (v29: C1 +0.9-1.2% at 1K-128K, C2 -0.3 to +2.9%, through the engine), copy
     elsewhere (the same bits). An unknown name is an error."""
-    setting = os.environ.get("NINFER_GDN_CONV_WRITE", "auto")
-    if setting == "auto":
-        return "swap" if jax.default_backend() == "gpu" else "copy"
-    if setting not in ("copy", "swap"):
-        raise ValueError(f"NINFER_GDN_CONV_WRITE must be auto, copy or swap, got {setting!r}")
-    return setting
+    return gpu_default("NINFER_GDN_CONV_WRITE", ("copy", "swap"), "swap", "copy")
 
 
 def split_setting() -> int:
