@@ -2,14 +2,18 @@
 // run as 257 launches (a CUDA graph, the engine's form) and as ONE persistent kernel that walks
 // the same chain with a grid barrier between GEMVs, with and without the next GEMV's first
 // codes loaded (into registers, and into L2 by a bulk prefetch) before the barrier; 4 or 8
-// steps of codes in flight a warp; and the persistent kernel without its barriers (wrong
-// sums, but the body's own stream: the bound of every form). The question it answers: how
-// much of the step's GEMV time is the calls' boundaries (launch, ramp, tail), and so what a
-// persistent layer kernel could give the engine, before anyone writes one. Standalone (no JAX,
-// no engine code); built and run on the GPU machine (bench/h200_session.sh part `chain`):
+// steps of codes in flight a warp; the persistent kernel without its barriers (wrong sums,
+// but the body's own stream: the bound of every form); and (v31) one CTA an SM whose
+// warps each bulk-copy their first steps of the next GEMV (codes and scales, up to --slice-kb
+// a warp) into shared memory before the barrier, so that those bytes are read while the grid
+// waits, out of the x dependency (with its control: the same grid, no slices). The question
+// it answers: how much of the step's GEMV time is the calls' boundaries (launch, ramp, tail),
+// and so what a persistent layer kernel could give the engine, before anyone writes one.
+// Standalone (no JAX, no engine code); built and run on the GPU machine
+// (bench/h200_session.sh part `chain`):
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 bench/chain_lab.cu -o chain_lab
-//   ./chain_lab [--reps 10] [--blocks 16] [--l2 8192] > chain_lab.jsonl
+//   ./chain_lab [--reps 10] [--blocks 16] [--l2 8192] [--slice-kb 6,12,24] > chain_lab.jsonl
 //
 // The body (not the engine's kernel: its own, simpler, the same in every variant): the codes
 // of a GEMV as [N, K/2] bytes (two 4-bit codes a byte, +8 offset; byte b of a 32-byte group
@@ -178,11 +182,12 @@ __device__ __forceinline__ void fill(const Gemv& g, const Range& r, Ring<kD>& ri
     }
 }
 
+// Steps [r.s0, r.s1) from the ring; `acc` carries a row's partial sum from steps before r.s0
+// (the shared-memory slice's, mode 5). A row's sum goes out at its last step or at r.s1.
 template <int kD>
 __device__ __forceinline__ void run(const Gemv& g, const Range& r, Ring<kD>& ring,
-                                    const uint4* xs, int lane) {
+                                    const uint4* xs, int lane, float acc = 0.0f) {
   const int npos = g.k >> 5;
-  float acc = 0.0f;
   for (int t0 = r.s0; t0 < r.s1; t0 += kD) {
 #pragma unroll
     for (int i = 0; i < kD; ++i) {
@@ -211,37 +216,128 @@ __device__ __forceinline__ void zero_next(const Gemv& g) {
     g.ynext[i] = 0.0f;
 }
 
+// Mode 5: a warp's first steps of a GEMV copied into its shared-memory slice by the bulk-copy
+// engine (codes, then scales: a warp's steps are contiguous in both), completing on the warp's
+// mbarrier. Issued when the warp is done with the GEMV before, so the copy runs while the grid
+// waits at the barrier: the weights leave the x dependency.
+constexpr int kStepBytes = 512 + 64;  // a step's codes and its 16 scales
+constexpr int kXsBytes = 2 * kMaxK;   // x as f16 (the forms' shared memory before the slices)
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void slice_issue(const Gemv& g, const Range& r, int steps,
+                                            uint8_t* buf, uint64_t* bar) {
+  if (steps <= 0) return;
+  const uint32_t cb = 512u * steps, sb = 64u * steps;
+  // the warp's reads of its slice (the GEMV before) come before the copy engine's writes
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               ::"r"(smem_addr(bar)), "r"(cb + sb) : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_addr(buf)), "l"(g.w + static_cast<int64_t>(r.s0) * 512), "r"(cb),
+      "r"(smem_addr(bar)) : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_addr(buf + cb)), "l"(g.s + static_cast<int64_t>(r.s0) * 16), "r"(sb),
+      "r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void slice_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+        " selp.u32 %0, 1, 0, p; }"
+        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// Steps [r.s0, r.s0 + steps) from the slice; returns the open row's partial sum.
+__device__ __forceinline__ float run_slice(const Gemv& g, const Range& r, int steps,
+                                           const uint8_t* buf, const uint4* xs, int lane) {
+  const int npos = g.k >> 5;
+  const uint4* codes = reinterpret_cast<const uint4*>(buf);
+  const float* scales = reinterpret_cast<const float*>(buf + 512 * steps);
+  float acc = 0.0f;
+  for (int i = 0; i < steps; ++i) {
+    const int t = r.s0 + i;
+    const int row = t / r.per_row;
+    const int pos = (t - row * r.per_row) * 32 + lane;
+    acc += dot16(codes[i * 32 + lane], scales[i * 16 + (lane >> 1)], xs, pos, npos);
+    if (t + 1 == r.s1 || (t + 1) % r.per_row == 0) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (lane == 0) atomicAdd(g.y + row, acc);
+      acc = 0.0f;
+    }
+  }
+  return acc;
+}
+
 // kMode 0: GEMVs [first, first + count) as they come, no barrier (launched one a GEMV: the
 // launch boundary is the barrier); 1: persistent, a grid barrier between GEMVs, each GEMV's
 // ring filled after it; 2: the next GEMV's ring filled before the barrier; 3: as 2, and the
 // next GEMV's codes past the ring (l2_bytes a warp) prefetched into L2 before the barrier;
-// 4: as 2 without the barrier (wrong sums: the body's stream alone, a bound, not a form).
+// 4: as 2 without the barrier (wrong sums: the body's stream alone, a bound, not a form);
+// 5: as 2, and each warp's first steps of the next GEMV (up to l2_bytes of codes and scales a
+// warp) bulk-copied into its shared-memory slice before the barrier, the ring after them (one
+// CTA an SM, all of its shared memory; l2_bytes 0: the same grid without slices).
 template <int kMode, int kD>
-__global__ void __launch_bounds__(kWarps * 32, kD >= 8 ? 3 : 4)  // 4 CTAs an SM: 64 registers
+__global__ void __launch_bounds__(kWarps * 32, kMode == 5 ? 1 : kD >= 8 ? 3 : 4)
     gemv_chain(const Gemv* __restrict__ chain, int first, int count, int total, int l2_bytes,
                unsigned long long* stamps) {
   extern __shared__ uint4 xs[];
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint8_t* const base = reinterpret_cast<uint8_t*>(xs);
+  uint64_t* const bar = reinterpret_cast<uint64_t*>(base + kXsBytes) + warp;
+  uint8_t* const buf = base + kXsBytes + 8 * kWarps + warp * l2_bytes;
+  const int max_steps = kMode == 5 ? l2_bytes / kStepBytes : 0;
+  uint32_t parity = 0;
+  if (kMode == 5) {
+    if (lane == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)));
+    __syncthreads();
+  }
   Ring<kD> ring;
   if (stamps && blockIdx.x == 0 && threadIdx.x == 0) stamps[0] = lab_now_ns();
   Gemv g = chain[first % total];
   Range r = range_of(g);
-  fill(g, r, ring, lane);
+  int sl = min(max_steps, r.s1 - r.s0);  // the slice's steps of this GEMV
+  if (kMode == 5 && lane == 0) slice_issue(g, r, sl, buf, bar);
+  fill(g, Range{r.s0 + sl, r.s1, r.per_row}, ring, lane);
   for (int j = 0; j < count; ++j) {
     zero_next(g);
     stage_x(g, xs);
-    run(g, r, ring, xs, lane);
+    if (kMode == 5) {
+      float acc = 0.0f;
+      if (sl > 0) {
+        slice_wait(bar, parity);
+        parity ^= 1;
+        acc = run_slice(g, r, sl, buf, xs, lane);
+      }
+      run(g, Range{r.s0 + sl, r.s1, r.per_row}, ring, xs, lane, acc);
+    } else {
+      run(g, r, ring, xs, lane);
+    }
     if (j + 1 == count) break;
     const Gemv gn = chain[(first + j + 1) % total];
     const Range rn = range_of(gn);
-    if (kMode >= 2) fill(gn, rn, ring, lane);
+    if (kMode == 5) {
+      sl = min(max_steps, rn.s1 - rn.s0);
+      __syncwarp();  // every lane is done reading the slice
+      if (lane == 0) slice_issue(gn, rn, sl, buf, bar);
+      fill(gn, Range{rn.s0 + sl, rn.s1, rn.per_row}, ring, lane);
+    } else if (kMode >= 2) {
+      fill(gn, rn, ring, lane);
+    }
     if (kMode == 3 && lane == 0) {
       const int64_t from = static_cast<int64_t>(rn.s0 + kD) * 512;
       const int64_t to = static_cast<int64_t>(rn.s1) * 512;
       const int64_t bytes = to - from < l2_bytes ? to - from : l2_bytes;
       if (bytes >= 16) prefetch_l2(gn.w + from, static_cast<unsigned>(bytes & ~15ll));
     }
-    if (kMode >= 1 && kMode <= 3) grid_sync();
+    if ((kMode >= 1 && kMode <= 3) || kMode == 5) grid_sync();
     __syncthreads();  // xs is restaged
     if (stamps && blockIdx.x == 0 && threadIdx.x == 0) stamps[j + 1] = lab_now_ns();
     if (kMode < 2) fill(gn, rn, ring, lane);
@@ -249,7 +345,7 @@ __global__ void __launch_bounds__(kWarps * 32, kD >= 8 ? 3 : 4)  // 4 CTAs an SM
     r = rn;
   }
   if (stamps) {
-    if (kMode >= 1 && kMode <= 3) grid_sync();
+    if ((kMode >= 1 && kMode <= 3) || kMode == 5) grid_sync();
     if (blockIdx.x == 0 && threadIdx.x == 0) stamps[count] = lab_now_ns();
   }
 }
@@ -325,12 +421,30 @@ struct Layer {
 int main(int argc, char** argv) {
   using namespace chain;
   int reps = 10, blocks = 16, l2_bytes = 8192;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
+  std::vector<int> slice_kbs;  // mode 5's slices to run, KB a warp (none given: the largest)
+  bool bad = false;
+  for (int i = 1; i < argc; i += 2) {
+    if (i + 1 == argc) bad = true;  // a flag without its value
+    else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--blocks")) blocks = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--l2")) l2_bytes = atoi(argv[i + 1]);
-    else {
-      fprintf(stderr, "usage: %s [--reps N] [--blocks B (of 4 layers)] [--l2 BYTES]\n", argv[0]);
+    else if (!strcmp(argv[i], "--slice-kb")) {
+      for (const char* p = argv[i + 1]; *p && !bad;) {
+        char* end;
+        const long v = strtol(p, &end, 10);
+        bad = end == p || v < 0 || v > 1024 || (*end && *end != ',');
+        slice_kbs.push_back(static_cast<int>(v));
+        p = *end ? end + 1 : end;
+      }
+    } else {
+      bad = true;
+    }
+    if (bad) {
+      fprintf(stderr,
+              "usage: %s [--reps N] [--blocks B (of 4 layers)] [--l2 BYTES] "
+              "[--slice-kb KB[,KB...] (a warp's shared-memory slices to run, mode 5; default "
+              "the largest)]\n",
+              argv[0]);
       return 2;
     }
   }
@@ -394,7 +508,12 @@ int main(int argc, char** argv) {
 
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  const int smem = 2 * kMaxK;  // x as f16, 4 words x K/32 positions x 16 bytes
+  const int smem = kXsBytes;  // x as f16, 4 words x K/32 positions x 16 bytes
+  // mode 5: x, a mbarrier a warp, and each warp's slice, whole steps, in an SM's shared memory
+  const int slice_max =
+      (static_cast<int>(prop.sharedMemPerBlockOptin) - kXsBytes - 8 * kWarps) / kWarps /
+      kStepBytes * kStepBytes;
+  const int slice_smem = kXsBytes + 8 * kWarps + kWarps * slice_max;  // every slice's grid
   printf("{\"kind\": \"setup\", \"device\": \"%s\", \"sms\": %d, \"warps_a_cta\": %d, "
          "\"gemvs\": %d, \"bytes\": %lld, \"l2_bytes_a_warp\": %d}\n",
          prop.name, prop.multiProcessorCount, kWarps, total, static_cast<long long>(bytes),
@@ -453,15 +572,19 @@ int main(int argc, char** argv) {
   // One form: its kernel, its grid (every CTA resident: as many as its registers and shared
   // memory let an SM hold), its step time, the check, and for the persistent forms one
   // stamped run (the time between barriers, by shape).
-  auto form = [&](const void* kernel, const char* name, bool separate, int ring, bool checked) {
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // slice_bytes >= 0: mode 5's shared-memory slice a warp (the kernel's l2_bytes argument), its
+  // CTA given all of an SM's shared memory.
+  auto form = [&](const void* kernel, const char* name, bool separate, int ring, bool checked,
+                  int slice_bytes = -1) {
+    const int fsmem = slice_bytes < 0 ? smem : slice_smem;
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, fsmem));
     int occ = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kWarps * 32, smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kWarps * 32, fsmem));
     cudaFuncAttributes fa;
     CK(cudaFuncGetAttributes(&fa, kernel));
     const int grid = occ * prop.multiProcessorCount;
     unsigned long long* st = nullptr;
-    int first = 0, count = total, tot = total, l2 = l2_bytes;
+    int first = 0, count = total, tot = total, l2 = slice_bytes < 0 ? l2_bytes : slice_bytes;
     void* args[] = {&dchain, &first, &count, &tot, &l2, &st};
     double us = 0;
     if (separate) {  // the chain as a CUDA graph of `total` launches
@@ -471,7 +594,7 @@ int main(int argc, char** argv) {
       CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
       for (int j = 0; j < total; ++j) {
         first = j;  // the launch copies its arguments
-        CK(cudaLaunchKernel(kernel, grid, kWarps * 32, args, smem, s));
+        CK(cudaLaunchKernel(kernel, grid, kWarps * 32, args, fsmem, s));
       }
       CK(cudaStreamEndCapture(s, &graph));
       CK(cudaGraphInstantiate(&exec, graph, 0));
@@ -482,17 +605,19 @@ int main(int argc, char** argv) {
       count = total;
     } else {
       us = timed([&] {
-        CK(cudaLaunchCooperativeKernel(kernel, grid, kWarps * 32, args, smem, s));
+        CK(cudaLaunchCooperativeKernel(kernel, grid, kWarps * 32, args, fsmem, s));
       });
     }
     printf("{\"kind\": \"time\", \"variant\": \"%s\", \"ring_steps\": %d, \"grid\": %d, "
-           "\"regs\": %d, \"us\": %.1f, \"tbps\": %.3f, \"of_ceiling\": %.3f}\n",
-           name, ring, grid, fa.numRegs, us, bytes / us / 1e6, ceil_us / us);
+           "\"regs\": %d, \"slice_bytes_a_warp\": %d, \"us\": %.1f, \"tbps\": %.3f, "
+           "\"of_ceiling\": %.3f}\n",
+           name, ring, grid, fa.numRegs, slice_bytes < 0 ? 0 : slice_bytes, us,
+           bytes / us / 1e6, ceil_us / us);
     fflush(stdout);
     if (checked) check(name);
     if (separate) return;
     st = stamps;
-    CK(cudaLaunchCooperativeKernel(kernel, grid, kWarps * 32, args, smem, s));
+    CK(cudaLaunchCooperativeKernel(kernel, grid, kWarps * 32, args, fsmem, s));
     std::vector<unsigned long long> h(total + 1);
     CK(cudaMemcpyAsync(h.data(), stamps, (total + 1) * 8, cudaMemcpyDeviceToHost, s));
     CK(cudaStreamSynchronize(s));
@@ -527,5 +652,17 @@ int main(int argc, char** argv) {
   form(reinterpret_cast<const void*>(gemv_chain<3, 4>), l2, false, 4, true);
   form(reinterpret_cast<const void*>(gemv_chain<3, 8>), l2, false, 8, true);
   form(reinterpret_cast<const void*>(gemv_chain<4, 4>), bound, false, 4, false);
+  // one CTA an SM: without slices (the grid's own effect), then with them
+  const char* grid1 = "persistent, one CTA an SM, ring filled before the barrier";
+  form(reinterpret_cast<const void*>(gemv_chain<5, 8>), grid1, false, 8, true, 0);
+  if (slice_kbs.empty()) slice_kbs.push_back(slice_max / 1024);
+  for (const int kb : slice_kbs) {
+    const int sb = std::min(slice_max, kb * 1024 / kStepBytes * kStepBytes);
+    char slices[128];
+    snprintf(slices, sizeof slices,
+             "persistent, one CTA an SM, the next GEMV's first steps in shared memory "
+             "(%d B a warp)", sb);
+    form(reinterpret_cast<const void*>(gemv_chain<5, 8>), slices, false, 8, true, sb);
+  }
   return 0;
 }

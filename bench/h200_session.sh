@@ -19,8 +19,9 @@
 #   convswap   the GDN conv state written into a second stack in place
 #              (NINFER_GDN_CONV_WRITE=swap): its GPU tests, greedy C1 == C2 with it
 #   chain      bench/chain_lab.cu (no JAX): the C1 step's 257 int4 GEMVs as 257 launches against
-#              one persistent kernel with grid barriers (ring / L2 prefetch before them), the
-#              same body; the read ceiling of the same bytes (CHAIN_ARGS)
+#              one persistent kernel with grid barriers (ring / L2 prefetch before them; the
+#              next GEMV's first steps bulk-copied into shared memory before them, v31), the
+#              same body; the read ceiling of the same bytes (CHAIN_ARGS, e.g. --slice-kb 6,12,24)
 #   engab      the default settings' GPU tests (ENGAB_TESTS), then engine_27b's C1/C2 of
 #              ENGAB_VARIANTS (default "default") in one process at ENGINE_CONTEXTS (default
 #              1024,32768,131072), ENGAB_REPS reps (default 2), ENGAB_ARGS more of its

@@ -30,4 +30,8 @@ def test_chain_lab_builds_and_refuses_unknown_arguments(tmp_path):
     bad = subprocess.run([str(out), "--layers", "4"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2
-    assert "usage:" in bad.stderr and "--blocks" in bad.stderr
+    assert "usage:" in bad.stderr and "--blocks" in bad.stderr and "--slice-kb" in bad.stderr
+    # a malformed slice list and a flag without its value are usage errors too
+    for args in (["--slice-kb", "6,x"], ["--slice-kb", "-4"], ["--reps"]):
+        r = subprocess.run([str(out), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "usage:" in r.stderr, (args, r.returncode, r.stderr)
