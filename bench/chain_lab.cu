@@ -182,8 +182,26 @@ __device__ __forceinline__ void fill(const Gemv& g, const Range& r, Ring<kD>& ri
     }
 }
 
+// Step t's codes and scale against x (its row's 16-byte position of this lane).
+__device__ __forceinline__ float dot_step(const Range& r, int t, uint4 c, float scale,
+                                          const uint4* xs, int npos, int lane) {
+  const int row = t / r.per_row;
+  return dot16(c, scale, xs, (t - row * r.per_row) * 32 + lane, npos);
+}
+
+// After step t: at its row's last step, or at r.s1, the warp's sum for the row goes out.
+__device__ __forceinline__ void row_out(const Gemv& g, const Range& r, int t, int lane,
+                                        float& acc) {
+  if (t + 1 == r.s1 || (t + 1) % r.per_row == 0) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) atomicAdd(g.y + t / r.per_row, acc);
+    acc = 0.0f;
+  }
+}
+
 // Steps [r.s0, r.s1) from the ring; `acc` carries a row's partial sum from steps before r.s0
-// (the shared-memory slice's, mode 5). A row's sum goes out at its last step or at r.s1.
+// (the shared-memory slice's, mode 5).
 template <int kD>
 __device__ __forceinline__ void run(const Gemv& g, const Range& r, Ring<kD>& ring,
                                     const uint4* xs, int lane, float acc = 0.0f) {
@@ -193,19 +211,12 @@ __device__ __forceinline__ void run(const Gemv& g, const Range& r, Ring<kD>& rin
     for (int i = 0; i < kD; ++i) {
       const int t = t0 + i;
       if (t < r.s1) {
-        const int row = t / r.per_row;
-        const int pos = (t - row * r.per_row) * 32 + lane;
-        acc += dot16(ring.c[i], ring.s[i], xs, pos, npos);
+        acc += dot_step(r, t, ring.c[i], ring.s[i], xs, npos, lane);
         if (t + kD < r.s1) {
           ring.c[i] = ld_codes(g.w + (static_cast<int64_t>(t + kD) * 32 + lane) * 16);
           ring.s[i] = ld_scale(g.s + static_cast<int64_t>(t + kD) * 16 + (lane >> 1));
         }
-        if (t + 1 == r.s1 || (t + 1) % r.per_row == 0) {
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-          if (lane == 0) atomicAdd(g.y + row, acc);
-          acc = 0.0f;
-        }
+        row_out(g, r, t, lane, acc);
       }
     }
   }
@@ -262,16 +273,9 @@ __device__ __forceinline__ float run_slice(const Gemv& g, const Range& r, int st
   const float* scales = reinterpret_cast<const float*>(buf + 512 * steps);
   float acc = 0.0f;
   for (int i = 0; i < steps; ++i) {
-    const int t = r.s0 + i;
-    const int row = t / r.per_row;
-    const int pos = (t - row * r.per_row) * 32 + lane;
-    acc += dot16(codes[i * 32 + lane], scales[i * 16 + (lane >> 1)], xs, pos, npos);
-    if (t + 1 == r.s1 || (t + 1) % r.per_row == 0) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) atomicAdd(g.y + row, acc);
-      acc = 0.0f;
-    }
+    acc += dot_step(r, r.s0 + i, codes[i * 32 + lane], scales[i * 16 + (lane >> 1)], xs, npos,
+                    lane);
+    row_out(g, r, r.s0 + i, lane, acc);
   }
   return acc;
 }
