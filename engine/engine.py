@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 import secrets
 import queue
 import threading
@@ -25,6 +24,7 @@ import numpy as np
 
 from engine import model as M
 from engine.loader import LoadedModel, worker_threads
+from engine.plan import REFERENCE, KernelPlan, check_plan
 from engine.runtime.memory import Memory
 from engine.runtime.scheduler import (QueueFull, Scheduler, Sequence,  # noqa: F401 (re-export)
                                       SeqStatus, piece_widths)
@@ -123,16 +123,6 @@ def _next_inputs_rows(picked, stops, live, rows):
     return _next_inputs(picked[rows], stops[rows], live[rows])
 
 
-def narrow_decode_enabled() -> bool:
-    """Whether a decode step of fewer rows than the engine has runs over those rows alone
-    (`NINFER_NARROW_DECODE=1`; off by default): in an engine of two rows, one sequence
-    would decode at a one-row engine's rate, not with the other row as padding through every
-    matmul (v25: 117.9 against 130.2 tok/s at 1K). Off until the GPU shows that the greedy
-    tokens of one row stay those of two rows at once (batch invariance of the one-row forward
-    against the two-row one)."""
-    return os.environ.get("NINFER_NARROW_DECODE", "0") == "1"
-
-
 @dataclass
 class _InFlight:
     """A chained decode step on the device whose sampled tokens the host has not read: its
@@ -142,23 +132,14 @@ class _InFlight:
     log_at: int
 
 
-def overlap_enabled() -> bool:
-    """Whether decode steps are chained on the device (NINFER_OVERLAP, default on): the next
-    step is dispatched with the sampled tokens still on the device, before the host reads
-    them, so the host's dispatch and its token work run while the device computes."""
-    return os.environ.get("NINFER_OVERLAP", "1") != "0"
-
-
 class Engine:
     def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int,
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
                  capacity_tokens: int | None = None, state_slots: int = 8,
-                 host_state_bytes: int = 0, before_evict=None, kernels: str = "xla",
-                 overlap: bool | None = None, narrow_decode: bool | None = None):
-        from engine.kernels import check_kernels
-
+                 host_state_bytes: int = 0, before_evict=None, plan: KernelPlan = REFERENCE):
         self.model = model
-        self.kernels = check_kernels(kernels)  # "xla" | "pallas": the forward's implementation
+        # what runs: the forward's implementations and the loop's form (engine/plan.py)
+        self.plan = check_plan(plan)
         self.context_tokens = context_tokens
         self.max_queue = max_queue
         self.sched = Scheduler(max_concurrency=max_concurrency, max_queue=max_queue,
@@ -175,15 +156,14 @@ class Engine:
         fwd = M.jit_forward()
         # Logits only at each row's last valid position: a prefill chunk never builds [T, V].
         def bound(f):  # the forward's call (and its ahead-of-time lowering) for this engine
-            return lambda p, t, c, n: f(p, cfg, t, c, lengths=n, last_only=True,
-                                        kernels=kernels)
+            return lambda p, t, c, n: f(p, cfg, t, c, lengths=n, last_only=True, plan=plan)
         self._jit_fwd, self._lower = bound(fwd), bound(fwd.lower)
         # A prefill piece is one row's: in an engine of more rows it runs over that row alone
         # (`forward_rows`), not with the others as padding through every matmul.
         rows_fwd = M.jit_forward_rows()
 
         def bound_rows(f):
-            return lambda p, t, c, n, r: f(p, cfg, t, c, r, lengths=n, kernels=kernels)
+            return lambda p, t, c, n, r: f(p, cfg, t, c, r, lengths=n, plan=plan)
         self._jit_rows, self._lower_rows = bound_rows(rows_fwd), bound_rows(rows_fwd.lower)
         # (rows, width) -> its compiled forward (compile() fills it): called without jit's
         # dispatch and trace cache, so a width loaded from an ExecStore is never traced; rows
@@ -203,11 +183,14 @@ class Engine:
                           state_slots=state_slots, host_state_bytes=host_state_bytes,
                           before_evict=before_evict)
         self.B = max_concurrency
-        # decode steps of fewer rows over those rows alone (`narrow_decode_enabled`)
-        self._narrow = self.B > 1 and (narrow_decode_enabled() if narrow_decode is None
-                                       else bool(narrow_decode))
-        # chained decode steps: the argument, else NINFER_OVERLAP (`overlap_enabled`)
-        self._overlap = overlap_enabled() if overlap is None else bool(overlap)
+        # decode steps of fewer rows over those rows alone (the plan's narrow_decode: in an
+        # engine of two rows one sequence decodes at a one-row engine's rate, not with the other
+        # row as padding through every matmul)
+        self._narrow = self.B > 1 and plan.narrow_decode
+        # chained decode steps (the plan's chain_decode): the next step is dispatched with the
+        # sampled tokens still on the device, before the host reads them, so the host's
+        # dispatch and its token work run while the device computes
+        self._overlap = plan.chain_decode
         self._next_inputs = jax.jit(_next_inputs)
         self._next_inputs_rows = jax.jit(_next_inputs_rows)
         # the device's stop ids, live rows and (narrow) row ids of the last chained row set: a
@@ -328,18 +311,21 @@ class Engine:
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                               self.model.params)
         cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.mem.cache)
-        from engine.kernels import cuda_ops
+        # a plan with the CUDA ops: build and register their FFI targets first (a compiled or
+        # loaded executable calls them; CudaUnavailable says why not); the library's digest
+        # (source, compiler, arch, flags) is part of the key
+        cuda_lib = None
+        if self.plan.uses_cuda:
+            from engine.kernels import cuda_ops
 
-        # available() builds and registers the FFI targets a loaded executable calls (GPU
-        # only); without them another kernel is traced, so it is part of the key
-        ffi = cuda_ops.available() if store is not None else None
+            cuda_lib = cuda_ops.require(self.plan).name
 
         def leaves(tree):
             flat, treedef = jax.tree.flatten(tree)
             return [str(treedef), [[list(x.shape), str(x.dtype)] for x in flat]]
         call = {"cfg": repr(self.model.cfg), "params": leaves(params), "cache": leaves(cache),
-                "batch": self.B, "kernels": self.kernels, "fn": "forward/last_only",
-                "cuda_ffi": ffi}
+                "batch": self.B, "plan": self.plan.to_dict(), "fn": "forward/last_only",
+                "cuda_lib": cuda_lib}
         runtime = runtime_description() if store is not None else None
         def describe_shape(n, w):
             if n == self.B:  # the key the store has always had for the whole batch's forward

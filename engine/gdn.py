@@ -10,8 +10,6 @@ A step with g = 0 and beta = 0 leaves S unchanged: that is how padding and ragge
 """
 from __future__ import annotations
 
-import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -298,40 +296,22 @@ def l2_normalize(x, eps: float = 1e-6):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-# NINFER_GDN_PREFILL: how kernels="pallas" prefills a GDN layer -> gdn_prefill's `prep` for
-# the chunked kernel (any other value, e.g. "xla", keeps this module's reference rule)
-PREFILL_PREPS = {"hybrid_lean": "xla_lean", "hybrid": "xla", "hybrid_utbf16": "xla_bf16",
-                 "pallas": "pallas"}
-
-
-def prefill_prep() -> str | None:
-    """The chunked kernel's `prep` that NINFER_GDN_PREFILL names (default "hybrid_lean"), or
-    None for the reference rule."""
-    return PREFILL_PREPS.get(os.environ.get("NINFER_GDN_PREFILL", "hybrid_lean"))
-
-
-def select_rule(mode: str, kernels: str, t: int):
+def select_rule(mode: str, plan, t: int):
     """The gated delta rule for a call of T steps: `mode` ("chunk" or "recurrent") names the
-    reference; kernels="pallas" swaps in the Pallas kernels (same signature and result):
-    decode-sized steps (T <= 16) the recurrent one (engine/kernels/gdn_decode.py), longer chunked
-    calls the chunked prefill one (engine/kernels/gdn_prefill.py): XLA prepares every term
-    that does not depend on the carried state (`chunk_intra`) and the kernel's state pass,
-    which keeps a layer's state in registers for the whole scan, is four dots a chunk. A
-    whole 27B prefill of 8K tokens: 0.981 s with this module's chunk rule (v8), 0.839 s with
-    XLA's UT transform alone feeding the kernel, 0.772 s with the lean scan (H200,
-    docs/benchmarks/README.md v9, v11). NINFER_GDN_PREFILL=xla keeps the reference for
-    prefill, =hybrid takes XLA's UT transform alone (`chunk_uw`), =hybrid_utbf16 the same with
-    bf16 operands for its two large products, =pallas the kernel's own UT transform too.
-    Imported lazily: the kernels import this module for their references."""
-    if kernels == "pallas" and t <= 16:
+    reference; the plan (engine/plan.py) swaps in the Pallas kernels (same signature and
+    result): with gdn_decode "pallas" or "fused", decode-sized steps (T <= 16) the recurrent
+    one (engine/kernels/gdn_decode.py); with gdn_prefill "pallas", longer chunked calls the
+    chunked prefill one (engine/kernels/gdn_prefill.py): XLA prepares every term that does
+    not depend on the carried state and the kernel's lean state pass keeps a layer's state in
+    registers for the whole scan (a whole 27B prefill of 8K tokens: 0.981 s with this
+    module's chunk rule, 0.772 s so, H200 docs/benchmarks). Imported lazily: the kernels
+    import this module for their references."""
+    if plan.gdn_decode != "xla" and t <= 16:
         from engine.kernels.gdn_decode import gdn_recurrent
 
         return gdn_recurrent
-    if kernels == "pallas" and mode == "chunk" and prefill_prep() is not None:
+    if plan.gdn_prefill == "pallas" and mode == "chunk":
         from engine.kernels.gdn_prefill import gdn_chunk_bf16_operands
 
         return gdn_chunk_bf16_operands
-    if mode == "chunk" and os.environ.get("NINFER_GDN_CHUNK"):  # an experiment's chunk size
-        return functools.partial(chunk_gated_delta_rule,
-                                 chunk_size=int(os.environ["NINFER_GDN_CHUNK"]))
     return {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}[mode]

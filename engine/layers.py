@@ -3,7 +3,6 @@ residual wrapper shared by GDN and attention layers. Parameters are nested dicts
 canonical names (`linear_attn.in_proj_qkv` -> p["linear_attn"]["in_proj_qkv"])."""
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import jax
@@ -15,20 +14,21 @@ from engine.gdn import (causal_conv1d, chunk_gated_delta_rule, l2_normalize,
                         recurrent_gated_delta_rule, select_rule)
 from engine.norms import gated_rms_norm, rms_norm
 from engine.paged_kv import PagedKV, paged_write_attend
+from engine.plan import REFERENCE, KernelPlan
 from engine.quant import linear, linear_multi
 
 GDN_RULES = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}
 
 
-def mlp(p, x, kernels: str = "xla", corr=None):
+def mlp(p, x, plan: KernelPlan = REFERENCE, corr=None):
     """SwiGLU: down(silu(gate(x)) * up(x)). x: [B, T, H]; corr: x's group sums or None."""
-    gate, up = linear_multi(x, [p["gate_proj"], p["up_proj"]], kernels, corr=corr)
-    return linear(jax.nn.silu(gate) * up, p["down_proj"], kernels)
+    gate, up = linear_multi(x, [p["gate_proj"], p["up_proj"]], plan, corr=corr)
+    return linear(jax.nn.silu(gate) * up, p["down_proj"], plan)
 
 
 def _mlp_stacks(p):
     """((gate, up, down) QTensor stacks, their layer index) where the MLP's weights are
-    `Stacked` views (the decode scans with kernels="pallas"), else None."""
+    `Stacked` views (the scans with block_loop "views"), else None."""
     from engine.kernels.stacked import Stacked
 
     ws = [p["gate_proj"], p["up_proj"], p["down_proj"]]
@@ -37,37 +37,17 @@ def _mlp_stacks(p):
     return tuple(w.w for w in ws), ws[0].index
 
 
-def _mlp_settings() -> dict:
-    """The MLP op's keyword settings from the environment: NINFER_MLP_WARPS ("warps/occupancy",
-    e.g. "8/32"; unset: the op's defaults)."""
-    setting = os.environ.get("NINFER_MLP_WARPS")
-    wp, occ = (None, None) if not setting else (int(a) for a in setting.split("/"))
-    return dict(warps=wp, occupancy=occ)
-
-
-def mlp_residual(p, x, h, kernels: str = "xla", corr=None):
-    """h + mlp(p, x). With kernels "pallas" and a decode step's rows (M <= 4 bf16, int4_g64
-    layer views of stacks) on a GPU where the CUDA op builds: the MLP's two GEMVs, the SwiGLU
-    and the residual in one call of `cuda_ops.int4_mlp` with NINFER_MLP_FUSED `launches`
-    (default 2: two launches chained by programmatic dependent launch, v14f; 1 the
-    persistent kernel; 3 the two in stream order; 0 the separate calls), and
-    NINFER_MLP_WARPS="warps/occupancy" in place of its defaults (`cuda_ops.MLP_DEFAULTS`).
+def mlp_residual(p, x, h, plan: KernelPlan = REFERENCE, corr=None):
+    """h + mlp(p, x). With the plan's mlp "cuda" and a decode step's rows (M <= 4 bf16,
+    int4_g64 layer views of stacks): the MLP's two GEMVs, the SwiGLU and the residual in one
+    call of `cuda_ops.int4_mlp` (two launches chained by programmatic dependent launch).
     corr: x's group sums where the norm before gave them (`norm_in`)."""
-    fused = os.environ.get("NINFER_MLP_FUSED", "2")
-    if kernels == "pallas" and fused in ("1", "2", "3"):
+    if plan.mlp == "cuda":
         from engine.kernels import cuda_ops
 
-        if (st := _mlp_stacks(p)) and cuda_ops.mlp_takes(x, h, *st[0]):
-            return cuda_ops.int4_mlp(x, h, *st[0], st[1], launches=int(fused), corr=corr,
-                                     **_mlp_settings())
-    return h + mlp(p, x, kernels, corr)
-
-
-def _gdn_rule(mode: str, kernels: str, t: int):
-    """The gated delta rule for this call (engine/gdn.py `select_rule`): the references, or
-    with kernels="pallas" the recurrent kernel for decode-sized steps and the chunked prefill
-    kernel for longer chunked calls."""
-    return select_rule(mode, kernels, t)
+        if (st := _mlp_stacks(p)) and cuda_ops.mlp_shape_error(x, h, *st[0]) is None:
+            return cuda_ops.int4_mlp(x, h, *st[0], st[1], corr=corr)
+    return h + mlp(p, x, plan, corr)
 
 
 class StackedStates(NamedTuple):
@@ -75,26 +55,26 @@ class StackedStates(NamedTuple):
     [*L, B, Hv, Dk, Dv]), the flat int32 index of the layer at hand, and the parameters the
     fused decode kernel reads (`gdn_decode_fused.KERNEL_PARAMS`, stacked [*L, ...] like the
     states). Passed as a layer's conv_state (rec_state None) on the in-place decode path
-    (`inplace_decode_enabled`): the fused decode kernel reads the layer's states and
+    (the plan's gdn_decode "fused"): the fused decode kernel reads the layer's states and
     parameters in place and writes its recurrent state back in place, so the scans carry the
-    stacks and slice or copy no state. conv_out (`gdn_decode_fused.conv_write_setting`
-    "swap"): a second stack the kernel writes each layer's new conv state into, in place, while
+    stacks and slice or copy no state. conv_out (the plan's gdn_conv_write "swap"): a second
+    stack the kernel writes each layer's new conv state into, in place, while
     `conv` is only read; the caller takes conv_out as the step's new conv stack."""
     conv: jax.Array
     rec: jax.Array
     layer: jax.Array
     params: dict
-    conv_out: jax.Array | None = None  # NINFER_GDN_CONV_WRITE=swap: the stack written
+    conv_out: jax.Array | None = None  # gdn_conv_write "swap": the stack written
 
 
 def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
-              kernels: str = "xla", corr=None):
+              plan: KernelPlan = REFERENCE, corr=None):
     """Gated DeltaNet token mixer. p: the layer's `linear_attn` params; x: [B, T, H] (normed).
 
     conv_state: [B, conv_dim, W-1]; rec_state: [B, Hv, Dk, Dv] fp32; lengths: [B] int32 valid
     steps per row; valid: [B, T] bool. Invalid steps get g = 0, beta = 0 so the recurrent state
-    skips them. kernels: "xla" (references) or "pallas" (engine/kernels). corr: x's group
-    sums for the projections' GEMV, or None.
+    skips them. plan: the KernelPlan. corr: x's group sums for the projections' GEMV, or
+    None.
     Returns (out [B, T, H], conv_state, rec_state).
     """
     b, t, _ = x.shape
@@ -104,11 +84,11 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
 
         st = conv_state
         # the four projections side by side, as the one GEMV launch writes them
-        proj = linear_multi(x, mats, kernels, concat=True, corr=corr)
+        proj = linear_multi(x, mats, plan, concat=True, corr=corr)
         out, conv_l, rec, out_sums = gdn_decode_fused_rows(
             st.params, cfg, proj, st.conv, st.rec, st.layer, lengths, x.dtype,
-            sums=norm_fused(x), conv_out=st.conv_out)
-        y = linear(out.reshape(b, t, -1), p["out_proj"], kernels, out_sums)
+            sums=norm_fused(x, plan), conv_out=st.conv_out)
+        y = linear(out.reshape(b, t, -1), p["out_proj"], plan, out_sums)
         if st.conv_out is not None:  # written in place into the step's second stack
             return y, st._replace(conv_out=conv_l, rec=rec), None
         lead = st.conv.shape[:-3]
@@ -118,17 +98,14 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
             st.conv.reshape(-1, *st.conv.shape[-3:]), conv_l, st.layer, 0).reshape(
                 *lead, *st.conv.shape[-3:])
         return y, st._replace(conv=conv, rec=rec), None
-    qkv, z, b_in, a_in = linear_multi(x, mats, kernels, corr=corr)
-    core = gdn_core
-    if kernels == "pallas" and t == 1 and fused_decode_enabled():
-        from engine.kernels.gdn_decode_fused import gdn_decode_fused as core
-    out, conv_state, rec_state = core(p, cfg, qkv, z, b_in, a_in, conv_state, rec_state,
-                                      lengths, valid, mode, kernels, x.dtype)
-    return linear(out.reshape(b, t, -1), p["out_proj"], kernels), conv_state, rec_state
+    qkv, z, b_in, a_in = linear_multi(x, mats, plan, corr=corr)
+    out, conv_state, rec_state = gdn_core(p, cfg, qkv, z, b_in, a_in, conv_state, rec_state,
+                                          lengths, valid, mode, plan, x.dtype)
+    return linear(out.reshape(b, t, -1), p["out_proj"], plan), conv_state, rec_state
 
 
 def gdn_core(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths, valid,
-             mode: str, kernels: str, out_dtype):
+             mode: str, plan: KernelPlan, out_dtype):
     """The GDN mixer between its input projections and out_proj: causal conv + SiLU, q/k L2
     norms, the gates, the gated delta rule, the gated output norm. qkv [B, T, conv_dim], z
     [B, T, Hv*Dv], b_in/a_in [B, T, Hv] as the projections give them. Returns (out [B, T, Hv,
@@ -149,7 +126,7 @@ def gdn_core(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, len
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a + p["dt_bias"].astype(jnp.float32))
     g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
-    rule = _gdn_rule(mode, kernels, t)
+    rule = select_rule(mode, plan, t)
     if out_dtype == jnp.bfloat16 and getattr(rule, "bf16_operands", False):
         # The Pallas chunked kernel's dots take bf16 operands with fp32 sums (as FLA's chunked
         # kernels do): fp32 operands make Triton emulate IEEE fp32 dots without tensor cores.
@@ -160,72 +137,55 @@ def gdn_core(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, len
     return out, conv_state, rec_state
 
 
-def fused_decode_enabled() -> bool:
-    """With kernels="pallas", a decode step's `gdn_core` runs as one Pallas kernel
-    (engine/kernels/gdn_decode_fused.py; H200 v7: C1 decode 90.7 -> 96.3 tok/s).
-    NINFER_GDN_FUSED=0 keeps the separate steps."""
-    return os.environ.get("NINFER_GDN_FUSED", "1") != "0"
-
-
-def inplace_decode_enabled() -> bool:
-    """With kernels="pallas" and the fused decode kernel, a decode step's block scans carry
-    the cache's GDN state stacks whole and each layer's kernel updates its recurrent state in
-    place (`StackedStates`), in place of slicing each block's states out and writing them back
-    (H200 v10: C1 1K 97.3 -> 105.5 tok/s, C2 32K 155.3 -> 181.6, docs/benchmarks/README.md).
-    NINFER_GDN_INPLACE=0 keeps the sliced path."""
-    return os.environ.get("NINFER_GDN_INPLACE", "1") != "0"
-
-
-def norm_fused(x) -> bool:
+def norm_fused(x, plan: KernelPlan) -> bool:
     """Whether the decode step's norms go through the fused norm kernels
-    (engine/kernels/norm_sums.py, NINFER_NORM_FUSED): bf16 rows of a decode step (at most
-    `norm_sums.MAX_ROWS`, T == 1) whose GEMVs are the CUDA op's, which take the kernels' group
-    sums. NINFER_NORM_FUSED=force takes the kernels without the CUDA op too (the CPU tests:
-    the GEMVs then make their own sums)."""
-    from engine.kernels import cuda_ops, norm_sums
+    (engine/kernels/norm_sums.py): the plan's norms "fused", and bf16 rows of a decode step
+    (at most `norm_sums.MAX_ROWS`, T == 1). The group sums they give are what the CUDA GEMV
+    takes; the Pallas GEMV makes its own."""
+    from engine.kernels import norm_sums
 
-    return (norm_sums.enabled() and x.dtype == jnp.bfloat16 and x.ndim == 3
+    return (plan.norms == "fused" and x.dtype == jnp.bfloat16 and x.ndim == 3
             and x.shape[1] == 1 and x.shape[0] <= norm_sums.MAX_ROWS
-            and x.shape[-1] % norm_sums.GROUP == 0
-            and (norm_sums.forced() or cuda_ops.available()))
+            and x.shape[-1] % norm_sums.GROUP == 0)
 
 
-def norm_in(x, w, eps: float, kernels: str, h=None):
+def norm_in(x, w, eps: float, plan: KernelPlan, h=None):
     """(s, rms_norm(s, w), its group sums or None) with s = x + h or x: the pre-norm of a
-    mixer or an MLP. With kernels "pallas", a decode step's rows on a GPU (`norm_fused`) and w
-    a layer view, one kernel computes all three (`norm_sums.rms_norm_sums`); otherwise the
-    plain ops, and no sums (each GEMV makes its own)."""
+    mixer or an MLP. With the fused norms (`norm_fused`) and w a layer view, one kernel
+    computes all three (`norm_sums.rms_norm_sums`); otherwise the plain ops, and no sums (each
+    GEMV makes its own)."""
     from engine.kernels import norm_sums
     from engine.kernels.stacked import Stacked, plain
 
-    if kernels == "pallas" and isinstance(w, Stacked) and norm_fused(x):
+    if isinstance(w, Stacked) and norm_fused(x, plan):
         return norm_sums.rms_norm_sums(x, w.w, eps, h, index=w.index)
     s = x if h is None else x + h
     return s, rms_norm(s, plain(w), eps), None
 
 
 def gdn_layer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mode: str,
-              kernels: str = "xla"):
+              plan: KernelPlan = REFERENCE):
     """One GDN decoder layer (pre-norm residual mixer + MLP). x: [B, T, H].
     Returns (x, conv_state, rec_state)."""
     eps = cfg.rms_norm_eps
-    _, xn, corr = norm_in(x, p["input_layernorm"], eps, kernels)
+    _, xn, corr = norm_in(x, p["input_layernorm"], eps, plan)
     h, conv_state, rec_state = gdn_mixer(p["linear_attn"], cfg, xn, conv_state, rec_state,
-                                         lengths, valid, mode, kernels, corr)
-    x, xn, corr = norm_in(x, p["post_attention_layernorm"], eps, kernels, h)
-    x = mlp_residual(p["mlp"], xn, x, kernels, corr)
+                                         lengths, valid, mode, plan, corr)
+    x, xn, corr = norm_in(x, p["post_attention_layernorm"], eps, plan, h)
+    x = mlp_residual(p["mlp"], xn, x, plan, corr)
     return x, conv_state, rec_state
 
 
-def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid, kernels: str = "xla"):
+def attention_layer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
+                    plan: KernelPlan = REFERENCE):
     """One gated-attention decoder layer. x: [B, T, H]; kv: the contiguous (k, v) of
     `attention.kv_write_attend` or a `paged_kv.PagedKV`; layer/positions/valid as there.
     Returns (x, kv) with kv of the same kind."""
     write_attend = paged_write_attend if isinstance(kv, PagedKV) else kv_write_attend
     eps = cfg.rms_norm_eps
-    _, xn, corr = norm_in(x, p["input_layernorm"], eps, kernels)
+    _, xn, corr = norm_in(x, p["input_layernorm"], eps, plan)
     h, kv = attention_mixer(p["self_attn"], cfg, xn, kv, layer, positions, valid, write_attend,
-                            kernels, corr)
-    x, xn, corr = norm_in(x, p["post_attention_layernorm"], eps, kernels, h)
-    x = mlp_residual(p["mlp"], xn, x, kernels, corr)
+                            plan, corr)
+    x, xn, corr = norm_in(x, p["post_attention_layernorm"], eps, plan, h)
+    x = mlp_residual(p["mlp"], xn, x, plan, corr)
     return x, kv

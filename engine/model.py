@@ -17,16 +17,15 @@ from jax import lax
 
 from engine.cache import Cache, PagedCache, init_cache, init_paged_cache  # noqa: F401
 from engine.config import ConfigError, ModelConfig
-from engine.kernels import check_kernels
 from engine.kernels.stacked import flatten_stack, select_layer, sub_layer
-from engine.layers import (GDN_RULES, StackedStates, attention_layer, fused_decode_enabled,
-                           gdn_layer, inplace_decode_enabled)
+from engine.layers import GDN_RULES, StackedStates, attention_layer, gdn_layer
 from engine.norms import rms_norm
 from engine.paged_kv import PagedKV
 from engine.params import ParamError, stack_params  # noqa: F401  (re-exported)
+from engine.plan import REFERENCE, KernelPlan, check_plan
 from engine.quant import embedding_lookup, linear
 
-FORWARD_STATIC = ("cfg", "gdn_mode", "last_only", "unroll", "kernels")
+FORWARD_STATIC = ("cfg", "gdn_mode", "last_only", "unroll", "plan")
 
 
 def _steps(tokens, lengths):
@@ -45,27 +44,26 @@ def _embed(params, tokens):
 
 
 def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, mode,
-                unroll: bool, kernels: str = "xla"):
+                unroll: bool, plan: KernelPlan = REFERENCE):
     """Scan the stacked blocks over x [B, T, H]; returns (x, cache with its attention KV, conv
     and rec updated). unroll=True unrolls both scans (same math, static weight slices, compile
     grows with depth). The carry holds the KV arrays only (the pool, or k and v); the block
     table is constant and closed over."""
     paged = isinstance(cache, PagedCache)
 
-    # kernels="pallas": the scans carry layer indices and the matrices stay stacked, read in
-    # place by the GEMV kernel through `Stacked` views (engine/kernels/stacked.py says why).
-    views = kernels == "pallas"
-    # a decode step with the fused GDN kernel may update the state stacks in place (layers.py)
-    stacked = (views and x.shape[1] == 1 and fused_decode_enabled()
-               and inplace_decode_enabled())
+    # block_loop "views": the scans carry layer indices and the matrices stay stacked, read in
+    # place by the kernels through `Stacked` views (engine/kernels/stacked.py says why).
+    views = plan.block_loop == "views"
+    # a decode step with the fused GDN kernel updates the state stacks in place (layers.py)
+    stacked = views and x.shape[1] == 1 and plan.gdn_decode == "fused"
 
     swap = False
     if stacked:
-        from engine.kernels.gdn_decode_fused import KERNEL_PARAMS, conv_write_setting
+        from engine.kernels.gdn_decode_fused import KERNEL_PARAMS
         gdn_flat = flatten_stack(blocks["gdn"], 2)
         # "swap": the layers read the cache's conv stack and write a second one in place,
         # which the scans carry and the step returns (no copy a layer into the stack)
-        swap = conv_write_setting() == "swap"
+        swap = plan.gdn_conv_write == "swap"
 
     def block(carry, xs):
         x, kv, conv, rec = carry
@@ -78,7 +76,7 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
             if views:
                 lp = sub_layer(p["gdn"], lp)
             x, conv_l, rec_l = gdn_layer(lp, cfg, x, conv_l, rec_l, lengths, valid, mode,
-                                         kernels)
+                                         plan)
             return x, (conv_l, rec_l)
 
         def gdn_stacked(c, j):
@@ -90,7 +88,7 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
                                {k: gdn_flat["linear_attn"][k] for k in KERNEL_PARAMS},
                                conv_out=conv if swap else None)
             x, st, _ = gdn_layer(select_layer(gdn_flat, layer, 1), cfg, x, st, None, lengths,
-                                 valid, mode, kernels)
+                                 valid, mode, plan)
             return (x, st.conv_out if swap else st.conv, st.rec), None
 
         gdn_ids = jnp.arange(cfg.gdn_per_block, dtype=jnp.int32)
@@ -102,10 +100,10 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
             conv, rec = conv.at[i].set(conv_i), rec.at[i].set(rec_i)
         if paged:
             x, layer_kv = attention_layer(p["attn"], cfg, x, PagedKV(kv, cache.block_table), i,
-                                          positions, valid, kernels)
+                                          positions, valid, plan)
             kv = layer_kv.pool
         else:
-            x, kv = attention_layer(p["attn"], cfg, x, kv, i, positions, valid, kernels)
+            x, kv = attention_layer(p["attn"], cfg, x, kv, i, positions, valid, plan)
         return (x, kv, conv, rec), None
 
     kv = cache.pool if paged else (cache.k, cache.v)
@@ -119,17 +117,18 @@ def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, m
     return x, cache._replace(k=kv[0], v=kv[1], conv=conv, rec=rec)
 
 
-def _head(params, cfg: ModelConfig, h, lengths, last_only: bool, kernels: str = "xla"):
+def _head(params, cfg: ModelConfig, h, lengths, last_only: bool,
+          plan: KernelPlan = REFERENCE):
     """Logits fp32 [B, T, V], or [B, 1, V] at each row's last valid step when last_only."""
     if last_only:
         idx = jnp.maximum(lengths - 1, 0)[:, None, None]
         h = jnp.take_along_axis(h, idx, axis=1)
-    return linear(h, params["lm_head"], kernels).astype(jnp.float32)
+    return linear(h, params["lm_head"], plan).astype(jnp.float32)
 
 
 def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
             gdn_mode: str = "chunk", lengths=None, last_only: bool = False,
-            unroll: bool = False, kernels: str = "xla"):
+            unroll: bool = False, plan: KernelPlan = REFERENCE):
     """Process T new tokens per row at each row's cache position (prefill T > 1, decode T = 1).
 
     params: `stack_params` tree; tokens: [B, T] int32; cache: `init_cache(cfg, B, max_len)` or
@@ -138,9 +137,9 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     lengths: optional [B] int32, valid tokens per row (right padding; a row with 0 is untouched).
     last_only: return logits only at each row's last valid token ([B, 1, V]), for long prefills.
     unroll: unroll the block scan (compile time then grows with depth; see engine/bench.py).
-    kernels: "xla" (the plain-jnp references) or "pallas" (engine/kernels: weight-only GEMV,
-    paged/flash attention and recurrent GDN kernels where the shapes fit; the Triton kernels on
-    a GPU, the Pallas interpreter elsewhere).
+    plan: the KernelPlan (engine/plan.py) that picks each part's implementation: the plain-JAX
+    references, Pallas kernels (Triton on a GPU, the Pallas interpreter elsewhere) or the CUDA
+    ops, where the shapes fit.
     Returns (logits fp32 [B, T, V], hidden [B, T, H] after the final norm (the MTP input),
     new cache with pos += lengths). Tokens past max_len (paged: past the block table, or on a
     page id < 0) are silently dropped from the KV cache: the caller must keep pos + T <= max_len
@@ -148,19 +147,19 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     """
     if gdn_mode not in GDN_RULES:
         raise ValueError(f"gdn_mode must be one of {sorted(GDN_RULES)}, got {gdn_mode!r}")
-    check_kernels(kernels)
+    check_plan(plan)
     lengths, valid = _steps(tokens, lengths)
     positions = cache.pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     x = _embed(params, tokens)
     x, cache = _run_blocks(params["blocks"], cfg, x, cache, positions, lengths, valid, gdn_mode,
-                           unroll, kernels)
+                           unroll, plan)
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    logits = _head(params, cfg, hidden, lengths, last_only, kernels)
+    logits = _head(params, cfg, hidden, lengths, last_only, plan)
     return logits, hidden, cache._replace(pos=cache.pos + lengths)
 
 
 def forward_rows(params, cfg: ModelConfig, tokens, cache: PagedCache, rows, *, lengths=None,
-                 kernels: str = "xla"):
+                 plan: KernelPlan = REFERENCE):
     """`forward` (last_only) over a few rows of a batched paged cache: tokens [n, T] for the
     cache rows `rows` [n] int32 (distinct), the other rows left alone and not computed.
 
@@ -175,7 +174,7 @@ def forward_rows(params, cfg: ModelConfig, tokens, cache: PagedCache, rows, *, l
                          rec=cache.rec[:, :, rows], pos=cache.pos[rows],
                          mtp_pos=cache.mtp_pos[rows])
     logits, _, sub = forward(params, cfg, tokens, sub, lengths=lengths, last_only=True,
-                             kernels=kernels)
+                             plan=plan)
     out = jnp.zeros((cache.pos.shape[0],) + logits.shape[1:], logits.dtype).at[rows].set(logits)
     return out, cache._replace(pool=sub.pool, conv=cache.conv.at[:, :, rows].set(sub.conv),
                                rec=cache.rec.at[:, :, rows].set(sub.rec),
@@ -183,8 +182,8 @@ def forward_rows(params, cfg: ModelConfig, tokens, cache: PagedCache, rows, *, l
 
 
 def jit_forward_rows():
-    """forward_rows, jitted with cfg/kernels static and the cache donated."""
-    return jax.jit(forward_rows, static_argnames=("cfg", "kernels"), donate_argnames=("cache",))
+    """forward_rows, jitted with cfg/plan static and the cache donated."""
+    return jax.jit(forward_rows, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
 
 
 def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCache, *,
@@ -227,7 +226,7 @@ def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCa
 
 
 def jit_forward():
-    """forward, jitted with cfg/gdn_mode/last_only/unroll/kernels static and the cache donated."""
+    """forward, jitted with cfg/gdn_mode/last_only/unroll/plan static and the cache donated."""
     return jax.jit(forward, static_argnames=FORWARD_STATIC, donate_argnames=("cache",))
 
 

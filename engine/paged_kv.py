@@ -156,23 +156,24 @@ def write_pool(pool: KVPool, table, layer, positions, valid, slot_offset, k, v):
 
 
 def _decode_attend(pool: KVPool, table, layer, q, slots, valid, slot_offset, gate=None,
-                   heads=None):
+                   heads=None, merge: str = "reduce"):
     """A decode step's attention (T = 1) by the paged-decode kernel. A row without a token
     this step (idle in a wider engine) sees its first slot only: its output is dropped, and it
     would otherwise read its whole stored context (at 128K, ~8.6 GB over the 27B's 16
     attention layers: ~1.5 ms a step, H200 v26d). gate: (gate_src, gate_at, gate_stride) for
     `paged_decode.paged_attend_gated` (the gated output and its group sums), with q already
-    the kernel's tile holding `heads` heads where heads is given."""
+    the kernel's tile holding `heads` heads where heads is given. merge: how the kernel's
+    splits are merged (a plan's paged_merge)."""
     from engine.kernels.paged_decode import paged_attend, paged_attend_gated
 
     last = jnp.where(valid[:, 0], slots[:, 0], slot_offset)
     if gate is not None:
         return paged_attend_gated(pool, table, layer, q, last, *gate, slot_offset,
                                   heads=heads)
-    return paged_attend(pool, table, layer, q, last, slot_offset)
+    return paged_attend(pool, table, layer, q, last, slot_offset, merge=merge)
 
 
-def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: str = "xla"):
+def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, plan=None):
     """The paged replacement of `attention.kv_write_attend` (same signature and result).
 
     kv: PagedKV (pool, table [B, max_pages] int32, slot_offset); layer: int32 scalar index into
@@ -181,17 +182,20 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: s
     i.e. page table[b, s // P], offset s % P (quantized for int8 pools). Invalid steps, slots past
     the table and negative page ids write nothing. The caller (allocator) guarantees every page a
     step writes is owned by that row alone: two rows writing one slot in one step is undefined.
-    Query t sees slots slot_offset..s of its own row. kernels="pallas": a decode step (T = 1)
-    attends with the paged-decode kernel (engine/kernels/paged_decode.py), which reads only the
-    row's pages up to its position; a prefill chunk (T > 1) with the paged-prefill kernel
-    (engine/kernels/paged_prefill.py; shapes it cannot tile keep the gather).
+    Query t sees slots slot_offset..s of its own row. plan (engine/plan.py; None: the
+    reference): with decode_attention "paged" a decode step (T = 1) attends with the
+    paged-decode kernel (engine/kernels/paged_decode.py), which reads only the row's pages up
+    to its position; with prefill_attention "flash" a prefill chunk (T > 1) with the
+    paged-prefill kernel (engine/kernels/paged_prefill.py; shapes it cannot tile keep the
+    gather).
     Returns (out [B, T, heads, head_dim] in q.dtype, new PagedKV).
     """
     pool, table, off0 = kv
     pool, slots = write_pool(pool, table, layer, positions, valid, off0, k, v)
-    if kernels == "pallas" and q.shape[1] == 1:
-        return _decode_attend(pool, table, layer, q, slots, valid, off0), kv._replace(pool=pool)
-    if kernels == "pallas":
+    if plan is not None and plan.decode_attention == "paged" and q.shape[1] == 1:
+        return (_decode_attend(pool, table, layer, q, slots, valid, off0,
+                               merge=plan.paged_merge), kv._replace(pool=pool))
+    if plan is not None and plan.prefill_attention == "flash" and q.shape[1] > 1:
         from engine.kernels import paged_prefill
 
         if paged_prefill.supported(pool, q):
@@ -201,7 +205,7 @@ def paged_write_attend(kv: PagedKV, layer, q, k, v, positions, valid, kernels: s
 
 
 def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg: ModelConfig,
-                      gated: bool = False):
+                      gated: bool = False, merge: str = "reduce"):
     """A decode step's attention from its projections' one output (qkv [B, 1, nh 2 hd + 2 kvh
     hd], as `quant.linear_multi(concat=True)` gives it): the q/k norms, RoPE and this step's
     K/V write in one kernel (engine/kernels/attn_prep.py; qn/kn the norm weights, or their
@@ -209,7 +213,8 @@ def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg:
     it. Returns (out [B, 1, nh, hd], new PagedKV); gated: ((out gated by the heads' gates in
     qkv [B, 1, nh hd], its group sums [B, 1, nh hd / 64]), new PagedKV), the splits' merge,
     the gate and the sums in one kernel (engine/kernels/attn_merge.py; `attn_merge.takes`
-    must hold)."""
+    must hold). merge: the paged kernel's (a plan's paged_merge; the gated tail merges the
+    splits itself)."""
     from engine.kernels.attn_prep import attn_prep
     from engine.kernels.paged_decode import TILE_ROWS
     from engine.kernels.stacked import Stacked
@@ -223,7 +228,8 @@ def paged_prep_attend(kv: PagedKV, layer, qkv, qn, kn, positions, valid, *, cfg:
     hd = cfg.head_dim
     gate = (qkv[:, 0], hd, 2 * hd) if gated else None
     return (_decode_attend(pool, table, layer, q, positions + off0, valid, off0, gate,
-                           cfg.num_heads if gated else None), kv._replace(pool=pool))
+                           cfg.num_heads if gated else None, merge),
+            kv._replace(pool=pool))
 
 
 BLOCK_PAGES = 16  # pages per step of `attend_blocks` (1024 slots at P = 64)

@@ -31,7 +31,6 @@ to the leaves only; `lax.scan` slices them off again, so `linear` sees [out, in]
 from __future__ import annotations
 
 import math
-import os
 
 from dataclasses import dataclass
 
@@ -222,47 +221,48 @@ def dequantize_np(qt: QTensor) -> np.ndarray:
 
 
 # ---- the matmul the model uses ----------------------------------------------------------------
-def linear(x: jax.Array, w, kernels: str = "xla", corr=None) -> jax.Array:
+def linear(x: jax.Array, w, plan=None, corr=None) -> jax.Array:
     """x: [..., in] -> [..., out], with w: [out, in] (a dense array or a QTensor).
 
     A QTensor is dequantized to x.dtype first, then multiplied exactly like a dense weight: this is
-    the reference path that fused low-precision kernels must match. kernels="pallas" sends
-    decode-sized x (at most `qgemv.MAX_ROWS` rows) to the weight-only GEMV kernel
-    (engine/kernels/qgemv.py), which reads the stored format directly, and on a GPU a prefill
-    piece's x (`qgemm.MIN_ROWS` to `qgemm.max_rows()` rows) against int4_g64 weights to the
-    int4 GEMM (engine/kernels/qgemm.py), which does not write a dequantized copy. corr: x's
-    group sums where the caller has them (engine/kernels/norm_sums.py), for the CUDA GEMV.
+    the reference path that fused low-precision kernels must match. plan (engine/plan.py; None:
+    the reference): with gemv "pallas" or "cuda", decode-sized x (at most `qgemv.MAX_ROWS` rows)
+    goes to the weight-only GEMV (engine/kernels/qgemv.py; int4_g64 weights to the CUDA op with
+    "cuda"), which reads the stored format directly; a prefill piece's x of `qgemm.MIN_ROWS` to
+    the plan's int4_gemm_rows rows against int4_g64 weights to the int4 GEMM
+    (engine/kernels/qgemm.py), which does not write a dequantized copy. corr: x's group sums
+    where the caller has them (engine/kernels/norm_sums.py), for the CUDA GEMV.
     """
-    if kernels == "pallas":
+    if plan is not None and plan.gemv != "xla":
         from engine.kernels import qgemm, qgemv
         from engine.kernels.stacked import Stacked
 
         stacked = isinstance(w, Stacked)
         mat, index = (w.w, w.index) if stacked else (w, None)
         lead = int(index.shape[0]) if stacked else 0
-        if (math.prod(x.shape[:-1]) <= qgemm.max_rows() and jax.default_backend() == "gpu"
+        cuda = plan.gemv == "cuda"
+        if (math.prod(x.shape[:-1]) <= plan.int4_gemm_rows
                 and qgemm.takes(x, mat, lead)):  # takes: at least qgemm.MIN_ROWS rows
             return qgemm.int4_matmul(x, mat, index)
         if stacked:  # a layer of a stacked weight (engine/kernels/stacked.py)
             if qgemv.supported(x, w.w, lead):
-                return qgemv.qmatmul(x, w.w, w.index, corr=corr)
+                return qgemv.qmatmul(x, w.w, w.index, corr=corr, cuda=cuda)
             w = w.materialize()
         if qgemv.supported(x, w):
-            return qgemv.qmatmul(x, w, corr=corr)
+            return qgemv.qmatmul(x, w, corr=corr, cuda=cuda)
     if isinstance(w, QTensor):  # code * scale in fp32, rounded once to x's dtype
         w = dequantize(w, x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
 
 
-def linear_multi(x: jax.Array, ws, kernels: str = "xla", concat: bool = False, corr=None):
-    """[linear(x, w, kernels) for w in ws]: a layer's projections of one input. With
-    kernels="pallas" on a GPU, int4_g64 weights (layer views of one stack, or plain QTensors)
-    go to the CUDA GEMV in one launch that prepares x once (engine/kernels/cuda_ops.py
-    `int4_gemv_multi`: the same result per projection as separate calls). concat=True returns
-    the projections side by side in one [..., sum of outs] array instead (from the one launch,
-    no slices). NINFER_INT4_FUSE=off keeps separate calls (benchmarking switch)."""
+def linear_multi(x: jax.Array, ws, plan=None, concat: bool = False, corr=None):
+    """[linear(x, w, plan) for w in ws]: a layer's projections of one input. With the plan's
+    gemv "cuda", int4_g64 weights (layer views of one stack, or plain QTensors) go to the CUDA
+    GEMV in one launch that prepares x once (engine/kernels/cuda_ops.py `int4_gemv_multi`: the
+    same result per projection as separate calls). concat=True returns the projections side by
+    side in one [..., sum of outs] array instead (from the one launch, no slices)."""
     ws = list(ws)
-    if kernels == "pallas" and len(ws) > 1 and os.environ.get("NINFER_INT4_FUSE") != "off":
+    if plan is not None and plan.gemv == "cuda" and len(ws) > 1:
         from engine.kernels import cuda_ops
         from engine.kernels.stacked import Stacked
 
@@ -273,7 +273,7 @@ def linear_multi(x: jax.Array, ws, kernels: str = "xla", concat: bool = False, c
                 x, mats, lead):
             return cuda_ops.int4_gemv_multi(x, mats, ws[0].index if views else None,
                                             concat=concat, corr=corr)
-    outs = [linear(x, w, kernels, corr) for w in ws]
+    outs = [linear(x, w, plan, corr) for w in ws]
     return jnp.concatenate(outs, axis=-1) if concat else outs
 
 

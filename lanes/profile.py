@@ -1,4 +1,13 @@
-"""Lane profiles: one serving profile per device, as typed data with a canonical hash."""
+"""Lane profiles: one serving profile per device, as typed data with a canonical hash.
+
+A profile names its kernel plan (engine/plan.py) in a `[plan]` table: `preset` (default
+"reference") and any plan field to override, e.g.
+
+    [plan]
+    preset = "h200"
+    narrow_decode = true
+
+An unknown preset, field or value is refused when the profile loads, naming the key."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +17,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.plan import REFERENCE, KernelPlan, PlanError, preset, with_overrides
+
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 _DTYPES = {"float32", "bfloat16"}
@@ -15,7 +26,7 @@ _KV_DTYPES = {"float32", "bfloat16", "int8"}
 # Fields a profile TOML may leave out, and their defaults. A field left at its default is also
 # left out of the canonical hash, so adding such a field never changes the hash (or the
 # checkpoint fingerprint) of an existing profile; any other value is hashed.
-OPTIONAL_DEFAULTS = {"kernels": "xla"}
+OPTIONAL_DEFAULTS = {"plan": REFERENCE}
 
 
 class ProfileError(ValueError):
@@ -41,9 +52,8 @@ class LaneProfile:
     host_state_bytes: int
     host: str
     port: int
-    # "xla" (plain-jnp forward) or "pallas" (engine/kernels; the Triton kernels on a GPU, the
-    # Pallas interpreter elsewhere): engine.kernels.KERNEL_CHOICES
-    kernels: str = "xla"
+    # what runs: the kernel plan the profile's [plan] table names (engine/plan.py)
+    plan: KernelPlan = REFERENCE
 
     def __post_init__(self):
         def need(cond, msg):
@@ -67,20 +77,19 @@ class LaneProfile:
         need(self.prefill_chunk & (self.prefill_chunk - 1) == 0,
              "prefill_chunk must be a power of two")
         need(0 < self.port < 65536, "port must be in 1..65535")
-        from engine.kernels import KERNEL_CHOICES
-
-        need(self.kernels in KERNEL_CHOICES,
-             f"kernels must be one of {list(KERNEL_CHOICES)}, got {self.kernels!r}")
+        need(isinstance(self.plan, KernelPlan), "plan must be a KernelPlan")
         need(len(self.model_sha256) == 64 or self.model_sha256 == "PENDING",
              "model_sha256 must be a 64-hex sha256")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["plan"] = self.plan.to_dict()
+        return d
 
     def canonical_hash(self) -> str:
         """sha256 of the profile as canonical JSON; optional fields at their defaults omitted."""
         d = {k: v for k, v in self.to_dict().items()
-             if not (k in OPTIONAL_DEFAULTS and v == OPTIONAL_DEFAULTS[k])}
+             if not (k in OPTIONAL_DEFAULTS and getattr(self, k) == OPTIONAL_DEFAULTS[k])}
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -97,9 +106,31 @@ def load_profile(name_or_path: str) -> LaneProfile:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"{path}: not valid TOML: {e}") from None
+    if "kernels" in data:
+        raise ProfileError(f"{path}: 'kernels' is replaced by the [plan] table (preset = "
+                           f"\"reference\", \"pallas\" or \"h200\", plus fields to override)")
     fields = {f.name for f in dataclasses.fields(LaneProfile)}
     required = fields - set(OPTIONAL_DEFAULTS)
     if not required <= set(data) <= fields:
         raise ProfileError(f"{path}: unknown fields {sorted(set(data) - fields)}, "
                            f"missing fields {sorted(required - set(data))}")
+    if "plan" in data:
+        data["plan"] = plan_from_table(data["plan"], path)
     return LaneProfile(**data)
+
+
+def plan_from_table(table, path) -> KernelPlan:
+    """The KernelPlan of a profile's [plan] table: its `preset` with the other keys as
+    overrides. Errors name the TOML key and the allowed values."""
+    if not isinstance(table, dict):
+        raise ProfileError(f"{path}: 'plan' must be a table ([plan] with preset = ... and "
+                           f"overrides), got {table!r}")
+    table = dict(table)
+    name = table.pop("preset", "reference")
+    try:
+        return with_overrides(preset(name), table, where=f"{path}: [plan]")
+    except PlanError as e:
+        msg = str(e)
+        if "unknown kernel plan preset" in msg:
+            msg = f"{path}: [plan] preset: {msg}"
+        raise ProfileError(msg) from None

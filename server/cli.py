@@ -54,6 +54,7 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
 
     phases = {"boot_s": round(time.monotonic() - t_start, 3)}  # start -> this thread
     try:
+        _check_plan_device(profile)
         from server.artifact_stamps import ArtifactStamps
 
         stamps = ArtifactStamps(args.state_dir)  # a loose key mode fails closed, like the others
@@ -85,7 +86,7 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                         queue_timeout_s=profile.queue_timeout_s,
                         capacity_tokens=profile.kv_capacity_tokens,
                         state_slots=profile.state_slots,
-                        host_state_bytes=profile.host_state_bytes, kernels=profile.kernels)
+                        host_state_bytes=profile.host_state_bytes, plan=profile.plan)
         phases["engine_init_s"] = round(time.monotonic() - t, 3)
         loading.start()
         # Token tables (~1-2 s, mostly Python) on a thread of their own, beside the compile
@@ -122,7 +123,8 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                                model=model.model_id, model_sha256=model.sha256,
                                compile_s=round(compile_s, 3),
                                ready_s=round(time.monotonic() - t_start, 3),
-                               kernels=profile.kernels, startup_phases=phases)
+                               plan=profile.plan.preset_name() or profile.plan.digest()[:16],
+                               startup_phases=phases)
         print(f"ninfer: startup phases: {json.dumps(phases)}", file=sys.stderr, flush=True)
         print(f"ninfer: ready: model {model.model_id} sha256 {model.sha256[:16]}... "
               f"(compile {compile_s:.1f}s, ready {time.monotonic() - t_start:.1f}s after start)",
@@ -133,12 +135,44 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         os._exit(3)
 
 
+def _check_plan_early(profile) -> None:
+    """Before anything starts: the lane's kernel plan's process settings (XLA's flags, which
+    JAX reads when its backend starts) and what can be told without a device: a plan with the
+    CUDA ops needs nvcc. The device itself is checked by the loader (`_check_plan_device`)."""
+    from engine.plan import PlanError, apply_process_settings
+
+    try:
+        apply_process_settings(profile.plan)
+    except PlanError as e:
+        raise SystemExit(f"ninfer: lane {profile.name}: {e}") from None
+    if profile.plan.uses_cuda:
+        from engine.kernels.cuda_ops import _nvcc
+
+        if _nvcc() is None:
+            raise SystemExit(f"ninfer: lane {profile.name}: its kernel plan runs the CUDA ops, "
+                             "and no nvcc was found (NVCC, PATH, /usr/local/cuda/bin/nvcc)")
+
+
+def _check_plan_device(profile) -> None:
+    """The lane's kernel plan against this machine's JAX backend: a plan it cannot run is
+    refused (never served by other kernels)."""
+    import jax
+
+    from engine.plan import machine_problems
+
+    problems = machine_problems(profile.plan, jax.default_backend())
+    if problems:
+        raise RuntimeError(f"lane {profile.name}: its kernel plan cannot run here: "
+                           + "; ".join(problems))
+
+
 def cmd_serve(args) -> int:
     t_start = time.monotonic()
     from lanes.profile import load_profile
     from server.auth import KeyFileError, ReloadingKeyRing, ensure_key_file
 
     profile = load_profile(args.lane)
+    _check_plan_early(profile)
     host = args.host or profile.host
     port = profile.port if args.port is None else args.port
     args.state_dir = Path(args.state_dir or default_state_dir())

@@ -13,6 +13,17 @@ from server.request_model import json_body, parse_response_request
 ENGINE_VERSION = "0.1.0"
 
 
+def _plan_report(plan) -> dict:
+    """The engine's effective kernel plan: its preset (or null for a variant), digest and
+    fields, and the CUDA ops' library where the plan runs them."""
+    out = plan.describe()
+    if plan.uses_cuda:
+        from engine.kernels.cuda_ops import library_digest
+
+        out["cuda_library"] = library_digest(plan)
+    return out
+
+
 def register(app: Sanic, rt) -> None:
     ckpt_http.register(app, rt)
 
@@ -32,6 +43,7 @@ def register(app: Sanic, rt) -> None:
                 "context_tokens": profile.context_tokens,
                 "max_concurrency": profile.max_concurrency,
                 "prefill_chunk": profile.prefill_chunk},
+            "plan": _plan_report(rt.engine.plan),
             "memory": rt.engine.mem.stats(),
         }
         return response.json(body)

@@ -267,14 +267,9 @@ def test_paged_decode_gpu_27b_heads(kv_dtype, cast, batch, merge, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("library", [False, True])
-def test_flash_prefill_gpu_27b_heads(library):
+def test_flash_prefill_gpu_27b_heads():
     """The flash kernel at the 27B's heads (head dim 256, 24 query heads on 4 KV heads) after
-    a 512-token prefix and from slot 0; with `library`, `from_start_attend` on cuDNN (a
-    prompt's first chunk on cuDNN's fused attention, the chunk after a prefix still on the
-    flash kernel)."""
-    from engine.kernels.flash_prefill import from_start_attend
-
+    a 512-token prefix and from slot 0."""
     assert on_gpu()
     rng = np.random.default_rng()
     L, B, S, T = 1, 1, 2048, 1024
@@ -283,58 +278,6 @@ def test_flash_prefill_gpu_27b_heads(library):
     q = jnp.asarray(rng.standard_normal((B, T, 24, 256)), jnp.bfloat16)
     for start in (512, 0):
         pos = jnp.arange(T, dtype=jnp.int32)[None] + start
-        got = (from_start_attend(kc, vc, jnp.int32(0), q, pos, implementation="cudnn")
-               if library else flash_attend(kc, vc, jnp.int32(0), q, pos))
+        got = flash_attend(kc, vc, jnp.int32(0), q, pos)
         assert_close(got, flash_attend_ref(kc, vc, jnp.int32(0), q.astype(jnp.float32), pos),
                      jnp.bfloat16)
-
-
-@pytest.mark.parametrize("start", [0, 37])
-def test_from_start_attend_matches_reference(start):
-    """NINFER_PREFILL_ATTN: a chunk whose rows start at slot 0 goes to
-    `jax.nn.dot_product_attention` (here its XLA implementation; cuDNN on the GPU), any other
-    to the flash kernel; both against the reference, GQA (6 query heads on 2 KV heads)."""
-    from engine.kernels.flash_prefill import from_start_attend
-
-    rng = np.random.default_rng(start)
-    L, B, S, kvh, hd, nh, T = 2, 2, 128, 2, 32, 6, 32
-    kc = jnp.asarray(rng.standard_normal((L, B, S, kvh, hd)), jnp.float32)
-    vc = jnp.asarray(rng.standard_normal((L, B, S, kvh, hd)), jnp.float32)
-    q = jnp.asarray(rng.standard_normal((B, T, nh, hd)), jnp.float32)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None] + start, (B, T))
-    got = from_start_attend(kc, vc, jnp.int32(1), q, pos, implementation="xla")
-    assert_close(got, flash_attend_ref(kc, vc, jnp.int32(1), q, pos), jnp.float32)
-    if start == 0:  # slots past the chunk (stale, here random) are not read
-        poisoned = kc.at[:, :, T:].set(jnp.nan)
-        again = from_start_attend(poisoned, vc, jnp.int32(1), q, pos, implementation="xla")
-        np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
-
-
-# slow tier: a setting off by default (v13); the kernel-level test of it stays in the default tier
-@pytest.mark.slow
-def test_model_prefill_with_library_attention_matches(monkeypatch):
-    """The tiny model's prefill over the contiguous cache with NINFER_PREFILL_ATTN=xla against
-    the reference path, and the setting read by `library_setting`."""
-    from engine import model as M
-    from engine.config import preset
-    from engine.kernels.flash_prefill import library_setting
-    from engine.params import random_flat_params, stack_params
-
-    cfg = preset("tiny")
-    params = stack_params(random_flat_params(cfg, seed=3), cfg)
-    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (1, 32)), jnp.int32)
-
-    def conds():  # the library call sits in a cond beside the flash kernel
-        return str(jax.make_jaxpr(lambda c: M.forward(params, cfg, toks, c, kernels="pallas"))(
-            M.init_cache(cfg, 1, 64, jnp.float32))).count(" cond[")
-
-    want, _, _ = M.forward(params, cfg, toks, M.init_cache(cfg, 1, 64, jnp.float32),
-                           kernels="xla")
-    flash_only = conds()
-    monkeypatch.setenv("NINFER_PREFILL_ATTN", "xla")
-    assert library_setting() == "xla" and conds() > flash_only
-    got, _, _ = M.forward(params, cfg, toks, M.init_cache(cfg, 1, 64, jnp.float32),
-                          kernels="pallas")
-    assert_close(got, want, jnp.float32)
-    monkeypatch.delenv("NINFER_PREFILL_ATTN")
-    assert library_setting() == ""

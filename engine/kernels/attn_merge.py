@@ -9,17 +9,16 @@ paged kernel split them) in chunks, in split order: the max, then the weighted s
 rounds to the activations' dtype, multiplies by sigmoid(gate) read from the projections' one
 output, and writes the tile and its 64-value group sums. The order of every addition depends
 on the row alone, so a row's bits are the same at any batch size (XLA's reductions tile by
-shape, `paged_decode.merge_default`).
+shape, `paged_decode.check_merge`).
 
 `merge_gate_sums_ref` is the model's ops (`paged_decode._merge`, the gate in
-`attention.attention_mixer`, `cuda_ops.group_sums`). NINFER_ATTN_MERGE=1 sends a decode step's
-attention layers here (with the prep kernel, `attn_prep`); off by default: measured on the H200
-within the runs' spread of the default path (v29: C2 +0.8% at 1K, -1.4% at 32K).
+`attention.attention_mixer`, `cuda_ops.group_sums`). A plan's attn_merge sends a decode step's
+attention layers here (with the prep kernel, `attn_prep`); no preset does: measured on the H200
+within the runs' spread of the default path (C2 +0.8% at 1K, -1.4% at 32K).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +30,6 @@ from engine.kernels.cuda_ops import group_sums
 from engine.quant import GROUP
 
 TILE = 128  # output columns a program (two groups of 64)
-
-
-def enabled() -> bool:
-    """NINFER_ATTN_MERGE=1: a decode step's attention tail through `merge_gate_sums`."""
-    return os.environ.get("NINFER_ATTN_MERGE", "0") == "1"
 
 
 def takes(cfg) -> bool:

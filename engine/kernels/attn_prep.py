@@ -24,14 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.kernels import gpu_default, resolve_interpret, triton_params
-
-
-def enabled() -> bool:
-    """Whether a decode step's attention layers come here (NINFER_ATTN_PREP): by default on a
-    GPU (v28: C1/C2 +1-4% at 1K-128K through the engine); 0 never; 1 also elsewhere (the CPU
-    tests, in the interpreter); anything else is an error."""
-    return gpu_default("NINFER_ATTN_PREP", ("0", "1"), "1", "0") == "1"
+from engine.kernels import resolve_interpret, triton_params
 
 
 def takes(cfg, pool, x) -> bool:

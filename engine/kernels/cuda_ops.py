@@ -6,18 +6,21 @@ dequantizes with one logic op per code. Same signature and result as `qgemv.qmat
 weights (x [..., K], a QTensor or a stack of them read at `index`), checked against the same
 reference (`quant.linear`) by the GPU tests.
 
-The shared library is compiled from the source on first use with the machine's `nvcc` for the
-GPU's own architecture, into a cache keyed by the source, the FFI headers, the compiler and the
-architecture (`NINFER_CUDA_CACHE`, default ~/.cache/ninfer/cuda), and published atomically, so
-concurrent processes never load a half-written file. No GPU, no nvcc, or a failed build: the op
-is unavailable and callers use the Pallas kernel (`available()` says which, and why).
-`NINFER_INT4_GEMV=pallas` turns the CUDA op off for a process (benchmarking switch).
+The shared library is compiled from the source with the machine's `nvcc` (`NVCC`, else the
+PATH's, else /usr/local/cuda/bin/nvcc) for the kernel plan's architecture and flags
+(engine/plan.py `cuda_arch`, `cuda_flags`), into a cache named by a digest of the source, the
+FFI headers, the compiler, the architecture and the flags (`NINFER_CUDA_CACHE`, default
+~/.cache/ninfer/cuda), and published atomically, so concurrent processes never load a
+half-written file. `require(plan)` builds and registers it before a plan that names the op
+runs, and raises `CudaUnavailable` with the reason where it cannot (no GPU, another GPU
+architecture, no nvcc, a failed build): a plan is never served by another kernel.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -41,13 +44,16 @@ INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
 INT4_MLP_TARGET = "ninfer_int4_mlp"
 WIDE_MAX_M = 4  # the wide kernel's B columns: 2 per row of x
-VARIANTS = ("fma", "mma", "wide")  # `int4_gemv`'s kernels (NINFER_INT4_KERNEL)
+VARIANTS = ("fma", "mma", "wide")  # `int4_gemv`'s kernels
 # Within a group of 64 inputs, lane t of the MMA kernel multiplies its 16 codes in this order
 # (see the kernel's comment): x is permuted to match.
 _MMA_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15])
 MAX_ROWS = 8
 MAX_MATS = 4  # weights one call can take (the kernel's kMaxMats)
-_why_not: list[str] = []
+
+
+class CudaUnavailable(RuntimeError):
+    """The CUDA ops a plan names cannot run on this machine; the message says why."""
 
 
 def cache_dir() -> Path:
@@ -72,9 +78,10 @@ def _arch() -> str | None:
     return cc.replace(".", "") if cc else None
 
 
-def library_path(source: Path, arch: str, nvcc: str) -> Path:
-    """Where the build of `source` for `arch` lives: named by a digest of everything that
-    goes into it."""
+def library_path(source: Path, arch: str, nvcc: str,
+                 flags: tuple[str, ...] = ("-O3", "-std=c++17")) -> Path:
+    """Where the build of `source` for `arch` with nvcc `flags` lives: named by a digest of
+    everything that goes into it."""
     h = hashlib.sha256()
     h.update(source.read_bytes())
     inc = Path(jax.ffi.include_dir())
@@ -83,19 +90,21 @@ def library_path(source: Path, arch: str, nvcc: str) -> Path:
     ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     h.update(ver.encode())
     h.update(arch.encode())
+    h.update(json.dumps(list(flags)).encode())
     return cache_dir() / f"{source.stem}-sm{arch}-{h.hexdigest()[:16]}.so"
 
 
-def build(source: Path, arch: str, nvcc: str) -> Path:
+def build(source: Path, arch: str, nvcc: str,
+          flags: tuple[str, ...] = ("-O3", "-std=c++17")) -> Path:
     """Compile `source` into the cache (nothing to do when it is there). Returns the path."""
-    out = library_path(source, arch, nvcc)
+    out = library_path(source, arch, nvcc, flags)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        cmd = [nvcc, "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
+        cmd = [nvcc, *flags, "--shared", "-Xcompiler", "-fPIC",
                f"-gencode=arch=compute_{arch},code=sm_{arch}",
                f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True)
@@ -110,50 +119,57 @@ def build(source: Path, arch: str, nvcc: str) -> Path:
 
 
 _LOCK = threading.Lock()
+_LOADED: dict[tuple, Path] = {}  # (arch, flags) -> the library registered in this process
 
 
-def _load_int4() -> bool:
-    with _LOCK:  # one build and one registration per process, whichever thread traces first
-        return _load_int4_locked()
+def _register(lib) -> None:
+    for target, symbol in ((INT4_TARGET, lib.NinferInt4Gemv),
+                           (INT4_MMA_TARGET, lib.NinferInt4GemvMma),
+                           (INT4_WIDE_TARGET, lib.NinferInt4GemvWide),
+                           (INT4_MLP_TARGET, lib.NinferInt4Mlp)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="CUDA")
 
 
-@functools.cache
-def _load_int4_locked() -> bool:
-    if jax.default_backend() != "gpu":
-        _why_not.append("no GPU backend")
-        return False
-    nvcc, arch = _nvcc(), _arch()
-    if nvcc is None or arch is None:
-        _why_not.append("no nvcc" if nvcc is None else "unknown GPU architecture")
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(INT4_SOURCE, arch, nvcc)))
-        jax.ffi.register_ffi_target(INT4_TARGET, jax.ffi.pycapsule(lib.NinferInt4Gemv),
-                                    platform="CUDA")
-        jax.ffi.register_ffi_target(INT4_MMA_TARGET,
-                                    jax.ffi.pycapsule(lib.NinferInt4GemvMma), platform="CUDA")
-        jax.ffi.register_ffi_target(INT4_WIDE_TARGET,
-                                    jax.ffi.pycapsule(lib.NinferInt4GemvWide), platform="CUDA")
-        jax.ffi.register_ffi_target(INT4_MLP_TARGET, jax.ffi.pycapsule(lib.NinferInt4Mlp),
-                                    platform="CUDA")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _why_not.append(f"build or load failed: {e}")
-        log.warning("CUDA int4 GEMV unavailable, using the Pallas kernel: %s", e)
-        return False
-    return True
+def require(plan) -> Path:
+    """Build (or find in the cache) and register the CUDA ops for `plan` (its cuda_arch and
+    cuda_flags) in this process; returns the library's path. Raises CudaUnavailable with the
+    reason where this machine cannot: no GPU backend, a GPU of another architecture than the
+    plan's, no nvcc, a failed build or load. One build and registration per process and
+    (arch, flags); a second plan with other build settings in the same process is refused
+    (the FFI targets are process-wide)."""
+    key = (plan.cuda_arch, tuple(plan.cuda_flags))
+    with _LOCK:
+        if key in _LOADED:
+            return _LOADED[key]
+        if _LOADED:
+            raise CudaUnavailable(f"this process already registered the CUDA ops built for "
+                                  f"{next(iter(_LOADED))}; a plan built for {key} needs a "
+                                  f"process of its own")
+        if not any(d.platform == "gpu" for d in jax.devices()):
+            raise CudaUnavailable("the plan runs the CUDA ops, and this machine has no GPU "
+                                  "backend")
+        arch, nvcc = _arch(), _nvcc()
+        if arch != plan.cuda_arch:
+            raise CudaUnavailable(f"the plan's CUDA ops are built for sm_{plan.cuda_arch}; "
+                                  f"this GPU is sm_{arch}")
+        if nvcc is None:
+            raise CudaUnavailable("the plan runs the CUDA ops, and no nvcc was found (NVCC, "
+                                  "PATH, /usr/local/cuda/bin/nvcc)")
+        try:
+            path = build(INT4_SOURCE, arch, nvcc, tuple(plan.cuda_flags))
+            _register(ctypes.cdll.LoadLibrary(str(path)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            raise CudaUnavailable(f"the CUDA ops' build or load failed: {e}") from None
+        _LOADED[key] = path
+        log.info("CUDA ops for sm_%s registered from %s", arch, path)
+        return path
 
 
-def available() -> bool:
-    """Whether `int4_gemv` can run here (GPU backend, library built and registered)."""
-    if os.environ.get("NINFER_INT4_GEMV", "cuda") == "pallas":
-        return False
-    return _load_int4()
-
-
-def why_unavailable() -> str:
-    if os.environ.get("NINFER_INT4_GEMV", "cuda") == "pallas":
-        return "NINFER_INT4_GEMV=pallas"
-    return "; ".join(_why_not) or ""
+def library_digest(plan) -> str | None:
+    """The registered library's name (its digest of source, headers, compiler, arch and
+    flags) for `plan`, or None where `require` has not registered it."""
+    path = _LOADED.get((plan.cuda_arch, tuple(plan.cuda_flags)))
+    return path.name if path else None
 
 
 def supported(x, w, lead: int = 0) -> bool:
@@ -172,16 +188,13 @@ def worthwhile(mats) -> bool:
 
 def takes(x, mats, lead: int = 0) -> bool:
     """The one decision `qgemv.qmatmul` and `quant.linear_multi` share: x @ each of `mats`
-    (int4_g64, `lead` stack dims) runs here, in one launch: shapes supported, enough rows to
-    be faster, and the op built on this machine."""
+    (int4_g64, `lead` stack dims) runs here, in one launch: shapes supported and enough rows
+    to be faster (a property of the shapes; whether the op runs at all is the plan's)."""
     return (1 <= len(mats) <= MAX_MATS and all(supported(x, w, lead) for w in mats)
-            and worthwhile(mats) and available())
+            and worthwhile(mats))
 
 
 def default_rows_per_warp(m: int) -> int:
-    env = os.environ.get("NINFER_INT4_ROWS")
-    if env:
-        return int(env)
     return 2 if m <= 4 else 1
 
 
@@ -251,9 +264,6 @@ def default_variant(x) -> str:
     back to "mma" where K is not a multiple of 128), "mma" for bf16 x of more rows, "fma"
     (fp32 FMAs, exact dequantization) for fp32 x. Each is batch-invariant on its own, and an
     engine runs its decode step at a fixed batch, so it always uses the same one."""
-    env = os.environ.get("NINFER_INT4_KERNEL")
-    if env:
-        return env
     m = int(np.prod(x.shape[:-1], dtype=np.int64))
     if x.dtype != jnp.bfloat16:
         return "fma"
@@ -269,26 +279,16 @@ def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
     variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
     "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
     (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel; another name
-    (here or in NINFER_INT4_KERNEL) is a ValueError. Tile parameters:
-    rows_per_warp (fma); stages (mma: copy pipeline depth, 4/6/8/12; wide: 0 for the
-    register ring of `prefetch` pairs, 4 or 8 for a shared-memory ring of that many pairs
-    filled by cp.async, warps 4 or 8, bias 0, the same sums bit for bit; default 0 or
-    NINFER_INT4_WIDE_STAGES; measured slower on the H200, v12); prefetch (mma: 0 for
-    the shared-memory copy ring, 2/4/8 for the kernel that loads the codes into registers that
-    many groups ahead, the same sums bit for bit, NINFER_INT4_PREFETCH, default 0: no faster
-    on the H200, docs/benchmarks/README.md v9; wide: 2 or 4 pairs in flight, default 2 or
-    NINFER_INT4_WIDE_PREFETCH); warps (wide: 2, 4, 8, 10 or 16 to a 16-row tile, default
-    NINFER_INT4_WIDE_WARPS or "auto": 4 or 8 by the call's tiles, `wide_warps`, the fastest
-    of each shape on the H200, v12); bias (wide: 1 takes the
-    codes' offset 136 * sum(x) off with MMAs inside the kernel, 0 with group sums of x that
-    XLA computes; default 0 or NINFER_INT4_WIDE_BIAS: the MMAs measured slower on the H200,
-    v10); occupancy (wide: resident warps an SM to ask the compiler's registers for, 0 its
-    own choice (74 registers a lane, 24 warps), 32 for 64 registers (prefetch 2, bias 0,
-    stages 0 only); default NINFER_INT4_WIDE_OCC, or 32 where built and 0 elsewhere: 32
-    measured faster on the H200, v12); xperm (wide: x goes in permuted by `x_perm` and the
-    kernel skips its byte permutations, the same bits; built for prefetch 2, occupancy 32,
-    bias 0, stages 0 and WIDE_XPERM_WARPS; default: NINFER_INT4_WIDE_XPERM=1 where built, off
-    otherwise: no faster in the decode step, v14c). Otherwise x goes to the wide kernel as it is."""
+    is a ValueError. None picks by x (`default_variant`). The tile parameters default to what
+    the H200 measured fastest (docs/benchmarks): rows_per_warp (fma: 2 up to 4 rows, else 1);
+    stages (mma: the copy pipeline's depth, 4; wide: 0, the register ring, as fast as the
+    shared-memory rings of 4 or 8); prefetch (mma: 0, the shared-memory copy ring; wide: 2
+    pairs in flight); warps (wide: 4 or 8 to a 16-row tile by the call's tiles, `wide_warps`);
+    bias (wide: 0, the codes' offset taken off with x's group sums, faster than MMAs in the
+    kernel); occupancy (wide: 32 resident warps an SM, 64 registers a lane, where built: prefetch
+    2, bias 0, stages 0); xperm (wide: x permuted by `x_perm` so the kernel skips its byte
+    permutations, the same bits; off, no faster in the decode step). The kernel tests call the
+    other values."""
     return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
                            stages=stages, prefetch=prefetch, warps=warps, bias=bias,
                            occupancy=occupancy, xperm=xperm, corr=corr)[0]
@@ -318,31 +318,27 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     pairs = [a for w in ws for a in (w.data, w.scale.astype(jnp.float32))]
     variant = variant or default_variant(x)
     if variant not in VARIANTS:
-        raise ValueError(f"int4_gemv: variant (NINFER_INT4_KERNEL) must be one of {VARIANTS}, "
+        raise ValueError(f"int4_gemv: variant must be one of {VARIANTS}, "
                          f"got {variant!r}")
     if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
         variant = "fma" if m <= FMA_MAX_M else "mma"
     if variant == "wide":
         xb = x.reshape(m, k).astype(jnp.bfloat16)  # the kernel permutes it (or x_perm below)
-        bias = int(os.environ.get("NINFER_INT4_WIDE_BIAS", "0")) if bias is None else int(bias)
+        bias = 0 if bias is None else int(bias)
         if bias:  # the kernel's MMAs take 136 * sum(x) off: nothing to prepare (slower, v10)
             corr = jnp.zeros((m, 0), jnp.float32)
         elif corr is None:
             corr = group_sums(xb)
         else:
             corr = jnp.asarray(corr, jnp.float32).reshape(m, k // GROUP)
-        prefetch = prefetch or int(os.environ.get("NINFER_INT4_WIDE_PREFETCH", "2"))
-        warps = warps or wide_warps(n, os.environ.get("NINFER_INT4_WIDE_WARPS", "auto"))
+        prefetch = prefetch or 2
+        warps = warps or wide_warps(n)
         if stages is None:
-            stages = int(os.environ.get("NINFER_INT4_WIDE_STAGES", "0"))
+            stages = 0
         if occupancy is None:  # 32 where it is built: the register ring of 2 pairs, bias 0
-            occ = os.environ.get("NINFER_INT4_WIDE_OCC")
-            occupancy = (int(occ) if occ is not None
-                         else 32 if prefetch == 2 and not bias and not stages else 0)
-        if xperm is None:  # where built: the defaults' kernels (prefetch 2, capped, bias 0)
-            xperm = (os.environ.get("NINFER_INT4_WIDE_XPERM", "0") == "1" and prefetch == 2
-                     and occupancy == 32 and not bias and not stages
-                     and warps in WIDE_XPERM_WARPS)
+            occupancy = 32 if prefetch == 2 and not bias and not stages else 0
+        if xperm is None:
+            xperm = False
         if xperm:
             xb = x_perm(xb)
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
@@ -356,9 +352,8 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         corr = 136.0 * xb.astype(jnp.float32).reshape(8, g, GROUP).sum(-1).T  # [G, 8]
         call = jax.ffi.ffi_call(INT4_MMA_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xg, corr, idx, *pairs,
-                 stages=np.int64(stages or int(os.environ.get("NINFER_INT4_STAGES", "4"))),
-                 prefetch=np.int64(int(os.environ.get("NINFER_INT4_PREFETCH", "0"))
-                                   if prefetch is None else prefetch))
+                 stages=np.int64(stages or 4),
+                 prefetch=np.int64(0 if prefetch is None else prefetch))
     else:
         xf = x.reshape(m, k).astype(jnp.float32)
         kp = -(-k // 1024) * 1024  # whole 1024-input iterations (32 lanes x 32 codes)
@@ -394,9 +389,6 @@ def _mlp_setting(op: str, launches: int, warps, occupancy) -> tuple[int, int]:
     """(warps, occupancy) for an MLP call with that many launches: MLP_DEFAULTS where None,
     checked against what the kernels are built for."""
     dw, do = MLP_DEFAULTS[launches]
-    env = os.environ.get("NINFER_INT4_MLP_WARPS")  # gate|up's warps a tile, for A/Bs
-    if warps is None and env:
-        warps = int(env)
     warps, occupancy = dw if warps is None else warps, do if occupancy is None else occupancy
     if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
         raise ValueError(f"{op}: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")
@@ -427,14 +419,8 @@ def mlp_shape_error(x, h, gate, up, down) -> str | None:
     return None
 
 
-def mlp_takes(x, h, gate, up, down) -> bool:
-    """Whether `int4_mlp` runs x's MLP here: operands it takes (`mlp_shape_error`) and the op
-    built on this machine."""
-    return mlp_shape_error(x, h, gate, up, down) is None and available()
-
-
 def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
-             warps: int | None = None, occupancy: int | None = None, launches: int = 1,
+             warps: int | None = None, occupancy: int | None = None, launches: int = 2,
              corr=None):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
     bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
@@ -448,10 +434,9 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
     group sums of the activations come from per-tile sums (another order of the same fp32
     sums, so close to the separate calls, not bitwise). warps (4 or 8 a tile; gate|up's with
     2 launches, down's is 8), occupancy (resident warps an SM the registers are capped for:
-    24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual`, with 2
-    launches by default (NINFER_MLP_FUSED: the launches, 0 the separate calls; v14: the
-    persistent kernel is slower than the separate calls, two launches with programmatic
-    dependent launch faster). corr: x's group sums [..., K1 / 64] where the caller has them
+    24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual` (a plan's
+    mlp "cuda") with 2 launches (H200: the persistent kernel is slower than the separate calls,
+    two launches with programmatic dependent launch faster). corr: x's group sums [..., K1 / 64] where the caller has them
     (as `int4_gemv_multi` takes them)."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)

@@ -15,7 +15,6 @@ reference path of `attention.kv_write_attend`.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -123,35 +122,3 @@ def flash_attend(k_cache, v_cache, layer, q, positions, *, interpret: bool | Non
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
         name="flash_prefill")(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
                               positions.astype(jnp.int32), q.astype(cdt), k_cache, v_cache)
-
-
-def library_setting() -> str:
-    """NINFER_PREFILL_ATTN: "" (the default: the flash kernel), or the implementation of
-    `jax.nn.dot_product_attention` that a chunk starting at slot 0 takes instead ("cudnn" on
-    the GPU: cuDNN's fused attention, 690 TFLOP/s against the flash kernel's 442 for one 27B
-    layer at 32K tokens, docs/benchmarks/README.md v9; "xla"). Not measured in the model yet;
-    not for exported bundles (a cuDNN call is not a stable export target)."""
-    return os.environ.get("NINFER_PREFILL_ATTN", "")
-
-
-def from_start_attend(k_cache, v_cache, layer, q, positions, *, implementation: str,
-                      interpret: bool | None = None):
-    """`flash_attend`'s contract, for a prompt's first chunk by a library kernel: where every
-    row's positions are 0..T-1, causal attention of q over the layer's first T slots by
-    `jax.nn.dot_product_attention(implementation=...)` (GQA: kv head h // r for query head h,
-    as here); any other chunk (a prefix before it) runs `flash_attend`. Both branches are
-    compiled; the positions pick one at run time."""
-    t = q.shape[1]
-    if k_cache.shape[2] < t:
-        return flash_attend(k_cache, v_cache, layer, q, positions, interpret=interpret)
-    fresh = jnp.all(positions == jnp.arange(t, dtype=positions.dtype)[None])
-
-    def library(_):
-        k = lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)[:, :t].astype(q.dtype)
-        v = lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)[:, :t].astype(q.dtype)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation=implementation).astype(q.dtype)
-
-    def flash(_):
-        return flash_attend(k_cache, v_cache, layer, q, positions, interpret=interpret)
-    return lax.cond(fresh, library, flash, None)

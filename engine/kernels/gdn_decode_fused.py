@@ -13,7 +13,7 @@ Decode only (T == 1): the reference for any T is `engine.layers.gdn_core`, which
 not aliased: the r value-head programs of a key head all read its q/k window, and the first of
 them writes the shifted one, so the new state goes to a fresh buffer (B x conv_dim x (W - 1),
 a few hundred KB), or into a second stack of every layer's states at the layer's index
-(`conv_out`, NINFER_GDN_CONV_WRITE: swap by default on a GPU, v29). The recurrent state is
+(`conv_out`: a plan's gdn_conv_write "swap"; copy or swap, the same bits). The recurrent state is
 aliased: each program owns its head.
 
 The kernel (`gdn_decode_fused_rows`) takes the layer's input projections as the one GEMV launch
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from engine.config import ModelConfig
-from engine.kernels import gpu_default, resolve_interpret, triton_params
+from engine.kernels import resolve_interpret, triton_params
 from engine.layers import gdn_core
 from engine.norms import gated_rms_norm
 
@@ -172,38 +171,6 @@ DEFAULT_SPLIT = 2
 DEFAULT_WARPS = 4
 
 
-def conv_write_setting() -> str:
-    """How the in-place decode path stores a layer's new conv state (NINFER_GDN_CONV_WRITE):
-    "copy" the kernel writes it to a buffer of its own and XLA copies that into the cache's
-    stack (a dynamic-update-slice kernel a GDN layer, 48 a 27B step, v28d); "swap" the step
-    reads the stack it was given and each layer's kernel writes into a second stack in place
-    (aliased), which becomes the cache's: one fill a step in place of the copies (the key
-    heads' windows are shared by their value heads' programs, so the stack read cannot be the
-    stack written); the second stack is a step's temporary of the conv stack's size (48 x
-    10240 x 3 bf16, 2.8 MiB a row at the 27B). Unset or "auto": swap where JAX's backend is
-    the GPU (v29: C1 +0.9-1.2% at 1K-128K, C2 -0.3 to +2.9%, through the engine), copy
-    elsewhere (the same bits). An unknown name is an error."""
-    return gpu_default("NINFER_GDN_CONV_WRITE", ("copy", "swap"), "swap", "copy")
-
-
-def split_setting() -> int:
-    """Programs a value head's state is split over by its Dv columns: NINFER_GDN_FUSED_SPLIT
-    (1: one program a head, the output norm inside; 2, the default, 4, ...: the norm in XLA
-    after the kernel). At the 27B's heads one program a head is 48 programs for one row on 132
-    SMs. Read by `gdn_decode_fused_rows`, the in-place decode path (the default);
-    `gdn_decode_fused` and `_stacked` take `split` as an argument (default 1)."""
-    return int(os.environ.get("NINFER_GDN_FUSED_SPLIT", str(DEFAULT_SPLIT)))
-
-
-def warps_setting() -> int:
-    """Triton warps of a program of the in-place decode path's kernel: NINFER_GDN_FUSED_WARPS
-    (default DEFAULT_WARPS)."""
-    w = int(os.environ.get("NINFER_GDN_FUSED_WARPS", str(DEFAULT_WARPS)))
-    if w not in (2, 4, 8, 16, 32):
-        raise ValueError(f"NINFER_GDN_FUSED_WARPS must be 2, 4, 8, 16 or 32, got {w}")
-    return w
-
-
 def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, layer, lengths,
                           out_dtype, *, interpret: bool | None = None,
                           num_warps: int | None = None, split: int | None = None,
@@ -211,16 +178,15 @@ def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, lay
     """The kernel itself: proj [B, 1, conv_dim + Hv Dv + 2 Hv], the layer's input projections
     as one GEMV gives them (qkv, z, b, a side by side: no slices), `params` the KERNEL_PARAMS
     stacked [*L, ...] as the states are (the model's weight stacks), read at `layer` like the
-    states, which are as `gdn_decode_fused_stacked` takes them. num_warps: `warps_setting()`
-    by default (read here, like split). split: `split_setting()` by
-    default (read here, outside the jit cache); it must divide Dv. sums: also return the
+    states, which are as `gdn_decode_fused_stacked` takes them. num_warps: DEFAULT_WARPS by
+    default. split: DEFAULT_SPLIT by default; it must divide Dv. sums: also return the
     output's group sums for out_proj's GEMV, the gated norm (split > 1) and the sums then one
     kernel (`norm_sums.gated_norm_sums`); None where split is 1 or Dv is not a power of two
     times 64. conv_out: a stack shaped like conv_all that the new conv state is written into
-    at `layer`, in place (aliased; `conv_write_setting`): then the conv state returned is that
+    at `layer`, in place (aliased; a plan's gdn_conv_write "swap"): then the conv state returned is that
     stack, else this layer's new state alone. Returns (out, conv state, rec_all, sums or
     None)."""
-    split = split_setting() if split is None else int(split)
+    split = DEFAULT_SPLIT if split is None else int(split)
     dv = cfg.linear_value_head_dim
     sums = bool(sums) and split > 1 and dv % 64 == 0 and dv & (dv - 1) == 0
     if conv_out is not None and conv_out.shape != conv_all.shape:
@@ -228,7 +194,7 @@ def gdn_decode_fused_rows(params, cfg: ModelConfig, proj, conv_all, rec_all, lay
                          f"{conv_all.shape}")
     return _rows(params, cfg, proj, conv_all, rec_all, layer, lengths, out_dtype, conv_out,
                  interpret=resolve_interpret(interpret),
-                 num_warps=warps_setting() if num_warps is None else int(num_warps),
+                 num_warps=DEFAULT_WARPS if num_warps is None else int(num_warps),
                  split=split, sums=sums)
 
 

@@ -23,14 +23,13 @@ Triton dot), so the final state is exact.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.gdn import chunk_gated_delta_rule, chunk_intra, chunk_uw, prefill_prep
+from engine.gdn import chunk_gated_delta_rule, chunk_intra, chunk_uw
 from engine.kernels import resolve_interpret, triton_params
 from engine.kernels.gdn_inverse import diag_inverse
 
@@ -221,31 +220,15 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
 def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
                             scale: float | None = None):
     """`gdn_chunk` as the model's prefill rule (`gdn.select_rule`): it carries the mark that
-    tells a bf16 model's GDN mixer to hand it bf16 q, k, v (engine/layers.py).
-    NINFER_GDN_PREFILL_BV sets the scan's value-column tile (default 64: B x Hv x V/64
-    programs, 96 for the 27B at B = 1; a benchmarking switch until the GPU sweep picks one);
-    NINFER_GDN_PREFILL_WARPS its warps and NINFER_GDN_PREFILL_STAGES Triton's software
-    pipelining depth of the scan's chunk loop (default 4 warps, 2 stages: the fastest of
-    8/1, 8/2, 8/3 and 4/2 for a 27B prefill at 8K and 32K tokens with the lean scan, 0.751 s
-    against 0.763 s at 8K, docs/benchmarks/README.md v11). NINFER_GDN_PREFILL_CHUNK overrides
-    the chunk (a power of two; 128 halves the scan's sequential steps and doubles the
-    intra-chunk work; v12: with 2 stages it asks more shared memory than the H200 has, with
-    1 it is slower). The UT transform's diagonal blocks are inverted by
-    engine/kernels/gdn_inverse.py (one launch a layer in place of ~48 small XLA kernels: 8K
-    0.761-0.762 s against 0.767 s, 32K 3.283 s against 3.312-3.326 s, docs/benchmarks/README.md
-    v16); NINFER_GDN_INV=xla takes XLA's 16 substitution steps.
-    By default XLA prepares every state-independent term and the lean scan kernel runs the
-    state pass (prep="xla_lean", NINFER_GDN_PREFILL=hybrid_lean: a 27B prefill of 8K tokens
-    in 0.772 s against 0.839 s for XLA's UT transform alone, docs/benchmarks/README.md v11).
-    NINFER_GDN_PREFILL=hybrid takes XLA's UT transform alone (prep="xla"), =hybrid_utbf16 the
-    same with bf16 operands for its large products, =pallas this module's prep kernel."""
-    bv = int(os.environ.get("NINFER_GDN_PREFILL_BV", "64"))
-    warps = int(os.environ.get("NINFER_GDN_PREFILL_WARPS", "4"))
-    stages = int(os.environ.get("NINFER_GDN_PREFILL_STAGES", "2"))
-    chunk_size = int(os.environ.get("NINFER_GDN_PREFILL_CHUNK", chunk_size))
-    return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=bv,
-                     num_warps=warps, num_stages=stages, prep=prefill_prep() or "xla_lean",
-                     inverse=os.environ.get("NINFER_GDN_INV", "pallas"))
+    tells a bf16 model's GDN mixer to hand it bf16 q, k, v (engine/layers.py). XLA prepares
+    every state-independent term and the lean scan kernel runs the state pass (prep
+    "xla_lean": a 27B prefill of 8K tokens in 0.772 s against 0.839 s for XLA's UT transform
+    alone, H200 docs/benchmarks), with value tiles of 64 columns, 4 warps and 2 pipeline
+    stages (the fastest of 8/1, 8/2, 8/3 and 4/2 at 8K and 32K tokens), and the UT
+    transform's diagonal blocks inverted in one launch a layer (engine/kernels/gdn_inverse.py:
+    8K 0.761 s against 0.767 s with XLA's substitution steps)."""
+    return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=64,
+                     num_warps=4, num_stages=2, prep="xla_lean", inverse="pallas")
 
 
 gdn_chunk_bf16_operands.bf16_operands = True

@@ -23,7 +23,6 @@ references up to the order of fp32 sums.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -38,21 +37,13 @@ from engine.quant import GROUP
 MAX_ROWS = 4  # a decode step's rows (the wide GEMV's limit)
 
 
-def enabled() -> bool:
-    """NINFER_NORM_FUSED (default 1): the decode step's norms through these kernels where
-    `layers.norm_fused` holds; 0 keeps XLA's; "force" also without the CUDA GEMV (tests)."""
-    return os.environ.get("NINFER_NORM_FUSED", "1") != "0"
-
-
-def forced() -> bool:
-    return os.environ.get("NINFER_NORM_FUSED") == "force"
+# Groups (rms) or heads (gated) a program (powers of two; the kernel tests and
+# bench/norm_micro.py pass others).
+TILES = {"rms": 4, "gated": 4}
 
 
 def tile_setting(kind: str) -> int:
-    """Groups (rms) or heads (gated) a program: NINFER_NORM_TILES="rms,gated" (default 4,4;
-    powers of two)."""
-    rms, gated = (int(a) for a in os.environ.get("NINFER_NORM_TILES", "4,4").split(","))
-    return rms if kind == "rms" else gated
+    return TILES[kind]
 
 
 def _tile(groups: int, most: int = 16) -> int:

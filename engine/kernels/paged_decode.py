@@ -6,13 +6,13 @@ step, with an online softmax, for all query heads of its KV head at once (GQA: t
 heads are the rows of one [16, hd] tile, zero-padded, so both products are tensor-core dots).
 Each row shares its own visible pages evenly among its programs, so a short row costs only its
 own pages, in parallel, however wide the table. XLA then merges the splits' (max, sum, acc)
-partials: in reductions, or with `NINFER_PAGED_MERGE=chain` as elementwise chains in split
-order (`merge_default`; on the GPU a reduction's order varied with B, v25d and v26a). INT8
+partials: in reductions, or with a plan's paged_merge "chain" as elementwise chains in split
+order (`check_merge`; on the GPU a reduction's order varied with B). INT8
 pages enter the dots as they are (int8 codes are exact in bf16); their per-token scales
 multiply the page's 64 scores (K) and the 64 softmax weights (V) instead of every element:
 per element only a conversion is left.
 
-How the codes become dot operands, `NINFER_PAGED_INT8_CAST` (a 128K row's pages are 4.3 G
+How the codes become dot operands, `cast` (a 128K row's pages are 4.3 G
 codes a step; on the H200 none of the three was faster than bf16 in the decode step, v21, so
 the conversion is not what holds the INT8 kernel):
 - ``bf16``: ``astype(bfloat16)`` (an int -> float conversion, then a rounding to bf16);
@@ -25,8 +25,8 @@ at the magnitudes a normed, rotated query has), V's take the softmax weights in 
 bits) instead of bf16 (8).
 
 Launch settings (programs, warps, stages, pages a loop step) by the pool's dtype,
-`LAUNCH_DEFAULTS`, measured per setting by bench/paged_decode_micro.py; `NINFER_PAGED_DECODE`
-overrides them. The split of a row's pages (programs) must not depend on the batch size: it
+`LAUNCH_DEFAULTS`, measured per setting by bench/paged_decode_micro.py (which passes others).
+The split of a row's pages (programs) must not depend on the batch size: it
 orders the softmax merge (batch invariance).
 
 `paged_attend` takes what `paged_write_attend` gives `attention.attend` (after the write) and
@@ -35,7 +35,6 @@ returns the same [B, 1, heads, head_dim]; `paged_attend_ref` is that reference p
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -157,31 +156,14 @@ def _splits(kvh: int, max_pages: int, programs: int) -> int:
 MERGES = ("reduce", "chain")
 
 
-def merge_default() -> str:
-    """How the splits' partials are merged (`NINFER_PAGED_MERGE`): "reduce" (default) XLA
-    reductions over the splits, row by row; "chain" one elementwise sum a split after the
-    other, in split order, which XLA emits as a loop fusion (no reduction tiling): the same
-    additions in the same order for every element at any batch size. An unknown name is an
-    error."""
-    merge = os.environ.get("NINFER_PAGED_MERGE", "reduce")
+def check_merge(merge: str) -> str:
+    """How the splits' partials are merged: "reduce" XLA reductions over the splits, row by
+    row; "chain" one elementwise sum a split after the other, in split order, which XLA emits
+    as a loop fusion (no reduction tiling): the same additions in the same order for every
+    element at any batch size (a plan's paged_merge). An unknown name is an error."""
     if merge not in MERGES:
-        raise ValueError(f"NINFER_PAGED_MERGE must be one of {MERGES}, got {merge!r}")
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     return merge
-
-
-def fold_default() -> bool:
-    """Whether INT8 pages take their scales on the scores and softmax weights (default) or
-    element by element (NINFER_PAGED_INT8=dequant: the benchmark's A/B baseline)."""
-    return os.environ.get("NINFER_PAGED_INT8", "fold") != "dequant"
-
-
-def cast_default() -> str:
-    """How INT8 codes become dot operands (`NINFER_PAGED_INT8_CAST`, see the module's
-    docstring); an unknown name is an error, not a silent default."""
-    cast = os.environ.get("NINFER_PAGED_INT8_CAST", "bf16")
-    if cast not in INT8_CASTS:
-        raise ValueError(f"NINFER_PAGED_INT8_CAST must be one of {INT8_CASTS}, got {cast!r}")
-    return cast
 
 
 # programs, num_warps, num_stages, unroll by the pool's dtype. H200, the 27B's heads, a 128K
@@ -193,26 +175,15 @@ LAUNCH_DEFAULTS = {"int8": (512, 4, 2, 1), "bfloat16": (512, 8, 2, 1),
 
 
 def launch_default(kv_dtype: str = "bfloat16") -> tuple[int, int, int, int]:
-    """The kernel's programs, warps, stages and pages a loop step: `NINFER_PAGED_DECODE` as
-    four integers `programs:warps:stages:unroll`, else LAUNCH_DEFAULTS for pages of that
-    dtype. A malformed value is an error, not a silent default."""
-    raw = os.environ.get("NINFER_PAGED_DECODE", "")
-    if not raw:
-        return LAUNCH_DEFAULTS.get(kv_dtype, LAUNCH_DEFAULTS["float32"])
-    try:
-        vals = tuple(int(v) for v in raw.split(":"))
-    except ValueError:
-        vals = ()
-    if len(vals) != 4 or min(vals) < 1 or vals[1] & (vals[1] - 1):
-        raise ValueError("NINFER_PAGED_DECODE must be programs:warps:stages:unroll (positive "
-                         f"integers, warps a power of two), got {raw!r}")
-    return vals
+    """The kernel's programs, warps, stages and pages a loop step for pages of that dtype
+    (LAUNCH_DEFAULTS)."""
+    return LAUNCH_DEFAULTS.get(kv_dtype, LAUNCH_DEFAULTS["float32"])
 
 
 def _settings(pool: KVPool, programs, num_warps, num_stages, fold, cast, unroll) -> dict:
-    """The kernel's launch and INT8 settings: None takes the defaults (`launch_default`,
-    `fold_default`, `cast_default`), read here, outside the jit cache."""
-    cast = cast_default() if cast is None else cast
+    """The kernel's launch and INT8 settings: None takes the defaults (`launch_default`; INT8
+    scales folded onto the scores and weights; codes cast to bf16)."""
+    cast = "bf16" if cast is None else cast
     dp, dw, ds, du = launch_default(str(jnp.dtype(pool.k.dtype)))
     programs = dp if programs is None else programs
     num_warps = dw if num_warps is None else num_warps
@@ -224,7 +195,7 @@ def _settings(pool: KVPool, programs, num_warps, num_stages, fold, cast, unroll)
         raise ValueError("paged_attend: programs, num_warps, num_stages and unroll must be "
                          f"positive, got {(programs, num_warps, num_stages, unroll)}")
     return dict(programs=programs, num_warps=num_warps, num_stages=num_stages,
-                fold=fold_default() if fold is None else fold, cast=cast, unroll=int(unroll))
+                fold=True if fold is None else fold, cast=cast, unroll=int(unroll))
 
 
 def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0, *,
@@ -233,14 +204,12 @@ def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0,
                  fold: bool | None = None, cast: str | None = None,
                  unroll: int | None = None, merge: str | None = None):
     """The kernel; same contract as `paged_attend_ref` (T must be 1). fold: INT8 scales on
-    the scores and softmax weights (None: `fold_default()`); cast: how INT8 codes enter the
-    dots (None: `cast_default()`); both read here, outside the jit cache. unroll: pages a
-    loop step (their loads issued together; the updates, and so the bits, are the same).
-    programs, num_warps, num_stages, unroll: None takes `launch_default()`. merge: how the
-    splits are merged (None: `merge_default()`)."""
-    merge = merge_default() if merge is None else merge
-    if merge not in MERGES:
-        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    the scores and softmax weights (None: yes; False: element by element, the A/B baseline);
+    cast: how INT8 codes enter the dots (None: "bf16"). unroll: pages a loop step (their
+    loads issued together; the updates, and so the bits, are the same). programs, num_warps,
+    num_stages, unroll: None takes `launch_default()`. merge: how the splits are merged
+    (`check_merge`; None: "reduce")."""
+    merge = check_merge("reduce" if merge is None else merge)
     return _paged_attend(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
                          merge=merge, **_settings(pool, programs, num_warps, num_stages, fold,
                                                   cast, unroll))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -51,38 +50,6 @@ class GemmConfig:
 
 
 DEFAULT = GemmConfig()
-
-
-def env_config() -> GemmConfig | None:
-    """NINFER_INT4_GEMM="bm,bn,gb,programs,warps,stages" overrides the config for a whole
-    process (a benchmarking switch, read at trace time)."""
-    spec = os.environ.get("NINFER_INT4_GEMM")
-    if not spec:
-        return None
-    try:
-        vals = [int(v) for v in spec.split(",")]
-    except ValueError:
-        vals = []
-    if len(vals) != 6 or min(vals) < 1:
-        raise ValueError(f"NINFER_INT4_GEMM must be six positive integers bm,bn,gb,programs,"
-                         f"warps,stages, got {spec!r}")
-    return GemmConfig(*vals)
-
-
-# The widest x the model sends here by default (MAX_ROWS_DEFAULT; 0: none). Wider pieces are
-# compute-bound, where dequantizing once costs little beside the matmul and cuBLAS's bf16 GEMM
-# over the copy is the faster one.
-MAX_ROWS_DEFAULT = 0
-
-
-def max_rows() -> int:
-    """The widest x (rows) the model sends here: NINFER_INT4_GEMM_MAX_ROWS, else
-    MAX_ROWS_DEFAULT (0 turns the kernel off)."""
-    v = os.environ.get("NINFER_INT4_GEMM_MAX_ROWS", str(MAX_ROWS_DEFAULT))
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"NINFER_INT4_GEMM_MAX_ROWS must be an integer, got {v!r}") from None
 
 
 def takes(x, w, lead: int = 0, config: GemmConfig | None = None) -> bool:
@@ -148,7 +115,7 @@ def int4_matmul(x, w: QTensor, index=None, *, interpret: bool | None = None,
     """x [..., K] @ w.T with w an int4_g64 QTensor [N, K], or with `index` (int32 [d]) a
     stack [*d dims, N, K] read at that layer in place. Returns [..., N] in x.dtype,
     accumulated in fp32. Shapes `takes` refuses go to the reference (`quant.linear`)."""
-    config = config or env_config() or DEFAULT
+    config = config or DEFAULT
     nlead = 0 if index is None else int(index.shape[0])
     if not takes(x, w, nlead, config):
         if index is not None:

@@ -12,8 +12,9 @@ bytes, no copy) and x as its even/odd inputs [M, 2, K/64, 32], so a tile [bn, gb
 whole groups: low nibbles meet even inputs, high nibbles odd ones, and the group scale multiplies
 each group's partial sum once.
 
-On a GPU, int4_g64 weights go to the CUDA op of engine/kernels/cuda_ops.py (same signature
-and result, one logic op per code where this kernel is instruction-bound) when it builds there.
+With `cuda=True` (a plan's gemv "cuda"), int4_g64 weights go to the CUDA op of
+engine/kernels/cuda_ops.py (same signature and result, one logic op per code where this kernel
+is instruction-bound) where their shapes fit it.
 
 `qmatmul(x, w)` has `quant.linear`'s signature and result (fp32 accumulation, output in x.dtype);
 `qmatmul_ref` is `quant.linear` itself. Shapes the kernel cannot tile, and M > MAX_ROWS (prefill:
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -62,22 +62,9 @@ _BEST = {
 }
 
 
-def _env_config(fmt: str) -> GemvConfig | None:
-    """NINFER_GEMV_<INT4|ROW8|DENSE>="bn,bk,programs,warps,stages,dot" overrides a format's
-    config for a whole process: a benchmarking switch, read at trace time."""
-    spec = os.environ.get(f"NINFER_GEMV_{fmt.upper()}")
-    if not spec:
-        return None
-    bn, bk, programs, warps, stages, dot = (int(v) for v in spec.split(","))
-    return GemvConfig(bn, bk, programs, warps, stages, bool(dot))
-
-
 def default_config(w, rows: int) -> GemvConfig:
     """The tuned config for weight `w` (dense or QTensor) and `rows` rows of x."""
     fmt = "dense" if not isinstance(w, QTensor) else "int4" if w.fmt == INT4_G64 else "row8"
-    env = _env_config(fmt)
-    if env is not None:
-        return env
     return _BEST.get((fmt, min(rows, 2)), _BEST.get((fmt, 1), DEFAULT))
 
 
@@ -220,19 +207,19 @@ def supported(x, w, lead: int = 0) -> bool:
     return jnp.ndim(w) == lead + 2
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "cuda"))
 def qmatmul(x, w, index=None, *, interpret: bool | None = None,
-            config: GemvConfig | None = None, corr=None):
+            config: GemvConfig | None = None, corr=None, cuda: bool = False):
     """x: [..., K] (M = prod of the leading dims <= MAX_ROWS); w: [N, K] dense array or QTensor,
     or with `index` (int32 [d]) a stack [*d dims, N, K] read at that layer in place.
     Returns [..., N] in x.dtype, accumulated in fp32. Same result as `quant.linear` up to the
     order of the fp32 sums (and bf16 rounding of the weights, which the reference does and the
-    kernel does not). corr: x's group sums for the CUDA op (`cuda_ops.int4_gemv_multi`);
+    kernel does not). cuda: int4_g64 weights through the CUDA op where it takes the shapes
+    (`cuda_ops.takes`). corr: x's group sums for the CUDA op (`cuda_ops.int4_gemv_multi`);
     ignored elsewhere."""
     nlead = 0 if index is None else int(index.shape[0])
-    if (config is None and isinstance(w, QTensor) and w.fmt == INT4_G64
-            and not resolve_interpret(interpret)):
-        from engine.kernels import cuda_ops  # int4 on a GPU: the CUDA op where it builds
+    if cuda and config is None and isinstance(w, QTensor) and w.fmt == INT4_G64:
+        from engine.kernels import cuda_ops
 
         if cuda_ops.takes(x, [w], nlead):
             return cuda_ops.int4_gemv(x, w, index, corr=corr)

@@ -10,9 +10,9 @@ on, and hands back a `jax.stages.Compiled` without tracing.
 
 The key (`describe`): the sha256 of every source file of the engine package (the code that
 traces), the JAX, jaxlib, NumPy and ml_dtypes versions, the backend's platform and version and
-its devices' kinds, JAX's configuration values, the environment's NINFER_*, XLA_* and JAX_*
-variables, and the caller's own description of the call (model config, the trees, shapes and
-dtypes of its arguments, batch, width, kernels). A change to any of them is another key: the
+its devices' kinds, JAX's configuration values, XLA's flags (XLA_FLAGS: the operator's and the
+kernel plan's), and the caller's own description of the call (model config, the trees, shapes
+and dtypes of its arguments, batch, width, the kernel plan and the CUDA ops' build). A change to any of them is another key: the
 old file is never used again and `keep` removes it once unused for two weeks.
 
 A file is MAGIC, an HMAC-SHA256 tag over (MAGIC, key, body) under a 32-byte secret the caller
@@ -43,7 +43,6 @@ _TAG = b"ninfer/executable/v1\0"
 _SUFFIX = ".exe"
 KEEP_UNUSED_S = 14 * 86400  # keep(): how long an executable no start used stays
 _SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".h")
-_ENV_PREFIXES = ("NINFER_", "XLA_", "JAX_")
 
 
 def _source_digest_uncached() -> str:
@@ -86,8 +85,7 @@ def runtime_description() -> dict:
         "platform": [backend.platform, backend.platform_version],
         "devices": sorted({d.device_kind for d in jax.devices()}),
         "config": config,
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)
-                and k not in ("NINFER_JAX_CACHE", "NINFER_EXEC_STORE")},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 

@@ -2,10 +2,11 @@
 
 A restored state must be bit-identical to what this runtime would have computed, so the
 fingerprint binds the weights (artifact sha256), the code that computes (a digest of the engine
-sources and the JAX/XLA versions and platform), the serving profile (its canonical hash, plus
-the fields that shape the state spelled out for the log), and the speculative settings. Any
-difference makes a checkpoint `incompatible`: it is kept (a rollback can still use it) but not
-restored.
+sources and the JAX/XLA versions and platform), the kernel plan that computes it (every field,
+engine/plan.py), the serving profile (its canonical hash, plus the fields that shape the state
+spelled out for the log), and the speculative settings. Any difference makes a checkpoint
+`incompatible`: it is kept (a rollback can still use it) but not restored, and the load names
+the fields that differ (`differing_fields`).
 """
 from __future__ import annotations
 
@@ -47,8 +48,14 @@ def runtime_fingerprint(model, profile, engine) -> dict:
         "max_concurrency": profile.max_concurrency,
         "prefill_chunk": profile.prefill_chunk,
         "page_size": engine.mem.page_size,
+        "plan": engine.plan.to_dict(),
         "speculative": None,  # {backend, draft_window} once speculative decoding lands
     }
+
+
+def differing_fields(saved: dict, current: dict) -> list[str]:
+    """The top-level fingerprint fields whose values differ (present in one only included)."""
+    return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
 
 
 def fingerprint_digest(fp: dict) -> str:

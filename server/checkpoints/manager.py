@@ -148,7 +148,8 @@ class Checkpointer:
             if res.state != "available":
                 self.counts["misses"] += 1
                 self._log("checkpoint_restore", session_ns=ns, state=res.state,
-                          reason=res.reason, generation=res.generation)
+                          reason=res.reason, generation=res.generation,
+                          **({"differs": res.differs} if res.differs else {}))
                 return res.reason
             stages = dict(res.timings or {})
             snap = self._install(principal, session, res, stages)

@@ -42,7 +42,7 @@ from server.checkpoints import quota
 from server.checkpoints.files import (Faults, as_parts, fsync_dir, mkdir_synced, mkdirs_synced,
                                       nbytes, publish_file, publish_files, read_file, read_into,
                                       wait_all, write_new)
-from server.checkpoints.fingerprint import SCHEMA, fingerprint_digest
+from server.checkpoints.fingerprint import SCHEMA, differing_fields, fingerprint_digest
 from server.checkpoints.tags import (load_master_secret, manifest_tag, principal_digest,
                                      principal_key, session_namespace, tag_ok)
 
@@ -96,6 +96,7 @@ class LoadResult:
     bytes_read: int = 0
     staged: object = None         # the page_layout handle the pages were read into, if any
     timings: dict | None = None   # the load's stages, seconds
+    differs: list | None = None   # incompatible: the fingerprint fields that differ
 
 
 class _Corrupt(Exception):
@@ -299,6 +300,7 @@ class CheckpointStore:
             if not order:
                 return LoadResult("missing", "no_checkpoint")
             seen_other_fp = not_prefix = False
+            differs = None  # of the newest generation of another fingerprint
             for gen in order:
                 gdir = sdir / "generations" / gen
                 try:
@@ -306,15 +308,17 @@ class CheckpointStore:
                 except _Corrupt as c:
                     self.quarantine(sdir, gen, c.reason, bad_pages=c.bad_pages)
                     return LoadResult("corrupt", c.reason, gen)
-                if res == "incompatible":
+                if isinstance(res, tuple):  # ("incompatible", its fingerprint)
                     seen_other_fp = True
+                    if differs is None:
+                        differs = differing_fields(res[1], fingerprint)
                 elif res == "not_prefix":
                     not_prefix = True
                 else:
                     os.utime(gdir)  # last use, for the quota's eviction order
                     return res
             if seen_other_fp and not not_prefix:
-                return LoadResult("incompatible", "fingerprint_mismatch")
+                return LoadResult("incompatible", "fingerprint_mismatch", differs=differs)
             return LoadResult("missing", "not_prefix" if not_prefix else "no_checkpoint")
 
     def _load_generation(self, principal, ns, gdir: Path, fp: str, prompt, page_layout=None):
@@ -332,7 +336,7 @@ class CheckpointStore:
                     or m["session"] != ns or m["generation"] != gdir.name):
                 raise _Corrupt("owner_mismatch")
             if m["fingerprint_sha256"] != fp:
-                return "incompatible"
+                return ("incompatible", m.get("fingerprint") or {})
             files = {f["path"]: f for f in m["files"]}
             tokens_b = self._verified(gdir / "tokens.bin", files["tokens.bin"])
             tokens = np.frombuffer(tokens_b, "<i4").astype(np.int32)

@@ -1,0 +1,272 @@
+"""Kernel plans: what exactly runs in the forward, as data.
+
+A `KernelPlan` has one field for each choice the engine makes between implementations of the
+same math (the reference in plain JAX, a Pallas kernel, a CUDA op through the XLA FFI) and for
+the process-wide settings those need (XLA's flags, the CUDA op's build). It is frozen and
+hashable: the forward takes it as a static argument, so two plans are two traces, and its
+`digest()` names it in the executable store's key, the checkpoint fingerprint and
+`GET /v1/ninfer/status`. Shapes a chosen kernel cannot tile still take the reference (a
+property of the shapes, the same on every machine); a machine that cannot run what a plan
+names refuses it (`machine_problems`), it never runs something else.
+
+Named presets (`PRESETS`), variants by `dataclasses.replace` or `with_overrides` (what a lane
+profile's `[plan]` table gives):
+- `reference`: the plain-JAX references everywhere (the CPU lane, the tests' oracle path).
+- `pallas`: the portable Pallas kernels (Triton on a GPU, the Pallas interpreter on a CPU, as
+  the kernel tests run them), no CUDA op: GEMV, paged attention decode and prefill, flash
+  prefill, the fused GDN decode kernel with the state stacks updated in place, the chunked GDN
+  prefill kernel.
+- `h200`: the plan behind the README's H200 figures (docs/benchmarks): `pallas` plus the CUDA
+  int4 GEMV and MLP ops (sm_90), the fused decode norms, the attention prep kernel, the GDN
+  conv state written into a second stack, and XLA's CUDA graphs for the decode step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+# The XLA flags of `xla_gpu_graphs`: XLA's command buffers (CUDA graphs) take the custom calls
+# (the CUDA ops, the Pallas kernels) too, and graphs of any length are made (H200 v10: the 27B
+# C1 1K decode step 9.48 ms with XLA's defaults, 9.09 ms with these, 9.13 ms with no graphs).
+GPU_GRAPH_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
+                   "--xla_gpu_graph_min_graph_size=1")
+CUDA_ARCHS = ("80", "86", "89", "90", "100", "120")
+
+
+class PlanError(ValueError):
+    """A plan (or a profile's plan table) that names an unknown preset, field or value, or
+    choices that do not fit together."""
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    # Weight matmuls of decode-sized x (at most `qgemv.MAX_ROWS` rows): "xla" dequantizes and
+    # multiplies; "pallas" the weight-only GEMV kernel (engine/kernels/qgemv.py); "cuda" the
+    # same, with int4_g64 weights through the CUDA op (engine/kernels/cuda_ops.py), a layer's
+    # projections of one input in one launch.
+    gemv: str = "xla"
+    # Prefill pieces of up to this many rows against int4_g64 weights through the int4 GEMM
+    # (engine/kernels/qgemm.py) in place of a dequantized copy; 0: none (wider pieces are
+    # compute-bound, where cuBLAS over the copy is faster).
+    int4_gemm_rows: int = 0
+    # A decode step's MLP: "separate" (its GEMVs as `gemv` says, SwiGLU and the residual in
+    # XLA) or "cuda" (the CUDA op: gate|up then down, chained by programmatic dependent launch).
+    mlp: str = "separate"
+    # A decode step's RMSNorms with the residual add and the group sums the int4 GEMV takes:
+    # "xla" or "fused" (engine/kernels/norm_sums.py, one kernel a norm).
+    norms: str = "xla"
+    # The block scans: "slices" (each block's weights sliced out of the stacks) or "views"
+    # (the stacks carried whole and read in place by the kernels at a layer index,
+    # engine/kernels/stacked.py).
+    block_loop: str = "slices"
+    # A GDN layer's decode step after its projections: "xla" (the reference), "pallas" (the
+    # recurrent kernel, engine/kernels/gdn_decode.py, the other steps in XLA) or "fused" (the
+    # whole step in one kernel, engine/kernels/gdn_decode_fused.py, the state stacks updated in
+    # place; needs block_loop "views").
+    gdn_decode: str = "xla"
+    # With gdn_decode "fused": "copy" (each layer's new conv window copied into the stack) or
+    # "swap" (written in place into a second stack, which becomes the cache's).
+    gdn_conv_write: str = "copy"
+    # A GDN prefill chunk: "xla" (the chunked reference) or "pallas" (XLA prepares the
+    # state-independent terms, engine/kernels/gdn_prefill.py's lean scan carries the state).
+    gdn_prefill: str = "xla"
+    # Attention of a prefill chunk: "xla" (gather and attend) or "flash" (the paged prefill
+    # kernel over the pool; the flash kernel over a contiguous cache).
+    prefill_attention: str = "xla"
+    # Attention of a decode step: "xla" or "paged" (engine/kernels/paged_decode.py).
+    decode_attention: str = "xla"
+    # How the paged decode kernel's splits are merged: "reduce" (XLA reductions) or "chain"
+    # (elementwise sums in split order: the same additions at any batch size).
+    paged_merge: str = "reduce"
+    # A decode step's q/k norms, RoPE and K/V write in one kernel (engine/kernels/attn_prep.py);
+    # needs decode_attention "paged".
+    attn_prep: bool = False
+    # With attn_prep: the splits' merge, the output gate and o_proj's group sums in one kernel
+    # (engine/kernels/attn_merge.py).
+    attn_merge: bool = False
+    # The engine's loop: decode steps chained on the device (the next dispatched before the
+    # host reads the last one's tokens).
+    chain_decode: bool = True
+    # In an engine of several rows, a decode step of fewer live rows runs over those alone.
+    narrow_decode: bool = False
+    # XLA's CUDA graphs for the decode step (GPU_GRAPH_FLAGS), set before JAX starts.
+    xla_gpu_graphs: bool = False
+    # The CUDA ops' build (gemv "cuda" or mlp "cuda"): the GPU architecture the library is
+    # compiled for (the machine's must match) and nvcc's optimization flags.
+    cuda_arch: str | None = None
+    cuda_flags: tuple[str, ...] = ("-O3", "-std=c++17")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in CHOICES and v not in CHOICES[f.name]:
+                raise PlanError(f"plan field {f.name!r} must be one of "
+                                f"{list(CHOICES[f.name])}, got {v!r}")
+        for name in ("attn_prep", "attn_merge", "chain_decode", "narrow_decode",
+                     "xla_gpu_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"plan field {name!r} must be true or false, "
+                                f"got {getattr(self, name)!r}")
+        if not (isinstance(self.int4_gemm_rows, int) and not isinstance(self.int4_gemm_rows,
+                                                                         bool)
+                and self.int4_gemm_rows >= 0):
+            raise PlanError("plan field 'int4_gemm_rows' must be a non-negative integer, "
+                            f"got {self.int4_gemm_rows!r}")
+        if not (isinstance(self.cuda_flags, tuple)
+                and all(isinstance(a, str) and a.startswith("-") for a in self.cuda_flags)):
+            raise PlanError(f"plan field 'cuda_flags' must be a list of nvcc flags, "
+                            f"got {self.cuda_flags!r}")
+        if self.cuda_arch is not None and self.cuda_arch not in CUDA_ARCHS:
+            raise PlanError(f"plan field 'cuda_arch' must be one of {list(CUDA_ARCHS)}, "
+                            f"got {self.cuda_arch!r}")
+        needs = [
+            (self.gdn_decode == "fused" and self.block_loop != "views",
+             "gdn_decode 'fused' needs block_loop 'views'"),
+            (self.norms == "fused" and self.block_loop != "views",
+             "norms 'fused' needs block_loop 'views'"),
+            (self.gdn_conv_write == "swap" and self.gdn_decode != "fused",
+             "gdn_conv_write 'swap' needs gdn_decode 'fused'"),
+            (self.attn_prep and self.decode_attention != "paged",
+             "attn_prep needs decode_attention 'paged'"),
+            (self.attn_merge and not self.attn_prep, "attn_merge needs attn_prep"),
+            (self.mlp == "cuda" and self.block_loop != "views",
+             "mlp 'cuda' needs block_loop 'views'"),
+            (self.uses_cuda and self.cuda_arch is None,
+             "gemv or mlp 'cuda' needs cuda_arch (the GPU architecture it is built for)"),
+            (self.int4_gemm_rows and self.gemv == "xla", "int4_gemm_rows needs gemv 'pallas' "
+             "or 'cuda'"),
+        ]
+        for bad, why in needs:
+            if bad:
+                raise PlanError(f"plan: {why}")
+
+    # ---- what it needs -----------------------------------------------------------------
+    @property
+    def uses_cuda(self) -> bool:
+        """Whether the forward calls the CUDA ops (built with nvcc for `cuda_arch`)."""
+        return self.gemv == "cuda" or self.mlp == "cuda"
+
+    @property
+    def uses_pallas(self) -> bool:
+        """Whether the forward runs any Pallas kernel (Triton: compiled on a GPU only)."""
+        return (self.gemv != "xla" or self.norms != "xla" or self.gdn_decode != "xla"
+                or self.gdn_prefill != "xla" or self.prefill_attention != "xla"
+                or self.decode_attention != "xla")
+
+    def xla_flags(self) -> tuple[str, ...]:
+        """The XLA flags this plan sets for the process, before JAX starts its backend."""
+        return GPU_GRAPH_FLAGS if self.xla_gpu_graphs else ()
+
+    # ---- identity ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["cuda_flags"] = list(self.cuda_flags)
+        return d
+
+    def digest(self) -> str:
+        """sha256 of the plan as canonical JSON: every field, named."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def preset_name(self) -> str | None:
+        """The preset this plan equals, or None for a variant."""
+        return next((n for n, p in PRESETS.items() if p == self), None)
+
+    def describe(self) -> dict:
+        """The effective plan as a report shows it: preset (or null), digest, fields."""
+        return {"preset": self.preset_name(), "digest": self.digest(), **self.to_dict()}
+
+
+CHOICES: dict[str, tuple] = {
+    "gemv": ("xla", "pallas", "cuda"),
+    "mlp": ("separate", "cuda"),
+    "norms": ("xla", "fused"),
+    "block_loop": ("slices", "views"),
+    "gdn_decode": ("xla", "pallas", "fused"),
+    "gdn_conv_write": ("copy", "swap"),
+    "gdn_prefill": ("xla", "pallas"),
+    "prefill_attention": ("xla", "flash"),
+    "decode_attention": ("xla", "paged"),
+    "paged_merge": ("reduce", "chain"),
+}
+
+REFERENCE = KernelPlan()
+PALLAS = KernelPlan(gemv="pallas", block_loop="views", gdn_decode="fused", gdn_prefill="pallas",
+                    prefill_attention="flash", decode_attention="paged")
+H200 = dataclasses.replace(PALLAS, gemv="cuda", mlp="cuda", norms="fused", attn_prep=True,
+                           gdn_conv_write="swap", xla_gpu_graphs=True, cuda_arch="90")
+PRESETS: dict[str, KernelPlan] = {"reference": REFERENCE, "pallas": PALLAS, "h200": H200}
+
+
+def preset(name: str) -> KernelPlan:
+    try:
+        return PRESETS[name]
+    except (KeyError, TypeError):
+        raise PlanError(f"unknown kernel plan preset {name!r}; known: {sorted(PRESETS)}") \
+            from None
+
+
+def with_overrides(base: KernelPlan, overrides: dict, where: str = "plan") -> KernelPlan:
+    """`base` with the fields `overrides` names replaced (a profile's `[plan]` table; `where`
+    names it in errors). An unknown field or a bad value is a PlanError naming the key."""
+    fields = {f.name for f in dataclasses.fields(KernelPlan)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise PlanError(f"{where}: unknown plan field(s) {unknown}; fields: {sorted(fields)}")
+    vals = dict(overrides)
+    if isinstance(vals.get("cuda_flags"), list):
+        vals["cuda_flags"] = tuple(vals["cuda_flags"])
+    try:
+        return dataclasses.replace(base, **vals)
+    except PlanError as e:
+        raise PlanError(f"{where}: {e}") from None
+
+
+def from_dict(d: dict) -> KernelPlan:
+    """The plan `to_dict` wrote (a fingerprint's or a report's; extra report keys ignored)."""
+    fields = {f.name for f in dataclasses.fields(KernelPlan)}
+    return with_overrides(REFERENCE, {k: v for k, v in d.items() if k in fields})
+
+
+def check_plan(plan) -> KernelPlan:
+    if not isinstance(plan, KernelPlan):
+        raise PlanError(f"plan must be a KernelPlan, got {type(plan).__name__}")
+    return plan
+
+
+def machine_problems(plan: KernelPlan, platform: str, serving: bool = True) -> list[str]:
+    """Why this machine cannot run `plan` (an empty list: it can). platform: JAX's backend
+    ("gpu", "cpu"). serving: a server's engine (the Pallas interpreter is for tests, not for
+    serving). The CUDA ops' build is checked by `engine.kernels.cuda_ops.require`."""
+    out = []
+    if plan.uses_cuda and platform != "gpu":
+        out.append(f"the plan runs the CUDA ops (gemv={plan.gemv!r}, mlp={plan.mlp!r}), "
+                   f"and JAX's backend here is {platform!r}, not a GPU")
+    if serving and plan.uses_pallas and platform != "gpu":
+        out.append(f"the plan runs Pallas (Triton) kernels, which compile only for a GPU; JAX's "
+                   f"backend here is {platform!r} (use the 'reference' plan)")
+    return out
+
+
+def apply_process_settings(plan: KernelPlan) -> None:
+    """Put the plan's XLA flags into XLA_FLAGS for this process; JAX reads them when it starts
+    its backend, so this runs before that (the server does it right after loading the lane's
+    profile). Flags the operator already gave for the same option win. A backend already
+    started without them is a PlanError: the plan would not be what runs."""
+    import os
+
+    given = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in plan.xla_flags() if f.split("=")[0] not in given]
+    if not missing:
+        return
+    try:
+        from jax._src import xla_bridge
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a JAX without the probe: trust the caller
+        started = False
+    if started:
+        raise PlanError(f"the plan's XLA flags {missing} must be set before JAX starts its "
+                        "backend")
+    os.environ["XLA_FLAGS"] = " ".join([given, *missing]).strip()
