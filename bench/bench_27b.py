@@ -16,9 +16,17 @@ same run:
 The ceilings: a device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul, through
 torch when it is installed (what REFERENCE section 7 quotes), else through JAX; both recorded.
 
+The forward runs the kernel plan of --plan (a preset of engine/plan.py; default reference: the
+plain-JAX references) with --set's fields over it; --variants times the decode rows once for
+each of several plans (plan fields over --plan and --set) in one process.
+
   python bench/bench_27b.py --contexts 1024,32768 --prefill 8192 --out results.json
-  python bench/bench_27b.py --kernels pallas --weights int4_g64,bf16 --batches 1,2 \
+  python bench/bench_27b.py --plan h200 --paged --weights int4_g64,bf16 --batches 1,2 \
       --contexts 1024,32768,131072 --prefill 8192,32768,131072 --out v3.json
+  python bench/bench_27b.py --plan h200 --paged --weights int4_g64 --contexts 1024 \
+      --prefill "" --variants 'reduce chain:paged_merge=chain' --out merge.json
+  .venv/bin/python bench/bench_27b.py --preset tiny --plan reference --skip-peaks \
+      --contexts 256 --prefill 256 --steps 2 --prefill-reps 1 --out /tmp/b_tiny.json  # a CPU
 """
 from __future__ import annotations
 
@@ -42,6 +50,9 @@ from engine import model as M  # noqa: E402
 from engine.config import QWEN38_27B, preset  # noqa: E402
 from engine.kernels.stacked import MATRICES  # noqa: E402
 from engine.quant import GROUP, INT4_G64, QTensor  # noqa: E402
+
+from bench.plan_args import (add_plan_args, label, make_plan, parse_overrides,  # noqa: E402
+                             parse_value, parse_variants, prepare)
 
 
 def timed(fn, *args, reps: int, warmup: int = 2):
@@ -197,14 +208,17 @@ def decode_weight_bytes(params) -> int:
     return nbytes({k: v for k, v in params.items() if k not in ("embed_tokens", "mtp")})
 
 
-def run_decode(cfg, params, fmt, args, res, dt, variant: dict | None = None):
-    """Decode rows for each (batch, context); `variant` ({"name", "rep", "env"}: the env the
-    step was traced under) is recorded in each row, and only its first rep is profiled."""
+def run_decode(cfg, params, fmt, args, res, dt, plan, variant: dict | None = None):
+    """Decode rows for each (batch, context) under kernel plan `plan`; `variant` ({"name",
+    "rep", "overrides": the plan fields (and extra_kernels) it sets}) is recorded in each row,
+    and only its first rep is profiled."""
     wbytes = decode_weight_bytes(params)
     res.setdefault("weights_bytes_per_token", {})[fmt] = wbytes
+    # a variant's plan is a static argument (its own trace); extra_kernels is not, so a
+    # variant's step is traced afresh
     fwd = M.jit_forward() if not variant else _fresh_jit()
     step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll,  # noqa: E731
-                               kernels=args.kernels)
+                               plan=plan)
     state_bytes = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
         cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     if args.paged:
@@ -243,7 +257,7 @@ def run_decode(cfg, params, fmt, args, res, dt, variant: dict | None = None):
         jax.block_until_ready(logits)
         t_pipe = (time.perf_counter() - t0) / args.steps
         moved = wbytes + batch * (ctx * kv_per_tok + state_bytes)
-        row = {"weights": fmt, "kernels": args.kernels, "context": ctx, "batch": batch,
+        row = {"weights": fmt, "plan": label(plan), "context": ctx, "batch": batch,
                "kv": args.kv if args.paged else "bfloat16", "ms_per_step": t * 1e3,
                "tokens_per_s": batch / t, "bytes": moved,
                "ms_per_step_pipelined": t_pipe * 1e3,
@@ -257,25 +271,31 @@ def run_decode(cfg, params, fmt, args, res, dt, variant: dict | None = None):
         res["decode"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=2))
         tag = f"[{variant['name']} #{variant['rep']}] " if variant else ""
-        print(f"{tag}decode {fmt:>8} {args.kernels} C{batch} ctx {ctx:>6}: {t * 1e3:7.2f} ms/step "
+        print(f"{tag}decode {fmt:>8} {label(plan)} C{batch} ctx {ctx:>6}: {t * 1e3:7.2f} ms/step "
               f"{batch / t:6.1f} tok/s first call {compile_s:.1f}s; back to back "
               f"{t_pipe * 1e3:7.2f} ms/step {batch / t_pipe:6.1f} tok/s", flush=True)
         del cache
 
 
+# Extra XLA kernels a decoder layer (`install_extra_kernels`): --extra-kernels, or a variant's
+# "extra_kernels"; read when the step is traced.
+EXTRA_KERNELS = {"n": 0}
+
+
 def install_extra_kernels() -> None:
     """A probe of what one small kernel on a decode step's path costs: with
-    NINFER_BENCH_EXTRA_KERNELS=n (read when the step is traced, so a --variants entry may set
-    it), every decoder layer adds n to its output n times, each add its own XLA kernel on the
-    path from one layer to the next (an optimization barrier between them keeps XLA from
-    fusing them; z is a zero that XLA cannot see to be one). The model's results do not
-    change. The step time's slope against n over the layers is the cost of such a kernel."""
+    EXTRA_KERNELS["n"] = n (--extra-kernels, or a --variants entry's extra_kernels; read when
+    the step is traced), every decoder layer adds z to its output n times, each add its own XLA
+    kernel on the path from one layer to the next (an optimization barrier between them keeps
+    XLA from fusing them; z is a zero that XLA cannot see to be one). The model's results do
+    not change. The step time's slope against n over the layers is the cost of such a
+    kernel."""
     from engine import model
 
     def with_extra(layer_fn):
         def wrapped(p, cfg, x, *rest, **kw):
             out = layer_fn(p, cfg, x, *rest, **kw)
-            n = int(os.environ.get("NINFER_BENCH_EXTRA_KERNELS", "0"))
+            n = int(EXTRA_KERNELS["n"])
             if n <= 0:
                 return out
             y = out[0]
@@ -291,33 +311,55 @@ def install_extra_kernels() -> None:
 
 def _fresh_jit():
     """M.jit_forward() over a new function object: JAX keeps the traces of one function
-    across its jit wrappers, and a variant's settings are read when the step is traced."""
+    across its jit wrappers, and a variant's extra_kernels is read when the step is traced
+    (its plan is a static argument, a trace of its own anyway)."""
     f = M.forward
     g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     g.__kwdefaults__ = f.__kwdefaults__
     return jax.jit(g, static_argnames=M.FORWARD_STATIC, donate_argnames=("cache",))
 
 
+BENCH_KEYS = ("extra_kernels",)  # variant keys that are this script's, not plan fields
+
+
+def variant_specs(args) -> list[tuple[str, dict, dict]]:
+    """--variants as [(name, plan overrides, bench settings)]: JSON {name: {field: value}} or
+    'NAME:field=value,... NAME2:...' (the values typed by the plan's fields); the keys of
+    BENCH_KEYS are this script's settings, the others plan fields over --plan and --set."""
+    text = args.variants.strip()
+    if text.startswith("{"):
+        items = [(name, {k: parse_value(k, v) for k, v in over.items()})
+                 for name, over in json.loads(text).items()]
+    else:
+        items = parse_variants(text)
+    out = []
+    for name, over in items:
+        bench = {k: over.pop(k) for k in BENCH_KEYS if k in over}
+        out.append((name, over, bench))
+    return out
+
+
+def variant_plans(args) -> list:
+    """Each variant's plan (a usage error names the variant whose fields do not fit)."""
+    sets = parse_overrides(args.set)
+    return [make_plan(args.plan, {**sets, **over}, where=f"--variants {name}")
+            for name, over, _ in variant_specs(args)]
+
+
 def run_variants(cfg, params, fmt, args, res, dt):
     """run_decode for each of --variants in turn, --variant-reps times (A, B, A, B: drift of
     the clocks or the host shows as a spread within a variant, not as a difference)."""
-    variants = json.loads(args.variants)
-    names = sorted({k for env in variants.values() for k in env})
-    saved = {k: os.environ.get(k) for k in names}
+    specs = variant_specs(args)
+    plans = variant_plans(args)
     try:
         for rep in range(args.variant_reps):
-            for name, env in variants.items():
-                for k in names:
-                    os.environ.pop(k, None)
-                os.environ.update({k: str(v) for k, v in env.items()})
-                run_decode(cfg, params, fmt, args, res, dt,
-                           {"name": name, "rep": rep, "env": env})
+            for (name, over, bench), plan in zip(specs, plans):
+                EXTRA_KERNELS["n"] = int(bench.get("extra_kernels", args.extra_kernels))
+                run_decode(cfg, params, fmt, args, res, dt, plan,
+                           {"name": name, "rep": rep, "overrides": {**over, **bench},
+                            "plan_digest": plan.digest()})
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        EXTRA_KERNELS["n"] = args.extra_kernels
     by = {}
     for row in res["decode"]:
         if "variant" in row:
@@ -366,10 +408,10 @@ def decode_weight_params(params) -> int:
     return n
 
 
-def run_prefill(cfg, params, fmt, args, res, dt):
+def run_prefill(cfg, params, fmt, args, res, dt, plan):
     fwd = M.jit_forward()
     step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll,  # noqa: E731
-                               kernels=args.kernels)
+                               plan=plan)
     n_params = decode_weight_params(params)  # the same FLOP count for every format
     for T in [int(c) for c in args.prefill.split(",") if c]:
         max_len = -(-T // 64) * 64  # whole 64-token tiles: the flash kernel's key tile
@@ -392,13 +434,13 @@ def run_prefill(cfg, params, fmt, args, res, dt):
                 del out, c
         except Exception as e:  # noqa: BLE001  (out of memory at 128K is a result too)
             print(f"prefill {T}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            res["prefill"].append({"tokens": T, "kernels": args.kernels, "weights": fmt,
+            res["prefill"].append({"tokens": T, "plan": label(plan), "weights": fmt,
                                    "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
         t = float(np.median(times))
         attn = cfg.num_blocks * 2 * 2 * (T * T / 2) * cfg.num_heads * cfg.head_dim
         flops = 2 * n_params * T + attn
-        row = {"tokens": T, "kernels": args.kernels, "weights": fmt, "seconds": t,
+        row = {"tokens": T, "plan": label(plan), "weights": fmt, "seconds": t,
                "tokens_per_s": T / t,
                "flops": flops, "first_call_s": compile_s}
         if args.profile:
@@ -406,7 +448,7 @@ def run_prefill(cfg, params, fmt, args, res, dt):
                 lambda: jax.block_until_ready(step(params, toks, fresh())), 1)
         res["prefill"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=2))
-        print(f"prefill {args.kernels} {'' if fmt == 'bf16' else fmt + ' '}{T:>6}: "
+        print(f"prefill {label(plan)} {'' if fmt == 'bf16' else fmt + ' '}{T:>6}: "
               f"{t:7.3f} s {T / t:8.0f} tok/s "
               f"first call {compile_s:.1f}s", flush=True)
 
@@ -423,7 +465,7 @@ def main() -> None:
     ap.add_argument("--prefill-weights", default="bf16", help="weight formats for prefill, "
                     "e.g. bf16,int4_g64 (int4: each layer dequantized to bf16 as the engine "
                     "does for prompts)")
-    ap.add_argument("--kernels", default="xla", choices=["xla", "pallas"])
+    add_plan_args(ap, "reference")
     ap.add_argument("--out", default="bench_27b.json")
     ap.add_argument("--preset", default=QWEN38_27B.name, help="model preset (tiny ones for a "
                     "CPU smoke run)")
@@ -434,13 +476,22 @@ def main() -> None:
                     help="the paged pool's KV storage (int8: codes and per-row scales)")
     ap.add_argument("--profile", type=int, default=0, help="after timing, trace this many "
                     "decode steps (and one prefill) and print the GPU time by kernel")
-    ap.add_argument("--variants", default="", help="JSON {name: {VAR: value}}: the decode "
-                    "rows once for each, the step traced anew with those variables set (the "
-                    "others of every variant unset), in turn --variant-reps times")
+    ap.add_argument("--variants", default="", help="the decode rows once for each of these "
+                    "plans, in turn --variant-reps times: 'NAME[:field=value,...] ...' or JSON "
+                    "{name: {field: value}}, plan fields over --plan and --set (and "
+                    "extra_kernels, --extra-kernels's for that variant)")
     ap.add_argument("--variant-reps", type=int, default=2)
+    ap.add_argument("--extra-kernels", type=int, default=0, help="extra XLA kernels on the "
+                    "decode step's path a layer (install_extra_kernels: the cost of a small "
+                    "kernel)")
     ap.add_argument("--null-gemv", action="store_true", help="replace the GEMV kernel by zeros "
                     "(measures everything else in a decode step)")
     args = ap.parse_args()
+    plan = make_plan(args.plan, parse_overrides(args.set),
+                     where=f"--plan {args.plan} --set {args.set!r}")
+    # XLA's flags before JAX starts its backend; the CUDA ops built for the plans that call them
+    prepare(plan, *(variant_plans(args) if args.variants else ()))
+    EXTRA_KERNELS["n"] = args.extra_kernels
     install_extra_kernels()
     if args.null_gemv:
         from engine.kernels import qgemv
@@ -452,9 +503,8 @@ def main() -> None:
     cfg, dt = preset(args.preset), jnp.bfloat16
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
            "jax": jax.__version__, "python": platform.python_version(), "model": cfg.name,
-           "weights": "synthetic", "argv": sys.argv[1:], "kernels": args.kernels,
+           "weights": "synthetic", "argv": sys.argv[1:], "plan": plan.describe(),
            "unroll": args.unroll, "paged": args.paged, "null_gemv": args.null_gemv,
-           "int4_kernel": os.environ.get("NINFER_INT4_KERNEL", "default"),
            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     res["decode"], res["prefill"] = [], []
     dec_fmts = [f for f in args.weights.split(",") if f]
@@ -468,9 +518,9 @@ def main() -> None:
         if fmt in dec_fmts and args.variants:
             run_variants(cfg, params, fmt, args, res, dt)
         elif fmt in dec_fmts:
-            run_decode(cfg, params, fmt, args, res, dt)
+            run_decode(cfg, params, fmt, args, res, dt, plan)
         if fmt in pre_fmts:
-            run_prefill(cfg, params, fmt, args, res, dt)
+            run_prefill(cfg, params, fmt, args, res, dt, plan)
         del params
         Path(args.out).write_text(json.dumps(res, indent=2))
     if not args.skip_peaks:

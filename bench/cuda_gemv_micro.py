@@ -2,7 +2,9 @@
 shape of a qwen3.8-27b decode step, on one GPU: achieved bytes/s of int4 codes + scales over the
 measured copy bandwidth, per rows of x (M) and rows per warp (R). Weights are stacks of 4 layers
 read in place through the layer index (the model's access), so the 60 MB L2 cannot hold them.
-Also checks each CUDA result against the reference (`quant.linear`) before timing it.
+Also checks each CUDA result against the reference (`quant.linear`) before timing it. The CUDA
+op is built for --plan's cuda_arch and cuda_flags (engine/plan.py; default h200) and the plan's
+XLA flags are set, as the engine would.
 
   python bench/cuda_gemv_micro.py --out cuda_gemv_micro.json
 """
@@ -22,8 +24,10 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench.bench_27b import _random_qtensor, torch_peaks  # noqa: E402
 from bench.kernels_micro import LAYERS, call_loop, per_call, traced_kernels  # noqa: E402
+from bench.plan_args import add_plan_args, cuda_ops_status, plan_from_args  # noqa: E402
 from engine.kernels import cuda_ops, qgemv  # noqa: E402
 from engine.kernels.stacked import Stacked  # noqa: E402
+from engine.plan import apply_process_settings  # noqa: E402
 from engine.quant import linear  # noqa: E402
 
 # (name, N, K) of one decode step's matrices (GDN layers x48, attention x16, lm_head x1), and
@@ -76,12 +80,17 @@ def main() -> None:
                     "4224x5120,8448x5120: a sweep of N at one K separates a call's fixed cost "
                     "(ramp, tail) from its rate and shows the waves of 16-row tiles")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
+    add_plan_args(ap, "h200", "the CUDA op's build comes from (cuda_arch, cuda_flags); "
+                  "its XLA flags are set")
     args = ap.parse_args()
+    plan = plan_from_args(args)
+    apply_process_settings(plan)  # before JAX starts its backend
     peaks = torch_peaks()
+    available, why = cuda_ops_status(plan)
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
            "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
-           "peaks": peaks, "cuda_available": cuda_ops.available(),
-           "why_unavailable": cuda_ops.why_unavailable(), "rows": []}
+           "plan": plan.describe(), "peaks": peaks, "cuda_available": available,
+           "why_unavailable": why, "rows": []}
     copy = peaks.get("torch_copy_bytes_per_s", 1.0)
     print(f"copy {copy / 1e12:.2f} TB/s; CUDA op available: {res['cuda_available']} "
           f"{res['why_unavailable']}", flush=True)

@@ -2,8 +2,9 @@
 memory, sampler, chained steps) on the qwen3.8-27b shapes with synthetic weights, one GPU.
 
 bench_27b.py times the jitted forward alone; this times what a request gets: the engine's
-thread, its step log, the sampler, the host's token work and, with NINFER_OVERLAP, decode steps
-chained on the device. For each engine width B (max_concurrency) and context:
+thread, its step log, the sampler, the host's token work and, with the plan's chain_decode,
+decode steps chained on the device. The kernel plan is --plan's preset (engine/plan.py; default
+h200) with --set's fields; --variants compares plan overrides in one process. For each engine width B (max_concurrency) and context:
 
   prefill   one row's prompt of `ctx` random tokens, from empty: seconds and tokens/s (in an
             engine of B rows a prefill step is one sequence's piece)
@@ -17,14 +18,16 @@ chained on the device. For each engine width B (max_concurrency) and context:
             (what an agent's next turn waits before its first token)
 
     python3 bench/engine_27b.py --batches 1,2 --contexts 1024,32768,131072 --out e27.json
-    .venv/bin/python bench/engine_27b.py --preset tiny --kernels xla --batches 1,2 \
+    .venv/bin/python bench/engine_27b.py --preset tiny --plan reference --batches 1,2 \
         --contexts 256,1024 --decode-tokens 32 --out /tmp/e_tiny.json     # the same on a CPU
+    python3 bench/engine_27b.py --batches 1,2 --contexts 1024 --modes 1 \
+        --variants 'base merge:attn_merge=true copy:gdn_conv_write=copy'   # plans compared
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import platform
 import queue
 import sys
@@ -38,6 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.bench_27b import random_params  # noqa: E402
+from bench.plan_args import (add_plan_args, make_plan, parse_overrides,  # noqa: E402
+                             parse_variants, prepare)
 from engine.config import QWEN38_27B, preset  # noqa: E402
 from engine.engine import Engine, GenerationRequest, TokenEvent  # noqa: E402
 from engine.loader import LoadedModel  # noqa: E402
@@ -129,41 +134,26 @@ def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int, variant: str 
     return path
 
 
-def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
-    """'base xs:A=1,B=2' -> [("base", {}), ("xs", {"A": "1", "B": "2"})]; "" -> one unnamed."""
-    out = []
-    for item in text.split():
-        name, _, sets = item.partition(":")
-        env = {}
-        for kv in filter(None, sets.split(",")):
-            k, eq, v = kv.partition("=")
-            if not eq or not k:
-                raise SystemExit(f"--variants: {kv!r} in {item!r} is not VAR=value")
-            env[k] = v
-        if not name or name in [n for n, _ in out]:
-            raise SystemExit(f"--variants: {item!r} needs a name of its own")
-        out.append((name, env))
-    return out or [("", {})]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default=QWEN38_27B.name)
     ap.add_argument("--weights", default="int4_g64")
-    ap.add_argument("--kernels", default="pallas", choices=["xla", "pallas"])
+    add_plan_args(ap, "h200", "every engine")
     ap.add_argument("--batches", default="1,2", help="engine widths (max_concurrency)")
     ap.add_argument("--contexts", default="1024,32768,131072")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2, help="decode runs per mode (on/off)")
-    ap.add_argument("--modes", default="1,0", help="NINFER_OVERLAP values, in turn")
+    ap.add_argument("--modes", default="1,0", help="chained decode steps on (1) and off "
+                    "(0), in turn, set on each running engine (the plan's chain_decode)")
     ap.add_argument("--sampling", default="greedy", help=f"decode runs' sampling, in turn: "
                     f"some of {sorted(SAMPLINGS)}")
-    ap.add_argument("--narrow", default="0", help="for engines of more than one row: "
-                    "NINFER_NARROW_DECODE values, each its own engine (e.g. 0,1)")
-    ap.add_argument("--variants", default="", help="settings compared in one process, each "
-                    "its own engines: space-separated NAME[:VAR=value,...] (e.g. 'base "
-                    "prep:NINFER_ATTN_PREP=1'); the environment is set before each engine "
-                    "is built and traced, and JAX's trace caches are cleared between them")
+    ap.add_argument("--narrow", default="", help="for engines of more than one row: the "
+                    "plan's narrow_decode values, each its own engine (e.g. 0,1; default: "
+                    "each variant's plan's own)")
+    ap.add_argument("--variants", default="", help="plans compared in one process, each its "
+                    "own engines: space-separated NAME[:field=value,...], each plan field "
+                    "over --plan and --set (e.g. 'base merge:attn_merge=true "
+                    "copy:gdn_conv_write=copy'; values true/false, integers, strings)")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--room", type=int, default=2048, help="context beyond the longest prompt")
     ap.add_argument("--dtype", default="bfloat16")
@@ -179,6 +169,12 @@ def main() -> None:
                     "--read FILE prints its timelines)")
     ap.add_argument("--out", default="engine_27b.json")
     a = ap.parse_args()
+    sets = parse_overrides(a.set)
+    base = make_plan(a.plan, sets, where=f"--plan {a.plan} --set {a.set!r}")
+    variants = [(vname, over, make_plan(a.plan, {**sets, **over}, where=f"--variants {vname}"))
+                for vname, over in parse_variants(a.variants)]
+    # XLA's flags before JAX starts its backend; the CUDA ops built for the plans that call them
+    prepare(base, *(p for _, _, p in variants))
     cfg = preset(a.preset)
     dt = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[a.dtype]
     kv = {"": dt, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "int8": jnp.int8}[a.kv]
@@ -188,7 +184,7 @@ def main() -> None:
     turns = [int(x) for x in a.turns.split(",") if x]
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0]),
            "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
-           "model": cfg.name, "weights": f"synthetic {a.weights}", "kernels": a.kernels,
+           "model": cfg.name, "weights": f"synthetic {a.weights}", "plan": base.describe(),
            "kv_dtype": jnp.dtype(kv).name,
            "runs": []}
     t = time.monotonic()
@@ -206,27 +202,20 @@ def main() -> None:
         Path(a.out).write_text(json.dumps(res, indent=2))
 
     widths = [int(b) for b in a.batches.split(",") if b]
-    narrows = [x == "1" for x in a.narrow.split(",") if x]
-    variants = parse_variants(a.variants)
-    base_env = {k: os.environ.get(k) for _, env in variants for k in env}
-    for vname, venv, B, narrow in [(v, e, B, n) for v, e in variants for B in widths
-                                   for n in (narrows if B > 1 else [False])]:
-        for k, v in base_env.items():  # this variant's settings over the process's own
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        os.environ.update(venv)
-        if len(variants) > 1:
-            jax.clear_caches()  # the settings are read when the step functions are traced
+    narrows = [x in ("1", "true") for x in a.narrow.split(",") if x]
+    for vname, venv, vplan, B, narrow in [
+            (v, o, p, B, n) for v, o, p in variants for B in widths
+            for n in ((narrows or [p.narrow_decode]) if B > 1 else [False])]:
+        # each engine's own plan: a static argument of its forward, so two plans are two
+        # traces (no caches to clear between variants)
+        plan = dataclasses.replace(vplan, narrow_decode=narrow)
         # room for what row 0's history gains past the longest prompt: every decode run's
         # new tokens and output (C1 and C2 runs each rep, then the traced ones), and the turns
         runs = (a.reps * min(B, 2) + 1) * len(modes) * len(samplings)
         grow = runs * (4 + a.decode_tokens) + sum(turns) + 2 * len(turns)
         eng = Engine(model, context_tokens=max(contexts) + a.room + grow,
                      prefill_chunk=a.prefill_chunk,
-                     max_concurrency=B, kernels=a.kernels, state_slots=2 * B + 2,
-                     narrow_decode=narrow)
+                     max_concurrency=B, plan=plan, state_slots=2 * B + 2)
         compile_s = eng.warmup()
         eng.start()
         log(f"{vname + ' ' if vname else ''}B={B} narrow={int(narrow)}: compiled and warmed in "
@@ -242,7 +231,8 @@ def main() -> None:
                 for r in rows.ids:  # the last context's stored states free their pages
                     eng.forget_session("bench", f"row{r}")
                 rows.ids = {}
-                run = {"variant": vname, "env": venv, "batch": B, "narrow": narrow,
+                run = {"variant": vname, "overrides": venv,
+                       "plan_digest": plan.digest(), "batch": B, "narrow": narrow,
                        "context": ctx, "prefill": [], "decode": []}
                 for r in range(B):  # each row's prompt from empty, one at a time
                     ids = rng.integers(10, top, ctx).tolist()

@@ -3,9 +3,11 @@ stacks of 4 layers read in place so that the L2 holds none of it): the CUDA MLP 
 (`cuda_ops.int4_mlp`; launches 1: the persistent kernel, a grid barrier between the two
 GEMVs; 2: two launches chained by programmatic dependent launch; 3: the two in stream order)
 at several warps and register settings, against the separate calls (the wide GEMV for
-gate|up, XLA's SwiGLU, the wide GEMV for down, XLA's residual add: NINFER_MLP_FUSED=0). Per
-call: microseconds, bytes of codes and scales per second over the measured copy rate, and the
-error against the first row (the separate calls).
+gate|up, XLA's SwiGLU, the wide GEMV for down, XLA's residual add: a plan's mlp "separate";
+the model runs the op's two launches with mlp "cuda"). Per call: microseconds, bytes of codes
+and scales per second over the measured copy rate, and the error against the first row (the
+separate calls). The CUDA ops are built for --plan's cuda_arch and cuda_flags (engine/plan.py;
+default h200) and the plan's XLA flags are set, as the engine would.
 
   python bench/mlp_micro.py --out mlp_micro.json
 """
@@ -25,7 +27,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench.bench_27b import _random_qtensor, torch_peaks  # noqa: E402
 from bench.kernels_micro import LAYERS, per_call  # noqa: E402
+from bench.plan_args import add_plan_args, cuda_ops_status, plan_from_args  # noqa: E402
 from engine.kernels import cuda_ops  # noqa: E402
+from engine.plan import apply_process_settings  # noqa: E402
 
 HIDDEN, INTER = 5120, 17408
 
@@ -65,14 +69,20 @@ def main() -> None:
                          "kernel; 2: two launches chained by programmatic dependent launch; "
                          "3: the two in stream order)")
     ap.add_argument("--out", default="mlp_micro.json")
+    add_plan_args(ap, "h200", "the CUDA ops' build comes from (cuda_arch, cuda_flags); "
+                  "its XLA flags are set")
     args = ap.parse_args()
+    plan = plan_from_args(args)
+    apply_process_settings(plan)  # before JAX starts its backend
     peaks = torch_peaks()
     copy = peaks.get("torch_copy_bytes_per_s", 1.0)
+    available, why = cuda_ops_status(plan)
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
            "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
-           "peaks": peaks, "cuda_available": cuda_ops.available(), "rows": []}
+           "plan": plan.describe(), "peaks": peaks, "cuda_available": available,
+           "why_unavailable": why, "rows": []}
     if not res["cuda_available"]:
-        print(f"CUDA op unavailable: {cuda_ops.why_unavailable()}")
+        print(f"CUDA op unavailable: {why}")
         Path(args.out).write_text(json.dumps(res, indent=2))
         return
     key = jax.random.key(0)

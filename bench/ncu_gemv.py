@@ -13,7 +13,9 @@ use, achieved occupancy, waves), and does the warps' choice move it.
         python3 bench/ncu_gemv.py > ncu_gemv.csv
 
 (--clock-control none: leave the clocks alone, METHOD.md; --shapes and --warps narrow the
-run; --mlp adds the MLP op as the step calls it, its two launches, at the 27B's sizes.)
+run; --mlp adds the MLP op as the step calls it, its two launches, at the 27B's sizes; the CUDA
+ops are built for --plan's cuda_arch and cuda_flags, default the h200 preset's, engine/plan.py,
+and the plan's XLA flags are set.)
 Without ncu it prints each variant's time and bytes/s, so it doubles as a quick check.
 """
 from __future__ import annotations
@@ -29,7 +31,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.bench_27b import _random_qtensor  # noqa: E402
+from bench.plan_args import add_plan_args, cuda_ops_status, plan_from_args  # noqa: E402
 from engine.kernels import cuda_ops, qgemv  # noqa: E402
+from engine.plan import apply_process_settings  # noqa: E402
 
 SHAPES = [("lm_head", 248320, 5120), ("gate|up", 34816, 5120), ("down", 5120, 17408),
           ("in_proj", 16480, 5120), ("q|k|v", 14336, 5120), ("out_proj", 5120, 6144)]
@@ -47,7 +51,12 @@ def main() -> None:
                     "by XLA (`xperm`: no byte permutations in the kernel)")
     ap.add_argument("--mlp", action="store_true", help="also the MLP op (`cuda_ops.int4_mlp`, "
                     "two launches: gate|up 34816 x 5120 with SwiGLU, down 5120 x 17408) at M = 1")
+    add_plan_args(ap, "h200", "the CUDA ops' build comes from (cuda_arch, cuda_flags); "
+                  "its XLA flags are set")
     args = ap.parse_args()
+    plan = plan_from_args(args)
+    apply_process_settings(plan)  # before JAX starts its backend
+    available, why = cuda_ops_status(plan)
     shapes = args.shapes.split(",")
     warps = [int(w) for w in args.warps.split(",") if w]
     x_of = {}
@@ -71,8 +80,8 @@ def main() -> None:
                 lambda x, w: qgemv.qmatmul(x, w, config=qgemv.default_config(w, 1)))
             variants["copy"] = jax.jit(lambda x, w: w.data + jnp.uint8(1))
         for name, fn in variants.items():
-            if name not in ("pallas", "copy") and not cuda_ops.available():
-                print(f"{name}: CUDA op unavailable ({cuda_ops.why_unavailable()})")
+            if name not in ("pallas", "copy") and not available:
+                print(f"{name}: CUDA op unavailable ({why})")
                 continue
             t = per_call(fn, x, w)
             moved = 2 * w.data.size if name == "copy" else nbytes
@@ -80,7 +89,7 @@ def main() -> None:
                   flush=True)
         del w
     if args.mlp:
-        time_mlp()
+        time_mlp(available, why)
 
 
 def per_call(fn, *args) -> float:
@@ -93,11 +102,11 @@ def per_call(fn, *args) -> float:
     return (time.perf_counter() - t0) / REPS
 
 
-def time_mlp() -> None:
+def time_mlp(available: bool, why: str) -> None:
     """The MLP op at the 27B's sizes, M = 1, as the decode step calls it (its default launches),
     REPS calls after a first."""
-    if not cuda_ops.available():
-        print(f"mlp: CUDA op unavailable ({cuda_ops.why_unavailable()})")
+    if not available:
+        print(f"mlp: CUDA op unavailable ({why})")
         return
     d, n1 = 5120, 17408
     gate, up, down = (_random_qtensor(jax.random.key(s), shape, "int4_g64")

@@ -8,20 +8,20 @@ JAX compilation cache warm.
         --work-dir /tmp/r27 --out restore_27b.json
     # the same script end to end on a CPU with the tiny shapes and a short transcript
     .venv/bin/python bench/restore_27b.py --preset tiny --tokens 2048 --prefill-chunk 256 \
-        --kernels xla --work-dir /tmp/r27cpu --out /tmp/r27cpu.json
+        --plan reference --work-dir /tmp/r27cpu --out /tmp/r27cpu.json
 
 Phases: (a) a synthetic-weight `.ninfer` artifact of the preset (bench/synth_artifact.py; kept
 between runs, with its sha256 in a sidecar JSON); a lane profile TOML written into the work
-dir. (b) server 1 on a fresh state dir (cold compilation cache): restart-to-ready. (c) owner
-sends the transcript (one user message of ~--tokens tokens) with a prompt_cache_key; the
-checkpoint is flushed (POST /v1/ninfer/checkpoints waits for the save); graceful stop (SIGTERM)
-and its stop report. (d) server 2 on the same state dir: restart-to-ready warm. (e) owner
-continues with a short turn (previous_response_id): TTFT restored (request log: path
-`disk-restored`, the restore's bytes and seconds). (e2) one more streamed greedy turn of
---decode-tokens: decode tokens/s at the client (first delta to last) and by the engine's
-request log. (f) another principal sends the same
-transcript + answer + turn: TTFT of a cold re-prefill (--skip-reprefill leaves it out).
-(g) table + JSON (--out).
+dir, its [plan] table --plan's preset (engine/plan.py; default h200) with --set's fields. (b)
+server 1 on a fresh state dir (cold compilation cache): restart-to-ready. (c) owner sends the
+transcript (one user message of ~--tokens tokens) with a prompt_cache_key; the checkpoint is
+flushed (POST /v1/ninfer/checkpoints waits for the save); graceful stop (SIGTERM) and its stop
+report. (d) server 2 on the same state dir: restart-to-ready warm. (e) owner continues with a
+short turn (previous_response_id): TTFT restored (request log: path `disk-restored`, the
+restore's bytes and seconds). (e2) one more streamed greedy turn of --decode-tokens: decode
+tokens/s at the client (first delta to last) and by the engine's request log. (f) another
+principal sends the same transcript + answer + turn: TTFT of a cold re-prefill
+(--skip-reprefill leaves it out). (g) table + JSON (--out).
 
 The bench process never imports JAX (the servers own the GPU). Startup phases are taken from
 the servers' `startup phases:` line (server/cli.py): boot, artifact open / copy to device /
@@ -48,6 +48,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.plan_args import add_plan_args, make_plan, parse_overrides  # noqa: E402
 from tests.serverproc import start_server  # noqa: E402
 
 OWNER, COLD, PROBE = ("nk-owner-0123456789abcdef", "nk-cold-0123456789abcdef",
@@ -249,16 +250,24 @@ def write_profile(work: Path, art: dict, a) -> tuple[Path, dict]:
         "prefill_chunk": a.prefill_chunk, "max_output_tokens": 4096, "max_queue": 4,
         "queue_timeout_s": 900.0, "kv_capacity_tokens": context * a.concurrency,
         "state_slots": a.state_slots, "host_state_bytes": 0, "host": "127.0.0.1",
-        "port": 18089, "kernels": a.kernels,
+        "port": 18089,
     }
+    # the lane's kernel plan: a [plan] table (its preset and the fields --set gives)
+    plan = {"preset": a.plan, **{k: v for k, v in parse_overrides(a.set).items()
+                                 if v is not None}}  # TOML has no null
 
     def val(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(val(x) for x in v) + "]"
         return json.dumps(v) if isinstance(v, str) else repr(v)
 
     path = work / "bench-lane.toml"
     path.write_text("# written by bench/restore_27b.py\n" +
-                    "".join(f"{k} = {val(v)}\n" for k, v in prof.items()))
-    return path, prof
+                    "".join(f"{k} = {val(v)}\n" for k, v in prof.items()) +
+                    "\n[plan]\n" + "".join(f"{k} = {val(v)}\n" for k, v in plan.items()))
+    return path, {**prof, "plan": plan}
 
 
 def gpu_name() -> str | None:
@@ -285,7 +294,7 @@ def main(argv=None) -> int:
                     help="phase (e2): one more streamed, greedy turn of this many tokens after "
                          "the restore, timed at the client and by the engine (0: skip)")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
-    ap.add_argument("--kernels", default="pallas", help="the profile's kernels (xla, pallas)")
+    add_plan_args(ap, "h200", "the servers' lane profile")
     ap.add_argument("--compute", default="bfloat16")
     ap.add_argument("--kv", default="bfloat16")
     ap.add_argument("--concurrency", type=int, default=1,
@@ -299,6 +308,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="give up (and stop the servers) past this many seconds")
     a = ap.parse_args(argv)
+    make_plan(a.plan, parse_overrides(a.set))  # a plan that does not fit: a usage error now
     deadline = T_START + a.budget_s
     gpu = gpu_name()
     a.device = a.device or ("gpu" if gpu else "cpu")

@@ -7,7 +7,10 @@ beneath it (reading the page cache, host-to-device copies). No server.
     python3 bench/startup_micro.py --work-dir /tmp/r27 --out startup_micro.json
     # on a CPU, the tiny shapes
     .venv/bin/python bench/startup_micro.py --preset tiny --prefill-chunk 256 \
-        --context 4096 --work-dir /tmp/sm --out /tmp/sm.json
+        --context 4096 --plan reference --work-dir /tmp/sm --out /tmp/sm.json
+
+The engine runs the kernel plan of --plan (engine/plan.py; default h200) with --set's fields;
+each part's process sets the plan's XLA flags before JAX starts, as the server does.
 
 Parts (each in a fresh process, so nothing is cached in memory between them):
 - `compile_cold` / `compile_warm`: Engine.compile() as the server calls it (its thread pool),
@@ -50,13 +53,26 @@ def _setup_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def _plan(args):
+    from bench.plan_args import plan_from_args
+
+    return plan_from_args(args)
+
+
+def _prepare(args) -> None:
+    """The plan's XLA flags, before JAX starts its backend (server/cli.py does the same)."""
+    from engine.plan import apply_process_settings
+
+    apply_process_settings(_plan(args))
+
+
 def _engine(args, loading):
     from engine.engine import Engine
 
     return Engine(loading.abstract, context_tokens=args.context, prefill_chunk=args.prefill_chunk,
                   max_concurrency=args.batch, max_queue=4, queue_timeout_s=60.0,
                   capacity_tokens=args.context * args.batch, state_slots=4,
-                  host_state_bytes=0, kernels=args.kernels)
+                  host_state_bytes=0, plan=_plan(args))
 
 
 def part_compile(args) -> dict:
@@ -101,6 +117,12 @@ def part_widths(args) -> dict:
     import jax
     import jax.numpy as jnp
 
+    plan = _plan(args)
+    if plan.uses_cuda:  # the CUDA ops' FFI targets registered before a compile calls them
+        from engine.kernels import cuda_ops
+
+        cuda_ops.require(plan)
+
     from engine import model as M
     from engine.loader import start_load
     from engine.runtime.scheduler import piece_widths
@@ -117,7 +139,7 @@ def part_widths(args) -> dict:
     for w in piece_widths(args.prefill_chunk) + [1]:
         t0 = time.monotonic()
         traced = fwd.trace(params, cfg, jax.ShapeDtypeStruct((eng.B, w), jnp.int32), cache,
-                           lengths=zero, last_only=True, kernels=args.kernels)
+                           lengths=zero, last_only=True, plan=plan)
         t1 = time.monotonic()
         lowered = traced.lower()
         t2 = time.monotonic()
@@ -239,6 +261,7 @@ PARTS = {"compile": part_compile, "widths": part_widths, "load": part_load}
 
 
 def _child(args) -> None:
+    _prepare(args)
     res = PARTS[args.child](args)
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -263,7 +286,9 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=135168)
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--kernels", default="pallas")
+    from bench.plan_args import add_plan_args
+
+    add_plan_args(ap, "h200", "the engine")
     ap.add_argument("--compute-dtype", default="bfloat16")
     ap.add_argument("--parts", default="compile,widths,load")
     ap.add_argument("--child", choices=sorted(PARTS))
@@ -288,14 +313,15 @@ def main(argv=None) -> None:
             shutil.rmtree(d)
     common = ["--work-dir", str(work), "--out", args.out, "--preset", args.preset,
               "--context", str(args.context), "--prefill-chunk", str(args.prefill_chunk),
-              "--batch", str(args.batch), "--kernels", args.kernels, "--compute-dtype",
+              "--batch", str(args.batch), "--plan", args.plan, "--set", args.set,
+              "--compute-dtype",
               args.compute_dtype, "--artifact", str(artifact), "--cache-dir", str(cache)]
     parts = args.parts.split(",")
     res = {"command": "python3 bench/startup_micro.py " + " ".join(sys.argv[1:]),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "machine": {"host": platform.node(), "cpus": os.cpu_count(),
                        "python": platform.python_version()},
-           "artifact_bytes": artifact.stat().st_size}
+           "artifact_bytes": artifact.stat().st_size, "plan": _plan(args).describe()}
     if "compile" in parts:
         res["compile_cold"] = _run_child("compile", common, 600)
         res["compile_warm"] = _run_child("compile", common, 300)

@@ -1,7 +1,10 @@
 """Trace a few C1 decode steps of the 27B shapes and keep the whole trace (host and device
 planes), gzipped, for reading off the GPU: whether the device waits for the host's launches.
 
-    python3 bench/trace_step.py --out $OUT/trace_step.xplane.pb.gz [--steps 3] [--unroll]
+    python3 bench/trace_step.py --out $OUT/trace_step.xplane.pb.gz [--steps 3] [--unroll] \
+        [--plan h200] [--set field=value,...]
+
+(the steps run the kernel plan of --plan, engine/plan.py, default h200, with --set's fields.)
 
 Then, anywhere with jax: `python3 bench/trace_step.py --read FILE` prints the device's busy
 and idle time (idle inside a step, in gaps of at most 20 us, and between steps), a histogram
@@ -25,6 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def record(args) -> None:
+    from bench.plan_args import plan_from_args, prepare
+
+    plan = plan_from_args(args)
+    prepare(plan)  # XLA's flags before JAX starts; the CUDA ops registered where it calls them
+
     import jax
     import jax.numpy as jnp
 
@@ -42,7 +50,7 @@ def record(args) -> None:
     def step(c):
         c = c._replace(pos=jnp.full((1,), args.context, jnp.int32))
         logits, _, c = fwd(params, cfg, tok, c, last_only=True, unroll=args.unroll,
-                           kernels="pallas")
+                           plan=plan)
         jax.block_until_ready(logits)
         return c
 
@@ -229,6 +237,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--unroll", action="store_true")
+    from bench.plan_args import add_plan_args
+
+    add_plan_args(ap, "h200", "the traced steps")
     ap.add_argument("--read", default="")
     ap.add_argument("--diff", nargs=2, default=None, metavar=("A", "B"))
     ap.add_argument("--marker", default="paged_decode")

@@ -55,6 +55,11 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
     phases = {"boot_s": round(time.monotonic() - t_start, 3)}  # start -> this thread
     try:
         _check_plan_device(profile)
+    except RuntimeError as e:  # fail closed: the lane's plan, or nothing
+        rt.load_error = str(e)
+        print(f"ninfer: refused: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    try:
         from server.artifact_stamps import ArtifactStamps
 
         stamps = ArtifactStamps(args.state_dir)  # a loose key mode fails closed, like the others
@@ -168,10 +173,13 @@ def _check_plan_device(profile) -> None:
 
 def cmd_serve(args) -> int:
     t_start = time.monotonic()
-    from lanes.profile import load_profile
+    from lanes.profile import ProfileError, load_profile
     from server.auth import KeyFileError, ReloadingKeyRing, ensure_key_file
 
-    profile = load_profile(args.lane)
+    try:
+        profile = load_profile(args.lane)
+    except ProfileError as e:
+        raise SystemExit(f"ninfer: {e}") from None
     _check_plan_early(profile)
     host = args.host or profile.host
     port = profile.port if args.port is None else args.port

@@ -50,14 +50,16 @@ def random_pool(rng, kv_dtype, layers, pages, page, kvh, hd):
     return KVPool(jnp.asarray(k, kv_dtype), jnp.asarray(v, kv_dtype), None, None)
 
 
-def paged_decode_ab(monkeypatch, cfg, var: str, marker: str, seed: int = 9) -> dict:
-    """The bf16 model's two paged decode steps (kernels="pallas", two rows after an 8-token
-    prefill) with the switch `var` at "0" and at "1": {setting: (logits, cache)}. Asserts that
-    the kernel named `marker` is in the step's jaxpr exactly when the switch is on."""
+def paged_decode_ab(cfg, plans: dict, marker: str, marked=("on",), seed: int = 9) -> dict:
+    """The bf16 model's two paged decode steps (two rows after an 8-token prefill) under each
+    KernelPlan of `plans` ({name: plan}, engine/plan.py): {name: (logits, cache)}. Asserts
+    that the kernel named `marker` is in the step's jaxpr exactly for the plans named in
+    `marked`. The plans are static arguments of the forward: each is its own trace."""
     from engine import model as M
     from engine import paged_kv as pk
     from engine.params import random_flat_params, stack_params
 
+    assert set(marked) <= set(plans), f"marked {marked} not among the plans {list(plans)}"
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
                           stack_params(random_flat_params(cfg, seed=seed), cfg))
     b = 2
@@ -65,19 +67,18 @@ def paged_decode_ab(monkeypatch, cfg, var: str, marker: str, seed: int = 9) -> d
                          jnp.int32)
     pool = pk.init_kv_pool(cfg, 2 * b, 16, jnp.bfloat16)
     c0 = M.init_paged_cache(cfg, pool, np.arange(2 * b, dtype=np.int32).reshape(b, 2))
-    _, _, c0 = M.jit_forward()(params, cfg, prompt, c0)
+    fwd = M.jit_forward()
+    _, _, c0 = fwd(params, cfg, prompt, c0)
     outs = {}
-    for setting in ("0", "1"):
-        monkeypatch.setenv(var, setting)
-        jax.clear_caches()  # the switches are read while tracing
-        fwd, c, lg = M.jit_forward(), jax.tree.map(jnp.copy, c0), []
+    for name, plan in plans.items():
+        c, lg = jax.tree.map(jnp.copy, c0), []
         tok = prompt[:, -1:]
         for _ in range(2):
-            out, _, c = fwd(params, cfg, tok, c, kernels="pallas")
+            out, _, c = fwd(params, cfg, tok, c, plan=plan)
             lg.append(out)
             tok = jnp.argmax(out[:, -1], -1).astype(jnp.int32)[:, None]
-        outs[setting] = (jnp.concatenate(lg, 1), c)
+        outs[name] = (jnp.concatenate(lg, 1), c)
         text = str(jax.make_jaxpr(lambda c: fwd(params, cfg, prompt[:, -1:], c,
-                                                kernels="pallas"))(c0))
-        assert (marker in text) == (setting == "1")
+                                                plan=plan))(c0))
+        assert (marker in text) == (name in marked), (name, marker)
     return outs

@@ -1,6 +1,7 @@
 """The engine's scheduler on the real embedded model: batching is exact, prefill interleaves."""
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 
@@ -8,6 +9,7 @@ import pytest
 
 from engine.engine import (DoneEvent, Engine, GenerationRequest, PromptTooLong, QueueFull,
                            TokenEvent)
+from engine.plan import REFERENCE
 from engine.sampling import SamplingParams
 
 
@@ -19,9 +21,9 @@ def model(tiny_model):
 @pytest.fixture(scope="module", params=[False, True], ids=["padded", "narrow"])
 def engine(model, request):
     """An engine of two rows; "narrow": a decode step of one row runs over that row alone
-    (`NINFER_NARROW_DECODE`), so a sequence alone and two at once run different forwards."""
+    (the plan's narrow_decode), so a sequence alone and two at once run different forwards."""
     eng = Engine(model, context_tokens=2048, prefill_chunk=64, max_concurrency=2, max_queue=4,
-                 narrow_decode=request.param)
+                 plan=dataclasses.replace(REFERENCE, narrow_decode=request.param))
     assert eng._narrow is request.param
     eng.start()
     yield eng

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import Engine
+from engine.plan import H200, REFERENCE
 from engine.sampling import SamplingParams
 from tests.kernel_checks import on_gpu
 from tests.test_engine_batching import alone_and_together
@@ -22,11 +23,15 @@ def bf16_model(embedded_models_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernels", ["pallas", "xla"])
-def test_two_sequences_together_equal_each_alone_on_gpu(bf16_model, kernels):
+@pytest.mark.parametrize("plan", [H200, REFERENCE], ids=["h200", "reference"])
+def test_two_sequences_together_equal_each_alone_on_gpu(bf16_model, plan):
     assert on_gpu()
+    if plan.uses_cuda:
+        from engine.kernels import cuda_ops
+
+        cuda_ops.require(plan)
     eng = Engine(bf16_model, context_tokens=4096, prefill_chunk=256, max_concurrency=2,
-                 max_queue=4, kernels=kernels)
+                 max_queue=4, plan=plan)
     eng.start()
     try:
         alone, together = alone_and_together(bf16_model, eng, SamplingParams(temperature=0.0))

@@ -1,12 +1,15 @@
 """Chained decode steps (the engine dispatches step K + 1 with step K's sampled tokens still on
-the device, NINFER_OVERLAP, on by default) give exactly the synced path's results: the same
+the device, the plan's chain_decode, on by default) give exactly the synced path's results: the same
 tokens and ends, the same step log, and stored states that a continuation resumes token for
 token. Real engines on the embedded model, one with chaining and one without."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.engine import Engine, GenerationRequest
+from engine.plan import REFERENCE
 from engine.sampling import SamplingParams
 from tests.test_engine_batching import Collector
 
@@ -21,7 +24,8 @@ def model(tiny_model):
 
 def _engine(model, overlap: bool):
     eng = Engine(model, context_tokens=1024, prefill_chunk=64, max_concurrency=2, max_queue=8,
-                 capacity_tokens=8192, state_slots=16, overlap=overlap)
+                 capacity_tokens=8192, state_slots=16,
+                 plan=dataclasses.replace(REFERENCE, chain_decode=overlap))
     eng.start()
     return eng
 
@@ -57,15 +61,13 @@ def _both(engines, fn):
     return out
 
 
-def test_chaining_is_on_by_default_and_off_with_the_switch(model, engines, monkeypatch):
+def test_chaining_is_on_by_default_and_off_with_the_plan(model, engines):
     on, off = engines
     assert on._overlap and not off._overlap
     kw = dict(context_tokens=256, prefill_chunk=64)
-    monkeypatch.delenv("NINFER_OVERLAP", raising=False)
-    assert Engine(model, **kw)._overlap  # the default
-    monkeypatch.setenv("NINFER_OVERLAP", "0")
-    assert not Engine(model, **kw)._overlap
-    assert Engine(model, overlap=True, **kw)._overlap  # the argument wins
+    assert Engine(model, **kw)._overlap  # the default plan chains
+    assert not Engine(model, plan=dataclasses.replace(REFERENCE, chain_decode=False),
+                      **kw)._overlap
 
 
 def test_greedy_and_seeded_tokens_and_stop_at_a_chosen_token(model, engines):

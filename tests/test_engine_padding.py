@@ -6,6 +6,8 @@ whose remainder runs padded must generate the same greedy tokens as one that nee
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 from engine import model as M
 from engine import paged_kv as pk
+from engine.plan import PALLAS, REFERENCE
 from engine.runtime.scheduler import MIN_PIECE, piece, piece_widths
 from tests.engine_runs import greedy_tokens
 from tests.kernel_checks import assert_close
@@ -38,8 +41,8 @@ def _paged_cache(cfg, b: int, pages_per_row: int):
     return M.init_paged_cache(cfg, pool, table)
 
 
-@pytest.mark.parametrize("kernels", ["xla", "pallas"])
-def test_padded_piece_equals_unpadded(tiny_model, kernels):
+@pytest.mark.parametrize("plan", [REFERENCE, PALLAS], ids=["reference", "pallas"])
+def test_padded_piece_equals_unpadded(tiny_model, plan):
     """History of 64 tokens in row 0, then 37 more: unpadded [B, 37] vs padded [B, 64] with
     lengths 37 give the same cache (KV pool, conv, rec, pos) and last-token logits; row 1
     (length 0 throughout) is untouched either way."""
@@ -55,12 +58,12 @@ def test_padded_piece_equals_unpadded(tiny_model, kernels):
         tok[0] = ids[:hist]
         _, _, cache = fwd(params, cfg, jnp.asarray(tok), cache,
                           lengths=jnp.asarray([hist, 0], jnp.int32), last_only=True,
-                          kernels=kernels)
+                          plan=plan)
         tok = np.zeros((b, width), np.int32)
         tok[0, :n] = ids[hist:]
         logits, _, cache = fwd(params, cfg, jnp.asarray(tok), cache,
                                lengths=jnp.asarray([n, 0], jnp.int32), last_only=True,
-                               kernels=kernels)
+                               plan=plan)
         return jax.device_get(logits[0, 0]), jax.device_get(cache)
 
     want_logits, want = run(n)
@@ -78,8 +81,8 @@ def test_padded_piece_equals_unpadded(tiny_model, kernels):
         assert not np.any(slots[:, hist + n:]), "a padded step wrote KV"
 
 
-@pytest.mark.parametrize("kernels", ["xla", "pallas"])
-def test_forward_rows_equals_the_padded_batch(tiny_model, kernels):
+@pytest.mark.parametrize("plan", [REFERENCE, PALLAS], ids=["reference", "pallas"])
+def test_forward_rows_equals_the_padded_batch(tiny_model, plan):
     """forward_rows over cache rows [2] (and [2, 0]) of three gives what `forward` over all
     three gives with the others at length 0: the run rows' logits, GDN states, positions and
     KV; the rows not run keep their states, positions and pages bit for bit, and their logits
@@ -94,7 +97,7 @@ def test_forward_rows_equals_the_padded_batch(tiny_model, kernels):
         cache = _paged_cache(cfg, b, 2)
         _, _, cache = fwd(params, cfg, jnp.asarray(ids[:, :hist]), cache,
                           lengths=jnp.full((b,), hist, jnp.int32), last_only=True,
-                          kernels=kernels)
+                          plan=plan)
         return cache
 
     for rows in ([2], [2, 0]):
@@ -104,11 +107,11 @@ def test_forward_rows_equals_the_padded_batch(tiny_model, kernels):
         tok[rows, :n] = ids[rows, hist:]
         want_logits, _, want = fwd(params, cfg, jnp.asarray(tok), history(),
                                    lengths=jnp.asarray(lengths), last_only=True,
-                                   kernels=kernels)
+                                   plan=plan)
         before = jax.device_get(history())
         got_logits, got = fwd_rows(params, cfg, jnp.asarray(tok[rows]), history(),
                                    jnp.asarray(rows, jnp.int32),
-                                   lengths=jnp.asarray(lengths[rows]), kernels=kernels)
+                                   lengths=jnp.asarray(lengths[rows]), plan=plan)
         got, want = jax.device_get(got), jax.device_get(want)
         others = [r for r in range(b) if r not in rows]
         assert got_logits.shape == want_logits.shape
@@ -180,7 +183,8 @@ def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, 
     # 200 context tokens: cache shapes no other test uses, so no executable of an earlier test
     # can stand in for the warmup's
     eng = Engine(loading.abstract, context_tokens=200, prefill_chunk=32, max_concurrency=rows,
-                 max_queue=2, narrow_decode=narrow)
+                 max_queue=2,
+                 plan=dataclasses.replace(REFERENCE, narrow_decode=narrow))
     assert eng.compile(threads=3) > 0
     model = loading.result()
     assert model.sha256 == tiny_model.sha256 and timings["verify"] == "full"

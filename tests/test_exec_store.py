@@ -109,9 +109,13 @@ def test_an_authentic_file_that_does_not_load_is_compiled_anew(tmp_path):
 def test_key_follows_code_settings_and_call(monkeypatch):
     base = _key("k")
     assert _key("k") == base and _key("k2") != base
-    monkeypatch.setenv("NINFER_INT4_KERNEL", "fma")
-    assert _key("k") != base
-    monkeypatch.delenv("NINFER_INT4_KERNEL")
+    given = os.environ.get("XLA_FLAGS")
+    monkeypatch.setenv("XLA_FLAGS", f"{given or ''} --xla_cpu_enable_fast_math=false")
+    assert _key("k") != base  # XLA's flags (the operator's, a plan's) are part of the key
+    if given is None:
+        monkeypatch.delenv("XLA_FLAGS")
+    else:
+        monkeypatch.setenv("XLA_FLAGS", given)
     monkeypatch.setenv("NINFER_EXEC_STORE", "on")  # the store's own switch is not part of it
     assert _key("k") == base
     exec_store._source_digest[:] = ["0" * 64]  # another engine source tree

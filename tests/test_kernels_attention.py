@@ -36,24 +36,19 @@ def test_paged_decode_matches_reference(kv_dtype, batch, slot_offset):
 
 
 @pytest.mark.parametrize("fold", [True, False])
-def test_paged_decode_int8_scales_folded_or_not(fold, monkeypatch):
+def test_paged_decode_int8_scales_folded_or_not(fold):
     """INT8 pages with their scales on the scores and softmax weights (the default) or
-    element by element (NINFER_PAGED_INT8=dequant): both match the reference, and the
-    environment picks the same kernel as the argument."""
+    element by element (fold=False): both match the reference."""
     rng = np.random.default_rng(11)
     pool, table, q, last = _paged_case(rng, "int8", 2)
     got = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8,
                        fold=fold)
     assert_close(got, paged_attend_ref(pool, table, jnp.int32(1), q, last), q.dtype)
-    monkeypatch.setenv("NINFER_PAGED_INT8", "fold" if fold else "dequant")
-    again = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(again, np.float32))
 
 
-def test_paged_decode_int8_casts(monkeypatch):
+def test_paged_decode_int8_casts():
     """Each way INT8 codes become dot operands matches the reference; f16 and magic give the
-    codes exactly in the same dtype, so the same bits; the environment picks the same kernel
-    as the argument, and an unknown name is an error."""
+    codes exactly in the same dtype, so the same bits; an unknown name is an error."""
     rng = np.random.default_rng(12)
     pool, table, q, last = _paged_case(rng, "int8", 2)
     want = paged_attend_ref(pool, table, jnp.int32(1), q, last)
@@ -65,31 +60,19 @@ def test_paged_decode_int8_casts(monkeypatch):
         assert_close(got[cast], want, q.dtype)
     np.testing.assert_array_equal(np.asarray(got["f16"], np.float32),
                                   np.asarray(got["magic"], np.float32))
-    monkeypatch.setenv("NINFER_PAGED_INT8_CAST", "magic")
-    again = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8)
-    np.testing.assert_array_equal(np.asarray(got["magic"], np.float32),
-                                  np.asarray(again, np.float32))
-    monkeypatch.setenv("NINFER_PAGED_INT8_CAST", "fp8")
-    with pytest.raises(ValueError, match="NINFER_PAGED_INT8_CAST"):
-        paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8)
+    with pytest.raises(ValueError, match="cast must be one of"):
+        paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8,
+                     cast="fp8")
 
 
-def test_paged_decode_launch_settings(monkeypatch):
-    """The launch settings by page dtype, NINFER_PAGED_DECODE over them, a malformed value an
-    error; pages a loop step (unroll) and warps/stages change nothing of the result."""
+def test_paged_decode_launch_settings():
+    """The launch settings by page dtype; a non-positive setting is an error; pages a loop
+    step (unroll) and warps/stages change nothing of the result."""
     from engine.kernels.paged_decode import LAUNCH_DEFAULTS, launch_default
 
-    monkeypatch.delenv("NINFER_PAGED_DECODE", raising=False)
     assert launch_default("bfloat16") == LAUNCH_DEFAULTS["bfloat16"] == (512, 8, 2, 1)
     assert launch_default("int8") == (512, 4, 2, 1)
     assert launch_default("float32") == launch_default("float16") == (512, 4, 2, 1)
-    monkeypatch.setenv("NINFER_PAGED_DECODE", "1024:4:3:2")
-    assert launch_default("bfloat16") == launch_default("int8") == (1024, 4, 3, 2)
-    for bad in ("512:4:2", "512:3:2:1", "a:b:c:d", "512:4:0:1"):
-        monkeypatch.setenv("NINFER_PAGED_DECODE", bad)
-        with pytest.raises(ValueError, match="NINFER_PAGED_DECODE"):
-            launch_default("bfloat16")
-    monkeypatch.delenv("NINFER_PAGED_DECODE")
     rng = np.random.default_rng(13)
     pool, table, q, last = _paged_case(rng, "bfloat16", 1)
     with pytest.raises(ValueError, match="positive"):
@@ -150,22 +133,22 @@ def test_paged_decode_is_batch_invariant(merge):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
-def test_paged_decode_chained_merge_matches(kv_dtype, monkeypatch):
-    """NINFER_PAGED_MERGE=chain: the reference's result, within the reduction's rounding of
-    the merged sums; short rows in a wide table (empty splits weigh nothing)."""
+def test_paged_decode_chained_merge_matches(kv_dtype):
+    """merge="chain" (a plan's paged_merge): the reference's result, within the reduction's
+    rounding of the merged sums; short rows in a wide table (empty splits weigh nothing); an
+    unknown merge is an error."""
     rng = np.random.default_rng()
     pool, table, q, last = _paged_case(rng, kv_dtype, 2)
     last = last.at[1].set(3)  # row 1: one page of a wide table
-    monkeypatch.setenv("NINFER_PAGED_MERGE", "chain")
-    got = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8)
+    got = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8,
+                       merge="chain")
     bound = q.dtype  # the output's: fp32 queries with fp32 pages, else bf16
     assert_close(got, paged_attend_ref(pool, table, jnp.int32(1), q, last), bound)
     red = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8,
                        merge="reduce")
     assert_close(got, red, bound)
-    monkeypatch.setenv("NINFER_PAGED_MERGE", "tree")
-    with pytest.raises(ValueError, match="NINFER_PAGED_MERGE"):
-        paged_attend(pool, table, jnp.int32(1), q, last, interpret=True)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, merge="tree")
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
@@ -239,29 +222,29 @@ def test_attention_kernels_lower_to_triton():
                                            ("int8", "f16"), ("int8", "magic")])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("merge", ["reduce", "chain"])
-def test_paged_decode_gpu_27b_heads(kv_dtype, cast, batch, merge, monkeypatch):
+def test_paged_decode_gpu_27b_heads(kv_dtype, cast, batch, merge):
     """At the 27B's heads against the reference; with two rows, row 0's bits do not depend on
     row 1 (what greedy C1 == C2 in an engine of fixed width needs: its C1 steps run the same
     two-row program with the other row idle). "chain" also promises row 0 alone (a program of
     one row) gives the same bits; "reduce" does not (XLA may tile a reduction over the splits
     differently for B = 1 and B = 2: v28 saw 1 of 6,144 values differ by one ulp)."""
     assert on_gpu()
-    monkeypatch.setenv("NINFER_PAGED_MERGE", merge)
     rng = np.random.default_rng()
     pool, table, q, last = _paged_case(rng, kv_dtype, batch, layers=2, pages=batch * 40,
                                        page=64, kvh=4, hd=256, nh=24, mp=40)
-    got = paged_attend(pool, table, jnp.int32(1), q, last, cast=cast)
+    got = paged_attend(pool, table, jnp.int32(1), q, last, cast=cast, merge=merge)
     assert_close(got, paged_attend_ref(pool, table, jnp.int32(1), q.astype(jnp.float32), last),
                  jnp.bfloat16)
     if batch == 2:
         # row 1 idle (length 0, as the engine leaves a free row) and then another query
         for q1, last1 in ((q[1:], 0), (-q[1:], int(last[1]) // 2 + 1)):
             other = paged_attend(pool, table, jnp.int32(1), q.at[1:].set(q1),
-                                 last.at[1].set(last1), cast=cast)
+                                 last.at[1].set(last1), cast=cast, merge=merge)
             np.testing.assert_array_equal(np.asarray(other[0], np.float32),
                                           np.asarray(got[0], np.float32))
         if merge == "chain":
-            alone = paged_attend(pool, table[:1], jnp.int32(1), q[:1], last[:1], cast=cast)
+            alone = paged_attend(pool, table[:1], jnp.int32(1), q[:1], last[:1], cast=cast,
+                                 merge=merge)
             np.testing.assert_array_equal(np.asarray(alone[0], np.float32),
                                           np.asarray(got[0], np.float32))
 

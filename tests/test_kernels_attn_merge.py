@@ -15,6 +15,7 @@ from engine.kernels import attn_merge as AM
 from engine.kernels.cuda_ops import group_sums
 from engine.kernels.paged_decode import (_partials, _settings, paged_attend,
                                          paged_attend_gated)
+from engine.plan import PALLAS, PRESETS, KernelPlan
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, paged_decode_ab
 from tests.test_kernels_attention import _paged_case
 
@@ -122,22 +123,21 @@ def test_merge_lowers_to_triton():
 CFG = dataclasses.replace(TEST_SMALL, name="test-small-merge", head_dim=64)  # a group a head
 
 
-def test_model_paged_decode_through_the_merge_matches_the_plain_path(monkeypatch):
-    """bf16 paged decode steps with kernels="pallas" and the prep kernel: the attention tail
-    kernel (NINFER_ATTN_MERGE=1) gives the XLA merge's logits within bf16's bound."""
-    monkeypatch.setenv("NINFER_ATTN_PREP", "1")
-    outs = paged_decode_ab(monkeypatch, CFG, "NINFER_ATTN_MERGE", "attn_merge")
-    assert_close(outs["1"][0], outs["0"][0], jnp.bfloat16)
+def test_model_paged_decode_through_the_merge_matches_the_plain_path():
+    """bf16 paged decode steps with the pallas plan and the prep kernel: the attention tail
+    kernel (attn_merge=True) gives the XLA merge's logits within bf16's bound."""
+    prep = dataclasses.replace(PALLAS, attn_prep=True)
+    outs = paged_decode_ab(CFG, {"off": prep, "on": dataclasses.replace(prep, attn_merge=True)},
+                           "attn_merge")
+    assert_close(outs["on"][0], outs["off"][0], jnp.bfloat16)
 
 
-def test_merge_switch_is_off_by_default(monkeypatch):
+def test_merge_is_off_by_default():
     assert AM.takes(CFG) and AM.takes(QWEN38_27B) and not AM.takes(TEST_SMALL)
     assert not AM.takes(dataclasses.replace(QWEN38_27B, head_dim=192))
     assert not AM.takes(dataclasses.replace(QWEN38_27B, num_heads=68))  # 17 a KV head
-    monkeypatch.delenv("NINFER_ATTN_MERGE", raising=False)
-    assert not AM.enabled()
-    monkeypatch.setenv("NINFER_ATTN_MERGE", "1")
-    assert AM.enabled()
+    assert not KernelPlan().attn_merge
+    assert not any(p.attn_merge for p in PRESETS.values())
 
 
 @pytest.mark.gpu

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from engine import paged_kv as pk
 from engine.config import QWEN38_27B, TEST_SMALL
 from engine.kernels import attn_prep as A
+from engine.plan import PALLAS
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, paged_decode_ab
 
 
@@ -98,13 +98,14 @@ def test_attn_prep_lowers_to_triton():
 CFG = dataclasses.replace(TEST_SMALL, name="test-small-prep")
 
 
-def test_model_paged_decode_through_attn_prep_matches_the_plain_path(monkeypatch):
-    """bf16 paged decode steps with kernels="pallas": the prep kernel (NINFER_ATTN_PREP=1)
-    gives the plain path's logits within bf16's bound and writes the same KV pages."""
-    outs = paged_decode_ab(monkeypatch, CFG, "NINFER_ATTN_PREP", "attn_prep")
-    assert_close(outs["1"][0], outs["0"][0], jnp.bfloat16)
-    assert_close(outs["1"][1].pool.k, outs["0"][1].pool.k, jnp.bfloat16)
-    assert_close(outs["1"][1].pool.v, outs["0"][1].pool.v, jnp.bfloat16)
+def test_model_paged_decode_through_attn_prep_matches_the_plain_path():
+    """bf16 paged decode steps with the pallas plan: the prep kernel (attn_prep=True) gives
+    the plain path's logits within bf16's bound and writes the same KV pages."""
+    prep = dataclasses.replace(PALLAS, attn_prep=True)
+    outs = paged_decode_ab(CFG, {"off": PALLAS, "on": prep}, "attn_prep")
+    assert_close(outs["on"][0], outs["off"][0], jnp.bfloat16)
+    assert_close(outs["on"][1].pool.k, outs["off"][1].pool.k, jnp.bfloat16)
+    assert_close(outs["on"][1].pool.v, outs["off"][1].pool.v, jnp.bfloat16)
 
 
 @pytest.mark.gpu
@@ -118,26 +119,6 @@ def test_attn_prep_gpu_27b_heads():
     assert_close(q, want_q, jnp.bfloat16)
     assert_close(got.k, want.k, jnp.bfloat16)
     assert np.array_equal(np.asarray(got.v, np.float32), np.asarray(want.v, np.float32))
-
-
-def test_attn_prep_switch_defaults_to_the_gpu(monkeypatch):
-    """NINFER_ATTN_PREP unset: on where JAX's backend is the GPU, off elsewhere; 0 and 1 say
-    so everywhere; anything else is an error."""
-    from engine.kernels import attn_prep
-
-    monkeypatch.delenv("NINFER_ATTN_PREP", raising=False)
-    assert attn_prep.enabled() == (jax.default_backend() == "gpu")
-    monkeypatch.setattr(attn_prep.jax, "default_backend", lambda: "gpu")
-    assert attn_prep.enabled()
-    monkeypatch.setenv("NINFER_ATTN_PREP", "0")
-    assert not attn_prep.enabled()
-    monkeypatch.setattr(attn_prep.jax, "default_backend", lambda: "cpu")
-    assert not attn_prep.enabled()
-    monkeypatch.setenv("NINFER_ATTN_PREP", "1")
-    assert attn_prep.enabled()
-    monkeypatch.setenv("NINFER_ATTN_PREP", "yes")  # not a setting: an error, not "off"
-    with pytest.raises(ValueError, match="NINFER_ATTN_PREP must be auto, 0 or 1"):
-        attn_prep.enabled()
 
 
 def test_attn_prep_writes_q_as_the_paged_kernel_tiles_it():

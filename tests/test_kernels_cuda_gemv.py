@@ -1,6 +1,8 @@
 """The CUDA int4_g64 GEMV (engine/kernels/cuda_ops.py, XLA FFI) against the reference
-`quant.linear`. It runs only on a GPU (-m gpu); on the CPU the tests check that it lowers to
-its FFI call for CUDA and that `qmatmul` keeps using the Pallas kernel here."""
+`quant.linear`. It runs only on a GPU (-m gpu), built and registered by `cuda_ops.require`
+for the h200 plan (engine/plan.py); on the CPU the tests check that it lowers to its FFI call
+for CUDA, that `require` refuses this machine, and that `qmatmul` uses the Pallas kernel
+unless asked for the CUDA op (a plan's gemv "cuda")."""
 from __future__ import annotations
 
 import jax
@@ -11,8 +13,16 @@ from jax import export
 
 from engine.kernels import cuda_ops, qgemv
 from engine.kernels.stacked import Stacked
+from engine.plan import H200, PALLAS
 from engine.quant import linear, quantize
 from tests.kernel_checks import assert_close, on_gpu
+
+
+def _require_cuda():
+    """On the GPU: the CUDA ops built and registered as the h200 plan builds them (a failed
+    build fails the test with its reason)."""
+    assert on_gpu()
+    cuda_ops.require(H200)
 
 
 def _qtensor(n, k, seed, lead=()):
@@ -51,17 +61,13 @@ def test_wide_falls_back_where_k_is_not_a_multiple_of_128():
         assert target in exp.mlir_module() and cuda_ops.INT4_WIDE_TARGET not in exp.mlir_module()
 
 
-def test_unknown_variant_is_a_clear_error(monkeypatch):
+def test_unknown_variant_is_a_clear_error():
     """A kernel name the op does not have (a typo, or one since removed such as "tma") is a
-    ValueError naming the choices, from the argument or from NINFER_INT4_KERNEL, not a silent
-    fall back to another kernel."""
+    ValueError naming the choices, not a silent fall back to another kernel."""
     w = _qtensor(64, 128, 0)
     x = jnp.ones((1, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="must be one of"):
         cuda_ops.int4_gemv(x, w, variant="tma")
-    monkeypatch.setenv("NINFER_INT4_KERNEL", "tma")
-    with pytest.raises(ValueError, match="NINFER_INT4_KERNEL"):
-        cuda_ops.int4_gemv(x, w)
 
 
 def test_variant_choice():
@@ -98,13 +104,12 @@ def test_wide_warps_setting_and_auto_choice():
 
 
 @pytest.mark.gpu
-def test_wide_auto_warps_is_the_explicit_choice_on_gpu(monkeypatch):
-    """NINFER_INT4_WIDE_WARPS=auto runs the kernel with the warps `wide_warps` names: the
-    same bits as asking for them."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+def test_wide_auto_warps_is_the_explicit_choice_on_gpu():
+    """The wide kernel's default warps ("auto") are the warps `wide_warps` names: the same
+    bits as asking for them."""
+    _require_cuda()
     w = _qtensor(5120, 1024, 7)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 1024)), jnp.bfloat16)
-    monkeypatch.setenv("NINFER_INT4_WIDE_WARPS", "auto")
     auto = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide"))(x, w)
     explicit = jax.jit(lambda x, w: cuda_ops.int4_gemv(
         x, w, variant="wide", warps=cuda_ops.wide_warps(5120, "auto")))(x, w)
@@ -112,9 +117,13 @@ def test_wide_auto_warps_is_the_explicit_choice_on_gpu(monkeypatch):
 
 
 def test_cpu_uses_the_pallas_kernel():
+    """Here `require` refuses a plan with the CUDA ops, saying why (no fallback to another
+    kernel), and `qmatmul` (the pallas plan's GEMV) runs the Pallas kernel."""
     if on_gpu():
         pytest.skip("CPU behaviour")
-    assert not cuda_ops.available() and "no GPU" in cuda_ops.why_unavailable()
+    with pytest.raises(cuda_ops.CudaUnavailable, match="no GPU"):
+        cuda_ops.require(H200)
+    assert cuda_ops.library_digest(H200) is None
     w = _qtensor(32, 128, 1)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 128)), jnp.float32)
     assert_close(qgemv.qmatmul(x, w), linear(x, w), jnp.float32)
@@ -136,7 +145,7 @@ MMA_CASES = [  # (M, N, K, copy stages)
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,stages", MMA_CASES)
 def test_tensor_core_variant_matches_reference_on_gpu(m, n, k, stages):
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     w = _qtensor(n, k, m * n + k)
     x = jnp.asarray(np.random.default_rng(k + m).standard_normal((m, k)) + 0.5, jnp.bfloat16)
     got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", stages=stages))(x, w)
@@ -159,7 +168,7 @@ def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
     """The wide kernel (16-byte loads, two groups per MMA kept apart by B's columns, x
     permuted in registers) against the fp32 reference, with the codes' offset taken off by
     group sums of x (the default) and by MMAs; x is bf16, as the tensor cores take it."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     w = _qtensor(n, k, k + n)
     x = jnp.asarray(np.random.default_rng(m + n).standard_normal((m, k)), jnp.bfloat16)
     got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch))(
@@ -210,7 +219,7 @@ def test_register_prefetch_kernel_is_bitwise_the_ring_on_gpu(prefetch, m, n, k):
     ahead gives the copy-ring kernel's sums bit for bit (same groups per warp in the same
     order, same MMAs, same reduction), for group counts per warp below, at and past P, N not
     a multiple of 16, every M, and a layer of a stack."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     w = _qtensor(n, k, 7 * m + n + k)
     x = jnp.asarray(np.random.default_rng(m + k).standard_normal((m, k)) + 0.25, jnp.bfloat16)
     ring = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", prefetch=0))(x, w)
@@ -240,7 +249,7 @@ GPU_CASES = [  # (M, N, K, x dtype, rows per warp)
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,dtype,rpw", GPU_CASES)
 def test_matches_reference_on_gpu(m, n, k, dtype, rpw):
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     w = _qtensor(n, k, m + n + k)
     x = jnp.asarray(np.random.default_rng(k).standard_normal((m, k)), dtype)
     got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, rows_per_warp=rpw, variant="fma"))(
@@ -255,7 +264,7 @@ def test_matches_reference_on_gpu(m, n, k, dtype, rpw):
 @pytest.mark.parametrize("variant", ["mma", "wide", "fma"])
 @pytest.mark.parametrize("lead,index", [((3,), (2,)), ((2, 3), (1, 2))])
 def test_reads_a_layer_of_a_stack_on_gpu(lead, index, variant):
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     w = _qtensor(512, 1024, 7, lead=lead)
     x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 1024)), jnp.bfloat16)
     idx = jnp.asarray(index, jnp.int32)
@@ -267,20 +276,21 @@ def test_reads_a_layer_of_a_stack_on_gpu(lead, index, variant):
 
 @pytest.mark.gpu
 def test_qmatmul_sends_large_int4_matrices_to_cuda_on_gpu(monkeypatch):
-    """qmatmul's dispatch: N >= MIN_ROWS goes to the CUDA op, smaller N to Pallas."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    """qmatmul's dispatch with cuda=True (a plan's gemv "cuda"): N >= MIN_ROWS goes to the
+    CUDA op, smaller N to Pallas."""
+    _require_cuda()
     calls = []
     real = cuda_ops.int4_gemv
     monkeypatch.setattr(cuda_ops, "int4_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = jnp.asarray(np.random.default_rng(9).standard_normal((1, 1024)), jnp.bfloat16)
     big = _qtensor(cuda_ops.MIN_ROWS, 1024, 12, lead=(2,))
     idx = jnp.array([1], jnp.int32)
-    got = qgemv.qmatmul(x, big, idx)
+    got = qgemv.qmatmul(x, big, idx, cuda=True)
     assert calls == [1]
     with jax.default_matmul_precision("highest"):
         want = linear(x.astype(jnp.float32), Stacked(big, idx).materialize())
     assert_close(got, want, jnp.bfloat16)
-    qgemv.qmatmul(x, _qtensor(64, 1024, 13))
+    qgemv.qmatmul(x, _qtensor(64, 1024, 13), cuda=True)
     assert calls == [1]
 
 
@@ -292,7 +302,7 @@ def test_batch_invariant_and_deterministic_on_gpu(variant, k):
     the wide kernel one row stages x in shared memory (K up to 20480: 5120, and down's 17408)
     where more rows read it through L1, so this is also that the two paths' B registers
     agree; past that K (23040) both read it through L1."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     w = _qtensor(3000, k, 9)
     rng = np.random.default_rng(10)
     x2 = jnp.asarray(rng.standard_normal((2, k)), jnp.bfloat16)
@@ -307,7 +317,7 @@ def test_batch_invariant_and_deterministic_on_gpu(variant, k):
 
 @pytest.mark.gpu
 def test_bad_rows_per_warp_is_an_error_on_gpu():
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     w = _qtensor(64, 128, 11)
     with pytest.raises(Exception, match="invalid argument|int4_gemv"):
         jax.block_until_ready(cuda_ops.int4_gemv(jnp.ones((8, 128), jnp.float32), w,
@@ -319,7 +329,8 @@ def test_bad_rows_per_warp_is_an_error_on_gpu():
 
 def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
     """A layer's projections of one x: one FFI call with a (codes, scales) pair per weight for
-    CUDA; on the CPU `linear_multi` is exactly the separate `linear` calls."""
+    CUDA; with the pallas plan (no CUDA op) `linear_multi` is exactly the separate `linear`
+    calls."""
     from engine.quant import linear_multi
 
     ws = [_qtensor(n, 128, n, lead=(2,)) for n in (64, 48, 32)]
@@ -335,7 +346,7 @@ def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
     assert text.count(f"@{cuda_ops.INT4_TARGET}(") == 1
     assert [a.shape for a in exp.out_avals] == [(2, 64), (2, 48), (2, 32)]
     views = [Stacked(w, idx) for w in ws]
-    got = linear_multi(x, views, "pallas")
+    got = linear_multi(x, views, PALLAS)
     for g, w in zip(got, ws):
         np.testing.assert_array_equal(np.asarray(g, np.float32),
                                       np.asarray(qgemv.qmatmul(x, w, idx), np.float32))
@@ -347,8 +358,8 @@ def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
 def test_wide_call_takes_x_as_it_is_and_concat_returns_one_array(bias):
     """The wide kernel's call, lowered for CUDA: x goes in unpermuted (no transpose before the
     call), the group sums of x only with bias = 0 ([M, 0] with the bias MMAs), and concat=True
-    gives the projections side by side in one array; on the CPU `linear_multi(concat=True)`
-    is the separate linears' concatenation."""
+    gives the projections side by side in one array; with the pallas plan
+    `linear_multi(concat=True)` is the separate linears' concatenation."""
     from engine.quant import linear_multi
 
     ws = [_qtensor(n, 256, n, lead=(2,)) for n in (64, 48)]
@@ -366,10 +377,10 @@ def test_wide_call_takes_x_as_it_is_and_concat_returns_one_array(bias):
     assert ("tensor<2x0xf32>" in text) == bool(bias)
     # registers capped for 32 warps an SM by default, where that kernel is built (bias 0)
     assert f"occupancy = {0 if bias else 32} : i64" in text
-    assert "xperm = 0 : i64" in text  # x as it is unless NINFER_INT4_WIDE_XPERM=1
+    assert "xperm = 0 : i64" in text  # x as it is unless the caller asks for xperm=True
     assert [a.shape for a in exp.out_avals] == [(2, 112)]
     views = [Stacked(w, idx) for w in ws]
-    got = linear_multi(x, views, "pallas", concat=True)
+    got = linear_multi(x, views, PALLAS, concat=True)
     want = jnp.concatenate([qgemv.qmatmul(x, w, idx) for w in ws], axis=-1)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
@@ -380,7 +391,7 @@ def test_wide_call_takes_x_as_it_is_and_concat_returns_one_array(bias):
 def test_multi_is_bitwise_the_separate_calls_on_gpu(variant, m):
     """qkv/z/b/a-like: four weights of one stack, different N (one not a multiple of 16),
     one launch; each output is bit for bit the single-weight call's."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     ws = [_qtensor(n, 1024, 20 + n, lead=(2, 3)) for n in (1040, 600, 48, 8)]
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 1024)), jnp.bfloat16)
     idx = jnp.array([1, 2], jnp.int32)
@@ -402,12 +413,11 @@ def _byte_perm(a, b, sel):
     return sum(src[(sel >> 4 * i) & 7].astype(np.uint32) << np.uint32(8 * i) for i in range(4))
 
 
-def test_x_perm_words_are_the_kernels_b_registers(monkeypatch):
+def test_x_perm_words_are_the_kernels_b_registers():
     """x_perm's 32-bit words are what the wide kernel's byte permutations make of x (inputs
     0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7) for each 16 bytes' two uint4 halves), so the
     kernel taking x_perm reads the same B registers; the group sums do not change; with
-    NINFER_INT4_WIDE_XPERM=1 the lowered call takes the permuted x and says so, where that
-    kernel is built."""
+    xperm=True the lowered call takes the permuted x and says so, by default neither."""
     x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 256)), jnp.bfloat16)
     words = np.asarray(x).view(np.uint16).astype(np.uint32)
     words = (words[:, 0::2] | (words[:, 1::2] << 16)).reshape(2, -1, 4)  # uint4s of x
@@ -421,8 +431,7 @@ def test_x_perm_words_are_the_kernels_b_registers(monkeypatch):
     np.testing.assert_allclose(sums(cuda_ops.x_perm(x)), sums(x), rtol=1e-6)
 
     w = _qtensor(64, 256, 5)
-    monkeypatch.setenv("NINFER_INT4_WIDE_XPERM", "1")
-    for kwargs, on in (({}, True), ({"occupancy": 0}, False), ({"warps": 2}, False)):
+    for kwargs, on in (({"xperm": True}, True), ({}, False)):
         text = export.export(
             jax.jit(lambda x, w, kw=kwargs: cuda_ops.int4_gemv(x, w, variant="wide", **kw)),
             platforms=["cuda"],
@@ -461,7 +470,7 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
     x, h, (gate, up, down) = _mlp_case(2)
     idx = jnp.array([1], jnp.int32)
     exp = export.export(
-        jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i)),
+        jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i, launches=1)),
         platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_MLP_TARGET)])(
         x, h, gate, up, down, idx)
@@ -505,7 +514,7 @@ def test_persistent_mlp_matches_reference_on_gpu(launches, warps, occupancy):
     separate calls (wide GEMVs, XLA's SwiGLU and residual add); a row's result the same bits
     whatever the other rows (batch invariant); repeated launches the same bits (the grid
     barrier resets itself; down waits for gate|up)."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     idx = jnp.array([1], jnp.int32)
     fused = jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(
         x, h, g, u, d, i, warps=warps, occupancy=occupancy, launches=launches))
@@ -538,7 +547,7 @@ def test_mlp_two_launches_are_the_persistent_kernels_bits_on_gpu():
     launch or in stream order) compute what the persistent kernel computes, in the same
     order: the same bits, at the test shapes and the 27B's. A down launch that read act before
     gate|up had written it would not."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     for kw in ({}, dict(k1=5120, n1=17408, n2=5120, lead=())):
         for m in (1, 2):
             x, h, (gate, up, down) = _mlp_case(m, **kw)
@@ -554,7 +563,7 @@ def test_mlp_two_launches_are_the_persistent_kernels_bits_on_gpu():
 def test_persistent_mlp_at_27b_shapes_on_gpu():
     """The 27B's MLP shapes (gate|up 17408 x 5120 each, down 5120 x 17408), one and two rows:
     against the separate calls within bf16 tolerance."""
-    assert on_gpu() and cuda_ops.available(), cuda_ops.why_unavailable()
+    _require_cuda()
     for m in (1, 2):
         x, h, (gate, up, down) = _mlp_case(m, k1=5120, n1=17408, n2=5120, lead=())
         gate_o, up_o = cuda_ops.int4_gemv_multi(x, [gate, up])
@@ -565,40 +574,41 @@ def test_persistent_mlp_at_27b_shapes_on_gpu():
             assert_close(got, want.astype(jnp.float32), jnp.bfloat16)
 
 
-def test_mlp_takes_decode_rows_of_int4_stacks_only(monkeypatch):
-    """`mlp_takes`, the model's test for the persistent MLP kernel (the op's build aside,
-    which needs a GPU): bf16 rows of a decode step over int4 stacks whose K1 and N1 are
-    multiples of 128, and nothing else; and on a machine without the op, the model's
-    `mlp_residual`, by default and with any NINFER_MLP_FUSED, is h + mlp exactly."""
+def test_mlp_takes_decode_rows_of_int4_stacks_only():
+    """`mlp_shape_error`, the model's test for the MLP op (None: it takes the operands): bf16
+    rows of a decode step over int4 stacks whose K1 and N1 are multiples of 128, and nothing
+    else; the model's `mlp_residual` with the pallas plan (mlp "separate") is h + mlp exactly,
+    and with the h200 plan's mlp "cuda" it lowers for CUDA to one call of the op (two
+    launches)."""
     from engine.kernels.stacked import Stacked
     from engine.layers import mlp, mlp_residual
 
+    def takes(*a):
+        return cuda_ops.mlp_shape_error(*a) is None
+
     x, h, (gate, up, down) = _mlp_case(2)
-    monkeypatch.setattr(cuda_ops, "available", lambda: True)
-    assert cuda_ops.mlp_takes(x, h, gate, up, down)
-    assert not cuda_ops.mlp_takes(jnp.zeros((5, 512), jnp.bfloat16),
-                                  jnp.zeros((5, 1000), jnp.bfloat16), gate, up, down)
-    assert not cuda_ops.mlp_takes(x.astype(jnp.float32), h, gate, up, down)
-    assert not cuda_ops.mlp_takes(x, h[:, :999], gate, up, down)
-    assert not cuda_ops.mlp_takes(x, h, gate, up, up)  # down's K is not gate's N
+    assert takes(x, h, gate, up, down)
+    assert not takes(jnp.zeros((5, 512), jnp.bfloat16), jnp.zeros((5, 1000), jnp.bfloat16),
+                     gate, up, down)
+    assert not takes(x.astype(jnp.float32), h, gate, up, down)
+    assert not takes(x, h[:, :999], gate, up, down)
+    assert not takes(x, h, gate, up, up)  # down's K is not gate's N
     _, _, (_, _, one_down) = _mlp_case(2, lead=())  # down of another stack's dims
-    assert not cuda_ops.mlp_takes(x, h, gate, up, one_down)
+    assert not takes(x, h, gate, up, one_down)
     x3, h3, ws3 = _mlp_case(1, k1=320, n1=1024)  # K1 not a multiple of 128
-    assert not cuda_ops.mlp_takes(x3, h3, *ws3)
-    monkeypatch.undo()
+    assert not takes(x3, h3, *ws3)
 
     idx = jnp.array([1], jnp.int32)
     p = {name: Stacked(w, idx) for name, w in zip(("gate_proj", "up_proj", "down_proj"),
                                                   (gate, up, down))}
-    want = h[:, None] + mlp(p, x[:, None], "pallas")
-    monkeypatch.delenv("NINFER_MLP_FUSED", raising=False)  # the default
-    got = mlp_residual(p, x[:, None], h[:, None], "pallas")
+    want = h[:, None] + mlp(p, x[:, None], PALLAS)
+    got = mlp_residual(p, x[:, None], h[:, None], PALLAS)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    for fused in ("0", "1", "2", "3"):
-        monkeypatch.setenv("NINFER_MLP_FUSED", fused)
-        got = mlp_residual(p, x[:, None], h[:, None], "pallas")
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
+    text = export.export(
+        jax.jit(lambda x, h: mlp_residual(p, x, h, H200)), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_MLP_TARGET)])(
+        x[:, None], h[:, None]).mlir_module()
+    assert text.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1 and "launches = 2 : i64" in text
 
 
 def test_wide_call_takes_the_callers_group_sums():

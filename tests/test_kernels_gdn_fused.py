@@ -3,6 +3,8 @@
 bf16 activations, rows with and without a token), lowered for CUDA, and on the GPU (-m gpu)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 
 from engine.config import QWEN38_27B, preset
 from engine.kernels.gdn_decode_fused import gdn_decode_fused, gdn_decode_fused_ref
+from engine.plan import PALLAS, REFERENCE, PlanError
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
 
 
@@ -31,7 +34,7 @@ def _inputs(rng, cfg, b, dtype, lengths):
 
 def _check(args, dtype, **kw):
     got = gdn_decode_fused(*args, "recurrent", "pallas", dtype, **kw)
-    want = gdn_decode_fused_ref(*args, "recurrent", "xla", dtype)
+    want = gdn_decode_fused_ref(*args, "recurrent", REFERENCE, dtype)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         assert_close(g, w, dtype)
@@ -83,25 +86,23 @@ def _tiny_model_after_prefill(seed: int):
     cache = M.init_cache(cfg, 2, 64, jnp.float32)
     toks = jnp.asarray(np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, (2, 5)),
                        jnp.int32)
-    _, _, cache = M.forward(params, cfg, toks, cache, kernels="xla")
+    _, _, cache = M.forward(params, cfg, toks, cache, plan=REFERENCE)
     return cfg, params, cache, jnp.asarray([[7], [11]], jnp.int32)
 
 
-def test_model_decode_with_fused_kernel_matches(monkeypatch):
-    """The whole tiny model's decode step with the fused kernel against the reference path,
-    and NINFER_GDN_FUSED=0 turning it off."""
+def test_model_decode_with_fused_kernel_matches():
+    """The whole tiny model's decode step with the fused kernel (the pallas plan) against the
+    reference path, and gdn_decode "pallas" (the recurrent kernel alone) not running it."""
     from engine import model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(5)
-    want, _, wc = M.forward(params, cfg, step, cache, kernels="xla")
-    def traced():
-        return str(jax.make_jaxpr(lambda c: M.forward(params, cfg, step, c, kernels="pallas"))(
+    want, _, wc = M.forward(params, cfg, step, cache, plan=REFERENCE)
+    def traced(plan):
+        return str(jax.make_jaxpr(lambda c: M.forward(params, cfg, step, c, plan=plan))(
             cache))
-    monkeypatch.setenv("NINFER_GDN_FUSED", "0")
-    assert "gdn_decode_fused" not in traced()
-    monkeypatch.delenv("NINFER_GDN_FUSED")
-    assert "gdn_decode_fused" in traced()  # the default: the fused kernel is what runs
-    got, _, gc = M.forward(params, cfg, step, cache, kernels="pallas")
+    assert "gdn_decode_fused" not in traced(dataclasses.replace(PALLAS, gdn_decode="pallas"))
+    assert "gdn_decode_fused" in traced(PALLAS)  # the pallas plan: the fused kernel runs
+    got, _, gc = M.forward(params, cfg, step, cache, plan=PALLAS)
     assert_close(got, want, jnp.float32)
     for g, w in zip(jax.tree.leaves(gc), jax.tree.leaves(wc)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
@@ -163,34 +164,6 @@ def test_stacked_states_in_place_are_the_sliced_call(dtype):
     np.testing.assert_array_equal(rec, before)
 
 
-def test_model_decode_in_place_is_the_sliced_path(monkeypatch):
-    """The in-place decode path (the default): the tiny model's decode step (one row without a token) with the
-    state stacks carried whole and updated in place: the same logits and cache, bit for bit,
-    as the path that slices each block's states, at the same launch (one program of 8 warps a
-    head, the sliced path's; the in-place default's split is checked against the reference in
-    `test_model_decode_with_split_heads_matches`)."""
-    from engine import model as M
-
-    cfg, params, cache, step = _tiny_model_after_prefill(7)
-    lengths = jnp.asarray([1, 0], jnp.int32)
-    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", "1")
-    monkeypatch.setenv("NINFER_GDN_FUSED_WARPS", "8")
-
-    def run():
-        return M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), lengths=lengths,
-                         kernels="pallas")
-
-    monkeypatch.setenv("NINFER_GDN_INPLACE", "0")
-    want = run()
-    monkeypatch.setenv("NINFER_GDN_INPLACE", "1")
-    jaxpr = str(jax.make_jaxpr(lambda c: M.forward(params, cfg, step, c, lengths=lengths,
-                                                   kernels="pallas"))(cache))
-    assert jaxpr.count("gdn_decode_fused") >= 1
-    got = run()
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-
-
 @pytest.mark.gpu
 def test_stacked_states_in_place_on_gpu_27b_heads():
     from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked
@@ -218,7 +191,7 @@ def test_stacked_lowers_to_triton():
 
 @pytest.mark.parametrize("split", [2, 4])
 def test_split_heads_match_gdn_core_and_keep_the_other_layers(split):
-    """NINFER_GDN_FUSED_SPLIT: each value head's state over `split` programs by its Dv
+    """split: each value head's state over `split` programs by its Dv
     columns, the output norm in XLA after the kernel. Against the reference (tiny heads,
     a row without a token keeping its states exactly) and, on stacks, against the one-program
     kernel: the states bit for bit (each column's update does not depend on the others), the
@@ -244,11 +217,11 @@ def test_split_heads_match_gdn_core_and_keep_the_other_layers(split):
     np.testing.assert_array_equal(rec, before)
 
 
-def test_split_at_27b_heads_lowers_and_rejects_a_bad_split(monkeypatch):
+def test_split_at_27b_heads_lowers_and_rejects_a_bad_split():
     """The 27B's heads split in 4 (192 programs a row): the reference in the interpreter, the
-    Triton lowering for CUDA, the setting read from the environment, and a split that does not
-    divide Dv is an error."""
-    from engine.kernels.gdn_decode_fused import gdn_decode_fused_stacked, split_setting
+    Triton lowering for CUDA, the in-place decode path's default split, and a split that does
+    not divide Dv is an error."""
+    from engine.kernels.gdn_decode_fused import DEFAULT_SPLIT, gdn_decode_fused_stacked
 
     args = _inputs(np.random.default_rng(13), QWEN38_27B, 1, jnp.float32, [1])
     _check(args, jnp.float32, interpret=True, split=4)
@@ -257,26 +230,19 @@ def test_split_at_27b_heads_lowers_and_rejects_a_bad_split(monkeypatch):
     lowers_for_cuda(lambda p, *a: gdn_decode_fused_stacked(p, QWEN38_27B, *a, jnp.bfloat16,
                                                            interpret=False, split=4),
                     p, qkv, z, b_in, a_in, conv_all, rec_all, jnp.int32(3), lens)
-    monkeypatch.delenv("NINFER_GDN_FUSED_SPLIT", raising=False)
-    assert split_setting() == 2  # the in-place decode path's default (H200 v24d)
-    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", "4")
-    assert split_setting() == 4
-    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", "1")
-    assert split_setting() == 1
+    assert DEFAULT_SPLIT == 2  # the in-place decode path's split (H200 v24d)
     with pytest.raises(ValueError, match="divide Dv"):
         gdn_decode_fused(*args, "recurrent", "pallas", jnp.float32, interpret=True, split=3)
 
 
-@pytest.mark.parametrize("split", ["1", "2"])
-def test_model_decode_with_split_heads_matches(monkeypatch, split):
-    """The tiny model's in-place decode step with NINFER_GDN_FUSED_SPLIT=1 and 2 (the default)
+def test_model_decode_with_split_heads_matches():
+    """The tiny model's in-place decode step (split in DEFAULT_SPLIT = 2 programs a head)
     against the reference path."""
     from engine import model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(15)
-    want, _, wc = M.forward(params, cfg, step, cache, kernels="xla")
-    monkeypatch.setenv("NINFER_GDN_FUSED_SPLIT", split)
-    got, _, gc = M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), kernels="pallas")
+    want, _, wc = M.forward(params, cfg, step, cache, plan=REFERENCE)
+    got, _, gc = M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), plan=PALLAS)
     assert_close(got, want, jnp.float32)
     for g, w in zip(jax.tree.leaves(gc), jax.tree.leaves(wc)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
@@ -349,24 +315,25 @@ def test_conv_out_lowers_to_triton():
     lowers_for_cuda(lambda c: call(conv_out=c)[1], conv_all)
 
 
-def test_model_decode_with_the_conv_stacks_swapped_is_the_copy_path(monkeypatch):
-    """NINFER_GDN_CONV_WRITE=swap: the tiny model's decode step (one row without a token)
+def test_model_decode_with_the_conv_stacks_swapped_is_the_copy_path():
+    """gdn_conv_write "swap": the tiny model's decode step (one row without a token)
     reading the cache's conv stack and writing a second one in place gives the same logits
-    and cache, bit for bit, as the default path (a copy into the stack a layer), with no
-    dynamic-update-slice of the conv stack left; an unknown setting is an error."""
+    and cache, bit for bit, as "copy" (the pallas plan's: a copy into the stack a layer),
+    with no dynamic-update-slice of the conv stack left; an unknown setting is an error."""
     from engine import model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(8)
     lengths = jnp.asarray([1, 0], jnp.int32)
+    copy = dataclasses.replace(PALLAS, gdn_conv_write="copy")
+    swap = dataclasses.replace(PALLAS, gdn_conv_write="swap")
 
-    def run():
-        jax.clear_caches()  # the setting is read while tracing
+    def run(plan):
         return M.forward(params, cfg, step, jax.tree.map(jnp.copy, cache), lengths=lengths,
-                         kernels="pallas")
+                         plan=plan)
 
-    def hlo():
+    def hlo(plan):
         return jax.jit(lambda c: M.forward(params, cfg, step, c, lengths=lengths,
-                                           kernels="pallas")).lower(cache).as_text()
+                                           plan=plan)).lower(cache).as_text()
 
     # the copy: one layer's state [1, B, conv_dim, W - 1] into the stack flattened to
     # [layers, B, conv_dim, W - 1] (the interpreter's own updates write other shapes)
@@ -378,38 +345,14 @@ def test_model_decode_with_the_conv_stacks_swapped_is_the_copy_path(monkeypatch)
         return sum("dynamic_update_slice" in line and flat in line and one in line
                    for line in text.splitlines())
 
-    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "copy")
-    want = run()
-    assert conv_updates(hlo()) >= 1
-    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "swap")
-    got = run()
+    want = run(copy)
+    assert conv_updates(hlo(copy)) >= 1
+    got = run(swap)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-    assert conv_updates(hlo()) == 0
-    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "swapped")
-    with pytest.raises(ValueError, match="NINFER_GDN_CONV_WRITE"):
-        run()
-
-
-def test_conv_write_switch_defaults_to_swap_on_the_gpu(monkeypatch):
-    """NINFER_GDN_CONV_WRITE unset or auto: swap where JAX's backend is the GPU, copy
-    elsewhere; copy and swap say so everywhere; anything else is an error."""
-    from engine.kernels import gdn_decode_fused as F
-
-    monkeypatch.delenv("NINFER_GDN_CONV_WRITE", raising=False)
-    assert F.conv_write_setting() == ("swap" if jax.default_backend() == "gpu" else "copy")
-    monkeypatch.setattr(F.jax, "default_backend", lambda: "gpu")
-    assert F.conv_write_setting() == "swap"
-    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "copy")
-    assert F.conv_write_setting() == "copy"
-    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "auto")
-    monkeypatch.setattr(F.jax, "default_backend", lambda: "cpu")
-    assert F.conv_write_setting() == "copy"
-    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "swap")
-    assert F.conv_write_setting() == "swap"
-    monkeypatch.setenv("NINFER_GDN_CONV_WRITE", "")
-    with pytest.raises(ValueError, match="auto, copy or swap"):
-        F.conv_write_setting()
+    assert conv_updates(hlo(swap)) == 0
+    with pytest.raises(PlanError, match="gdn_conv_write"):
+        dataclasses.replace(PALLAS, gdn_conv_write="swapped")
 
 
 @pytest.mark.gpu

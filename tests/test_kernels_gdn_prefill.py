@@ -3,6 +3,8 @@ reference (and the step-by-step oracle), in the Pallas interpreter on CPU, lower
 on the GPU (-m gpu)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from engine import gdn
 from engine.gdn import recurrent_gated_delta_rule
 from engine.kernels.gdn_decode import gdn_recurrent
 from engine.kernels.gdn_prefill import chunk_len, gdn_chunk, gdn_chunk_ref
+from engine.plan import PALLAS, REFERENCE
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, rel_err
 from tests.test_kernels_gdn import _gdn_inputs
 
@@ -51,12 +54,12 @@ def test_gdn_chunk_matches_reference(t, batch, dk, with_state, dtype, prep):
 
 
 @pytest.mark.parametrize("prep", ["xla", "xla_lean"])
-def test_gdn_chunk_with_the_inverse_kernel(prep, monkeypatch):
+def test_gdn_chunk_with_the_inverse_kernel(prep):
     """inverse="pallas": the UT transform's diagonal blocks from engine/kernels/gdn_inverse.py.
     The same result as with XLA's substitution to fp32 rounding (with bf16 inputs the inverse
     is rounded to bf16 for its products, where the last bit can differ), the reference's
-    within the dtype's bound. It is what the model's rule runs by default; NINFER_GDN_INV=xla
-    gives XLA's substitution back."""
+    within the dtype's bound. With the lean prep it is what the model's rule runs (gdn_prefill
+    "pallas")."""
     for t, dtype in ((200, jnp.float32), (130, jnp.bfloat16)):
         args = _args(np.random.default_rng(), 2, t, 2, 4, 32, 32, dtype, True)
         got = gdn_chunk(*args, prep=prep, inverse="pallas")
@@ -64,28 +67,22 @@ def test_gdn_chunk_with_the_inverse_kernel(prep, monkeypatch):
         for g_, b_, r_ in zip(got, base, gdn_chunk_ref(*args)):
             assert rel_err(g_, b_) < SAME_INVERSE[jnp.dtype(dtype).name]
             assert_close(g_, r_, dtype)
-    monkeypatch.setenv("NINFER_GDN_PREFILL", {"xla": "hybrid", "xla_lean": "hybrid_lean"}[prep])
-    monkeypatch.delenv("NINFER_GDN_INV", raising=False)
-    for g_, w_ in zip(gdn.select_rule("chunk", "pallas", 512)(*args), got):
-        np.testing.assert_array_equal(g_, w_)
-    monkeypatch.setenv("NINFER_GDN_INV", "xla")
-    for g_, w_ in zip(gdn.select_rule("chunk", "pallas", 512)(*args), base):
-        np.testing.assert_array_equal(g_, w_)
+    if prep == "xla_lean":
+        for g_, w_ in zip(gdn.select_rule("chunk", PALLAS, 512)(*args), got):
+            np.testing.assert_array_equal(g_, w_)
     with pytest.raises(ValueError, match="inverse"):
         gdn_chunk(*args, prep=prep, inverse="cuda")
 
 
-def test_lean_scan_with_128_step_chunks(monkeypatch):
-    """NINFER_GDN_PREFILL_CHUNK sets the model rule's chunk: 128-step chunks through the lean
-    scan match the reference (a ragged last chunk, a carried state) and are what the rule runs."""
+def test_lean_scan_with_128_step_chunks():
+    """128-step chunks through the lean scan match the reference (a ragged last chunk, a
+    carried state) and are what the model's rule runs for a caller's chunk_size=128."""
     args = _args(np.random.default_rng(7), 1, 300, 2, 4, 32, 32, jnp.float32, True)
     got = gdn_chunk(*args, chunk_size=128, prep="xla_lean", inverse="pallas")
     for g_, r_ in zip(got, gdn_chunk_ref(*args)):
         assert_close(g_, r_, jnp.float32)
-    monkeypatch.delenv("NINFER_GDN_PREFILL", raising=False)
-    monkeypatch.setenv("NINFER_GDN_PREFILL_CHUNK", "128")
-    rule = gdn.select_rule("chunk", "pallas", 512)
-    for g_, w_ in zip(rule(*args), got):
+    rule = gdn.select_rule("chunk", PALLAS, 512)
+    for g_, w_ in zip(rule(*args, chunk_size=128), got):
         np.testing.assert_array_equal(g_, w_)
 
 
@@ -122,36 +119,23 @@ def test_gdn_chunk_matches_recurrent_oracle_and_carries_state():
     assert_close(s2, rs, jnp.float32)
 
 
-def test_chunk_len_and_selection(monkeypatch):
+def test_chunk_len_and_selection():
     assert [chunk_len(t) for t in (1, 3, 16, 17, 63, 64, 1000)] == [16, 16, 16, 32, 64, 64, 64]
-    # the kernel is the default prefill rule of kernels="pallas", fed every state-independent
-    # term by XLA; NINFER_GDN_PREFILL=xla keeps the reference, =hybrid takes XLA's UT transform
-    # alone, =pallas the kernel's own transform
-    monkeypatch.delenv("NINFER_GDN_PREFILL", raising=False)
-    rule = gdn.select_rule("chunk", "pallas", 512)
+    # the kernel is the prefill rule of gdn_prefill "pallas", fed every state-independent
+    # term by XLA; gdn_prefill "xla" keeps the reference
+    rule = gdn.select_rule("chunk", PALLAS, 512)
     assert rule.bf16_operands and rule.__module__ == gdn_chunk.__module__
     args = _args(np.random.default_rng(1), 1, 40, 2, 4, 16, 16, jnp.float32, True)
-    # (with the diagonal blocks' inverse kernel, the rule's default)
+    # (with the diagonal blocks' inverse kernel, the rule's)
     for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla_lean", inverse="pallas")):
         np.testing.assert_array_equal(got, want)
-    monkeypatch.setenv("NINFER_GDN_PREFILL", "xla")
-    assert gdn.select_rule("chunk", "pallas", 512) is gdn.chunk_gated_delta_rule
-    monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
-    assert gdn.select_rule("chunk", "pallas", 512) is rule
-    for got, want in zip(rule(*args), gdn_chunk(*args, prep="pallas", inverse="pallas")):
-        np.testing.assert_array_equal(got, want)
-    for env, prep in (("hybrid", "xla"), ("hybrid_utbf16", "xla_bf16"),
-                      ("hybrid_lean", "xla_lean")):
-        monkeypatch.setenv("NINFER_GDN_PREFILL", env)
-        assert gdn.select_rule("chunk", "pallas", 512) is rule
-        for got, want in zip(rule(*args), gdn_chunk(*args, prep=prep, inverse="pallas")):
-            np.testing.assert_array_equal(got, want)
+    assert (gdn.select_rule("chunk", dataclasses.replace(PALLAS, gdn_prefill="xla"), 512)
+            is gdn.chunk_gated_delta_rule)
     with pytest.raises(ValueError, match="prep"):
         gdn_chunk(*args, prep="cuda")
-    monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
-    assert gdn.select_rule("chunk", "pallas", 1) is gdn_recurrent
-    assert gdn.select_rule("chunk", "xla", 512) is gdn.chunk_gated_delta_rule
-    assert gdn.select_rule("recurrent", "pallas", 512) is gdn.recurrent_gated_delta_rule
+    assert gdn.select_rule("chunk", PALLAS, 1) is gdn_recurrent
+    assert gdn.select_rule("chunk", REFERENCE, 512) is gdn.chunk_gated_delta_rule
+    assert gdn.select_rule("recurrent", PALLAS, 512) is gdn.recurrent_gated_delta_rule
     # head dims that are not Triton tiles take the reference
     args = _args(np.random.default_rng(), 1, 5, 1, 2, 24, 16, jnp.float32, True)
     for got, want in zip(gdn_chunk(*args), gdn_chunk_ref(*args)):
@@ -184,7 +168,7 @@ def test_gdn_chunk_gpu_27b_heads(dtype, prep):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gdn_chunk_gpu_27b_heads_inverse_kernel(dtype):
-    """The default prep with the diagonal blocks' inverse kernel (NINFER_GDN_INV=pallas)."""
+    """The model rule's prep with the diagonal blocks' inverse kernel (inverse="pallas")."""
     assert on_gpu()
     args = _args(np.random.default_rng(), 2, 1000, 16, 48, 128, 128, dtype, True)
     got = gdn_chunk(*args, prep="xla_lean", inverse="pallas")
@@ -203,7 +187,7 @@ def test_lean_scan_gpu_27b_heads_128_step_chunks():
 
 def test_model_prefill_pallas_equals_xla():
     """A ragged 40-token prefill through the model both ways: same logits and GDN states (the
-    chunked GDN layers take `gdn.select_rule`'s choice for kernels="pallas")."""
+    chunked GDN layers take `gdn.select_rule`'s choice for the pallas plan)."""
     from engine import model as M
     from engine.config import TEST_SMALL
     from engine.params import random_flat_params, stack_params
@@ -213,8 +197,8 @@ def test_model_prefill_pallas_equals_xla():
     tokens = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (b, t)), jnp.int32)
     lengths = jnp.asarray([t, 27], jnp.int32)
     fwd = M.jit_forward()
-    got = {k: fwd(params, cfg, tokens, M.init_cache(cfg, b, 64), lengths=lengths, kernels=k)
-           for k in ("xla", "pallas")}
+    got = {k: fwd(params, cfg, tokens, M.init_cache(cfg, b, 64), lengths=lengths, plan=plan)
+           for k, plan in (("xla", REFERENCE), ("pallas", PALLAS))}
     assert_close(got["pallas"][0], got["xla"][0], jnp.float32)
     assert_close(got["pallas"][2].rec, got["xla"][2].rec, jnp.float32)
 
@@ -226,12 +210,11 @@ def test_bf16_model_hands_the_kernel_bf16_operands(monkeypatch):
     from engine.config import TEST_SMALL as cfg
     from engine.params import random_flat_params
 
-    monkeypatch.setenv("NINFER_GDN_PREFILL", "pallas")
     seen = []
     real = gdn.select_rule
 
-    def spy(mode, kernels, t):
-        rule = real(mode, kernels, t)
+    def spy(mode, plan, t):
+        rule = real(mode, plan, t)
         if not getattr(rule, "bf16_operands", False):
             return rule
 
@@ -252,6 +235,6 @@ def test_bf16_model_hands_the_kernel_bf16_operands(monkeypatch):
         rec = jnp.zeros((b, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                          cfg.linear_value_head_dim), jnp.float32)
         out, _, state = layers.gdn_mixer(p, cfg, x, conv, rec, jnp.array([t], jnp.int32),
-                                         jnp.ones((b, t), bool), "chunk", "pallas")
+                                         jnp.ones((b, t), bool), "chunk", PALLAS)
         assert out.shape == (b, t, cfg.hidden_size) and bool(jnp.isfinite(state).all())
         assert seen[-1] == (jnp.dtype(dtype),) * 3

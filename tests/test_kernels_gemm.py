@@ -2,6 +2,8 @@
 the Pallas interpreter on CPU, lowered to Triton for CUDA, and compiled on the GPU (-m gpu)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 from engine import quant
 from engine.kernels import qgemm
+from engine.plan import PALLAS
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
 
 
@@ -80,19 +83,6 @@ def test_gemm_refuses_what_it_cannot_tile():
     assert not qgemm.takes(jnp.zeros((12, 128)), dense)
 
 
-def test_gemm_env_settings(monkeypatch):
-    monkeypatch.setenv("NINFER_INT4_GEMM", "32,64,1,128,8,4")
-    assert qgemm.env_config() == qgemm.GemmConfig(32, 64, 1, 128, 8, 4)
-    monkeypatch.setenv("NINFER_INT4_GEMM", "32,64")
-    with pytest.raises(ValueError, match="six positive integers"):
-        qgemm.env_config()
-    monkeypatch.setenv("NINFER_INT4_GEMM_MAX_ROWS", "512")
-    assert qgemm.max_rows() == 512
-    monkeypatch.setenv("NINFER_INT4_GEMM_MAX_ROWS", "many")
-    with pytest.raises(ValueError, match="integer"):
-        qgemm.max_rows()
-
-
 def test_gemm_lowers_to_triton():
     rng = np.random.default_rng(0)
     w, _ = _weight(256, 5120, rng)
@@ -103,17 +93,17 @@ def test_gemm_lowers_to_triton():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [9, 64, 200, 1024])
 @pytest.mark.parametrize("nk", [(5120, 17408), (17408, 5120), (1024, 5120)])
-def test_gemm_gpu_27b_shapes(m, nk, monkeypatch):
+def test_gemm_gpu_27b_shapes(m, nk):
     assert on_gpu()
-    monkeypatch.setenv("NINFER_INT4_GEMM_MAX_ROWS", "1024")
+    plan = dataclasses.replace(PALLAS, int4_gemm_rows=1024)
     rng = np.random.default_rng()
     n, k = nk
     w, _ = _weight(n, k, rng)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     got = qgemm.int4_matmul(x, w)
     assert_close(got, quant.linear(x.astype(jnp.float32), _f32(w)), jnp.bfloat16)
-    # the model's path on a GPU: quant.linear with kernels="pallas" takes this kernel
-    np.testing.assert_array_equal(np.asarray(quant.linear(x, w, kernels="pallas"), np.float32),
+    # the model's path: quant.linear with a plan's int4_gemm_rows takes this kernel
+    np.testing.assert_array_equal(np.asarray(quant.linear(x, w, plan), np.float32),
                                   np.asarray(got, np.float32))
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from engine import quant
 from engine.kernels import qgemv
+from engine.plan import PALLAS
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
 
 FMTS = ("int4_g64", "int8_row", "fp8_row", "dense")
@@ -51,11 +52,11 @@ def test_linear_pallas_option_and_fallback():
     rng = np.random.default_rng()
     w = _weight("int4_g64", 32, 128, rng)
     x1 = jnp.asarray(rng.standard_normal((1, 1, 128)), jnp.float32)
-    assert_close(quant.linear(x1, w, kernels="pallas"), quant.linear(x1, w), jnp.float32)
+    assert_close(quant.linear(x1, w, PALLAS), quant.linear(x1, w), jnp.float32)
     # Prefill-sized x is not GEMV work: the reference path, bit for bit.
     xt = jnp.asarray(rng.standard_normal((1, 16, 128)), jnp.float32)
     assert not qgemv.supported(xt, w)
-    np.testing.assert_array_equal(quant.linear(xt, w, kernels="pallas"), quant.linear(xt, w))
+    np.testing.assert_array_equal(quant.linear(xt, w, PALLAS), quant.linear(xt, w))
 
 
 @pytest.mark.parametrize("fmt", ["int4_g64", "dense"])

@@ -1,5 +1,5 @@
-"""The model with kernels="pallas" against kernels="xla": decode steps over the contiguous and
-the paged cache, dense and int4 weights (Pallas interpreter on CPU)."""
+"""The model with the pallas plan against the reference plan (engine/plan.py): decode steps
+over the contiguous and the paged cache, dense and int4 weights (Pallas interpreter on CPU)."""
 from __future__ import annotations
 
 import jax
@@ -11,6 +11,7 @@ from engine import model as M
 from engine import paged_kv as pk
 from engine.config import TEST_SMALL
 from engine.params import random_flat_params, stack_params
+from engine.plan import PALLAS, REFERENCE, PlanError
 from engine.quant import quantize
 from tests.kernel_checks import assert_close
 
@@ -41,20 +42,21 @@ def test_model_pallas_equals_xla(fmt, paged):
     fwd = M.jit_forward()
     _, _, c0 = fwd(params, cfg, prompt, cache())
     outs = {}
-    for kernels in ("xla", "pallas"):
+    for name, plan in (("reference", REFERENCE), ("pallas", PALLAS)):
         c = jax.tree.map(jnp.copy, c0)
         tok, logits = prompt[:, -1:], []
         for _ in range(2):
-            lg, _, c = fwd(params, cfg, tok, c, kernels=kernels)
+            lg, _, c = fwd(params, cfg, tok, c, plan=plan)
             logits.append(lg)
             tok = jnp.argmax(lg[:, -1], -1).astype(jnp.int32)[:, None]
-        outs[kernels] = jnp.concatenate(logits, 1)
-    assert_close(outs["pallas"], outs["xla"], jnp.float32)
+        outs[name] = jnp.concatenate(logits, 1)
+    assert_close(outs["pallas"], outs["reference"], jnp.float32)
 
 
-
-
-def test_model_rejects_unknown_kernels():
-    with pytest.raises(ValueError, match="kernels"):
+def test_model_rejects_a_plan_that_is_not_a_kernel_plan():
+    """A plan given as anything but a KernelPlan (an old kernels= string such as "cuda") is a
+    PlanError (a ValueError) naming what it must be, before anything is traced."""
+    with pytest.raises(PlanError, match="KernelPlan"):
         M.forward({}, TEST_SMALL, jnp.zeros((1, 1), jnp.int32), M.init_cache(TEST_SMALL, 1, 8),
-                  kernels="cuda")
+                  plan="cuda")
+    assert issubclass(PlanError, ValueError)

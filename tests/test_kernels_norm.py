@@ -14,6 +14,7 @@ from engine import model as M
 from engine.config import TEST_SMALL
 from engine.kernels import norm_sums as N
 from engine.params import random_flat_params, stack_params
+from engine.plan import PALLAS
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
 
 DTYPES = (jnp.bfloat16, jnp.float32)
@@ -120,37 +121,38 @@ CFG = dataclasses.replace(TEST_SMALL, name="test-small-norms", hidden_size=128,
                           linear_value_head_dim=64)
 
 
-def _decode(monkeypatch, setting, params, c0, tok, steps=2):
-    monkeypatch.setenv("NINFER_NORM_FUSED", setting)
-    jax.clear_caches()  # the setting is read while tracing: no trace of the other setting
-    fwd = M.jit_forward()
+# The fused norms need no CUDA op: PALLAS with norms "fused" runs them in the interpreter here.
+FUSED = dataclasses.replace(PALLAS, norms="fused")
+
+
+def _decode(plan, params, c0, tok, steps=2):
+    fwd = M.jit_forward()  # the plan is a static argument: each plan its own trace
     c, outs = jax.tree.map(jnp.copy, c0), []
     for _ in range(steps):
-        lg, _, c = fwd(params, CFG, tok, c, kernels="pallas")
+        lg, _, c = fwd(params, CFG, tok, c, plan=plan)
         outs.append(lg)
         tok = jnp.argmax(lg[:, -1], -1).astype(jnp.int32)[:, None]
     return jnp.concatenate(outs, 1), fwd
 
 
-def test_model_decode_through_fused_norms_matches_plain_norms(monkeypatch):
-    """bf16 decode steps with kernels="pallas": the fused norms (forced on, as on a GPU) give
-    the plain norms' logits within bf16's bound, and the traced step does call both kernels."""
+def test_model_decode_through_fused_norms_matches_plain_norms():
+    """bf16 decode steps with the pallas plan: with norms "fused" (as the h200 plan has them)
+    the logits are the plain norms' within bf16's bound, and the traced step does call both
+    kernels; with norms "xla" it does not call the fused RMSNorm."""
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
                           stack_params(random_flat_params(CFG, seed=5), CFG))
     b = 2
     rng = np.random.default_rng()
     prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, 8)), jnp.int32)
     _, _, c0 = M.jit_forward()(params, CFG, prompt, M.init_cache(CFG, b, 32, jnp.bfloat16))
-    plain, _ = _decode(monkeypatch, "0", params, c0, prompt[:, -1:])
-    fused, fwd = _decode(monkeypatch, "force", params, c0, prompt[:, -1:])
+    plain, _ = _decode(PALLAS, params, c0, prompt[:, -1:])
+    fused, fwd = _decode(FUSED, params, c0, prompt[:, -1:])
     assert_close(fused, plain, jnp.bfloat16)
     text = str(jax.make_jaxpr(lambda c: fwd(params, CFG, prompt[:, -1:], c,
-                                            kernels="pallas"))(c0))
+                                            plan=FUSED))(c0))
     assert "rms_norm_sums" in text and "gated_norm_sums" in text
-    monkeypatch.setenv("NINFER_NORM_FUSED", "0")
-    jax.clear_caches()
     text = str(jax.make_jaxpr(lambda c: M.jit_forward()(params, CFG, prompt[:, -1:], c,
-                                                        kernels="pallas"))(c0))
+                                                        plan=PALLAS))(c0))
     assert "rms_norm_sums" not in text
 
 

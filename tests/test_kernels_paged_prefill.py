@@ -1,6 +1,6 @@
 """Paged prefill attention kernel (engine/kernels/paged_prefill.py) against the plain-jnp
 reference: in the Pallas interpreter on CPU, lowered for CUDA, on the GPU (-m gpu), and in the
-model (kernels="pallas" against kernels="xla" for a prefill chunk over a paged cache)."""
+model (the pallas plan against the reference plan for a prefill chunk over a paged cache)."""
 from __future__ import annotations
 
 import jax
@@ -13,6 +13,7 @@ from engine import paged_kv as pk
 from engine.config import TEST_SMALL
 from engine.kernels.paged_prefill import paged_prefill_attend, paged_prefill_attend_ref
 from engine.params import random_flat_params, stack_params
+from engine.plan import PALLAS, REFERENCE
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, random_pool
 
 
@@ -125,7 +126,8 @@ def test_paged_prefill_lowers_to_triton():
 
 def test_model_paged_prefill_pallas_equals_xla():
     """A second prefill chunk over a paged cache (row 0 continues mid-page, row 1 is shorter
-    and right-padded; scrambled pages): kernels="pallas" and "xla" give the same logits."""
+    and right-padded; scrambled pages): the pallas and reference plans give the same
+    logits."""
     cfg, b, page = TEST_SMALL, 2, 16
     params = stack_params(random_flat_params(cfg, seed=3), cfg)
     rng = np.random.default_rng()
@@ -138,10 +140,10 @@ def test_model_paged_prefill_pallas_equals_xla():
     chunk = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 20)), jnp.int32)
     lengths = jnp.asarray([20, 13], jnp.int32)
     outs = {}
-    for kernels in ("xla", "pallas"):
+    for name, plan in (("xla", REFERENCE), ("pallas", PALLAS)):
         lg, _, _ = fwd(params, cfg, chunk, jax.tree.map(jnp.copy, c0), lengths=lengths,
-                       kernels=kernels)
-        outs[kernels] = jnp.concatenate([lg[0], lg[1, :13]], 0)
+                       plan=plan)
+        outs[name] = jnp.concatenate([lg[0], lg[1, :13]], 0)
     assert_close(outs["pallas"], outs["xla"], jnp.float32)
 
 

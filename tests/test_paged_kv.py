@@ -16,6 +16,7 @@ from engine.paged_kv import (PAGE_SIZE, PagedKV, copy_pages, dequantize_kv, init
                              kv_bytes_per_token, kv_pages_needed, paged_write_attend,
                              quantize_kv)
 from engine.params import random_flat_params
+from engine.plan import PALLAS
 
 CFG = dataclasses.replace(TEST_SMALL, name="test-small-mtp", mtp_layers=1)
 P = 16           # page size of the exactness tests: several pages per row at these lengths
@@ -289,7 +290,7 @@ def test_paged_write_skips_invalid_steps_and_unowned_slots():
 
 
 def test_an_idle_row_of_a_decode_step_reads_its_first_slot_only():
-    """kernels="pallas", T = 1: a row without a token this step (valid False: idle in a wider
+    """The pallas plan, T = 1: a row without a token this step (valid False: idle in a wider
     engine) attends over its first visible slot alone instead of its whole stored context; the
     live row's output is what it is with the idle row reading everything."""
     from engine.kernels.paged_decode import paged_attend, paged_attend_ref
@@ -307,7 +308,7 @@ def test_an_idle_row_of_a_decode_step_reads_its_first_slot_only():
     positions = jnp.asarray([[20], [44]], jnp.int32)  # row 1 holds 44 tokens (six pages)
     valid = jnp.asarray([[True], [False]])
     out, kv = paged_write_attend(PagedKV(pool, table), jnp.int32(layer), q, k, v, positions,
-                                 valid, kernels="pallas")
+                                 valid, plan=PALLAS)
     # the live row: as when every row reads up to its position
     full = paged_attend(kv.pool, table, jnp.int32(layer), q, positions[:, 0])
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(full[0]))

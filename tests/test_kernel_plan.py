@@ -1,0 +1,193 @@
+"""Kernel plans (engine/plan.py): the presets, their identity, the only source of what runs.
+
+- No product package reads an environment variable outside the README's operator table, and
+  no plan field is read from the environment anywhere (an AST scan, imports inside functions
+  included).
+- The h200 preset's decode steps and each prefill width, lowered for CUDA on this machine,
+  hold exactly the custom calls and kernel names of the golden list taken from the tree before
+  plans existed (tests/golden/h200_lowering.json; tests/lowering_inventory.py made it).
+- The reference and pallas presets' outputs on the CPU are bit-identical to that tree's
+  (tests/golden/cpu_outputs.json; tests/plan_outputs.py made it).
+- A checkpoint written under another plan is refused, the fingerprint's `plan` field named.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.plan import (CHOICES, H200, PALLAS, PRESETS, REFERENCE, KernelPlan, PlanError,
+                         from_dict, machine_problems, preset, with_overrides)
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden"
+PRODUCT = ("engine", "server", "lanes", "release", "sbom")
+
+
+# ---- the plan itself ---------------------------------------------------------------------
+
+def test_presets_are_frozen_hashable_and_distinct():
+    assert set(PRESETS) >= {"reference", "pallas", "h200"}
+    assert len({hash(p) for p in PRESETS.values()}) == len(PRESETS)
+    assert len({p.digest() for p in PRESETS.values()}) == len(PRESETS)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        H200.gemv = "xla"
+    assert preset("h200") is H200 and H200.preset_name() == "h200"
+    variant = dataclasses.replace(H200, narrow_decode=True)
+    assert variant.preset_name() is None and variant.digest() != H200.digest()
+    assert from_dict(variant.describe()) == variant  # a report reads back as the same plan
+
+
+def test_reference_runs_no_kernel_and_h200_needs_the_gpu():
+    assert not REFERENCE.uses_pallas and not REFERENCE.uses_cuda and REFERENCE.xla_flags() == ()
+    assert PALLAS.uses_pallas and not PALLAS.uses_cuda
+    assert H200.uses_cuda and H200.cuda_arch == "90" and H200.xla_flags()
+    assert machine_problems(REFERENCE, "cpu") == []
+    assert machine_problems(PALLAS, "cpu", serving=False) == []  # the interpreter, for tests
+    assert any("Pallas" in p for p in machine_problems(PALLAS, "cpu"))
+    assert any("CUDA ops" in p for p in machine_problems(H200, "cpu"))
+    assert machine_problems(H200, "gpu") == []
+
+
+@pytest.mark.parametrize("field", sorted(CHOICES))
+def test_every_choice_field_refuses_an_unknown_value_naming_the_allowed_ones(field):
+    with pytest.raises(PlanError, match=re.escape(f"plan field {field!r} must be one of "
+                                                  f"{list(CHOICES[field])}")):
+        dataclasses.replace(REFERENCE, **{field: "nonsense"})
+
+
+def test_overrides_name_the_unknown_field_and_preset():
+    with pytest.raises(PlanError, match=r"lane\.toml: unknown plan field\(s\) \['gemv_form'\]"):
+        with_overrides(REFERENCE, {"gemv_form": "cuda"}, where="lane.toml")
+    with pytest.raises(PlanError, match=r"unknown kernel plan preset 'b200'; known: "):
+        preset("b200")
+
+
+# ---- the environment is not a source --------------------------------------------------------
+
+def _operator_variables() -> set[str]:
+    """The names in the README's operator settings table (`| `NAME` | ...`)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Operator settings", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([A-Z_][A-Z0-9_]*)` \|", section, re.M))
+
+
+def _env_reads(path: Path):
+    """(line, name or None) of every read of the environment in a module: os.environ.get(X),
+    os.environ[X], os.getenv(X), X in os.environ, and whole-environment reads (items, keys,
+    values, copy, dict(os.environ), iteration) with name None."""
+    tree = ast.parse(path.read_text(), str(path))
+
+    def is_environ(n):
+        return (isinstance(n, ast.Attribute) and n.attr == "environ"
+                and isinstance(n.value, ast.Name) and n.value.id == "os") or (
+                isinstance(n, ast.Name) and n.id == "environ")
+
+    def literal(n):
+        return n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else None
+
+    parents = {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parents[child] = node
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr == "getenv" and isinstance(f.value, ast.Name) and f.value.id == "os":
+                yield node.lineno, literal(node.args[0]) if node.args else None
+            elif is_environ(f.value) and f.attr in ("get", "pop", "setdefault"):
+                yield node.lineno, literal(node.args[0]) if node.args else None
+            elif is_environ(f.value) and f.attr in ("items", "keys", "values", "copy"):
+                yield node.lineno, None
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            if isinstance(node.ctx, ast.Load):
+                yield node.lineno, literal(node.slice)
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            yield node.lineno, literal(node.left)
+        elif is_environ(node):
+            parent = parents.get(node)
+            used = (isinstance(parent, ast.Attribute)  # os.environ.<method>: handled above
+                    or (isinstance(parent, ast.Subscript) and parent.value is node)
+                    or isinstance(parent, ast.Compare))
+            if not used:  # passed whole: dict(os.environ), {**os.environ}, for k in os.environ
+                yield node.lineno, None
+
+
+def test_product_reads_only_the_operator_settings():
+    allowed = _operator_variables()
+    assert {"NINFER_STATE_DIR", "XLA_FLAGS"} <= allowed  # the table parsed
+    bad = []
+    for pkg in PRODUCT:
+        for path in sorted((ROOT / pkg).rglob("*.py")) if (ROOT / pkg).is_dir() else []:
+            for line, name in _env_reads(path):
+                if name not in allowed:
+                    bad.append(f"{path.relative_to(ROOT)}:{line}: "
+                               f"{name or 'the whole environment'}")
+    assert not bad, "environment reads outside the README's operator table:\n" + "\n".join(bad)
+
+
+def test_no_plan_field_is_read_from_the_environment_anywhere():
+    fields = [f.name.upper() for f in dataclasses.fields(KernelPlan)]
+    assert not any(f in name for name in _operator_variables() for f in fields)
+    # the old switches' names, in any Python file of the repository (bench and tests too)
+    old = re.compile(r"NINFER_(INT4|GDN|PAGED|MLP|NORM|ATTN|OVERLAP|NARROW|XLA_GRAPHS|GEMV|"
+                     r"PREFILL_ATTN)\w*")
+    hits = [f"{p.relative_to(ROOT)}: {m.group(0)}"
+            for top in (*PRODUCT, "bench", "tests") if (ROOT / top).is_dir()
+            for p in sorted((ROOT / top).rglob("*.py"))
+            for m in old.finditer(p.read_text())]
+    assert not hits, "\n".join(hits)
+
+
+def test_the_scan_sees_reads_inside_functions(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import os\n\ndef f():\n    import os as _\n    return os.environ.get('A'), "
+                   "os.environ['B'], os.getenv('C'), 'D' in os.environ, dict(os.environ)\n"
+                   "os.environ['E'] = '1'\n")
+    assert sorted(_env_reads(src), key=str) == sorted(
+        [(5, "A"), (5, "B"), (5, "C"), (5, "D"), (5, None)], key=str)
+
+
+# ---- what a plan runs ----------------------------------------------------------------------
+
+def test_h200_lowering_matches_the_golden_list():
+    from tests.lowering_inventory import inventory
+
+    want = json.loads((GOLDEN / "h200_lowering.json").read_text())
+    got = inventory({"plan": H200})
+    assert got == want
+
+
+def test_reference_and_pallas_outputs_are_bit_identical_to_the_tree_before_plans():
+    from tests.plan_outputs import outputs
+
+    want = json.loads((GOLDEN / "cpu_outputs.json").read_text())
+    assert outputs({"plan": REFERENCE}, {"plan": PALLAS}) == want
+
+
+def test_a_checkpoint_written_under_another_plan_is_refused_naming_the_plan(tiny_model,
+                                                                           tmp_path):
+    """Within one engine build: the fingerprints of two engines that differ only by their
+    plan, a state saved under one and loaded under the other."""
+    from engine.engine import Engine
+    from lanes.profile import load_profile
+    from server.checkpoints.fingerprint import runtime_fingerprint
+    from server.checkpoints.store import CheckpointStore
+    from tests.test_checkpoint_store import make_input, prompt_after
+
+    profile = load_profile("cpu")
+    kw = dict(context_tokens=256, prefill_chunk=32)
+    fp_ref = runtime_fingerprint(tiny_model, profile, Engine(tiny_model, plan=REFERENCE, **kw))
+    fp_pal = runtime_fingerprint(tiny_model, profile, Engine(tiny_model, plan=PALLAS, **kw))
+    assert fp_ref["plan"] == REFERENCE.to_dict() and fp_pal["plan"] == PALLAS.to_dict()
+    store = CheckpointStore(tmp_path / "ck", quota_bytes=1 << 30)
+    inp = make_input(300, seed=1)
+    assert store.save("alice", "s", inp, fp_ref).status == "saved"
+    got = store.load("alice", "s", fp_pal, prompt_after(inp))
+    assert (got.state, got.reason, got.differs) == ("incompatible", "fingerprint_mismatch",
+                                                    ["plan"])
+    assert store.load("alice", "s", fp_ref, prompt_after(inp)).state == "available"
