@@ -250,6 +250,8 @@ def linear(x: jax.Array, w, plan=None, corr=None) -> jax.Array:
             w = w.materialize()
         if qgemv.supported(x, w):
             return qgemv.qmatmul(x, w, corr=corr, cuda=cuda)
+    if hasattr(w, "materialize"):  # a layer view (block_loop "views") on the reference path
+        w = w.materialize()
     if isinstance(w, QTensor):  # code * scale in fp32, rounded once to x's dtype
         w = dequantize(w, x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))

@@ -191,3 +191,45 @@ def test_a_checkpoint_written_under_another_plan_is_refused_naming_the_plan(tiny
     assert (got.state, got.reason, got.differs) == ("incompatible", "fingerprint_mismatch",
                                                     ["plan"])
     assert store.load("alice", "s", fp_ref, prompt_after(inp)).state == "available"
+
+
+def test_the_block_loop_form_alone_changes_no_bit():
+    """block_loop "views" with the references everywhere (the layer views materialized where
+    no kernel reads them in place) computes what "slices" computes, bit for bit."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from engine import model as M
+    from engine import paged_kv as pk
+    from engine.cache import init_paged_cache
+    from engine.config import TEST_SMALL as cfg
+    from engine.params import random_flat_params, stack_params
+
+    params = stack_params(random_flat_params(cfg, seed=1), cfg)
+    toks = jnp.asarray(np.arange(12)[None] % 500, jnp.int32)
+    outs = []
+    for plan in (REFERENCE, dataclasses.replace(REFERENCE, block_loop="views")):
+        pool = pk.init_kv_pool(cfg, 4, pk.PAGE_SIZE, jnp.float32)
+        c = init_paged_cache(cfg, pool, np.arange(4, dtype=np.int32)[None], jnp.float32)
+        prefill, _, c = M.forward(params, cfg, toks, c, plan=plan)
+        step, _, c = M.forward(params, cfg, toks[:, :1], c, plan=plan)
+        outs.append((np.asarray(prefill), np.asarray(step)))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.slow
+def test_the_h200_plans_cuda_ops_build_with_its_flags(tmp_path, monkeypatch):
+    """The CUDA ops' source builds with the plan's nvcc flags for its architecture (nvcc on
+    this machine, no GPU needed), into a library named by the digest of what went in."""
+    from engine.kernels import cuda_ops
+
+    nvcc = cuda_ops._nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    monkeypatch.setenv("NINFER_CUDA_CACHE", str(tmp_path))
+    path = cuda_ops.build(cuda_ops.INT4_SOURCE, H200.cuda_arch, nvcc, H200.cuda_flags)
+    assert path.is_file() and path.parent == tmp_path and f"-sm{H200.cuda_arch}-" in path.name
+    other = dataclasses.replace(H200, cuda_flags=("-O2", "-std=c++17"))
+    assert cuda_ops.library_path(cuda_ops.INT4_SOURCE, other.cuda_arch, nvcc,
+                                 other.cuda_flags) != path

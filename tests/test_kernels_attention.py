@@ -2,7 +2,6 @@
 references, in the Pallas interpreter on CPU, lowered for CUDA, and on the GPU (-m gpu)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -33,7 +33,7 @@ def _inputs(rng, cfg, b, dtype, lengths):
 
 
 def _check(args, dtype, **kw):
-    got = gdn_decode_fused(*args, "recurrent", "pallas", dtype, **kw)
+    got = gdn_decode_fused(*args, "recurrent", PALLAS, dtype, **kw)
     want = gdn_decode_fused_ref(*args, "recurrent", REFERENCE, dtype)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
@@ -66,12 +66,12 @@ def test_fused_rejects_more_than_one_step():
         np.random.default_rng(2), cfg, 1, jnp.float32, [1])
     with pytest.raises(ValueError, match="T == 1"):
         gdn_decode_fused(p, cfg, jnp.concatenate([qkv, qkv], 1), z, b_in, a_in, cs, rs,
-                         lengths, valid, "recurrent", "pallas", jnp.float32, interpret=True)
+                         lengths, valid, "recurrent", PALLAS, jnp.float32, interpret=True)
 
 
 def test_fused_lowers_to_triton():
     p, cfg, *arrays = _inputs(np.random.default_rng(3), QWEN38_27B, 1, jnp.bfloat16, [1])
-    lowers_for_cuda(lambda p, *a: gdn_decode_fused(p, cfg, *a, "recurrent", "pallas",
+    lowers_for_cuda(lambda p, *a: gdn_decode_fused(p, cfg, *a, "recurrent", PALLAS,
                                                    jnp.bfloat16, interpret=False), p, *arrays)
 
 
@@ -123,9 +123,9 @@ def test_fused_rows_do_not_depend_on_each_other():
     cfg = preset("tiny")
     p, _, *two = _inputs(np.random.default_rng(5), cfg, 2, jnp.float32, [1, 1])
     qkv, z, b_in, a_in, cs, rs, lengths, valid = two
-    both = gdn_decode_fused(p, cfg, *two, "recurrent", "pallas", jnp.float32, interpret=True)
+    both = gdn_decode_fused(p, cfg, *two, "recurrent", PALLAS, jnp.float32, interpret=True)
     one = gdn_decode_fused(p, cfg, qkv[:1], z[:1], b_in[:1], a_in[:1], cs[:1], rs[:1],
-                           lengths[:1], valid[:1], "recurrent", "pallas", jnp.float32,
+                           lengths[:1], valid[:1], "recurrent", PALLAS, jnp.float32,
                            interpret=True)
     for a, b in zip(one, both):
         assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
@@ -151,7 +151,7 @@ def test_stacked_states_in_place_are_the_sliced_call(dtype):
     p, qkv, z, b_in, a_in, conv_all, rec_all, lens, valid = _stacked_case(
         np.random.default_rng(6), cfg, dtype, [1, 0])
     want = gdn_decode_fused(p, cfg, qkv, z, b_in, a_in, conv_all[2, 1], rec_all[2, 1], lens,
-                            valid, "recurrent", "pallas", dtype, interpret=True)
+                            valid, "recurrent", PALLAS, dtype, interpret=True)
     before = np.asarray(rec_all)
     out, conv, rec = gdn_decode_fused_stacked(p, cfg, qkv, z, b_in, a_in, conv_all, rec_all,
                                               jnp.int32(2 * 2 + 1), lens, dtype,
@@ -172,7 +172,7 @@ def test_stacked_states_in_place_on_gpu_27b_heads():
     p, qkv, z, b_in, a_in, conv_all, rec_all, lens, valid = _stacked_case(
         np.random.default_rng(9), QWEN38_27B, jnp.bfloat16, [1, 1], lead=(2, 3))
     want = gdn_decode_fused(p, QWEN38_27B, qkv, z, b_in, a_in, conv_all[1, 2], rec_all[1, 2],
-                            lens, valid, "recurrent", "pallas", jnp.bfloat16)
+                            lens, valid, "recurrent", PALLAS, jnp.bfloat16)
     got = gdn_decode_fused_stacked(p, QWEN38_27B, qkv, z, b_in, a_in, conv_all, rec_all,
                                    jnp.int32(5), lens, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
@@ -232,7 +232,7 @@ def test_split_at_27b_heads_lowers_and_rejects_a_bad_split():
                     p, qkv, z, b_in, a_in, conv_all, rec_all, jnp.int32(3), lens)
     assert DEFAULT_SPLIT == 2  # the in-place decode path's split (H200 v24d)
     with pytest.raises(ValueError, match="divide Dv"):
-        gdn_decode_fused(*args, "recurrent", "pallas", jnp.float32, interpret=True, split=3)
+        gdn_decode_fused(*args, "recurrent", PALLAS, jnp.float32, interpret=True, split=3)
 
 
 def test_model_decode_with_split_heads_matches():

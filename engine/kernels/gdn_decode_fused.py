@@ -112,16 +112,16 @@ def _kernel(idx_ref, len_ref, proj_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref
     o_ref[b, zc] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "kernels", "out_dtype",
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "plan", "out_dtype",
                                              "interpret", "num_warps", "split"))
 def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths,
-                     valid, mode: str, kernels: str, out_dtype, *, interpret: bool | None = None,
+                     valid, mode: str, plan, out_dtype, *, interpret: bool | None = None,
                      num_warps: int = 8, split: int = 1):
     """`engine.layers.gdn_core` for T == 1 as one Pallas kernel; same arguments and result
-    (mode/kernels are accepted for the signature: one step is the recurrent rule either way).
+    (mode/plan are accepted for the signature: one step is the recurrent rule either way).
     A program holds a whole [Dk, Dv] fp32 state (64 KB at the 27B heads): 8 warps keep it at
     64 values a thread. The one-layer case of `gdn_decode_fused_stacked`."""
-    del mode, kernels, valid  # T == 1: a row is valid iff its length is > 0
+    del mode, plan, valid  # T == 1: a row is valid iff its length is > 0
     out, conv_state, rec_state = gdn_decode_fused_stacked(
         p, cfg, qkv, z, b_in, a_in, conv_state[None], rec_state.astype(jnp.float32)[None],
         jnp.int32(0), lengths, out_dtype, interpret=interpret, num_warps=num_warps,

@@ -46,27 +46,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// ring_run's branch-free full rounds (see ring_run): 0 nowhere, 1 in the few-tile calls (the
-// wide kernel at 8 or more warps a tile: out_proj, o_proj; the MLP op's down), 2 everywhere.
-// H200 kernel times (docs/benchmarks/README.md v21e): faster where a warp's chain of pairs
-// holds the call (down-like 5120 x 17408: 19.25 against 20.81 us; out_proj 9.05 against
-// 9.68), slower at the full-wave calls (gate|up 34816 x 5120: 38.3-38.8 against 35.8-36.6;
-// in_proj 16.95 against 16.54), where the later refills cost more than the overlap gains.
-#ifndef NINFER_RING_FULL_ROUNDS
-#define NINFER_RING_FULL_ROUNDS 1
-#endif
-// Whether a ring_run of a few-tile call (`few`) takes the full rounds.
-__host__ __device__ constexpr bool full_rounds(bool few) {
-  return NINFER_RING_FULL_ROUNDS == 2 || (NINFER_RING_FULL_ROUNDS == 1 && few);
-}
-
-// A diagnostic build (0 in every real build): which loads of a wide pair's chain to leave out,
-// a bit each, so that a kernel-time sweep shows what the chain waits for. 1: x (the B
-// registers made from the lane instead), 2: the group sums of x (corr), 4: the ring's refills
-// (a warp computes on its first codes throughout). Any bit set gives wrong sums.
-#ifndef NINFER_PROBE
-#define NINFER_PROBE 0
-#endif
+// ring_run's branch-free full rounds (see ring_run) in the few-tile calls only (the wide kernel
+// at 8 or more warps a tile: out_proj, o_proj; the MLP op's down). H200 kernel times: faster
+// where a warp's chain of pairs holds the call (down-like 5120 x 17408: 19.25 against 20.81 us;
+// out_proj 9.05 against 9.68), slower at the full-wave calls (gate|up 34816 x 5120: 38.3-38.8
+// against 35.8-36.6; in_proj 16.95 against 16.54), where the later refills cost more than the
+// overlap gains.
+__host__ __device__ constexpr bool full_rounds(bool few) { return few; }
 
 constexpr int kWarps = 4;  // warps per block
 constexpr uint32_t kMagic = 0x4B000000u;  // the bits of 2^23 in fp32
@@ -641,10 +627,7 @@ struct XFragsGlobal {
     if (has_x) {
 #pragma unroll
       for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
-        const uint32_t fake = 0x3F803F80u ^ (threadIdx.x & 7u) ^ (v << 3);
-        const uint4 xv = (NINFER_PROBE & 1) ? make_uint4(fake, fake ^ 16u, fake ^ 32u, fake)
-                         : kCoherentX       ? __ldcg(xp + v)
-                                            : __ldg(xp + v);
+        const uint4 xv = kCoherentX ? __ldcg(xp + v) : __ldg(xp + v);
         if constexpr (kXPerm) {
           b[4 * v] = xv.x;
           b[4 * v + 1] = xv.y;
@@ -698,8 +681,7 @@ __device__ __forceinline__ void wide_pair_frags(const uint4 ca, const uint4 cb, 
     tot[1] = fmaf(sb.x, d[2], tot[1]);
     tot[1] = fmaf(sb.y, d[3], tot[1]);
   } else {
-    const float2 c = (NINFER_PROBE & 2) ? make_float2(0.5f, 0.25f)
-                                        : corr();  // group sums 2p, 2p + 1 of x row t
+    const float2 c = corr();  // group sums 2p, 2p + 1 of x row t
     tot[0] = fmaf(sa.x, fmaf(-136.0f, c.x, d[0]), tot[0]);
     tot[0] = fmaf(sa.y, fmaf(-136.0f, c.y, d[1]), tot[0]);
     tot[1] = fmaf(sb.x, fmaf(-136.0f, c.x, d[2]), tot[1]);
@@ -852,7 +834,6 @@ template <int P, int W>
 __device__ __forceinline__ void ring_refill(WideRing<P>& r, int j, const uint4* pa,
                                             const uint4* pb, const float2* qa,
                                             const float2* qb) {
-  if constexpr ((NINFER_PROBE & 4) != 0) return;
   r.ca[j] = load_stream(pa + 4 * W * (j + P));
   r.cb[j] = load_stream(pb + 4 * W * (j + P));
   r.sa[j] = __ldg(qa + W * (j + P));
@@ -901,7 +882,7 @@ __device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl
   // loop a pair's first use of its codes also waits for the refill issued just before it,
   // and in the full rounds the refills sink to the round's end and are waited for at the
   // next round's start: the ring hides about one pair's work, whatever P. With the refills
-  // left out (NINFER_PROBE 4: almost no HBM traffic) a call keeps 74-80% of its time, so the
+  // left out (a diagnostic build, almost no HBM traffic) a call keeps 74-80% of its time, so the
   // warps' own work a pair, not the bytes in flight, is most of what holds it.
   // kFull: full rounds first, every slot computed and refilled with no branch between the
   // pairs, so the compiler may overlap a pair's loads of x and corr with the MMAs of the pair
@@ -961,33 +942,22 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
 // and 8 zeroings, and 14 fewer live registers. H200 (docs/benchmarks/README.md v23): kernel
 // time at M = 1 4-11% lower (gate|up-like at 4 warps 32.1 against 36.1 us); in the decode
 // step the wide calls' time alone on the GPU 137 us lower (1,871 against 2,008 us).
-#ifndef NINFER_WIDE_XS
-#define NINFER_WIDE_XS 1
-#endif
 constexpr int kXsPair = 272;
 // Full rounds (ring_run) at every staged call: with x from shared memory they are faster at
 // the full-wave calls too (gate|up 34816 x 5120 at 4 warps 32.5 against 36.2 us; v23).
 constexpr bool kXsFull = true;
-// The MLP op's launches each stage theirs by their own switch, both off (v23): gate|up's
-// staging made the op slower alone (60.05 against 58.62 us at M = 1); down's made it 1.2 us
-// faster alone but 117 us a step slower in the step's profile, where down's early part
-// overlaps gate|up's tail and its staging sits after the `griddepcontrol.wait`.
-#ifndef NINFER_MLP_GATE_UP_XS
-#define NINFER_MLP_GATE_UP_XS 0
-#endif
-#ifndef NINFER_MLP_DOWN_XS
-#define NINFER_MLP_DOWN_XS 0
-#endif
+// The MLP op's launches do not stage x (H200): gate|up's staging made the op slower alone (60.05
+// against 58.62 us at M = 1); down's made it 1.2 us faster alone but 117 us a step slower in
+// the step's profile, where down's early part overlaps gate|up's tail and its staging sits
+// after the `griddepcontrol.wait`.
 // The largest K staged: its copy (43.6 KB at 20480) and a kernel's static reduction buffers
 // (up to 4 KB) within the 48 KB a block gets without opting in.
 constexpr int kXsMaxK = 20480;
 static_assert(kXsPair * (kXsMaxK >> 7) + 64 + 4096 <= 48 * 1024, "staged x past 48 KB");
 
 __host__ __device__ constexpr int xs_bytes(int k) { return kXsPair * (k >> 7) + 64; }
-// Whether a wide call stages x: one row of x, K small enough, the build's switch.
-__host__ __device__ constexpr bool xs_for(int m, int k) {
-  return NINFER_WIDE_XS != 0 && m == 1 && k <= kXsMaxK;
-}
+// Whether a wide call stages x: one row of x, K small enough.
+__host__ __device__ constexpr bool xs_for(int m, int k) { return m == 1 && k <= kXsMaxK; }
 
 // The block's threads copy x [K] (natural order, read-only path) into xs; a barrier after.
 __device__ __forceinline__ void stage_x_shared(unsigned char* xs, const uint4* __restrict__ x,
@@ -1394,18 +1364,12 @@ cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* cor
                            const int32_t* index, __nv_bfloat16* act, float* psum,
                            __nv_bfloat16* out, int k1, int m, bool pdl) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  const bool xs1 = NINFER_MLP_GATE_UP_XS && xs_for(m, k1),
-             xs2 = NINFER_MLP_DOWN_XS && xs_for(m, n1);
-  if (xs1)
-    int4_mlp_gate_up<W, T, true><<<(n1 + 15) / 16, W * 32, xs_bytes(k1), stream>>>(
-        x, corr, gu, index, act, psum, k1, m);
-  else
-    int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
-                                                                  psum, k1, m);
+  int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
+                                                                psum, k1, m);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl, xs2 ? xs_bytes(n1) : 0);
-  return cudaLaunchKernelEx(&b.cfg, xs2 ? int4_mlp_down<8, T, true> : int4_mlp_down<8, T>, h,
+  PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl, 0);
+  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h,
                             dn, index, static_cast<const __nv_bfloat16*>(act),
                             static_cast<const float*>(psum), out, n1, m);
 }
