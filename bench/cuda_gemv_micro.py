@@ -80,8 +80,8 @@ def main() -> None:
                     "4224x5120,8448x5120: a sweep of N at one K separates a call's fixed cost "
                     "(ramp, tail) from its rate and shows the waves of 16-row tiles")
     ap.add_argument("--out", default="cuda_gemv_micro.json")
-    add_plan_args(ap, "h200", "the CUDA op's build comes from (cuda_arch, cuda_flags); "
-                  "its XLA flags are set")
+    add_plan_args(ap, "h200", "whose CUDA op's build (cuda_arch, cuda_flags) "
+                  "and XLA flags this process takes")
     args = ap.parse_args()
     plan = plan_from_args(args)
     apply_process_settings(plan)  # before JAX starts its backend

@@ -4,7 +4,8 @@ memory, sampler, chained steps) on the qwen3.8-27b shapes with synthetic weights
 bench_27b.py times the jitted forward alone; this times what a request gets: the engine's
 thread, its step log, the sampler, the host's token work and, with the plan's chain_decode,
 decode steps chained on the device. The kernel plan is --plan's preset (engine/plan.py; default
-h200) with --set's fields; --variants compares plan overrides in one process. For each engine width B (max_concurrency) and context:
+h200) with --set's fields; --variants compares plan overrides in one process. For each engine
+width B (max_concurrency) and context:
 
   prefill   one row's prompt of `ctx` random tokens, from empty: seconds and tokens/s (in an
             engine of B rows a prefill step is one sequence's piece)
@@ -138,7 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default=QWEN38_27B.name)
     ap.add_argument("--weights", default="int4_g64")
-    add_plan_args(ap, "h200", "every engine")
+    add_plan_args(ap, "h200", "every engine runs")
     ap.add_argument("--batches", default="1,2", help="engine widths (max_concurrency)")
     ap.add_argument("--contexts", default="1024,32768,131072")
     ap.add_argument("--decode-tokens", type=int, default=64)

@@ -1,8 +1,9 @@
 """The widest piece (M) at which the int4 GEMM's default config beat the dequantize + matmul
-reference on every shape of a gemm_micro.py run: prints it (0 if at none), for
-NINFER_INT4_GEMM_MAX_ROWS.
+reference on every shape of a gemm_micro.py run: prints it (0 if at none), for a kernel plan's
+`int4_gemm_rows` (engine/plan.py; a lane profile's [plan] table, or a benchmark's --set).
 
-  NINFER_INT4_GEMM_MAX_ROWS=$(python3 bench/gemm_pick.py gemm_micro.json)
+  python3 bench/bench_27b.py --plan h200 --set int4_gemm_rows=$(python3 bench/gemm_pick.py \
+      gemm_micro.json) ...
 """
 from __future__ import annotations
 

@@ -10,29 +10,31 @@
 #   engine     decode and prefill through the serving engine (bench/engine_27b.py), traced
 #              (ENGINE_CONTEXTS, ENGINE_SAMPLING)
 #   narrow     narrow decode in an engine of two rows: its GPU tests, then off against on
-#   pagedmerge the paged kernel's splits merged as chains (NINFER_PAGED_MERGE=chain): its GPU
-#              tests three times (both merges), the engine's GPU tests with it and narrow
-#              decode, C1/C2 1K/128K decode with each merge
-#   attnmerge  the attention tail kernel (NINFER_ATTN_MERGE=1: the splits' merge, the gate,
-#              o_proj's sums): its GPU tests, greedy C1 == C2 with it, then base / merge in one
+#   pagedmerge the paged kernel's splits merged as chains (plan paged_merge=chain): its GPU
+#              tests three times (both merges), the engine's GPU tests, C1/C2 1K/128K decode
+#              with each merge
+#   attnmerge  the attention tail kernel (plan attn_merge=true: the splits' merge, the gate,
+#              o_proj's sums): its GPU tests and the engine's, then base / merge in one
 #              engine process at ENGINE_CONTEXTS (default 1024,32768,131072)
-#   convswap   the GDN conv state written into a second stack in place
-#              (NINFER_GDN_CONV_WRITE=swap): its GPU tests, greedy C1 == C2 with it
+#   convswap   the GDN conv state written into a second stack in place (plan
+#              gdn_conv_write=swap, the h200 preset's): its GPU tests and the engine's
 #   chain      bench/chain_lab.cu (no JAX): the C1 step's 257 int4 GEMVs as 257 launches against
 #              one persistent kernel with grid barriers (ring / L2 prefetch before them; the
 #              next GEMV's first steps bulk-copied into shared memory before them, v31), the
 #              same body; the read ceiling of the same bytes (CHAIN_ARGS, e.g. --slice-kb 6,12,24)
 #   engab      the default settings' GPU tests (ENGAB_TESTS), then engine_27b's C1/C2 of
-#              ENGAB_VARIANTS (default "default") in one process at ENGINE_CONTEXTS (default
-#              1024,32768,131072), ENGAB_REPS reps (default 2), ENGAB_ARGS more of its
-#              arguments (e.g. --kv int8)
-#   v29ab      base / merge (NINFER_ATTN_MERGE=1) / swap / both in one engine process at
-#              ENGINE_CONTEXTS (default 1024,32768), after both parts' GPU tests with both on
-#   attnprep   the attention layers' decode prep kernel (NINFER_ATTN_PREP, on since v28): GPU
-#              tests with it, C1/C2 through the engine off and on at ENGINE_CONTEXTS (default
+#              ENGAB_VARIANTS (default "default"; plan overrides, 'NAME:field=value,...') in one
+#              process at ENGINE_CONTEXTS (default 1024,32768,131072), ENGAB_REPS reps (default
+#              2), ENGAB_ARGS more of its arguments (e.g. --kv int8, --plan pallas)
+#   v29ab      the conv write copy / swap (plan gdn_conv_write) each without and with the
+#              attention tail kernel (attn_merge) in one engine process at ENGINE_CONTEXTS
+#              (default 1024,32768), after both kernels' GPU tests and the engine's
+#   attnprep   the attention layers' decode prep kernel (plan attn_prep, the h200 preset's):
+#              GPU tests, C1/C2 through the engine off and on at ENGINE_CONTEXTS (default
 #              1024,131072)
-#   norms      the fused decode norms (NINFER_NORM_FUSED): their GPU tests and the engine's,
-#              their micro (bench/norm_micro.py), C1/C2 through the engine off and on
+#   norms      the fused decode norms (plan norms=fused, the h200 preset's): their GPU tests
+#              and the engine's, their micro (bench/norm_micro.py), C1/C2 through the engine
+#              with norms xla and fused
 #   decode     27B int4 C1/C2 at 1K/32K/128K        prefill    8K/32K/128K bf16 prefill
 #   headline   decode and 8K/32K/128K prefill from int4_g64 weights, one process
 #   xlapdl     XLA's programmatic dependent launch: engine GPU tests, 1K decode A/B, MLP tests
@@ -47,45 +49,42 @@
 #   startup    a warm start's pieces: per-width compile, the weights' copy, checkpoint reads
 #   l2warm     the wide GEMV with its weights from the HBM and from L2 (fixed cost per call)
 #   ncusrc     the wide GEMV's warp-state samples by SASS instruction (which loads it waits on)
-#   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS), decode with WIDE_BIAS
-#   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring
-#   prefetch   the register-prefetch mma GEMV      readpat    read ceilings by access pattern
-#   kvint8     C1/C2 32K/128K over int8 KV, scales folded vs dequantized
-#   pagedab    the paged decode kernel's launch settings PAGEDAB_NEW (NINFER_PAGED_DECODE,
-#              programs:warps:stages:unroll) against PAGEDAB_OLD: GPU tests with the new ones,
-#              C1/C2 32K/128K over bf16 and int8 KV, the two in turn (PAGEDAB_REPS)
+#   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS, bias 1 and 0)
+#   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring (micro)
+#   prefetch   the register-prefetch mma GEMV (tests, micro)
+#   readpat    read ceilings by access pattern
+#   kvint8     C1/C2 32K/128K over int8 KV (scales folded into the scores)
 #   waves      the wide GEMV's kernel time against N (16-row tiles) at K = 5120 and 17408, 4 and
 #              8 warps a tile: its fixed cost a call, its rate, the waves' steps
-#   kvcast     int8 KV: how codes become dot operands (NINFER_PAGED_INT8_CAST): GPU tests,
-#              the paged kernel's micro at 32K/128K, C1/C2 128K decode, bf16 against the best
+#   kvcast     int8 KV: how codes become dot operands (paged_attend's cast): GPU tests, the
+#              paged kernel's micro at 32K/128K
 #   graphs     XLA command-buffer settings         cmdbuf     command buffers for loops too
-#   unfused    without the fused GDN decode kernel unroll     blocks unrolled
-#   inplace    GDN states updated in place (the default since v10)
-#   prefillx   prefill: base, bf16 UT transform, lean scan, dynamic-slice fusion (PREFILLX)
-#   prefbv     the scan's value tile (PREFBV)      prefscan   the scan's warps and stages
-#   prefnext   128-step chunks, legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
+#   unfused    without the fused GDN decode kernel (plan gdn_decode=pallas)
+#   unroll     blocks unrolled
+#   prefillx   prefill: the lean scan, XLA's chunked rule, dynamic-slice fusion (PREFILLX)
+#   prefnext   legacy cuBLAS with dynamic-slice fusion, Triton GEMMs
 #   prefab     8K/32K prefill of this tree against an earlier one (PREV_TREE)
-#   probe      the wide GEMV's kernel time with loads left out of a pair's chain (PROBES)
 #   lab        bench/gemv_lab.cu: the wide GEMV and the MLP op by build, no JAX (LAB_BUILDS)
-#   xsab       x in shared memory: the lab, C1/C2 1K decode on/off (MLP gate|up at 8 and 4 warps)
 #   treeab     this tree against PREV_TREE: the wide GEMV's kernel times and C1/C2 1K decode
-#   gdnwarps   the fused GDN decode kernel's warps and state split, profiled
 #   kcost      the cost of a small XLA kernel on the step's path (0, 2, 6 extra a layer)
 #   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
-#   gdnsplit   the fused GDN decode kernel's heads split over programs (GDNSPLIT)
-#   w10        10 warps a tile for down and out_proj (NINFER_INT4_WIDE_WARPS=auto:4,10)
-#   xperm      x permuted for the wide GEMV's B registers (NINFER_INT4_WIDE_XPERM=1)
 #   mlp        the CUDA MLP op (its launches and warps): GPU tests, micro
-#   mlpab      C1/C2 1K decode, the separate MLP calls against the MLP op
-#   prefcudnn  8K/32K prefill with cuDNN's attention for a prompt's first chunk
+#   mlpab      C1/C2 1K decode, the separate MLP calls (plan mlp=separate) against the MLP op
 #   prefint4   8K/32K prefill from int4_g64 weights against bf16
-#   gdninv     8K/32K prefill with the GDN diagonal-block inverse kernel (NINFER_GDN_INV)
-#   gdnprefill, gdnmicro, chunk128, flash: earlier GDN prefill and attention experiments
+#   gdnprefill, gdnmicro, flash: earlier GDN prefill and attention experiments
+# bench_27b.py and engine_27b.py run the kernel plan BENCH_PLAN (a preset, default h200,
+# engine/plan.py; $B27 and $E27); a variant is plan fields over it (their --set, and
+# engine_27b.py's --variants).
+# Parts whose variants were environment switches that left the product with kernel plans are
+# gone (gdnwarps, gdnsplit, w10, xperm, pagedab, gdninv, prefcudnn, prefbv, prefscan, chunk128,
+# inplace; the kernels' own arguments stay, in their GPU tests and micro-benchmarks), and so
+# are those whose variants were int4_gemv.cu's build macros, which left the source (probe:
+# NINFER_PROBE; xsab: NINFER_WIDE_XS; the lab's xs0/dxs builds).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds. Sourced (`source
-# bench/h200_session.sh`), it only defines its helpers (run, prefill2, decode1k, envab) and
-# runs no part.
+# bench/h200_session.sh`), it only defines its helpers (run, b27, with_env, prefill2, decode1k)
+# and runs no part.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 TAG="${TAG:-run}"
@@ -109,30 +108,58 @@ run() {  # run <seconds> <log> <command...>: the tail of the log is what the cal
   echo "== $(basename "$log") rc=$? $((SECONDS - t0))s"
 }
 
-B27="python3 bench/bench_27b.py --paged --kernels pallas"
-RING_NK=5120x17408,2112x17408,5120x6144,34816x5120  # probe's and ringdepth's shapes
-prefill2() {  # prefill2 <name> [VAR=value ...]: 8K/32K bf16 prefill, two reps, with that env
+b27() {  # b27 [tree]: that tree's bench_27b.py command (paged KV) with its kernel plan:
+  # BENCH_PLAN (default h200), or --kernels pallas for a tree from before kernel plans
+  local tree=${1:-.}
+  if grep -q add_plan_args "$tree/bench/bench_27b.py" 2>/dev/null; then
+    echo "python3 $tree/bench/bench_27b.py --paged --plan ${BENCH_PLAN:-h200}"
+  else
+    echo "python3 $tree/bench/bench_27b.py --paged --kernels pallas"
+  fi
+}
+B27=$(b27 .)
+E27="python3 bench/engine_27b.py --plan ${BENCH_PLAN:-h200}"
+RING_NK=5120x17408,2112x17408,5120x6144,34816x5120  # ringdepth's shapes
+with_env() {  # with_env <VAR=value | argument>... -- <command...>: the command with the
+  # VAR=value words (upper-case names) exported and the other words appended to it
+  local envs=() extra=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do
+    if [[ $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$1"); else extra+=("$1"); fi
+    shift
+  done
+  shift
+  ([ ${#envs[@]} -gt 0 ] && export "${envs[@]}"
+   "$@" ${extra[@]+"${extra[@]}"})
+}
+prefill2() {  # prefill2 <name> [VAR=value | bench_27b.py argument ...]: 8K/32K bf16 prefill,
+  # two reps, with that env and those arguments (e.g. --set gdn_prefill=xla)
   local name=$1
   shift
-  ([ $# -gt 0 ] && export "$@"
-   run 200 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights bf16 --contexts "" \
-     --prefill 8192,32768 --prefill-reps 2 --out "$OUT/${name}_$TAG.json")
+  with_env "$@" -- run 200 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights bf16 \
+    --contexts "" --prefill 8192,32768 --prefill-reps 2 --out "$OUT/${name}_$TAG.json"
   grep -E '^prefill' "$OUT/${name}_$TAG.log" | sed "s/^/$name: /"
 }
-decode1k() {  # decode1k <name> [VAR=value ...]: C1/C2 int4 decode at 1K context with that env
+decode1k() {  # decode1k <name> [VAR=value | bench_27b.py argument ...]: C1/C2 int4 decode at
+  # 1K context with that env and those arguments (e.g. --set mlp=separate)
   local name=$1
   shift
-  ([ $# -gt 0 ] && export "$@"
-   run 150 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
-     --contexts 1024 --prefill "" --steps 10 --out "$OUT/${name}_$TAG.json")
+  with_env "$@" -- run 150 "$OUT/${name}_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
+    --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "$OUT/${name}_$TAG.json"
   grep -E '^decode' "$OUT/${name}_$TAG.log" | cut -c1-90 | sed "s/^/$name: /"
 }
-build_int4() {  # build_int4 <tree>...: each tree's int4 CUDA library at once (nvcc, no GPU);
-  # waits for these builds only (a bare wait would wait for dmon too)
+build_int4() {  # build_int4 <tree>...: each tree's int4 CUDA library at once (nvcc, no GPU),
+  # for the h200 plan's architecture and flags; waits for these builds only (a bare wait
+  # would wait for dmon too)
   local d pids=""
   for d in "$@"; do
-    (cd "$d" && JAX_PLATFORMS=cpu python3 -c "from engine.kernels import cuda_ops as c; \
-       c.build(c.INT4_SOURCE, '90', c._nvcc())") > "$OUT/build_$(basename "$d")_$TAG.log" 2>&1 &
+    (cd "$d" && JAX_PLATFORMS=cpu python3 -c "from engine.kernels import cuda_ops as c
+try:
+    from engine.plan import H200 as p
+    arch, flags = p.cuda_arch, p.cuda_flags
+except ImportError:  # a tree from before kernel plans
+    arch, flags = '90', None
+c.build(c.INT4_SOURCE, arch, c._nvcc(), *([flags] if flags else []))") \
+      > "$OUT/build_$(basename "$d")_$TAG.log" 2>&1 &
     pids="$pids $!"
   done
   wait $pids
@@ -144,22 +171,6 @@ wide_micro() {  # wide_micro <name> <tree> <nk> [micro args...]: the wide GEMV's
   run 300 "$OUT/${name}_$TAG.log" python3 "$tree/bench/cuda_gemv_micro.py" --rows 1 --rpw "" \
     --stages "" --no-pallas --kernel-times --nk "$nk" --out "$OUT/${name}_$TAG.json" "$@"
   grep -E 'kernel' "$OUT/${name}_$TAG.log" | sed "s/^/$name: /"
-}
-envab() {  # envab <name> <pytest -k expr> VAR=value: the wide GEMV's GPU tests named by the
-  # expression, C1/C2 1K decode without and with VAR=value twice in turn, and the engine's
-  # GPU tests (greedy C1 == C2) with it
-  local name=$1 tests=$2 setting=$3
-  run 200 "$OUT/${name}_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_kernels_cuda_gemv.py -k "$tests"
-  tail -n 2 "$OUT/${name}_tests_$TAG.log"
-  for rep in a b; do
-    decode1k "${name}_off_$rep"
-    decode1k "${name}_on_$rep" "$setting"
-  done
-  (export "$setting"
-   run 300 "$OUT/${name}_enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-     tests/test_engine_gpu.py)
-  tail -n 2 "$OUT/${name}_enginegpu_$TAG.log"
 }
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced: the helpers only
 for part in "${@:-tests gemv decode profile prefill restore}"; do
@@ -242,106 +253,86 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
           --prefill "${PROFILE_PREFILL:-8192}" --prefill-reps 1 --out "/tmp/phlo_bench_$TAG.json"
         f=$(ls -S /tmp/phlo_$TAG/*after_optimizations.txt | head -n 1)
         echo "largest module: $f"; gzip -c "$f" > "$OUT/prefill_hlo_$TAG.txt.gz" ;;
-      prefbv)  # 8K/32K prefill with the lean scan's value tile at PREFBV (default 32)
-        prefill2 prefbv NINFER_GDN_PREFILL_BV=${PREFBV:-32} ;;
-      prefscan)  # 8K/32K prefill, the scan's warps x pipelining stages (PREFSCAN: "w:s ...")
-        for ws in ${PREFSCAN:-8:1 8:2 8:3 4:2}; do
-          prefill2 "prefscan_${ws/:/s}" NINFER_GDN_PREFILL_WARPS=${ws%:*} \
-            NINFER_GDN_PREFILL_STAGES=${ws#*:}
-        done ;;
-      prefnext)  # prepared in v11, not measured: 8K/32K prefill with 128-step chunks in the
-        # lean scan (and its GPU test); the weight copies before cuBLAS (~26 ms at 8K): XLA's
-        # dynamic-slice fusion takes only legacy cuBLAS GEMMs, and XLA emits cublasLt ones
-        # (legacy: legacy cuBLAS alone, the control; legacydsf: legacy cuBLAS with the fusion),
-        # or Triton GEMM fusions in place of cuBLAS (tritongemm), which can read the slice
-        run 120 "$OUT/prefnext_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_gdn_prefill.py -k "128_step"
-        tail -n 2 "$OUT/prefnext_tests_$TAG.log"
-        for X in ${PREFNEXT:-chunk128 legacy legacydsf tritongemm}; do
-          C=64 F=""
-          [ $X = chunk128 ] && C=128
+      prefnext)  # prepared in v11, not measured: the weight copies before cuBLAS (~26 ms at
+        # 8K): XLA's dynamic-slice fusion takes only legacy cuBLAS GEMMs, and XLA emits
+        # cublasLt ones (legacy: legacy cuBLAS alone, the control; legacydsf: legacy cuBLAS
+        # with the fusion), or Triton GEMM fusions in place of cuBLAS (tritongemm), which can
+        # read the slice; 8K/32K prefill with each (the lean scan's 128-step chunks went with
+        # NINFER_GDN_PREFILL_CHUNK: gdn_prefill.gdn_chunk takes chunk_size as an argument)
+        for X in ${PREFNEXT:-legacy legacydsf tritongemm}; do
+          F=""
           [ $X = legacy ] && F="--xla_gpu_enable_cublaslt=false"
           [ $X = legacydsf ] && F="--xla_gpu_enable_cublaslt=false --xla_gpu_enable_dynamic_slice_fusion=true"
           [ $X = tritongemm ] && F="--xla_gpu_cublas_fallback=false"
-          prefill2 "prefnext_$X" NINFER_GDN_PREFILL_CHUNK=$C "XLA_FLAGS=$F"
+          prefill2 "prefnext_$X" "XLA_FLAGS=$F"
         done ;;
       prefab)  # 8K/32K prefill of this tree, then of the tree in PREV_TREE (default .whl/prev:
         # an earlier commit's engine/ and bench/, `git archive <commit> engine bench`), one call
         prefill2 prefab_cur
-        (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
+        (B27=$(b27 "${PREV_TREE:-.whl/prev}")
          prefill2 prefab_prev) ;;
       kcost)  # what one small kernel on the step's path costs: C1/C2 1K decode with 0, 2 and 6
-        # extra XLA kernels a layer (NINFER_BENCH_EXTRA_KERNELS, bench_27b.py), in one
-        # process, in turn KCOST_REPS times
+        # extra XLA kernels a layer (bench_27b.py's extra_kernels), in one process, in turn
+        # KCOST_REPS times
         run 400 "$OUT/kcost_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
           --contexts 1024 --prefill "" --steps 10 --variant-reps "${KCOST_REPS:-2}" \
-          --variants '{"x0": {"NINFER_BENCH_EXTRA_KERNELS": "0"}, "x2": {"NINFER_BENCH_EXTRA_KERNELS": "2"}, "x6": {"NINFER_BENCH_EXTRA_KERNELS": "6"}}' \
+          --variants 'x0:extra_kernels=0 x2:extra_kernels=2 x6:extra_kernels=6' \
           --out "$OUT/kcost_$TAG.json"
         grep -E '^variant' "$OUT/kcost_$TAG.log" ;;
-      gdnwarps)  # the fused GDN decode kernel's Triton warps and state split (variants in one
-        # process, each variant's first C1 step profiled: the kernel's own time)
-        # (GDNWARPS: "name:split:warps ..."; v24c ran w8 w4 w16 s2 s4 s4w4)
-        V=$(python3 -c 'import json, sys
-print(json.dumps({n: {"NINFER_GDN_FUSED_SPLIT": s, "NINFER_GDN_FUSED_WARPS": w}
-                  for n, s, w in (a.split(":") for a in sys.argv[1:])}))' \
-          ${GDNWARPS:-w8:1:8 w4:1:4 w16:1:16 s2:2:8 s4:4:8 s4w4:4:4})
-        run 500 "$OUT/gdnwarps_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
-          --contexts 1024 --prefill "" --steps 10 --profile 2 \
-          --variant-reps "${GDNWARPS_REPS:-1}" --variants "$V" --out "$OUT/gdnwarps_$TAG.json"
-        grep -E '^variant|gdn_decode|per step|^\[' "$OUT/gdnwarps_$TAG.log" | cut -c1-150 ;;
       decab)  # C1/C2 1K decode of this tree, then of the tree in PREV_TREE (as prefab), in
         # turn DECAB_REPS times (default 1), one call
         for rep in $(seq "${DECAB_REPS:-1}"); do
           decode1k "decab_cur_$rep"
-          (B27="python3 ${PREV_TREE:-.whl/prev}/bench/bench_27b.py --paged --kernels pallas"
+          (B27=$(b27 "${PREV_TREE:-.whl/prev}")
            decode1k "decab_prev_$rep")
         done ;;
       engine)  # decode and prefill through the serving engine (bench/engine_27b.py, v25):
         # B = 1 and 2, 1K/32K/128K, chained steps on/off, each engine's first context traced
-        run 560 "$OUT/engine_$TAG.log" python3 bench/engine_27b.py --batches 1,2 \
+        run 560 "$OUT/engine_$TAG.log" $E27 --batches 1,2 \
           --contexts "${ENGINE_CONTEXTS:-1024,32768,131072}" --decode-tokens 64 --reps 2 \
           --sampling "${ENGINE_SAMPLING:-greedy}" --trace "$OUT/etrace_$TAG" --budget-s 470 \
           --out "$OUT/engine_$TAG.json"
         grep -E '^ ?[0-9]|^prefill' "$OUT/engine_$TAG.log" ;;
-      narrow)  # narrow decode (NINFER_NARROW_DECODE) in an engine of two rows: the engine's
-        # GPU tests with it (greedy C1 == C2), then B = 2 engines without and with it
-        NINFER_NARROW_DECODE=1 run 200 "$OUT/narrowgpu_$TAG.log" python3 -m pytest -q -m gpu \
+      narrow)  # narrow decode (plan narrow_decode) in an engine of two rows: the engine's
+        # GPU tests (greedy C1 == C2; they choose their plans), then B = 2 engines without and
+        # with it
+        run 200 "$OUT/narrowgpu_$TAG.log" python3 -m pytest -q -m gpu \
           -p no:cacheprovider tests/test_engine_gpu.py
         tail -n 3 "$OUT/narrowgpu_$TAG.log"
-        run 400 "$OUT/narrow_$TAG.log" python3 bench/engine_27b.py --batches 2 --narrow 0,1 \
+        run 400 "$OUT/narrow_$TAG.log" $E27 --batches 2 --narrow 0,1 \
           --contexts 1024,32768 --decode-tokens 64 --reps 2 --trace "$OUT/etrace_$TAG" \
           --budget-s 330 --out "$OUT/narrow_$TAG.json"
         grep -E '^ ?[0-9]|^prefill' "$OUT/narrow_$TAG.log" ;;
-      pagedmerge)  # NINFER_PAGED_MERGE=chain against reduce (v26): batch invariance on the
-        # GPU (fresh inputs each run), greedy C1 == C2 with narrow decode, the step's time
+      pagedmerge)  # plan paged_merge=chain against reduce (v26): batch invariance on the
+        # GPU (fresh inputs each run), the engine's GPU tests (greedy C1 == C2; they choose
+        # their plans), the step's time
         for i in 1 2 3; do
           run 150 "$OUT/pagedmerge_tests${i}_$TAG.log" python3 -m pytest -q -m gpu \
             -p no:cacheprovider tests/test_kernels_attention.py -k paged_decode_gpu
           tail -n 4 "$OUT/pagedmerge_tests${i}_$TAG.log" | cut -c1-160
         done
-        NINFER_PAGED_MERGE=chain NINFER_NARROW_DECODE=1 run 200 \
-          "$OUT/pagedmerge_narrowgpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_engine_gpu.py
+        run 200 "$OUT/pagedmerge_narrowgpu_$TAG.log" python3 -m pytest -q -m gpu \
+          -p no:cacheprovider tests/test_engine_gpu.py
         tail -n 3 "$OUT/pagedmerge_narrowgpu_$TAG.log"
         for mg in reduce chain; do
-          NINFER_PAGED_MERGE=$mg run 200 "$OUT/pagedmerge_${mg}_$TAG.log" $B27 --skip-peaks \
+          run 200 "$OUT/pagedmerge_${mg}_$TAG.log" $B27 --skip-peaks --set "paged_merge=$mg" \
             --weights int4_g64 --batches 1,2 --contexts 1024,131072 --prefill "" --steps 10 \
             --out "$OUT/pagedmerge_${mg}_$TAG.json"
           grep -E '^decode' "$OUT/pagedmerge_${mg}_$TAG.log" | cut -c1-90 | sed "s/^/$mg: /"
         done ;;
       attnmerge)  # the attention tail in one kernel (v28, built after the device time ran
         # out): its GPU tests and the engine's with it, then the A/B in one process
-        NINFER_ATTN_MERGE=1 run 200 "$OUT/attnmerge_gpu_$TAG.log" python3 -m pytest -q -m gpu \
+        run 200 "$OUT/attnmerge_gpu_$TAG.log" python3 -m pytest -q -m gpu \
           -p no:cacheprovider tests/test_kernels_attn_merge.py tests/test_engine_gpu.py
         tail -n 2 "$OUT/attnmerge_gpu_$TAG.log"
-        run 400 "$OUT/attnmerge_engine_$TAG.log" python3 bench/engine_27b.py --batches 1,2 \
+        run 400 "$OUT/attnmerge_engine_$TAG.log" $E27 --batches 1,2 \
           --contexts "${ENGINE_CONTEXTS:-1024,32768,131072}" --decode-tokens 64 --reps 2 \
           --modes 1 --turns "" --budget-s 370 --out "$OUT/attnmerge_engine_$TAG.json" \
-          --variants "base merge:NINFER_ATTN_MERGE=1"
+          --variants "base merge:attn_merge=true"
         grep -E '^ *[a-z]+ +[0-9]+ +[01] ' "$OUT/attnmerge_engine_$TAG.log" ;;
       convswap)  # the conv state into a second stack (v28, built after the device time ran
-        # out): its GPU tests and the engine's with it
-        NINFER_GDN_CONV_WRITE=swap run 200 "$OUT/convswap_gpu_$TAG.log" python3 -m pytest -q \
+        # out; the h200 preset's since kernel plans): its GPU tests and the engine's
+        run 200 "$OUT/convswap_gpu_$TAG.log" python3 -m pytest -q \
           -m gpu -p no:cacheprovider tests/test_kernels_gdn_fused.py tests/test_engine_gpu.py
         tail -n 2 "$OUT/convswap_gpu_$TAG.log" ;;
       chain)  # the step's GEMVs: separate launches against one persistent kernel (v29)
@@ -358,39 +349,41 @@ for line in open(sys.argv[1]):
     print(f"{k:8s} " + "  ".join(f"{a}={b}" for a, b in r.items()))
 PY
         ;;
-      engab)  # the defaults' GPU tests, then named settings in one engine process
+      engab)  # the defaults' GPU tests, then named plans (plan overrides) in one engine
+        # process
         if [ -n "${ENGAB_TESTS-tests/test_kernels_gdn_fused.py tests/test_engine_gpu.py}" ]; then
           run 200 "$OUT/engab_gpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
             ${ENGAB_TESTS-tests/test_kernels_gdn_fused.py tests/test_engine_gpu.py}
           tail -n 2 "$OUT/engab_gpu_$TAG.log"
         fi
-        run "${ENGAB_LIMIT_S:-420}" "$OUT/engab_engine_$TAG.log" python3 bench/engine_27b.py \
+        run "${ENGAB_LIMIT_S:-420}" "$OUT/engab_engine_$TAG.log" $E27 \
           --batches 1,2 --contexts "${ENGINE_CONTEXTS:-1024,32768,131072}" --decode-tokens 64 \
           --reps "${ENGAB_REPS:-2}" --modes 1 --turns "" \
           --budget-s "$(( ${ENGAB_LIMIT_S:-420} - 30 ))" --out "$OUT/engab_engine_$TAG.json" \
           --variants "${ENGAB_VARIANTS:-default}" ${ENGAB_ARGS:-}
         grep -E '^ *[a-z]+ +[0-9]+ +[01] |^prefill' "$OUT/engab_engine_$TAG.log" ;;
-      v29ab)  # the two v28 builds' GPU tests with both on, then the four settings in one
-        # engine process
-        NINFER_GDN_CONV_WRITE=swap NINFER_ATTN_MERGE=1 run 240 "$OUT/v29ab_gpu_$TAG.log" \
+      v29ab)  # the two v28 builds' GPU tests and the engine's, then the four settings in one
+        # engine process (base: conv write copy, no tail kernel; swap: the h200 preset)
+        run 240 "$OUT/v29ab_gpu_$TAG.log" \
           python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gdn_fused.py \
           tests/test_kernels_attn_merge.py tests/test_engine_gpu.py
         tail -n 2 "$OUT/v29ab_gpu_$TAG.log"
-        run 420 "$OUT/v29ab_engine_$TAG.log" python3 bench/engine_27b.py --batches 1,2 \
+        run 420 "$OUT/v29ab_engine_$TAG.log" $E27 --batches 1,2 \
           --contexts "${ENGINE_CONTEXTS:-1024,32768}" --decode-tokens 64 --reps 2 --modes 1 \
           --turns "" --budget-s 390 --out "$OUT/v29ab_engine_$TAG.json" --variants \
-          "base merge:NINFER_ATTN_MERGE=1 swap:NINFER_GDN_CONV_WRITE=swap both:NINFER_ATTN_MERGE=1,NINFER_GDN_CONV_WRITE=swap"
+          "base:gdn_conv_write=copy merge:gdn_conv_write=copy,attn_merge=true swap:gdn_conv_write=swap both:gdn_conv_write=swap,attn_merge=true"
         grep -E '^ *[a-z]+ +[0-9]+ +[01] ' "$OUT/v29ab_engine_$TAG.log" ;;
       attnprep)  # q/k norms, RoPE and the K/V write in one kernel a layer (v27, built after
-        # the device time ran out): its tests and greedy C1 == C2 with it, then the A/B
-        NINFER_ATTN_PREP=1 run 200 "$OUT/attnprep_gpu_$TAG.log" python3 -m pytest -q -m gpu \
+        # the device time ran out): its tests and the engine's (greedy C1 == C2), then the A/B
+        run 200 "$OUT/attnprep_gpu_$TAG.log" python3 -m pytest -q -m gpu \
           -p no:cacheprovider tests/test_kernels_attn_prep.py tests/test_engine_gpu.py
         tail -n 2 "$OUT/attnprep_gpu_$TAG.log"
         for on in 0 1; do
-          NINFER_ATTN_PREP=$on run 280 "$OUT/attnprep_engine${on}_$TAG.log" python3 \
-            bench/engine_27b.py --batches 1,2 --contexts "${ENGINE_CONTEXTS:-1024,131072}" \
+          prep=false; [ $on = 1 ] && prep=true
+          run 280 "$OUT/attnprep_engine${on}_$TAG.log" $E27 \
+            --batches 1,2 --contexts "${ENGINE_CONTEXTS:-1024,131072}" \
             --decode-tokens 64 --reps 1 --modes 1 --turns "" --budget-s 240 \
-            --out "$OUT/attnprep_engine${on}_$TAG.json"
+            --set "attn_prep=$prep" --out "$OUT/attnprep_engine${on}_$TAG.json"
           grep -E '^ ?[0-9]' "$OUT/attnprep_engine${on}_$TAG.log" | sed "s/^/prep=$on: /"
         done ;;
       norms)  # the fused decode norms (v27): kernels against references and greedy C1 == C2
@@ -402,136 +395,85 @@ PY
           --out "$OUT/norm_micro_$TAG.json"
         grep 'a call' "$OUT/norm_micro_$TAG.log"
         for on in 0 1; do
-          NINFER_NORM_FUSED=$on run 250 "$OUT/norms_engine${on}_$TAG.log" python3 \
-            bench/engine_27b.py --batches 1,2 --contexts "${ENGINE_CONTEXTS:-1024}" \
+          norms=xla; [ $on = 1 ] && norms=fused
+          run 250 "$OUT/norms_engine${on}_$TAG.log" $E27 \
+            --batches 1,2 --contexts "${ENGINE_CONTEXTS:-1024}" \
             --decode-tokens 64 --reps 1 --modes 1 --turns 4 --trace "$OUT/etrace_norms${on}_$TAG" \
-            --budget-s 200 --out "$OUT/norms_engine${on}_$TAG.json"
+            --set "norms=$norms" --budget-s 200 --out "$OUT/norms_engine${on}_$TAG.json"
           grep -E '^ ?[0-9]' "$OUT/norms_engine${on}_$TAG.log" | sed "s/^/fused=$on: /"
         done ;;
       enginegpu)  # the engine's GPU tests alone (greedy C1 == C2, kernels vs references)
         run 300 "$OUT/enginegpu_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_engine_gpu.py tests/test_kernels_gdn_prefill.py
         tail -n 3 "$OUT/enginegpu_$TAG.log" ;;
-      unfused)
-        NINFER_GDN_FUSED=0 run 200 "$OUT/unfused_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
+      unfused)  # the GDN decode step's recurrent kernel alone, the other steps in XLA (and the
+        # conv state copied: the swap needs the fused kernel)
+        run 200 "$OUT/unfused_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
+          --set gdn_decode=pallas,gdn_conv_write=copy \
           --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
           --out "$OUT/unfused_$TAG.json"
         grep -E -A6 'per step|decode' "$OUT/unfused_$TAG.log" | cut -c1-150 ;;
-      prefetch)  # the register-prefetch tensor-core GEMV: bitwise test, micro sweep, decode
+      prefetch)  # the register-prefetch tensor-core GEMV: bitwise test, micro sweep (the
+        # decode step with it left with NINFER_INT4_KERNEL/PREFETCH: no plan selects it)
         run 200 "$OUT/prefetch_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k "prefetch or tensor_core"
         tail -n 2 "$OUT/prefetch_tests_$TAG.log"
         run 150 "$OUT/prefetch_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
           --rpw 2 --stages 4 --prefetch 2,4,8 --shapes 3,4,0,9 \
           --out "$OUT/cuda_gemv_micro_prefetch_$TAG.json"
-        grep -E 'lm_head|gate' "$OUT/prefetch_gemv_$TAG.log"
-        NINFER_INT4_KERNEL=mma NINFER_INT4_PREFETCH=${PREFETCH:-4} run 200 \
-          "$OUT/prefetch_decode_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
-          --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/prefetch_$TAG.json"
-        grep -E -A4 'per step|decode' "$OUT/prefetch_decode_$TAG.log" | cut -c1-150 ;;
-      wide)  # the wide tensor-core GEMV: its GPU tests, a micro sweep, C1/C2 1K decode with it
+        grep -E 'lm_head|gate' "$OUT/prefetch_gemv_$TAG.log" ;;
+      wide)  # the wide tensor-core GEMV: its GPU tests, a micro sweep (the decode step with
+        # WIDE_BIAS left with NINFER_INT4_WIDE_BIAS: no plan selects it)
         run 150 "$OUT/wide_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k wide
         tail -n 2 "$OUT/wide_tests_$TAG.log"
         run 150 "$OUT/wide_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
           --rpw 2 --stages 4 --wide 2 --wide-warps ${WIDE_WARPS:-8} --wide-bias 1,0 \
           --shapes 3,4,2,7,0,9 --out "$OUT/cuda_gemv_micro_wide_$TAG.json"
-        grep -E 'fma|wide' "$OUT/wide_gemv_$TAG.log"
-        for B in ${WIDE_BIAS:-1 0}; do
-          NINFER_INT4_KERNEL=wide NINFER_INT4_WIDE_BIAS=$B run 150 \
-            "$OUT/wide_decode_b${B}_$TAG.log" $B27 --skip-peaks --weights int4_g64 --batches 1,2 \
-            --contexts 1024 --prefill "" --steps 10 --profile 2 --out "$OUT/wide_b${B}_$TAG.json"
-          grep -E -A3 'per step|decode' "$OUT/wide_decode_b${B}_$TAG.log" | cut -c1-150
-        done ;;
+        grep -E 'fma|wide' "$OUT/wide_gemv_$TAG.log" ;;
       wwarps)  # the wide GEMV's variants: its GPU tests, a micro sweep over the step's
         # launches (2, 4, 8 warps to a tile; registers capped for 32 warps an SM; the
-        # shared-memory ring of 4 or 8 pairs), C1/C2 1K decode with the warps set to a number
-        # or "auto" (by tiles), "o32" (NINFER_INT4_WIDE_OCC=32), "s4"/"s8"
-        # (NINFER_INT4_WIDE_STAGES)
+        # shared-memory ring of 4 or 8 pairs) (the decode runs with NINFER_INT4_WIDE_WARPS/
+        # OCC/STAGES left: no plan selects them)
         run 200 "$OUT/wwarps_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k wide
         tail -n 2 "$OUT/wwarps_tests_$TAG.log"
-        if [ "${WWARPS_MICRO:-1}" = 1 ]; then  # WWARPS_MICRO=0: the decode runs alone
-          run 240 "$OUT/wwarps_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
-            --rpw 2 --stages "" --wide 2 --wide-warps 2,4,8 --wide-bias 0 --wide-occ 0,32 \
-            --wide-stages 4,8 \
-            --shapes 2,4,9,10,11,12 --out "$OUT/cuda_gemv_micro_wwarps_$TAG.json"
-          grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log"
-        fi
-        # (each decode run ~1 min: the default four keep the part under ~8 min; WWARPS picks
-        # others, e.g. "4 2 4o32 4s8"; autoo32 is the default since v12)
-        for V in ${WWARPS:-autoo32 8o32 auto 8}; do  # warps, then o32 or s4/s8
-          O=0 S=0 W=$V
-          case $V in *o32) O=32 W=${V%o32} ;; *s4) S=4 W=${V%s4} ;; *s8) S=8 W=${V%s8} ;; esac
-          decode1k "wwarps_$V" NINFER_INT4_WIDE_STAGES=$S NINFER_INT4_WIDE_OCC=$O \
-            NINFER_INT4_WIDE_WARPS=$W
-        done ;;
-      gdninv)  # the GDN prefill's diagonal-block inverse in one Pallas kernel
-        # (NINFER_GDN_INV=pallas) against XLA's 16 substitution steps: GPU tests, then
-        # 8K/32K bf16 prefill with each, twice in turn
-        run 200 "$OUT/gdninv_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_gdn_inverse.py tests/test_kernels_gdn_prefill.py -k inverse
-        tail -n 2 "$OUT/gdninv_tests_$TAG.log"
-        for rep in a b; do
-          prefill2 "gdninv_xla_$rep" NINFER_GDN_INV=xla
-          prefill2 "gdninv_pallas_$rep" NINFER_GDN_INV=pallas
-        done ;;
+        run 240 "$OUT/wwarps_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
+          --rpw 2 --stages "" --wide 2 --wide-warps 2,4,8 --wide-bias 0 --wide-occ 0,32 \
+          --wide-stages 4,8 \
+          --shapes 2,4,9,10,11,12 --out "$OUT/cuda_gemv_micro_wwarps_$TAG.json"
+        grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log" ;;
       prefint4)  # 8K/32K prefill from the int4_g64 weights the product ships (each layer
         # dequantized to bf16 before its GEMMs), then from bf16 weights, one process
         run 240 "$OUT/prefint4_$TAG.log" $B27 --skip-peaks --weights int4_g64 --contexts "" \
           --prefill 8192,32768 --prefill-reps 2 --prefill-weights int4_g64,bf16 \
           --out "$OUT/prefint4_$TAG.json"
         grep -E '^prefill' "$OUT/prefint4_$TAG.log" ;;
-      prefcudnn)  # 8K/32K prefill: a prompt's first chunk on cuDNN's fused attention
-        # (NINFER_PREFILL_ATTN=cudnn) against the flash kernel, with its GPU test
-        run 120 "$OUT/prefcudnn_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_attention.py -k "flash_prefill_gpu"
-        tail -n 2 "$OUT/prefcudnn_tests_$TAG.log"
-        prefill2 prefcudnn_flash
-        prefill2 prefcudnn NINFER_PREFILL_ATTN=cudnn ;;
       mlp)  # the CUDA MLP op (cuda_ops.int4_mlp: gate|up, SwiGLU, down and the residual in
-        # one call, NINFER_MLP_FUSED=<launches>, 2 by default): its GPU tests and the micro
-        # benchmark at the 27B's shapes
+        # one call; its launches an argument, 2 as plan mlp=cuda runs it): its GPU tests and
+        # the micro benchmark at the 27B's shapes
         run 360 "$OUT/mlp_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k "mlp"
         tail -n 2 "$OUT/mlp_tests_$TAG.log"
         run 200 "$OUT/mlp_micro_$TAG.log" python3 bench/mlp_micro.py --out "$OUT/mlp_micro_$TAG.json"
         grep -E "^M[0-9]" "$OUT/mlp_micro_$TAG.log" ;;
-      mlpab)  # C1/C2 1K decode: the separate MLP calls (NINFER_MLP_FUSED=0) once, then the
+      mlpab)  # C1/C2 1K decode: the separate MLP calls (plan mlp=separate) once, then the
         # default (the MLP op, two launches chained by programmatic dependent launch) twice
-        decode1k mlp_off NINFER_MLP_FUSED=0
+        decode1k mlp_off --set mlp=separate
         for rep in a b; do
           decode1k "mlp_pdl_$rep"
         done ;;
-      xperm)  # x permuted by XLA so that the wide GEMV skips its 16 byte permutations a pair
-        # (NINFER_INT4_WIDE_XPERM=1; main loop 252 -> 214 instructions for two pairs, sm_90
-        # SASS): its GPU tests (bitwise the default), decode and engine tests (envab)
-        envab xperm "wide_tensor_core" NINFER_INT4_WIDE_XPERM=1 ;;
-      w10)  # 10 warps to a tile for the 320-tile shapes (down, out_proj: every tile resident
-        # at once, 3,200 warps against 2,560 at 8): the wide GPU tests (every warps setting),
-        # decode with "auto" (4 or 8) and "auto:4,10", the engine tests with it (envab)
-        envab w10 "wide" NINFER_INT4_WIDE_WARPS=auto:4,10 ;;
-      gdnsplit)  # the fused GDN decode kernel with each value head's state over GDNSPLIT
-        # programs by its Dv columns (NINFER_GDN_FUSED_SPLIT; 1: one program a head, the
-        # default): its GPU tests, C1/C2 1K decode at each
-        run 150 "$OUT/gdnsplit_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_gdn_fused.py
-        tail -n 2 "$OUT/gdnsplit_tests_$TAG.log"
-        for S in ${GDNSPLIT:-1 2 4}; do
-          decode1k "gdnsplit_$S" NINFER_GDN_FUSED_SPLIT=$S
-        done ;;
-      kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16):
-        # the paged kernel's int8 scales folded into scores and softmax weights (the default
-        # since v11) against dequantized element by element (NINFER_PAGED_INT8=dequant)
+      kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16),
+        # the paged kernel's int8 scales folded into scores and softmax weights (the A/B
+        # against dequantized element by element left with NINFER_PAGED_INT8: the kernel's
+        # tests and micro take fold=)
         run 120 "$OUT/kvint8_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_attention.py -k paged_decode
         tail -n 2 "$OUT/kvint8_tests_$TAG.log"
-        for F in ${KVINT8:-fold dequant}; do
-          NINFER_PAGED_INT8=$F run 200 "$OUT/kvint8_${F}_$TAG.log" $B27 --skip-peaks --kv int8 \
-            --weights int4_g64 --batches 1,2 --contexts 32768,131072 --prefill "" --steps 10 \
-            --out "$OUT/kvint8_${F}_$TAG.json"
-          grep -E '^decode' "$OUT/kvint8_${F}_$TAG.log" | cut -c1-90 | sed "s/^/$F: /"
-        done ;;
+        run 200 "$OUT/kvint8_fold_$TAG.log" $B27 --skip-peaks --kv int8 \
+          --weights int4_g64 --batches 1,2 --contexts 32768,131072 --prefill "" --steps 10 \
+          --out "$OUT/kvint8_fold_$TAG.json"
+        grep -E '^decode' "$OUT/kvint8_fold_$TAG.log" | cut -c1-90 | sed "s/^/fold: /" ;;
       waves)
         NK1=""; for t in ${WAVES_TILES1:-264 528 792 1056 1320 1584 1848 2112 2176 2640 3168}; do
           NK1="$NK1$((16 * t))x5120,"; done
@@ -541,30 +483,13 @@ PY
           --stages "" --no-pallas --wide 2 --wide-warps 4,8 --wide-occ 32 --kernel-times \
           --nk "$NK1$NK2" --out "$OUT/cuda_gemv_micro_waves_$TAG.json"
         grep -E 'kernel' "$OUT/waves_$TAG.log" ;;
-      probe)  # what a wide pair's chain waits for: the wide GEMV's kernel time (M = 1, 8
-        # warps, registers for 32) built with each NINFER_PROBE mask of PROBES (1 no x loads, 2
-        # no group-sum loads, 4 no ring refills; wrong sums, timing only) at PROBE_NK
-        PROBE_DIRS=""
-        for mask in ${PROBES:-0 1 2 3 4 7}; do
-          d=.whl/probe$mask
-          rm -rf "$d" && mkdir -p "$d" && cp -r engine bench "$d"/
-          sed -i "s/^#define NINFER_PROBE 0$/#define NINFER_PROBE $mask/" \
-            "$d/engine/kernels/cuda/int4_gemv.cu"
-          grep -q "^#define NINFER_PROBE $mask$" "$d/engine/kernels/cuda/int4_gemv.cu" || exit 1
-          PROBE_DIRS="$PROBE_DIRS $d"
-        done
-        build_int4 $PROBE_DIRS
-        for d in $PROBE_DIRS; do
-          wide_micro "probe_${d#.whl/probe}" "$d" "${PROBE_NK:-$RING_NK}" --wide 2 \
-            --wide-warps "${PROBE_WARPS:-8}" --wide-occ 32
-        done ;;
       lab)  # bench/gemv_lab.cu (no JAX): the wide GEMV (x through L1 and staged) at the four
         # big shapes and the MLP op (kernel time a launch in CUDA graphs, bitwise against the
         # engine's kernel, the read ceiling of the same bytes) and a per-round trace, from
         # each build of LAB_BUILDS (name:nvcc-flags, comma-joined flags), built at once
         INC=$(python3 -c 'import jax; print(jax.ffi.include_dir())')
         NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-        BUILDS=${LAB_BUILDS:-xs1: xs0:-DNINFER_WIDE_XS=0 dxs:-DNINFER_MLP_DOWN_XS=1}
+        BUILDS=${LAB_BUILDS:-lab:}
         pids=""
         for b in $BUILDS; do
           "$NVCC" -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -I"$INC" \
@@ -593,24 +518,6 @@ for line in open(sys.argv[1]):
         print(line.strip())
 PY
         done ;;
-      xsab)  # x staged in shared memory (NINFER_WIDE_XS): the lab, then C1/C2 1K decode from
-        # this tree (the MLP op's gate|up at 8 and at 4 warps) and from a copy built with 0
-        d=.whl/xs0
-        rm -rf "$d" && mkdir -p "$d" && cp -r engine bench "$d"/
-        sed -i "s/^#define NINFER_WIDE_XS 1$/#define NINFER_WIDE_XS 0/" \
-          "$d/engine/kernels/cuda/int4_gemv.cu"
-        grep -q "^#define NINFER_WIDE_XS 0$" "$d/engine/kernels/cuda/int4_gemv.cu" || exit 1
-        build_int4 . "$d" &
-        BPID=$!
-        [ "${XSAB_LAB:-1}" = 1 ] && bash "$0" lab
-        wait $BPID
-        for w in ${XSAB_WARPS:-8 4}; do
-          for rep in ${XSAB_REPS:-a}; do
-            decode1k xsab_on$w$rep NINFER_INT4_MLP_WARPS=$w
-            (B27="python3 $d/bench/bench_27b.py --paged --kernels pallas"
-             decode1k xsab_off$w$rep NINFER_INT4_MLP_WARPS=$w)
-          done
-        done ;;
       treeab)  # this tree against PREV_TREE (an edited copy, carried): both int4 libraries
         # built at once, then from each the wide GEMV's kernel times at TREEAB_NK (4 and 8
         # warps) and C1/C2 1K decode, in turn
@@ -623,61 +530,35 @@ PY
             --wide-warps 4,8 --wide-occ 32
         done
         decode1k treeab_cur
-        (B27="python3 $PREV/bench/bench_27b.py --paged --kernels pallas"
+        (B27=$(b27 "$PREV")
          decode1k treeab_prev) ;;
-      ringdepth)  # the same shapes as probe: the register ring at P = 2 and 4 (registers
+      ringdepth)  # RING_NK's shapes: the register ring at P = 2 and 4 (registers
         # uncapped) against the cp.async shared-memory ring at 4 and 8 stages, 8 warps
         wide_micro ringdepth . "${PROBE_NK:-$RING_NK}" --wide 2,4 --wide-warps 8 --wide-occ 0 \
           --wide-stages 4,8 ;;
-      pagedab)
-        NEW=${PAGEDAB_NEW:?PAGEDAB_NEW=programs:warps:stages:unroll}
-        OLD=${PAGEDAB_OLD:-512:4:2:1}
-        NINFER_PAGED_DECODE=$NEW run 150 "$OUT/pagedab_tests_$TAG.log" python3 -m pytest -q \
-          -m gpu -p no:cacheprovider tests/test_kernels_attention.py -k paged_decode
-        tail -n 2 "$OUT/pagedab_tests_$TAG.log"
-        V="{\"old\": {\"NINFER_PAGED_DECODE\": \"$OLD\"}, \"new\": {\"NINFER_PAGED_DECODE\": \"$NEW\"}}"
-        for KV in ${PAGEDAB_KV:-bfloat16 int8}; do
-          run 280 "$OUT/pagedab_${KV}_$TAG.log" $B27 --skip-peaks --kv "$KV" --weights int4_g64 \
-            --batches 1,2 --contexts "${PAGEDAB_CONTEXTS:-32768,131072}" --prefill "" --steps 10 \
-            --variants "$V" --variant-reps "${PAGEDAB_REPS:-1}" --out "$OUT/pagedab_${KV}_$TAG.json"
-          grep -E '^variant' "$OUT/pagedab_${KV}_$TAG.log" | sed "s/^/$KV: /"
-        done ;;
-      kvcast)  # int8 KV pages: bf16 / f16 / magic casts of the codes (paged_decode's docstring)
+      kvcast)  # int8 KV pages: bf16 / f16 / magic casts of the codes (paged_decode's
+        # docstring): GPU tests, the paged kernel's micro (the decode A/B by
+        # NINFER_PAGED_INT8_CAST left: the kernel takes cast= as an argument, no plan field)
         run 150 "$OUT/kvcast_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_attention.py -k paged_decode
         tail -n 2 "$OUT/kvcast_tests_$TAG.log"
         run 200 "$OUT/kvcast_micro_$TAG.log" python3 bench/kernels_micro.py --only attention \
           --contexts "${KVCAST_CONTEXTS:-32768,131072}" --attn-warps "${KVCAST_WARPS:-4}" \
           --out "$OUT/kvcast_micro_$TAG.json"
-        grep -E '^paged' "$OUT/kvcast_micro_$TAG.log"
-        BEST=$(python3 - "$OUT/kvcast_micro_$TAG.json" <<'PY'
-import json, sys
-rows = [r for r in json.load(open(sys.argv[1]))["paged_decode"]
-        if r["kv"] == "int8" and r["batch"] == 1 and r["context"] == max(
-            x["context"] for x in json.load(open(sys.argv[1]))["paged_decode"])]
-print(min(rows, key=lambda r: r["us"])["cast"] if rows else "magic")
-PY
-)
-        echo "fastest int8 cast at the longest context: $BEST"
-        V="{\"bf16\": {\"NINFER_PAGED_INT8_CAST\": \"bf16\"}"
-        [ "$BEST" != bf16 ] && V="$V, \"$BEST\": {\"NINFER_PAGED_INT8_CAST\": \"$BEST\"}"
-        run 330 "$OUT/kvcast_decode_$TAG.log" $B27 --skip-peaks --kv int8 --weights int4_g64 \
-          --batches 1,2 --contexts "${KVCAST_DECODE:-131072}" --prefill "" --steps 10 \
-          --variants "$V}" --out "$OUT/kvcast_decode_$TAG.json"
-        grep -E '^(variant|\[)' "$OUT/kvcast_decode_$TAG.log" | cut -c1-100 ;;
-      prefillx)  # prefill experiments, one call: the baseline, XLA's UT transform with bf16
-        # operands (NINFER_GDN_PREFILL=hybrid_utbf16), every state-independent term from XLA and
-        # the lean scan kernel (=hybrid_lean), and XLA's dynamic-slice fusion (a layer's weights
-        # sliced out of the stacks by address, not copied, before cuBLAS)
+        grep -E '^paged' "$OUT/kvcast_micro_$TAG.log" ;;
+      prefillx)  # prefill experiments, one call: every state-independent term from XLA and
+        # the lean scan kernel (plan gdn_prefill=pallas, the presets'), XLA's chunked rule
+        # alone (gdn_prefill=xla), and XLA's dynamic-slice fusion (a layer's weights sliced
+        # out of the stacks by address, not copied, before cuBLAS) (the other preps, hybrid
+        # and hybrid_utbf16, left the model: gdn_prefill.gdn_chunk takes them as prep=)
         run 120 "$OUT/prefillx_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_gdn_prefill.py -k "gpu_27b"
         tail -n 2 "$OUT/prefillx_tests_$TAG.log"
-        for X in ${PREFILLX:-base utbf16 lean dsf}; do
-          G=hybrid F=""
-          [ $X = utbf16 ] && G=hybrid_utbf16
-          [ $X = lean ] && G=hybrid_lean
+        for X in ${PREFILLX:-lean xla dsf}; do
+          G=pallas F=""
+          [ $X = xla ] && G=xla
           [ $X = dsf ] && F="--xla_gpu_enable_dynamic_slice_fusion=true"
-          prefill2 "prefillx_$X" NINFER_GDN_PREFILL=$G "XLA_FLAGS=$F"
+          prefill2 "prefillx_$X" --set "gdn_prefill=$G" "XLA_FLAGS=$F"
         done ;;
       hlo)  # the optimized HLO of the C1 decode step (what each profiled fusion is), gzipped
         XLA_FLAGS="--xla_dump_to=/tmp/hlo_$TAG --xla_dump_hlo_as_text" run 200 \
@@ -685,25 +566,20 @@ PY
           --contexts 1024 --prefill "" --steps 2 --out "/tmp/hlo_bench_$TAG.json"
         f=$(ls -S /tmp/hlo_$TAG/*after_optimizations.txt | head -n 1)
         echo "largest module: $f"; gzip -c "$f" > "$OUT/decode_hlo_$TAG.txt.gz" ;;
-      inplace)  # GDN states updated in place by the fused decode kernel (NINFER_GDN_INPLACE=1)
-        run 120 "$OUT/inplace_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_gdn_fused.py
-        tail -n 2 "$OUT/inplace_tests_$TAG.log"
-        NINFER_GDN_INPLACE=1 run 150 "$OUT/inplace_decode_$TAG.log" $B27 --skip-peaks \
-          --weights int4_g64 --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
-          --out "$OUT/inplace_$TAG.json"
-        grep -E -A6 'per step|decode' "$OUT/inplace_decode_$TAG.log" | cut -c1-150 ;;
       graphs)  # is the decode step bound by the host's launches? C1/C2 1K under XLA command
-        # buffer settings: none, the default, custom calls in graphs of any size, + loops
+        # buffer settings: none, XLA's defaults (plan xla_gpu_graphs=false), custom calls in
+        # graphs of any size (the h200 preset's), + loops
         CB="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
         for g in none default custom loops; do
+          G=true
           case $g in
             none) F="--xla_gpu_enable_command_buffer=" ;;
-            default) F=""; export NINFER_XLA_GRAPHS=xla ;;
-            custom) F="--xla_gpu_enable_command_buffer=$CB --xla_gpu_graph_min_graph_size=1"; unset NINFER_XLA_GRAPHS ;;
+            default) F=""; G=false ;;
+            custom) F="--xla_gpu_enable_command_buffer=$CB --xla_gpu_graph_min_graph_size=1" ;;
             loops) F="--xla_gpu_enable_command_buffer=$CB,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" ;;
           esac
           XLA_FLAGS="$F" run 120 "$OUT/graphs_${g}_$TAG.log" $B27 --skip-peaks --weights int4_g64 \
+            --set "xla_gpu_graphs=$G" \
             --batches 1,2 --contexts 1024 --prefill "" --steps 10 --out "/tmp/graphs_${g}_$TAG.json"
           grep -E 'decode' "$OUT/graphs_${g}_$TAG.log" | cut -c1-90 | sed "s/^/$g: /"
         done ;;
@@ -754,10 +630,6 @@ PY
         run 300 "$OUT/prefill_$TAG.log" $B27 --weights bf16 --contexts "" \
           --prefill 8192,32768,131072 --prefill-reps 1 --out "$OUT/prefill_$TAG.json"
         grep -E 'prefill' "$OUT/prefill_$TAG.log" | cut -c1-160 ;;
-      chunk128)  # the XLA chunked GDN rule with 128-step chunks (half the sequential steps)
-        NINFER_GDN_CHUNK=128 run 200 "$OUT/chunk128_$TAG.log" $B27 --skip-peaks --weights bf16 \
-          --contexts "" --prefill 8192,32768 --prefill-reps 1 --out "$OUT/chunk128_$TAG.json"
-        grep -E 'prefill' "$OUT/chunk128_$TAG.log" | cut -c1-160 ;;
       gdnmicro)  # one GDN layer's prefill: XLA's chunk rule vs the Pallas kernel's tiles
         run 240 "$OUT/gdnmicro_$TAG.log" python3 bench/kernels_micro.py --only gdnprefill \
           --out "$OUT/gdn_prefill_micro_$TAG.json"
@@ -766,8 +638,9 @@ PY
         run 300 "$OUT/flash_$TAG.log" python3 bench/kernels_micro.py --only flash \
           --out "$OUT/attn_prefill_micro_$TAG.json"
         grep -E 'attn prefill' "$OUT/flash_$TAG.log" | cut -c1-150 ;;
-      gdnprefill)
-        NINFER_GDN_PREFILL=${GDN_PREFILL:-pallas} run 300 "$OUT/gdnprefill_$TAG.log" $B27 --skip-peaks \
+      gdnprefill)  # 8K/32K bf16 prefill with plan gdn_prefill=GDN_PREFILL (default pallas), profiled
+        run 300 "$OUT/gdnprefill_$TAG.log" $B27 --skip-peaks \
+          --set "gdn_prefill=${GDN_PREFILL:-pallas}" \
           --weights bf16 --contexts "" --prefill 8192,32768 --prefill-reps 1 --profile 1 \
           --out "$OUT/gdnprefill_$TAG.json"
         grep -E -A6 'per step|prefill' "$OUT/gdnprefill_$TAG.log" | cut -c1-150 ;;

@@ -69,8 +69,8 @@ def main() -> None:
                          "kernel; 2: two launches chained by programmatic dependent launch; "
                          "3: the two in stream order)")
     ap.add_argument("--out", default="mlp_micro.json")
-    add_plan_args(ap, "h200", "the CUDA ops' build comes from (cuda_arch, cuda_flags); "
-                  "its XLA flags are set")
+    add_plan_args(ap, "h200", "whose CUDA ops' build (cuda_arch, cuda_flags) "
+                  "and XLA flags this process takes")
     args = ap.parse_args()
     plan = plan_from_args(args)
     apply_process_settings(plan)  # before JAX starts its backend

@@ -51,8 +51,8 @@ def main() -> None:
                     "by XLA (`xperm`: no byte permutations in the kernel)")
     ap.add_argument("--mlp", action="store_true", help="also the MLP op (`cuda_ops.int4_mlp`, "
                     "two launches: gate|up 34816 x 5120 with SwiGLU, down 5120 x 17408) at M = 1")
-    add_plan_args(ap, "h200", "the CUDA ops' build comes from (cuda_arch, cuda_flags); "
-                  "its XLA flags are set")
+    add_plan_args(ap, "h200", "whose CUDA ops' build (cuda_arch, cuda_flags) "
+                  "and XLA flags this process takes")
     args = ap.parse_args()
     plan = plan_from_args(args)
     apply_process_settings(plan)  # before JAX starts its backend

@@ -7,12 +7,15 @@ in a decode step's graph), at the 27B's shapes:
   gated     the GDN output's gated norm, group sums
 
     python3 bench/norm_micro.py --rows 1,2 --tiles 16,16 8,8 4,8 --out $OUT/norm_micro.json
+
+--tiles: "rms,gated" groups (rms) and heads (gated) a program, set in `norm_sums.TILES` for
+that run (the kernels' default is 4,4). The process takes --plan's XLA flags (engine/plan.py;
+default h200: XLA's CUDA graphs, as the engine's decode step runs under them).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +26,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+from bench.plan_args import add_plan_args, plan_from_args  # noqa: E402
 from engine.kernels import norm_sums as N  # noqa: E402
+from engine.plan import apply_process_settings  # noqa: E402
 
 H, HV, DV, Z_AT, P, LAYERS = 5120, 48, 128, 10240, 16480, 64
 
@@ -85,13 +90,18 @@ def main() -> None:
     ap.add_argument("--tiles", nargs="*", default=["4,4", "16,16"])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", default="norm_micro.json")
+    add_plan_args(ap, "h200", "whose XLA flags this process takes")
     a = ap.parse_args()
+    apply_process_settings(plan_from_args(a))  # before JAX starts its backend
     res = {"device": str(jax.devices()[0]), "jax": jax.__version__,
            "date": time.strftime("%Y-%m-%d"), "calls": a.calls, "rows": []}
+    default_tiles = dict(N.TILES)
     for m in (int(r) for r in a.rows.split(",")):
         for setting in ["xla"] + a.tiles:
-            if setting != "xla":
-                os.environ["NINFER_NORM_TILES"] = setting
+            N.TILES.update(default_tiles)
+            if setting != "xla":  # read by the kernels' wrappers when a loop is traced
+                rms, gated = (int(v) for v in setting.split(","))
+                N.TILES.update(rms=rms, gated=gated)
             for name, (step, carry) in cases(m, setting != "xla").items():
                 fn = _loop(step, carry, a.calls)
                 base = jnp.int32(3)
@@ -104,6 +114,7 @@ def main() -> None:
                 us = best / a.calls * 1e6
                 res["rows"].append({"m": m, "impl": setting, "case": name, "us_per_call": us})
                 print(f"M={m} {setting:>6} {name:8s} {us:7.2f} us a call", flush=True)
+    N.TILES.update(default_tiles)
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

@@ -22,10 +22,11 @@ from engine.plan import PRESETS, KernelPlan, PlanError, preset, with_overrides
 _TYPES = {f.name: str(f.type) for f in dataclasses.fields(KernelPlan)}
 
 
-def add_plan_args(ap, default: str, what: str = "the forward") -> None:
-    """--plan NAME (default `default`) and --set field=value,... on argparse parser `ap`."""
+def add_plan_args(ap, default: str, what: str = "the forward runs") -> None:
+    """--plan NAME (default `default`) and --set field=value,... on argparse parser `ap`;
+    `what` ends the help's "the kernel plan ..." sentence."""
     ap.add_argument("--plan", default=default, choices=sorted(PRESETS),
-                    help=f"the kernel plan {what} runs: a preset of engine.plan.PRESETS "
+                    help=f"the kernel plan {what}: a preset of engine.plan.PRESETS "
                          f"(default {default}; reference: plain JAX everywhere, pallas: the "
                          "Pallas kernels, h200: pallas with the CUDA ops, fused norms, the "
                          "attention prep kernel and XLA's CUDA graphs)")
@@ -97,14 +98,15 @@ def make_plan(name: str, overrides: dict | None = None, where: str = "--plan") -
     fit together)."""
     try:
         return with_overrides(preset(name), overrides or {}, where=where)
-    except PlanError as e:
-        raise SystemExit(f"{where}: {e}") from None
+    except PlanError as e:  # with_overrides's message names `where`
+        raise SystemExit(str(e)) from None
 
 
 def plan_from_args(args) -> KernelPlan:
     """The plan of --plan and --set."""
-    return make_plan(args.plan, parse_overrides(getattr(args, "set", "") or ""),
-                     where=f"--plan {args.plan} --set {getattr(args, 'set', '') or ''}".strip())
+    sets = getattr(args, "set", "") or ""
+    return make_plan(args.plan, parse_overrides(sets),
+                     where=f"--plan {args.plan}" + (f" --set {sets!r}" if sets else ""))
 
 
 def cuda_ops_status(plan: KernelPlan) -> tuple[bool, str]:
@@ -157,5 +159,5 @@ def prepare(*plans: KernelPlan) -> None:
 
 
 def label(plan: KernelPlan) -> str:
-    """A short name for a log line: the preset's, else "variant <digest prefix>"."""
+    """A short name for a log line: the preset's, else "plan-<digest prefix>"."""
     return plan.preset_name() or f"plan-{plan.digest()[:8]}"

@@ -38,6 +38,15 @@ def engine_rows(eng: dict, res: dict, variant: str = "") -> list[dict]:
     return sorted(rows, key=lambda r: (r["batch"], r["context"]))
 
 
+def run_plan(res: dict) -> str:
+    """What the result's forward ran: its kernel plan (preset, else digest prefix), or the
+    `kernels` string of a result from before kernel plans."""
+    if "plan" in res:
+        p = res["plan"]
+        return f"plan={p.get('preset') or p.get('digest', '?')[:8]}"
+    return f"kernels={res.get('kernels', '?')}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("result")
@@ -66,7 +75,7 @@ def main():
     ax1.axhline(240, color="#333", ls="--", lw=1, label="goal int4 C1 240 tok/s")
     ax1.set_xticks(list(x), labels, fontsize=7)
     ax1.set_ylabel("tokens/s")
-    ax1.set_title(f"decode, kernels={res['kernels']}, {res['device']}" + (
+    ax1.set_title(f"decode, {run_plan(res)}, {res['device']}" + (
         f"\nthrough the engine, steady: {Path(args.engine).name}" if args.engine else ""))
     ax1.legend(fontsize=7)
     pre_res = json.loads(Path(args.prefill_from).read_text()) if args.prefill_from else res

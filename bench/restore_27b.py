@@ -294,7 +294,7 @@ def main(argv=None) -> int:
                     help="phase (e2): one more streamed, greedy turn of this many tokens after "
                          "the restore, timed at the client and by the engine (0: skip)")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
-    add_plan_args(ap, "h200", "the servers' lane profile")
+    add_plan_args(ap, "h200", "the servers' lane profile names")
     ap.add_argument("--compute", default="bfloat16")
     ap.add_argument("--kv", default="bfloat16")
     ap.add_argument("--concurrency", type=int, default=1,

@@ -288,7 +288,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=1)
     from bench.plan_args import add_plan_args
 
-    add_plan_args(ap, "h200", "the engine")
+    add_plan_args(ap, "h200", "the engine runs")
     ap.add_argument("--compute-dtype", default="bfloat16")
     ap.add_argument("--parts", default="compile,widths,load")
     ap.add_argument("--child", choices=sorted(PARTS))

@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--unroll", action="store_true")
     from bench.plan_args import add_plan_args
 
-    add_plan_args(ap, "h200", "the traced steps")
+    add_plan_args(ap, "h200", "the traced steps run")
     ap.add_argument("--read", default="")
     ap.add_argument("--diff", nargs=2, default=None, metavar=("A", "B"))
     ap.add_argument("--marker", default="paged_decode")
