@@ -1,6 +1,7 @@
 """The CUDA int4_g64 GEMV (engine/kernels/cuda_ops.py) against the Pallas one, at every matrix
 shape of a qwen3.8-27b decode step, on one GPU: achieved bytes/s of int4 codes + scales over the
-measured copy bandwidth, per rows of x (M) and rows per warp (R). Weights are stacks of 4 layers
+measured copy bandwidth, per rows of x (M) and CUDA kernel ("fma", "mma", and "wide" at the
+warps a tile `wide_warps` picks or at 4 or 8). Weights are stacks of 4 layers
 read in place through the layer index (the model's access), so the 60 MB L2 cannot hold them.
 Also checks each CUDA result against the reference (`quant.linear`) before timing it. The CUDA
 op is built for --plan's cuda_arch and cuda_flags (engine/plan.py; default h200) and the plan's
@@ -53,21 +54,11 @@ def kernel_us(one, x, w, layers: int) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4")
-    ap.add_argument("--rpw", default="2,4", help="rows per warp of the FMA kernel")
-    ap.add_argument("--stages", default="4,6,8,12", help="copy stages of the MMA kernel")
-    ap.add_argument("--prefetch", default="", help="register prefetch depths of the MMA "
-                    "kernel to time as well, e.g. 2,4,8 (0: the copy ring)")
-    ap.add_argument("--wide", default="", help="prefetch depths (pairs of groups) of the wide "
-                    "tensor-core kernel to time, e.g. 2,4")
-    ap.add_argument("--wide-warps", default="8", help="warps to a 16-row tile of the wide "
-                    "kernel (2, 4, 8, 16)")
-    ap.add_argument("--wide-bias", default="0", help="how the wide kernel takes the codes' "
-                    "offset off: 0 group sums of x from XLA, 1 MMAs in the kernel (0,1: both)")
-    ap.add_argument("--wide-occ", default="0", help="resident warps an SM the wide kernel's "
-                    "registers are capped for (0: the compiler's choice; 32: prefetch 2, bias "
-                    "0 only)")
-    ap.add_argument("--wide-stages", default="0", help="the wide kernel's shared-memory ring "
-                    "depth (0: the register ring; 4, 8: warps 4 or 8, bias 0, occupancy 0)")
+    ap.add_argument("--kernels", default="fma,mma,wide", help="the CUDA kernels to time "
+                    "(comma-separated of fma, mma, wide; '' for none); wide only at M <= 4")
+    ap.add_argument("--wide-warps", default="auto", help="warps to a 16-row tile of the wide "
+                    "kernel, comma-separated of auto (`wide_warps`, by the shape: the model's), "
+                    "4 and 8")
     ap.add_argument("--no-pallas", action="store_true", help="leave out the Pallas kernel")
     ap.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     ap.add_argument("--layers", type=int, default=LAYERS, help="stacked layers the calls cycle "
@@ -83,6 +74,10 @@ def main() -> None:
     add_plan_args(ap, "h200", "whose CUDA op's build (cuda_arch, cuda_flags) "
                   "and XLA flags this process takes")
     args = ap.parse_args()
+    if bad := {v for v in args.kernels.split(",") if v} - set(cuda_ops.VARIANTS):
+        ap.error(f"--kernels: {sorted(bad)} not among {cuda_ops.VARIANTS}")
+    if bad := {v for v in args.wide_warps.split(",") if v} - {"auto", "4", "8"}:
+        ap.error(f"--wide-warps: {sorted(bad)} not among auto, 4, 8")
     plan = plan_from_args(args)
     apply_process_settings(plan)  # before JAX starts its backend
     peaks = torch_peaks()
@@ -106,45 +101,27 @@ def main() -> None:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             ref = linear(x, Stacked(w, jnp.array([layers - 1], jnp.int32)).materialize())
             variants = {} if args.no_pallas else {"pallas": None}
-            variants.update({f"fma_r{r}": ("fma", int(r)) for r in args.rpw.split(",") if r})
-            variants.update({f"mma_s{u}": ("mma", int(u)) for u in args.stages.split(",") if u})
-            variants.update({f"mma_p{p}": ("prefetch", int(p))
-                             for p in args.prefetch.split(",") if p})
-            variants.update({f"wide_p{p}w{wp}b{b}" + (f"o{o}" if int(o) else ""):
-                             ("wide", int(p), int(wp), int(b), int(o), 0)
-                             for p in args.wide.split(",") if p and m <= cuda_ops.WIDE_MAX_M
-                             for wp in args.wide_warps.split(",")
-                             for b in args.wide_bias.split(",")
-                             for o in args.wide_occ.split(",")
-                             if int(o) == 0 or (p == "2" and b == "0")})
-            variants.update({f"wide_ring_s{st}w{wp}": ("wide", 2, int(wp), 0, 0, int(st))
-                             for st in args.wide_stages.split(",") if st and int(st)
-                             and m <= cuda_ops.WIDE_MAX_M
-                             for wp in args.wide_warps.split(",") if wp in ("4", "8")})
-            for impl, rpw in variants.items():
-                if rpw is not None and not res["cuda_available"]:
+            kernels = [v for v in args.kernels.split(",") if v]
+            variants.update({v: (v, None) for v in kernels if v in ("fma", "mma")})
+            if "wide" in kernels and m <= cuda_ops.WIDE_MAX_M:
+                variants.update({"wide" if wp == "auto" else f"wide_w{wp}":
+                                 ("wide", None if wp == "auto" else int(wp))
+                                 for wp in args.wide_warps.split(",") if wp})
+            for impl, spec in variants.items():
+                if spec is not None and not res["cuda_available"]:
                     continue
 
-                def one(x, w, idx, rpw=rpw):
-                    if rpw is None:
+                def one(x, w, idx, spec=spec):
+                    if spec is None:
                         return qgemv.qmatmul(x, w, idx, config=qgemv.default_config(w, m))
-                    if rpw[0] == "fma":
-                        return cuda_ops.int4_gemv(x, w, idx, variant="fma", rows_per_warp=rpw[1])
-                    if rpw[0] == "wide":
-                        return cuda_ops.int4_gemv(x, w, idx, variant="wide", prefetch=rpw[1],
-                                                  warps=rpw[2], bias=rpw[3], occupancy=rpw[4],
-                                                  stages=rpw[5])
-                    if rpw[0] == "prefetch":
-                        return cuda_ops.int4_gemv(x, w, idx, variant="mma", prefetch=rpw[1])
-                    return cuda_ops.int4_gemv(x, w, idx, variant="mma", stages=rpw[1],
-                                              prefetch=0)
+                    return cuda_ops.int4_gemv(x, w, idx, variant=spec[0], warps=spec[1])
 
                 try:
                     got = jax.jit(one)(x, w, jnp.array([layers - 1], jnp.int32))
                     err = float(jnp.linalg.norm((got - ref).astype(jnp.float32))
                                 / jnp.linalg.norm(ref.astype(jnp.float32)))
                     t = per_call(one, x, w, layers=layers, reps=7)
-                except Exception as e:  # noqa: BLE001  (an unsupported M x R is a result)
+                except Exception as e:  # noqa: BLE001  (a failing variant is a result)
                     print(f"{name:>16} {n:>6}x{k:<5} M{m} {impl:>8}: {type(e).__name__} "
                           f"{str(e)[:200]}", flush=True)
                     continue

@@ -49,9 +49,7 @@
 #   startup    a warm start's pieces: per-width compile, the weights' copy, checkpoint reads
 #   l2warm     the wide GEMV with its weights from the HBM and from L2 (fixed cost per call)
 #   ncusrc     the wide GEMV's warp-state samples by SASS instruction (which loads it waits on)
-#   wide       the wide GEMV: tests, micro sweep (WIDE_WARPS, bias 1 and 0)
-#   wwarps     the wide GEMV's warps to a tile, register cap and shared-memory ring (micro)
-#   prefetch   the register-prefetch mma GEMV (tests, micro)
+#   wide       the wide GEMV: tests, micro (WIDE_WARPS: auto, 4, 8)
 #   readpat    read ceilings by access pattern
 #   kvint8     C1/C2 32K/128K over int8 KV (scales folded into the scores)
 #   waves      the wide GEMV's kernel time against N (16-row tiles) at K = 5120 and 17408, 4 and
@@ -67,9 +65,8 @@
 #   lab        bench/gemv_lab.cu: the wide GEMV and the MLP op by build, no JAX (LAB_BUILDS)
 #   treeab     this tree against PREV_TREE: the wide GEMV's kernel times and C1/C2 1K decode
 #   kcost      the cost of a small XLA kernel on the step's path (0, 2, 6 extra a layer)
-#   ringdepth  the wide GEMV's kernel time by ring: registers at P = 2, 4; shared memory
 #   decab      C1/C2 1K decode of this tree against an earlier one (PREV_TREE, DECAB_REPS)
-#   mlp        the CUDA MLP op (its launches and warps): GPU tests, micro
+#   mlp        the CUDA MLP op: GPU tests, micro (against the separate calls)
 #   mlpab      C1/C2 1K decode, the separate MLP calls (plan mlp=separate) against the MLP op
 #   prefint4   8K/32K prefill from int4_g64 weights against bf16
 #   gdnprefill, gdnmicro, flash: earlier GDN prefill and attention experiments
@@ -80,7 +77,11 @@
 # gone (gdnwarps, gdnsplit, w10, xperm, pagedab, gdninv, prefcudnn, prefbv, prefscan, chunk128,
 # inplace; the kernels' own arguments stay, in their GPU tests and micro-benchmarks), and so
 # are those whose variants were int4_gemv.cu's build macros, which left the source (probe:
-# NINFER_PROBE; xsab: NINFER_WIDE_XS; the lab's xs0/dxs builds).
+# NINFER_PROBE; xsab: NINFER_WIDE_XS; the lab's xs0/dxs builds), and those that swept the CUDA
+# GEMV and MLP variants no plan selects, which left int4_gemv.cu and cuda_ops (ringdepth: the
+# wide GEMV's P = 4 and shared-memory rings; prefetch: the mma GEMV's register ring; wwarps:
+# the wide GEMV's 2/10/16 warps, uncapped registers and rings; the mlp part's persistent
+# kernel, stream-order launches and other warps; the wide part's bias MMAs).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds. Sourced (`source
 # bench/h200_session.sh`), it only defines its helpers (run, b27, with_env, prefill2, decode1k)
@@ -119,7 +120,6 @@ b27() {  # b27 [tree]: that tree's bench_27b.py command (paged KV) with its kern
 }
 B27=$(b27 .)
 E27="python3 bench/engine_27b.py --plan ${BENCH_PLAN:-h200}"
-RING_NK=5120x17408,2112x17408,5120x6144,34816x5120  # ringdepth's shapes
 with_env() {  # with_env <VAR=value | argument>... -- <command...>: the command with the
   # VAR=value words (upper-case names) exported and the other words appended to it
   local envs=() extra=()
@@ -165,11 +165,15 @@ c.build(c.INT4_SOURCE, arch, c._nvcc(), *([flags] if flags else []))") \
   wait $pids
 }
 wide_micro() {  # wide_micro <name> <tree> <nk> [micro args...]: the wide GEMV's kernel time a
-  # launch (M = 1) from that tree's micro at the N x K list
+  # launch (M = 1) at 4 and 8 warps a tile from that tree's micro at the N x K list (a tree
+  # from before the sweep's variants left names the same kernels with its own flags)
   local name=$1 tree=$2 nk=$3
   shift 3
-  run 300 "$OUT/${name}_$TAG.log" python3 "$tree/bench/cuda_gemv_micro.py" --rows 1 --rpw "" \
-    --stages "" --no-pallas --kernel-times --nk "$nk" --out "$OUT/${name}_$TAG.json" "$@"
+  local sel=(--kernels wide --wide-warps 4,8)
+  grep -q -- '--wide-occ' "$tree/bench/cuda_gemv_micro.py" \
+    && sel=(--rpw "" --stages "" --wide 2 --wide-warps 4,8 --wide-occ 32)
+  run 300 "$OUT/${name}_$TAG.log" python3 "$tree/bench/cuda_gemv_micro.py" --rows 1 \
+    "${sel[@]}" --no-pallas --kernel-times --nk "$nk" --out "$OUT/${name}_$TAG.json" "$@"
   grep -E 'kernel' "$OUT/${name}_$TAG.log" | sed "s/^/$name: /"
 }
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced: the helpers only
@@ -178,15 +182,15 @@ for part in "${@:-tests gemv decode profile prefill restore}"; do
     case $p in
       tests)  # TESTS_FILES (default every kernel file and the engine's) under TESTS_LIMIT_S
         # (default 480; v29f ran the Pallas kernels' 41 in ~200 s: split the files over two
-        # calls when the CUDA GEMV's 72 come too)
+        # calls when the CUDA GEMV's 52 come too)
         run "${TESTS_LIMIT_S:-480}" "$OUT/gpu_tests_$TAG.log" python3 -m pytest -v -m gpu \
           -p no:cacheprovider ${TESTS_FILES:-tests/test_kernels_*.py tests/test_engine_gpu.py}
         grep -cE ' PASSED' "$OUT/gpu_tests_$TAG.log" | sed 's/^/passed: /'
         grep -E ' (FAILED|ERROR)' "$OUT/gpu_tests_$TAG.log" | head -20
         tail -n 2 "$OUT/gpu_tests_$TAG.log" ;;
       gemv)
-        run 150 "$OUT/gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 --rpw 2 \
-          --stages 4 --shapes 3,4,0,9 --out "$OUT/cuda_gemv_micro_$TAG.json"
+        run 150 "$OUT/gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
+          --shapes 3,4,0,9 --out "$OUT/cuda_gemv_micro_$TAG.json"
         grep -E 'lm_head|gate' "$OUT/gemv_$TAG.log" ;;
       decode)
         run 240 "$OUT/decode_$TAG.log" $B27 --weights int4_g64 --batches 1,2 \
@@ -413,36 +417,15 @@ PY
           --batches 1,2 --contexts 1024 --prefill "" --steps 10 --profile 2 \
           --out "$OUT/unfused_$TAG.json"
         grep -E -A6 'per step|decode' "$OUT/unfused_$TAG.log" | cut -c1-150 ;;
-      prefetch)  # the register-prefetch tensor-core GEMV: bitwise test, micro sweep (the
-        # decode step with it left with NINFER_INT4_KERNEL/PREFETCH: no plan selects it)
-        run 200 "$OUT/prefetch_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k "prefetch or tensor_core"
-        tail -n 2 "$OUT/prefetch_tests_$TAG.log"
-        run 150 "$OUT/prefetch_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
-          --rpw 2 --stages 4 --prefetch 2,4,8 --shapes 3,4,0,9 \
-          --out "$OUT/cuda_gemv_micro_prefetch_$TAG.json"
-        grep -E 'lm_head|gate' "$OUT/prefetch_gemv_$TAG.log" ;;
-      wide)  # the wide tensor-core GEMV: its GPU tests, a micro sweep (the decode step with
-        # WIDE_BIAS left with NINFER_INT4_WIDE_BIAS: no plan selects it)
+      wide)  # the wide tensor-core GEMV: its GPU tests, a micro of every kernel with the
+        # wide one at WIDE_WARPS (auto: by the shape, as the model runs it; 4; 8)
         run 150 "$OUT/wide_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k wide
         tail -n 2 "$OUT/wide_tests_$TAG.log"
         run 150 "$OUT/wide_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1,2 \
-          --rpw 2 --stages 4 --wide 2 --wide-warps ${WIDE_WARPS:-8} --wide-bias 1,0 \
+          --wide-warps "${WIDE_WARPS:-auto,4,8}" \
           --shapes 3,4,2,7,0,9 --out "$OUT/cuda_gemv_micro_wide_$TAG.json"
         grep -E 'fma|wide' "$OUT/wide_gemv_$TAG.log" ;;
-      wwarps)  # the wide GEMV's variants: its GPU tests, a micro sweep over the step's
-        # launches (2, 4, 8 warps to a tile; registers capped for 32 warps an SM; the
-        # shared-memory ring of 4 or 8 pairs) (the decode runs with NINFER_INT4_WIDE_WARPS/
-        # OCC/STAGES left: no plan selects them)
-        run 200 "$OUT/wwarps_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_cuda_gemv.py -k wide
-        tail -n 2 "$OUT/wwarps_tests_$TAG.log"
-        run 240 "$OUT/wwarps_gemv_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
-          --rpw 2 --stages "" --wide 2 --wide-warps 2,4,8 --wide-bias 0 --wide-occ 0,32 \
-          --wide-stages 4,8 \
-          --shapes 2,4,9,10,11,12 --out "$OUT/cuda_gemv_micro_wwarps_$TAG.json"
-        grep -E 'fma|wide' "$OUT/wwarps_gemv_$TAG.log" ;;
       prefint4)  # 8K/32K prefill from the int4_g64 weights the product ships (each layer
         # dequantized to bf16 before its GEMMs), then from bf16 weights, one process
         run 240 "$OUT/prefint4_$TAG.log" $B27 --skip-peaks --weights int4_g64 --contexts "" \
@@ -450,8 +433,8 @@ PY
           --out "$OUT/prefint4_$TAG.json"
         grep -E '^prefill' "$OUT/prefint4_$TAG.log" ;;
       mlp)  # the CUDA MLP op (cuda_ops.int4_mlp: gate|up, SwiGLU, down and the residual in
-        # one call; its launches an argument, 2 as plan mlp=cuda runs it): its GPU tests and
-        # the micro benchmark at the 27B's shapes
+        # one call, two launches chained by programmatic dependent launch, as plan mlp=cuda
+        # runs it): its GPU tests and the micro benchmark at the 27B's shapes
         run 360 "$OUT/mlp_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_cuda_gemv.py -k "mlp"
         tail -n 2 "$OUT/mlp_tests_$TAG.log"
@@ -479,8 +462,8 @@ PY
           NK1="$NK1$((16 * t))x5120,"; done
         NK2=""; for t in ${WAVES_TILES2:-132 264 320 396 528 660}; do
           NK2="$NK2$((16 * t))x17408,"; done
-        run 420 "$OUT/waves_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 --rpw "" \
-          --stages "" --no-pallas --wide 2 --wide-warps 4,8 --wide-occ 32 --kernel-times \
+        run 420 "$OUT/waves_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
+          --kernels wide --no-pallas --wide-warps 4,8 --kernel-times \
           --nk "$NK1$NK2" --out "$OUT/cuda_gemv_micro_waves_$TAG.json"
         grep -E 'kernel' "$OUT/waves_$TAG.log" ;;
       lab)  # bench/gemv_lab.cu (no JAX): the wide GEMV (x through L1 and staged) at the four
@@ -526,16 +509,11 @@ PY
         for side in cur prev; do
           d=.; [ $side = prev ] && d=$PREV
           wide_micro "treeab_micro_$side" "$d" \
-            "${TREEAB_NK:-5120x17408,5120x6144,34816x5120,16480x5120}" --wide 2 \
-            --wide-warps 4,8 --wide-occ 32
+            "${TREEAB_NK:-5120x17408,5120x6144,34816x5120,16480x5120}"
         done
         decode1k treeab_cur
         (B27=$(b27 "$PREV")
          decode1k treeab_prev) ;;
-      ringdepth)  # RING_NK's shapes: the register ring at P = 2 and 4 (registers
-        # uncapped) against the cp.async shared-memory ring at 4 and 8 stages, 8 warps
-        wide_micro ringdepth . "${PROBE_NK:-$RING_NK}" --wide 2,4 --wide-warps 8 --wide-occ 0 \
-          --wide-stages 4,8 ;;
       kvcast)  # int8 KV pages: bf16 / f16 / magic casts of the codes (paged_decode's
         # docstring): GPU tests, the paged kernel's micro (the decode A/B by
         # NINFER_PAGED_INT8_CAST left: the kernel takes cast= as an argument, no plan field)
@@ -650,7 +628,7 @@ PY
         # time the HBM's latency is, and how much the kernel's own cost
         for layers in 4 1; do
           run 150 "$OUT/l2warm_${layers}_$TAG.log" python3 bench/cuda_gemv_micro.py --rows 1 \
-            --rpw "" --stages "" --no-pallas --wide 2 --wide-warps 4,8 --wide-occ 32 \
+            --kernels wide --no-pallas --wide-warps 4,8 \
             --layers "$layers" --shapes 8,6,2,12,10,3,4,11 --kernel-times \
             --out "$OUT/cuda_gemv_micro_l2warm_${layers}_$TAG.json"
           grep -E 'kernel' "$OUT/l2warm_${layers}_$TAG.log" | sed "s/^/layers $layers: /"

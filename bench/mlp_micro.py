@@ -1,10 +1,8 @@
 """A decode step's MLP at the 27B's shapes (gate|up 34816 x 5120, down 5120 x 17408, int4_g64,
 stacks of 4 layers read in place so that the L2 holds none of it): the CUDA MLP op
-(`cuda_ops.int4_mlp`; launches 1: the persistent kernel, a grid barrier between the two
-GEMVs; 2: two launches chained by programmatic dependent launch; 3: the two in stream order)
-at several warps and register settings, against the separate calls (the wide GEMV for
-gate|up, XLA's SwiGLU, the wide GEMV for down, XLA's residual add: a plan's mlp "separate";
-the model runs the op's two launches with mlp "cuda"). Per call: microseconds, bytes of codes
+(`cuda_ops.int4_mlp`: two launches chained by programmatic dependent launch, a plan's mlp
+"cuda") against the separate calls (the wide GEMV for gate|up, XLA's SwiGLU, the wide GEMV for
+down, XLA's residual add: a plan's mlp "separate"). Per call: microseconds, bytes of codes
 and scales per second over the measured copy rate, and the error against the first row (the
 separate calls). The CUDA ops are built for --plan's cuda_arch and cuda_flags (engine/plan.py;
 default h200) and the plan's XLA flags are set, as the engine would.
@@ -64,10 +62,6 @@ def run_impls(res, label, impls, args, idx, nbytes, copy, out):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2")
-    ap.add_argument("--variants", default="1:8/24,2:8/32,2:4/24,3:8/32",
-                    help="launches:warps/occupancy of the MLP op (launches 1: the persistent "
-                         "kernel; 2: two launches chained by programmatic dependent launch; "
-                         "3: the two in stream order)")
     ap.add_argument("--out", default="mlp_micro.json")
     add_plan_args(ap, "h200", "whose CUDA ops' build (cuda_arch, cuda_flags) "
                   "and XLA flags this process takes")
@@ -94,14 +88,7 @@ def main() -> None:
         x = jax.random.normal(jax.random.key(m), (m, HIDDEN), jnp.bfloat16)
         h = jax.random.normal(jax.random.key(m + 10), (m, HIDDEN), jnp.bfloat16)
         idx = jnp.array([LAYERS - 1], jnp.int32)
-        impls = {"separate": separate}
-        for v in args.variants.split(","):
-            n, setting = v.split(":")
-            wp, occ = (int(a) for a in setting.split("/"))
-            name = {"1": "persistent", "2": "pdl", "3": "two"}[n]
-            impls[f"{name}_w{wp}o{occ}"] = (
-                lambda x, h, g, u, d, i, n=int(n), wp=wp, occ=occ: cuda_ops.int4_mlp(
-                    x, h, g, u, d, i, warps=wp, occupancy=occ, launches=n))
+        impls = {"separate": separate, "op": cuda_ops.int4_mlp}
         run_impls(res, f"M{m}", impls, (x, h, gate, up, down), idx, nbytes, copy, args.out)
     Path(args.out).write_text(json.dumps(res, indent=2))
 

@@ -38,7 +38,7 @@ from engine.plan import apply_process_settings  # noqa: E402
 SHAPES = [("lm_head", 248320, 5120), ("gate|up", 34816, 5120), ("down", 5120, 17408),
           ("in_proj", 16480, 5120), ("q|k|v", 14336, 5120), ("out_proj", 5120, 6144)]
 REPS = 2
-WARPS = (4, 8, 10)  # the warps to a tile each shape also runs with, registers capped
+WARPS = cuda_ops.WIDE_WARPS  # the warps to a tile each shape also runs with
 
 
 def main() -> None:
@@ -47,8 +47,6 @@ def main() -> None:
                     help="comma-separated names from SHAPES")
     ap.add_argument("--warps", default="4,8", help="warps a tile to run beside the default "
                     f"(of {WARPS}; lm_head runs the default only)")
-    ap.add_argument("--xperm", action="store_true", help="also the default with x permuted "
-                    "by XLA (`xperm`: no byte permutations in the kernel)")
     ap.add_argument("--mlp", action="store_true", help="also the MLP op (`cuda_ops.int4_mlp`, "
                     "two launches: gate|up 34816 x 5120 with SwiGLU, down 5120 x 17408) at M = 1")
     add_plan_args(ap, "h200", "whose CUDA ops' build (cuda_arch, cuda_flags) "
@@ -59,6 +57,8 @@ def main() -> None:
     available, why = cuda_ops_status(plan)
     shapes = args.shapes.split(",")
     warps = [int(w) for w in args.warps.split(",") if w]
+    if bad := set(warps) - set(WARPS):
+        ap.error(f"--warps: {sorted(bad)} not among {WARPS}")
     x_of = {}
     for shape, n, k in SHAPES:
         if shape not in shapes:
@@ -66,14 +66,11 @@ def main() -> None:
         w = _random_qtensor(jax.random.key(n), (n, k), "int4_g64")
         nbytes = w.data.size + w.scale.size * 4
         x = x_of.setdefault(k, jax.random.normal(jax.random.key(k), (1, k), jnp.bfloat16))
-        # the default (warps by the call's tiles, registers capped) and the other warp
-        # counts, capped: which of them waits on what
+        # the default (warps by the call's tiles) and each warp count: which of them waits on
+        # what
         variants = {"default": jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide"))}
-        if args.xperm:
-            variants["xperm"] = jax.jit(
-                lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", xperm=True))
         for wp in warps if shape != "lm_head" else ():
-            variants[f"w{wp}o32"] = jax.jit(
+            variants[f"w{wp}"] = jax.jit(
                 lambda x, w, wp=wp: cuda_ops.int4_gemv(x, w, variant="wide", warps=wp))
         if shape == "lm_head":
             variants["pallas"] = jax.jit(
@@ -103,7 +100,7 @@ def per_call(fn, *args) -> float:
 
 
 def time_mlp(available: bool, why: str) -> None:
-    """The MLP op at the 27B's sizes, M = 1, as the decode step calls it (its default launches),
+    """The MLP op at the 27B's sizes, M = 1, as the decode step calls it (its two launches),
     REPS calls after a first."""
     if not available:
         print(f"mlp: CUDA op unavailable ({why})")
@@ -113,7 +110,7 @@ def time_mlp(available: bool, why: str) -> None:
                       for s, shape in ((1, (n1, d)), (2, (n1, d)), (3, (d, n1))))
     x = jax.random.normal(jax.random.key(4), (1, d), jnp.bfloat16)
     h = jax.random.normal(jax.random.key(5), (1, d), jnp.bfloat16)
-    fn = jax.jit(lambda x, h, g, u, dn: cuda_ops.int4_mlp(x, h, g, u, dn, launches=2))
+    fn = jax.jit(cuda_ops.int4_mlp)
     t = per_call(fn, x, h, gate, up, down)
     nbytes = sum(w.data.size + w.scale.size * 4 for w in (gate, up, down))
     print(f"     mlp   op(2): {t * 1e6:8.1f} us  {nbytes / t / 1e12:5.2f} TB/s", flush=True)

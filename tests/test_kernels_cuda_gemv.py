@@ -80,27 +80,25 @@ def test_variant_choice():
     assert cuda_ops.worthwhile([_qtensor(64, 128, 0)] * (cuda_ops.MIN_ROWS // 64))
 
 
-def test_wide_warps_setting_and_auto_choice():
-    """The wide kernel's warps a tile: a setting of 2, 4, 8, 10 or 16, or "auto", by the number
-    of 16-row tiles only (the fewer of WIDE_AUTO_CHOICES that still gives WIDE_AUTO_WARPS in
-    all), or "auto:a,b" from the choices it names."""
-    assert [cuda_ops.wide_warps(34816, s) for s in ("2", "4", "8", "10", "16")] == \
-        [2, 4, 8, 10, 16]
-    for bad in ("3", "auto:4,6"):
-        with pytest.raises(ValueError, match="warps"):
-            cuda_ops.wide_warps(34816, bad)
-    assert [cuda_ops.wide_warps(n, "auto:10,4") for n in (34816, 16480, 6144, 5120)] == \
-        [4, 4, 10, 10]
-    choices = cuda_ops.WIDE_AUTO_CHOICES
+def test_wide_warps_choice():
+    """The wide kernel's warps a tile, 4 or 8 (its builds), by the number of 16-row tiles only
+    (the fewer of WIDE_WARPS that still gives WIDE_AUTO_WARPS in all); asking `int4_gemv` for
+    warps it is not built for is a ValueError."""
+    choices = cuda_ops.WIDE_WARPS
+    assert choices == (4, 8)
     for n in (48, 1024, 5120, 14336, 16480, 34816, 248320):
-        w = cuda_ops.wide_warps(n, "auto")
+        w = cuda_ops.wide_warps(n)
         tiles = -(-n // 16)
-        assert w in choices and set(choices) <= set(cuda_ops.WIDE_WARPS)
+        assert w in choices
         assert tiles * w >= cuda_ops.WIDE_AUTO_WARPS or w == choices[-1]
         assert w == choices[0] or tiles * choices[choices.index(w) - 1] < cuda_ops.WIDE_AUTO_WARPS
-    # the step's shapes: many tiles 4 warps, few 8 (the fastest of each, H200 v12)
+    # the step's shapes: many tiles 4 warps, few 8 (the fastest of each on the H200)
     assert [cuda_ops.wide_warps(n) for n in (248320, 34816, 16480, 14336, 6144, 5120)] == \
         [4, 4, 4, 4, 8, 8]
+    w = _qtensor(64, 128, 0)
+    for bad in (2, 10, 16):
+        with pytest.raises(ValueError, match="warps"):
+            cuda_ops.int4_gemv(jnp.ones((1, 128), jnp.bfloat16), w, variant="wide", warps=bad)
 
 
 @pytest.mark.gpu
@@ -112,7 +110,7 @@ def test_wide_auto_warps_is_the_explicit_choice_on_gpu():
     x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 1024)), jnp.bfloat16)
     auto = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide"))(x, w)
     explicit = jax.jit(lambda x, w: cuda_ops.int4_gemv(
-        x, w, variant="wide", warps=cuda_ops.wide_warps(5120, "auto")))(x, w)
+        x, w, variant="wide", warps=cuda_ops.wide_warps(5120)))(x, w)
     np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(explicit, np.float32))
 
 
@@ -137,18 +135,19 @@ def test_supported_shapes():
     assert not cuda_ops.supported(jnp.ones((1, 128)), w, lead=1)
 
 
-MMA_CASES = [  # (M, N, K, copy stages)
-    (1, 37, 64, 4), (1, 4096, 5120, 6), (2, 4096, 5120, 12), (3, 1000, 17408, 8),
-    (4, 999, 6144, 4), (5, 517, 192, 6), (8, 2048, 5120, 6), (7, 300, 1024, 8)]
+MMA_CASES = [  # (M, N, K): from 1 group to 272, N not a multiple of 16, every M
+    (1, 37, 64), (1, 4096, 5120), (2, 4096, 5120), (3, 1000, 17408), (4, 999, 6144),
+    (5, 517, 192), (8, 2048, 5120), (7, 300, 1024), (2, 1000, 17408), (3, 37, 64),
+    (8, 517, 192), (1, 2048, 8 * 64 * 5 + 64)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,stages", MMA_CASES)
-def test_tensor_core_variant_matches_reference_on_gpu(m, n, k, stages):
+@pytest.mark.parametrize("m,n,k", MMA_CASES)
+def test_tensor_core_variant_matches_reference_on_gpu(m, n, k):
     _require_cuda()
     w = _qtensor(n, k, m * n + k)
     x = jnp.asarray(np.random.default_rng(k + m).standard_normal((m, k)) + 0.5, jnp.bfloat16)
-    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", stages=stages))(x, w)
+    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma"))(x, w)
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     with jax.default_matmul_precision("highest"):
         ref = linear(x.astype(jnp.float32), w)  # exact products of the same bf16 x and codes
@@ -157,103 +156,46 @@ def test_tensor_core_variant_matches_reference_on_gpu(m, n, k, stages):
     assert rel_err(got, ref) < 4e-3  # the bf16 rounding of the output, not of the products
 
 
-WIDE_CASES = [  # (M, N, K, prefetch pairs): K multiples of 128; N not of 16 too
-    (1, 37, 128, 2), (1, 4096, 5120, 2), (1, 4096, 5120, 4), (2, 4096, 5120, 2),
-    (3, 1000, 17408, 4), (4, 999, 6144, 2), (1, 248, 384, 4)]
+WIDE_CASES = [  # (M, N, K): K multiples of 128; N not of 16 too
+    (1, 37, 128), (1, 4096, 5120), (2, 4096, 5120), (3, 1000, 17408), (4, 999, 6144),
+    (1, 248, 384)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,prefetch", WIDE_CASES)
-def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k, prefetch):
+@pytest.mark.parametrize("m,n,k", WIDE_CASES)
+def test_wide_tensor_core_variant_matches_reference_on_gpu(m, n, k):
     """The wide kernel (16-byte loads, two groups per MMA kept apart by B's columns, x
-    permuted in registers) against the fp32 reference, with the codes' offset taken off by
-    group sums of x (the default) and by MMAs; x is bf16, as the tensor cores take it."""
+    permuted in registers, the codes' offset taken off with group sums of x) against the fp32
+    reference, at its default warps a tile and at each of 4 and 8; x is bf16, as the tensor
+    cores take it."""
     _require_cuda()
     w = _qtensor(n, k, k + n)
     x = jnp.asarray(np.random.default_rng(m + n).standard_normal((m, k)), jnp.bfloat16)
-    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch))(
-        x, w)
+    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide"))(x, w)
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     with jax.default_matmul_precision("highest"):
         want = linear(x.astype(jnp.float32), w)
     assert_close(got, want, jnp.bfloat16)
-    # the prefetch depth changes when codes load, not what is summed: the same bits
-    other = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide",
-                                                    prefetch=6 - prefetch))(x, w)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(other, np.float32))
-    # every warps setting (2 .. 16) to a tile: other partial sums, the same result within
-    # bf16; with registers capped for 32 warps an SM (prefetch 2 only): the same bits
+    # each warps setting to a tile: other partial sums, the same result within bf16
     for warps in cuda_ops.WIDE_WARPS:
         other_w = jax.jit(lambda x, w, wp=warps: cuda_ops.int4_gemv(
-            x, w, variant="wide", prefetch=prefetch, warps=wp))(x, w)
+            x, w, variant="wide", warps=wp))(x, w)
         assert_close(other_w, want, jnp.bfloat16)
-        if prefetch == 2:
-            capped = jax.jit(lambda x, w, wp=warps: cuda_ops.int4_gemv(
-                x, w, variant="wide", prefetch=2, warps=wp, occupancy=32))(x, w)
-            np.testing.assert_array_equal(np.asarray(capped, np.float32),
-                                          np.asarray(other_w, np.float32))
-        if prefetch == 2 and warps in cuda_ops.WIDE_XPERM_WARPS:
-            # x permuted by the caller: the same B registers, the same bits
-            permuted = jax.jit(lambda x, w, wp=warps: cuda_ops.int4_gemv(
-                x, w, variant="wide", prefetch=2, warps=wp, occupancy=32, xperm=True))(x, w)
-            np.testing.assert_array_equal(np.asarray(permuted, np.float32),
-                                          np.asarray(capped, np.float32))
-        # the shared-memory ring: the same pairs per warp in the same order, the same bits
-        for stages in ((4, 8) if warps in (4, 8) else ()):
-            ring = jax.jit(lambda x, w, wp=warps, st=stages: cuda_ops.int4_gemv(
-                x, w, variant="wide", warps=wp, stages=st))(x, w)
-            np.testing.assert_array_equal(np.asarray(ring, np.float32),
-                                          np.asarray(other_w, np.float32))
-    # the codes' offset taken off by MMAs inside the kernel in place of XLA's group sums
-    mmas = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="wide", prefetch=prefetch,
-                                                   bias=1))(x, w)
-    assert_close(mmas, want, jnp.bfloat16)
+
+
+GPU_CASES = [  # (M, N, K, x dtype): the FMA kernel, 2 rows a warp up to M = 4, else 1
+    (1, 37, 64, jnp.float32), (1, 4096, 5120, jnp.bfloat16), (2, 4096, 5120, jnp.bfloat16),
+    (1, 1000, 17408, jnp.float32), (2, 999, 6144, jnp.float32), (3, 517, 192, jnp.bfloat16),
+    (4, 2048, 5120, jnp.float32), (5, 300, 1024, jnp.bfloat16), (8, 256, 5120, jnp.float32)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [2, 4, 8])
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 5120), (2, 1000, 17408), (3, 37, 64),
-                                   (8, 517, 192), (1, 2048, 8 * 64 * 5 + 64)])
-def test_register_prefetch_kernel_is_bitwise_the_ring_on_gpu(prefetch, m, n, k):
-    """The tensor-core kernel that loads codes and scales into registers `prefetch` groups
-    ahead gives the copy-ring kernel's sums bit for bit (same groups per warp in the same
-    order, same MMAs, same reduction), for group counts per warp below, at and past P, N not
-    a multiple of 16, every M, and a layer of a stack."""
-    _require_cuda()
-    w = _qtensor(n, k, 7 * m + n + k)
-    x = jnp.asarray(np.random.default_rng(m + k).standard_normal((m, k)) + 0.25, jnp.bfloat16)
-    ring = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", prefetch=0))(x, w)
-    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="mma", prefetch=prefetch))(
-        x, w)
-    assert np.array_equal(np.asarray(got, np.float32), np.asarray(ring, np.float32))
-    with jax.default_matmul_precision("highest"):
-        ref = linear(x.astype(jnp.float32), w)
-    from tests.kernel_checks import rel_err
-
-    assert rel_err(got, ref) < 4e-3
-    stack = jax.tree.map(lambda a: jnp.stack([a[::-1], a]), w)  # layer 1 is w itself
-    got1 = jax.jit(lambda x, s, i: cuda_ops.int4_gemv(x, s, i, variant="mma",
-                                                      prefetch=prefetch))(
-        x, stack, jnp.array([1], jnp.int32))
-    assert np.array_equal(np.asarray(got1, np.float32), np.asarray(ring, np.float32))
-
-
-GPU_CASES = [  # (M, N, K, x dtype, rows per warp)
-    (1, 37, 64, jnp.float32, 1), (1, 4096, 5120, jnp.bfloat16, 2), (2, 4096, 5120,
-                                                                     jnp.bfloat16, 2),
-    (1, 1000, 17408, jnp.float32, 4), (2, 999, 6144, jnp.float32, 4),
-    (3, 517, 192, jnp.bfloat16, 2), (4, 2048, 5120, jnp.float32, 2),
-    (5, 300, 1024, jnp.bfloat16, 1), (8, 256, 5120, jnp.float32, 1)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,dtype,rpw", GPU_CASES)
-def test_matches_reference_on_gpu(m, n, k, dtype, rpw):
+@pytest.mark.parametrize("m,n,k,dtype", GPU_CASES)
+def test_matches_reference_on_gpu(m, n, k, dtype):
     _require_cuda()
     w = _qtensor(n, k, m + n + k)
     x = jnp.asarray(np.random.default_rng(k).standard_normal((m, k)), dtype)
-    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, rows_per_warp=rpw, variant="fma"))(
-        x, w)
+    got = jax.jit(lambda x, w: cuda_ops.int4_gemv(x, w, variant="fma"))(x, w)
     assert got.shape == (m, n) and got.dtype == dtype
     with jax.default_matmul_precision("highest"):  # no TF32 in the fp32 reference
         ref = linear(x.astype(jnp.float32), w)  # the kernel dequantizes exactly
@@ -309,22 +251,33 @@ def test_batch_invariant_and_deterministic_on_gpu(variant, k):
     one = np.asarray(cuda_ops.int4_gemv(x2[:1], w, variant=variant), np.float32)
     two = np.asarray(cuda_ops.int4_gemv(x2, w, variant=variant), np.float32)
     again = np.asarray(cuda_ops.int4_gemv(x2, w, variant=variant), np.float32)
-    four = np.asarray(cuda_ops.int4_gemv(jnp.concatenate([x2, x2[::-1]]), w, variant=variant,
-                                         rows_per_warp=1), np.float32)
+    four = np.asarray(cuda_ops.int4_gemv(jnp.concatenate([x2, x2[::-1]]), w, variant=variant),
+                      np.float32)
     assert np.array_equal(one[0], two[0]) and np.array_equal(two, again)
     assert np.array_equal(four[0], two[0]) and np.array_equal(four[3], two[0])
 
 
 @pytest.mark.gpu
-def test_bad_rows_per_warp_is_an_error_on_gpu():
+def test_attributes_of_no_build_are_an_error_on_gpu(monkeypatch):
+    """The handlers take the attributes of the kernels built and nothing else: another value
+    is an FFI error naming the build, not another kernel."""
     _require_cuda()
     w = _qtensor(64, 128, 11)
-    with pytest.raises(Exception, match="invalid argument|int4_gemv"):
-        jax.block_until_ready(cuda_ops.int4_gemv(jnp.ones((8, 128), jnp.float32), w,
-                                                 rows_per_warp=4))
-    with pytest.raises(Exception, match="invalid argument|int4_gemv"):
+    monkeypatch.setattr(cuda_ops, "default_rows_per_warp", lambda m: 4)
+    with pytest.raises(Exception, match="int4_gemv: built for"):
+        jax.block_until_ready(cuda_ops.int4_gemv(jnp.ones((8, 128), jnp.float32), w))
+    monkeypatch.setitem(cuda_ops._MMA_BUILD, "stages", 3)
+    with pytest.raises(Exception, match="int4_gemv_mma: built for"):
         jax.block_until_ready(cuda_ops.int4_gemv(jnp.ones((1, 128), jnp.bfloat16), w,
-                                                 variant="mma", stages=3))
+                                                 variant="mma"))
+    monkeypatch.setitem(cuda_ops._WIDE_BUILD, "occupancy", 0)
+    with pytest.raises(Exception, match="int4_gemv_wide: built for"):
+        jax.block_until_ready(cuda_ops.int4_gemv(jnp.ones((1, 128), jnp.bfloat16), w,
+                                                 variant="wide"))
+    x, h, (gate, up, down) = _mlp_case(1)
+    monkeypatch.setitem(cuda_ops._MLP_BUILD, "launches", 1)
+    with pytest.raises(Exception, match="int4_mlp: built for"):
+        jax.block_until_ready(cuda_ops.int4_mlp(x, h, gate, up, down, jnp.array([1], jnp.int32)))
 
 
 def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
@@ -354,12 +307,12 @@ def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
         cuda_ops.int4_gemv_multi(x, ws + ws, idx)
 
 
-@pytest.mark.parametrize("bias", [0, 1])
-def test_wide_call_takes_x_as_it_is_and_concat_returns_one_array(bias):
+def test_wide_call_takes_x_as_it_is_and_concat_returns_one_array():
     """The wide kernel's call, lowered for CUDA: x goes in unpermuted (no transpose before the
-    call), the group sums of x only with bias = 0 ([M, 0] with the bias MMAs), and concat=True
-    gives the projections side by side in one array; with the pallas plan
-    `linear_multi(concat=True)` is the separate linears' concatenation."""
+    call) with its group sums, the attributes name the build (registers capped for 32 warps an
+    SM, the offset by group sums, x permuted in the kernel), and concat=True gives the
+    projections side by side in one array; with the pallas plan `linear_multi(concat=True)`
+    is the separate linears' concatenation."""
     from engine.quant import linear_multi
 
     ws = [_qtensor(n, 256, n, lead=(2,)) for n in (64, 48)]
@@ -367,17 +320,16 @@ def test_wide_call_takes_x_as_it_is_and_concat_returns_one_array(bias):
     idx = jnp.array([1], jnp.int32)
     exp = export.export(
         jax.jit(lambda x, a, b, i: cuda_ops.int4_gemv_multi(x, [a, b], i, variant="wide",
-                                                            bias=bias, concat=True)),
+                                                            concat=True)),
         platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_WIDE_TARGET)])(
         x, *ws, idx)
     text = exp.mlir_module()
     assert text.count(f"@{cuda_ops.INT4_WIDE_TARGET}(") == 1
     assert "stablehlo.transpose" not in text
-    assert ("tensor<2x0xf32>" in text) == bool(bias)
-    # registers capped for 32 warps an SM by default, where that kernel is built (bias 0)
-    assert f"occupancy = {0 if bias else 32} : i64" in text
-    assert "xperm = 0 : i64" in text  # x as it is unless the caller asks for xperm=True
+    assert "tensor<2x0xf32>" not in text and "tensor<2x4xf32>" in text  # corr [M, K/64]
+    assert "occupancy = 32 : i64" in text and "bias = 0 : i64" in text
+    assert "xperm = 0 : i64" in text
     assert [a.shape for a in exp.out_avals] == [(2, 112)]
     views = [Stacked(w, idx) for w in ws]
     got = linear_multi(x, views, PALLAS, concat=True)
@@ -405,42 +357,6 @@ def test_multi_is_bitwise_the_separate_calls_on_gpu(variant, m):
         assert_close(g, want, jnp.bfloat16)
 
 
-def _byte_perm(a, b, sel):
-    """CUDA's __byte_perm(a, b, sel) on uint32 arrays: result byte i is byte (sel >> 4 i) & 7
-    of the 8 bytes b:a (a's bytes 0-3, b's 4-7)."""
-    src = np.stack([(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF
-                                                               for i in range(4)])
-    return sum(src[(sel >> 4 * i) & 7].astype(np.uint32) << np.uint32(8 * i) for i in range(4))
-
-
-def test_x_perm_words_are_the_kernels_b_registers():
-    """x_perm's 32-bit words are what the wide kernel's byte permutations make of x (inputs
-    0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7) for each 16 bytes' two uint4 halves), so the
-    kernel taking x_perm reads the same B registers; the group sums do not change; with
-    xperm=True the lowered call takes the permuted x and says so, by default neither."""
-    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 256)), jnp.bfloat16)
-    words = np.asarray(x).view(np.uint16).astype(np.uint32)
-    words = (words[:, 0::2] | (words[:, 1::2] << 16)).reshape(2, -1, 4)  # uint4s of x
-    xx, xy, xz, xw = (words[..., i] for i in range(4))
-    want = np.stack([_byte_perm(xx, xz, 0x5410), _byte_perm(xx, xz, 0x7632),
-                     _byte_perm(xy, xw, 0x5410), _byte_perm(xy, xw, 0x7632)], -1)
-    got = np.asarray(cuda_ops.x_perm(x)).view(np.uint16).astype(np.uint32)
-    got = (got[:, 0::2] | (got[:, 1::2] << 16)).reshape(2, -1, 4)
-    np.testing.assert_array_equal(got, want)
-    sums = lambda a: np.asarray(a, np.float32).reshape(2, -1, 64).sum(-1)  # noqa: E731
-    np.testing.assert_allclose(sums(cuda_ops.x_perm(x)), sums(x), rtol=1e-6)
-
-    w = _qtensor(64, 256, 5)
-    for kwargs, on in (({"xperm": True}, True), ({}, False)):
-        text = export.export(
-            jax.jit(lambda x, w, kw=kwargs: cuda_ops.int4_gemv(x, w, variant="wide", **kw)),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(
-                cuda_ops.INT4_WIDE_TARGET)])(x, w).mlir_module()
-        assert f"xperm = {int(on)} : i64" in text
-        assert ("stablehlo.transpose" in text) == on
-
-
 def _mlp_case(m, k1=512, n1=1024, n2=1000, lead=(2,)):
     """x, h [m, ...] bf16 and stacked int4 gate / up [*lead, n1, k1], down [*lead, n2, n1]."""
     rng = np.random.default_rng(m)
@@ -463,33 +379,23 @@ def _mlp_reference(x, h, gate, up, down, index):
         return h.astype(jnp.float32) + a @ mat(down).T
 
 
-def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
-    """int4_mlp lowers for CUDA to one call of the persistent kernel (three results: the
-    output and the launch's two scratch arrays, of which the output alone is used) and rejects
-    shapes the kernel does not take, with a clear error."""
+def test_mlp_lowers_to_one_call_and_checks_its_shapes():
+    """int4_mlp lowers for CUDA to one call of the op (three results: the output and the
+    launches' two scratch arrays, of which the output alone is used), its attributes naming
+    the build (two launches, 8 warps a tile, registers for 32 an SM), and rejects shapes the
+    kernels do not take, with a clear error."""
     x, h, (gate, up, down) = _mlp_case(2)
     idx = jnp.array([1], jnp.int32)
     exp = export.export(
-        jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i, launches=1)),
+        jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i)),
         platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_MLP_TARGET)])(
         x, h, gate, up, down, idx)
     text = exp.mlir_module()
     assert text.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1
-    assert "warps = 8 : i64" in text and "occupancy = 24 : i64" in text
-    assert "launches = 1 : i64" in text
+    assert "launches = 2 : i64" in text
+    assert "warps = 8 : i64" in text and "occupancy = 32 : i64" in text
     assert [a.shape for a in exp.out_avals] == [(2, 1000)]
-    # two launches: the same one call, with its own defaults (8 warps a tile, 32 an SM)
-    text2 = export.export(
-        jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i, launches=2)),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_ops.INT4_MLP_TARGET)])(
-        x, h, gate, up, down, idx).mlir_module()
-    assert text2.count(f"@{cuda_ops.INT4_MLP_TARGET}(") == 1
-    assert "launches = 2 : i64" in text2
-    assert "warps = 8 : i64" in text2 and "occupancy = 32 : i64" in text2
-    with pytest.raises(ValueError, match="launches"):
-        cuda_ops.int4_mlp(x, h, gate, up, down, idx, launches=4)
     with pytest.raises(ValueError, match="rows"):
         cuda_ops.int4_mlp(jnp.zeros((5, 512), jnp.bfloat16), jnp.zeros((5, 1000), jnp.bfloat16),
                           gate, up, down, idx)
@@ -497,27 +403,20 @@ def test_persistent_mlp_lowers_to_one_call_and_checks_its_shapes():
         cuda_ops.int4_mlp(x, h, gate, down, down, idx)
     with pytest.raises(ValueError, match="h must be"):
         cuda_ops.int4_mlp(x, h[:, :999], gate, up, down, idx)
-    with pytest.raises(ValueError, match="warps"):
-        cuda_ops.int4_mlp(x, h, gate, up, down, idx, warps=16)
     with pytest.raises(ValueError, match="bf16"):
         cuda_ops.int4_mlp(x.astype(jnp.float32), h, gate, up, down, idx)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launches,warps,occupancy", [
-    (1, 8, 24), (1, 8, 32), (1, 4, 24), (1, 4, 32), (2, 8, 32), (2, 4, 32), (2, 8, 24),
-    (3, 8, 32)])
-def test_persistent_mlp_matches_reference_on_gpu(launches, warps, occupancy):
-    """The MLP op (the persistent kernel, or the two launches with and without programmatic
-    dependent launch) against the fp32 reference (bf16 tolerance: its GEMV outputs and
-    activations are rounded to bf16 as the separate calls round them) and against the
-    separate calls (wide GEMVs, XLA's SwiGLU and residual add); a row's result the same bits
-    whatever the other rows (batch invariant); repeated launches the same bits (the grid
-    barrier resets itself; down waits for gate|up)."""
+def test_mlp_matches_reference_on_gpu():
+    """The MLP op (two launches chained by programmatic dependent launch) against the fp32
+    reference (bf16 tolerance: its GEMV outputs and activations are rounded to bf16 as the
+    separate calls round them) and against the separate calls (wide GEMVs, XLA's SwiGLU and
+    residual add); a row's result the same bits whatever the other rows (batch invariant);
+    repeated launches the same bits (down waits for gate|up)."""
     _require_cuda()
     idx = jnp.array([1], jnp.int32)
-    fused = jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(
-        x, h, g, u, d, i, warps=warps, occupancy=occupancy, launches=launches))
+    fused = jax.jit(lambda x, h, g, u, d, i: cuda_ops.int4_mlp(x, h, g, u, d, i))
 
     def separate(x, h, g, u, d, i):
         gate, up = cuda_ops.int4_gemv_multi(x, [g, u], i)
@@ -542,25 +441,7 @@ def test_persistent_mlp_matches_reference_on_gpu(launches, warps, occupancy):
 
 
 @pytest.mark.gpu
-def test_mlp_two_launches_are_the_persistent_kernels_bits_on_gpu():
-    """With 8 warps a tile for gate|up, the two launches (chained by programmatic dependent
-    launch or in stream order) compute what the persistent kernel computes, in the same
-    order: the same bits, at the test shapes and the 27B's. A down launch that read act before
-    gate|up had written it would not."""
-    _require_cuda()
-    for kw in ({}, dict(k1=5120, n1=17408, n2=5120, lead=())):
-        for m in (1, 2):
-            x, h, (gate, up, down) = _mlp_case(m, **kw)
-            idx = jnp.array([1], jnp.int32) if kw == {} else None
-            outs = [np.asarray(jax.jit(lambda x, h, g, u, d, i, n=n: cuda_ops.int4_mlp(
-                x, h, g, u, d, i, warps=8, occupancy=24, launches=n))(
-                    x, h, gate, up, down, idx), np.float32) for n in (1, 2, 3)]
-            for other in outs[1:]:
-                np.testing.assert_array_equal(other, outs[0])
-
-
-@pytest.mark.gpu
-def test_persistent_mlp_at_27b_shapes_on_gpu():
+def test_mlp_at_27b_shapes_on_gpu():
     """The 27B's MLP shapes (gate|up 17408 x 5120 each, down 5120 x 17408), one and two rows:
     against the separate calls within bf16 tolerance."""
     _require_cuda()
@@ -568,10 +449,8 @@ def test_persistent_mlp_at_27b_shapes_on_gpu():
         x, h, (gate, up, down) = _mlp_case(m, k1=5120, n1=17408, n2=5120, lead=())
         gate_o, up_o = cuda_ops.int4_gemv_multi(x, [gate, up])
         want = h + cuda_ops.int4_gemv(jax.nn.silu(gate_o) * up_o, down)
-        for launches in cuda_ops.MLP_LAUNCHES:
-            got = jax.jit(lambda *a, n=launches: cuda_ops.int4_mlp(*a, launches=n))(
-                x, h, gate, up, down)
-            assert_close(got, want.astype(jnp.float32), jnp.bfloat16)
+        got = jax.jit(cuda_ops.int4_mlp)(x, h, gate, up, down)
+        assert_close(got, want.astype(jnp.float32), jnp.bfloat16)
 
 
 def test_mlp_takes_decode_rows_of_int4_stacks_only():

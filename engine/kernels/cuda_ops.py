@@ -195,25 +195,37 @@ def takes(x, mats, lead: int = 0) -> bool:
 
 
 def default_rows_per_warp(m: int) -> int:
+    """The FMA kernel's output rows a warp for M rows of x, the one it is built for: 2 up to
+    4 rows of x (where the registers allow it without spilling), else 1."""
     return 2 if m <= 4 else 1
 
 
-# Measured on the H200 (docs/benchmarks/README.md, v4, v6 and v9): below this many output rows
-# the kernels' blocks cannot fill the GPU and the Pallas kernel (which splits K) is as fast or
-# faster. For bf16 x with up to WIDE_MAX_M rows the wide tensor-core kernel is the fastest (v9:
-# lm_head 248 us at M = 1 against 314 us for "fma" and 325 us for "mma"; a whole decode step
-# C1 97.3 tok/s, C2 187.5 tok/s, against 92.4 and 151.2 with "fma" for C1 and "mma" for C2);
-# "mma" takes 5..8 rows, "fma" fp32 x.
+# Measured on the H200 (docs/benchmarks/README.md): below this many output rows the kernels'
+# blocks cannot fill the GPU and the Pallas kernel (which splits K) is as fast or faster. For
+# bf16 x with up to WIDE_MAX_M rows the wide tensor-core kernel is the fastest (lm_head 248 us
+# at M = 1 against 314 us for "fma" and 325 us for "mma"; a whole decode step C1 97.3 tok/s,
+# C2 187.5 tok/s, against 92.4 and 151.2 with "fma" for C1 and "mma" for C2); "mma" takes
+# 5..8 rows, "fma" fp32 x.
 MIN_ROWS = 2048
 FMA_MAX_M = 1  # "fma" for bf16 x of this many rows when "wide" does not apply (K % 128 != 0)
 
 
-WIDE_WARPS = (2, 4, 8, 10, 16)
-WIDE_AUTO_CHOICES = (4, 8)  # "auto" picks from these (2 and 16 measured slower, v12)
-WIDE_AUTO_WARPS = 2048  # "auto": about 16 warps on each of the H200's 132 SMs
+WIDE_WARPS = (4, 8)  # the wide kernel's builds: warps to a 16-row tile
+WIDE_AUTO_WARPS = 2048  # `wide_warps`: about 16 warps on each of the H200's 132 SMs
+
+# The FFI attributes of each build, fixed (engine/kernels/cuda/int4_gemv.cu takes these values
+# only, and says so for others): the wide kernel's 2 pairs of groups in flight a warp, the
+# codes' offset taken off with x's group sums (bias 0), registers capped for 32 resident warps
+# an SM, the register ring (stages 0), x permuted in the kernel (xperm 0); the mma kernel's
+# 4-stage copy ring (prefetch 0); the MLP op's two launches chained by programmatic dependent
+# launch, 8 warps a tile, registers capped for 32 warps an SM.
+_WIDE_BUILD = {"prefetch": 2, "bias": 0, "occupancy": 32, "stages": 0, "xperm": 0}
+_MMA_BUILD = {"stages": 4, "prefetch": 0}
+_MLP_BUILD = {"launches": 2, "warps": 8, "occupancy": 32}
 
 
-WIDE_XPERM_WARPS = (4, 8, 10)  # the warps the kernel taking x_perm is built for
+def _attrs(build: dict) -> dict:
+    return {name: np.int64(value) for name, value in build.items()}
 
 
 def group_sums(xb):
@@ -224,39 +236,17 @@ def group_sums(xb):
     return xb.astype(jnp.float32).reshape(*xb.shape[:-1], -1, GROUP).sum(-1)
 
 
-def x_perm(x):
-    """x [M, K] with each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7: its 32-bit words are
-    then the pairs (r, r + 4) that the wide kernel's MMA B registers hold, so the kernel takes
-    them as they load (`xperm`) in place of 16 byte permutations a pair of groups. The group
-    sums of x do not change (a permutation inside each group)."""
-    m, k = x.shape
-    return x.reshape(m, k // 8, 2, 4).swapaxes(-1, -2).reshape(m, k)
-
-
-def wide_warps(n: int, setting: str = "auto") -> int:
-    """Warps to a 16-row tile of the wide kernel for N output rows: the setting (one of
-    WIDE_WARPS), or with "auto" (the default) the fewer of WIDE_AUTO_CHOICES that still gives
-    the call WIDE_AUTO_WARPS warps in all: 4 where there are many tiles (lm_head, mlp gate|up,
-    the GDN and attention input projections: 896 tiles and more), 8 where there are few (down
-    and out_proj: 320-384 tiles). "auto:4,10" picks the same way from the choices it names
-    (10 warps for down and out_proj: as fast in the decode step as 8, v13). A choice by shape
-    only, so a call's result does not depend on the batch. Measured on the H200 (v12,
-    docs/benchmarks/README.md): each shape's fastest of 2, 4 and 8 warps is the one "auto"
-    picks, but for attention q|k|v (4, within 7%)."""
-    name, _, listed = setting.partition(":")
-    if name != "auto":
-        w = int(setting)
-        if w not in WIDE_WARPS:
-            raise ValueError(f"wide kernel warps must be one of {WIDE_WARPS} or 'auto', "
-                             f"got {setting!r}")
-        return w
-    choices = WIDE_AUTO_CHOICES
-    if listed:
-        choices = tuple(sorted(int(c) for c in listed.split(",")))
-        if not set(choices) <= set(WIDE_WARPS):
-            raise ValueError(f"wide kernel warps must be among {WIDE_WARPS}, got {setting!r}")
+def wide_warps(n: int) -> int:
+    """Warps to a 16-row tile of the wide kernel for N output rows: the fewer of WIDE_WARPS
+    that still gives the call WIDE_AUTO_WARPS warps in all: 4 where there are many tiles
+    (lm_head, mlp gate|up, the GDN and attention input projections: 896 tiles and more), 8
+    where there are few (down and out_proj: 320-384 tiles). A choice by shape only, so a
+    call's result does not depend on the batch. Measured on the H200 (docs/benchmarks/
+    README.md): each shape's fastest of 2, 4 and 8 warps is the one picked, but for attention
+    q|k|v (4, within 7%); 16 warps were slower than 8 everywhere, and 10 for down and
+    out_proj no faster in the decode step than 8."""
     tiles = -(-n // 16)
-    return next((w for w in choices if tiles * w >= WIDE_AUTO_WARPS), choices[-1])
+    return next((w for w in WIDE_WARPS if tiles * w >= WIDE_AUTO_WARPS), WIDE_WARPS[-1])
 
 
 def default_variant(x) -> str:
@@ -270,42 +260,42 @@ def default_variant(x) -> str:
     return "wide" if m <= WIDE_MAX_M else "mma"
 
 
-def int4_gemv(x, w: QTensor, index=None, *, rows_per_warp: int | None = None,
-              variant: str | None = None, stages: int | None = None,
-              prefetch: int | None = None, warps: int | None = None, bias: int | None = None,
-              occupancy: int | None = None, xperm: bool | None = None, corr=None):
+def int4_gemv(x, w: QTensor, index=None, *, variant: str | None = None,
+              warps: int | None = None, corr=None):
     """x [..., K] (M = prod of leading dims <= 8) @ w.T for an int4_g64 QTensor w [N, K] or a
     stack [*d, N, K] read at `index` (int32 [d]). Returns [..., N] in x.dtype (fp32 sums).
-    variant "mma": bf16 tensor-core kernel (x rounded to bf16, a no-op for bf16 x);
-    "wide": the tensor-core kernel with 16-byte loads of a row per lane, two groups per MMA
-    (M <= 4 and K a multiple of 128, else "fma"/"mma"); "fma": fp32 kernel; another name
-    is a ValueError. None picks by x (`default_variant`). The tile parameters default to what
-    the H200 measured fastest (docs/benchmarks): rows_per_warp (fma: 2 up to 4 rows, else 1);
-    stages (mma: the copy pipeline's depth, 4; wide: 0, the register ring, as fast as the
-    shared-memory rings of 4 or 8); prefetch (mma: 0, the shared-memory copy ring; wide: 2
-    pairs in flight); warps (wide: 4 or 8 to a 16-row tile by the call's tiles, `wide_warps`);
-    bias (wide: 0, the codes' offset taken off with x's group sums, faster than MMAs in the
-    kernel); occupancy (wide: 32 resident warps an SM, 64 registers a lane, where built: prefetch
-    2, bias 0, stages 0); xperm (wide: x permuted by `x_perm` so the kernel skips its byte
-    permutations, the same bits; off, no faster in the decode step). The kernel tests call the
-    other values."""
-    return int4_gemv_multi(x, [w], index, rows_per_warp=rows_per_warp, variant=variant,
-                           stages=stages, prefetch=prefetch, warps=warps, bias=bias,
-                           occupancy=occupancy, xperm=xperm, corr=corr)[0]
+    variant (None: `default_variant`, by x; another name is a ValueError):
+    - "wide": bf16 tensor cores, 16-byte loads of a row per lane, two groups of 64 per MMA
+      (M <= 4 and K a multiple of 128, else "fma" for one row of x and "mma" for more): the
+      codes' offset taken off with x's group sums (`corr`, else computed here), 2 pairs of
+      groups in flight a warp, registers capped for 32 resident warps an SM, and at M = 1
+      (K <= 20480) x staged in shared memory;
+    - "mma": bf16 tensor cores (x rounded to bf16, a no-op for bf16 x), codes and scales
+      streamed through a 4-stage cp.async ring in shared memory, any M <= 8;
+    - "fma": fp32 FMAs with exact dequantization, 2 output rows a warp up to 4 rows of x,
+      else 1.
+    warps: the wide kernel's warps to a 16-row tile, 4 or 8 (None: `wide_warps`, by the call's
+    rows; another value is a ValueError). The kernels' other settings are fixed at what the
+    H200 measured fastest (docs/benchmarks/README.md and engine/kernels/cuda/int4_gemv.cu):
+    for "wide" the register cap (C1 / C2 decode at 1K 119.6 / 227.6 tok/s against 110.8 /
+    216.5 uncapped), 2 pairs in flight (4 pairs, or a shared-memory ring of 4 or 8, slower at
+    the large calls), the offset by group sums (by MMAs in the kernel: lm_head at M = 1 378.6
+    us against 303.7), x permuted in the kernel (permuted by XLA before the call: no faster);
+    for "mma" 4 copy stages (6, 8 or 12, or codes loaded 2-8 groups ahead into registers, no
+    faster)."""
+    return int4_gemv_multi(x, [w], index, variant=variant, warps=warps, corr=corr)[0]
 
 
-def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
-                    variant: str | None = None, stages: int | None = None,
-                    prefetch: int | None = None, warps: int | None = None,
-                    bias: int | None = None, occupancy: int | None = None,
-                    xperm: bool | None = None, concat: bool = False, corr=None):
+def int4_gemv_multi(x, ws, index=None, *, variant: str | None = None,
+                    warps: int | None = None, concat: bool = False, corr=None):
     """`int4_gemv` of one x by up to MAX_MATS weights that share K and stack dims (a layer's
     projections of one input), in one launch with one preparation of x. Returns the list of
     [..., N_j] results; each is what `int4_gemv(x, ws[j], index)` gives, bit for bit (a row's
     sum does not depend on the other rows). concat=True: one [..., sum N_j] array instead.
     corr: x's group sums [..., K / 64] fp32 where the caller has them (`group_sums`, or the
     fused norm kernel's, engine/kernels/norm_sums.py), for the wide kernel: no XLA reduction
-    of its own; other kernels ignore it."""
+    of its own; other kernels ignore it. warps: the wide kernel's, as `int4_gemv` takes it
+    (the sum of the weights' rows decides the default)."""
     if not 1 <= len(ws) <= MAX_MATS:
         raise ValueError(f"int4_gemv_multi takes 1..{MAX_MATS} weights, got {len(ws)}")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -320,40 +310,25 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
     if variant not in VARIANTS:
         raise ValueError(f"int4_gemv: variant must be one of {VARIANTS}, "
                          f"got {variant!r}")
+    if warps is not None and warps not in WIDE_WARPS:
+        raise ValueError(f"int4_gemv: the wide kernel's warps must be one of {WIDE_WARPS}, "
+                         f"got {warps!r}")
     if variant == "wide" and not (m <= WIDE_MAX_M and k % (2 * GROUP) == 0):
         variant = "fma" if m <= FMA_MAX_M else "mma"
     if variant == "wide":
-        xb = x.reshape(m, k).astype(jnp.bfloat16)  # the kernel permutes it (or x_perm below)
-        bias = 0 if bias is None else int(bias)
-        if bias:  # the kernel's MMAs take 136 * sum(x) off: nothing to prepare (slower, v10)
-            corr = jnp.zeros((m, 0), jnp.float32)
-        elif corr is None:
-            corr = group_sums(xb)
-        else:
-            corr = jnp.asarray(corr, jnp.float32).reshape(m, k // GROUP)
-        prefetch = prefetch or 2
-        warps = warps or wide_warps(n)
-        if stages is None:
-            stages = 0
-        if occupancy is None:  # 32 where it is built: the register ring of 2 pairs, bias 0
-            occupancy = 32 if prefetch == 2 and not bias and not stages else 0
-        if xperm is None:
-            xperm = False
-        if xperm:
-            xb = x_perm(xb)
+        xb = x.reshape(m, k).astype(jnp.bfloat16)  # the kernel permutes it
+        corr = (group_sums(xb) if corr is None
+                else jnp.asarray(corr, jnp.float32).reshape(m, k // GROUP))
         call = jax.ffi.ffi_call(INT4_WIDE_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
-        y = call(xb, corr, idx, *pairs, prefetch=np.int64(prefetch), warps=np.int64(warps),
-                 bias=np.int64(bias), occupancy=np.int64(occupancy), stages=np.int64(stages),
-                 xperm=np.int64(bool(xperm)))
+        y = call(xb, corr, idx, *pairs, warps=np.int64(warps or wide_warps(n)),
+                 **_attrs(_WIDE_BUILD))
     elif variant == "mma":
         g = k // GROUP
         xb = jnp.pad(x.reshape(m, k).astype(jnp.bfloat16), ((0, 8 - m), (0, 0)))
         xg = xb.reshape(8, g, 4, 16)[..., _MMA_ORDER].transpose(1, 0, 2, 3)  # [G, 8, 4, 16]
         corr = 136.0 * xb.astype(jnp.float32).reshape(8, g, GROUP).sum(-1).T  # [G, 8]
         call = jax.ffi.ffi_call(INT4_MMA_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
-        y = call(xg, corr, idx, *pairs,
-                 stages=np.int64(stages or 4),
-                 prefetch=np.int64(0 if prefetch is None else prefetch))
+        y = call(xg, corr, idx, *pairs, **_attrs(_MMA_BUILD))
     else:
         xf = x.reshape(m, k).astype(jnp.float32)
         kp = -(-k // 1024) * 1024  # whole 1024-input iterations (32 lanes x 32 codes)
@@ -361,9 +336,8 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         # [M, K/1024, lane, word, half, 4] -> [M, K/1024, word, half, lane, 4]: warp-wide
         # loads of x are contiguous (see the kernel's comment)
         xf = xf.reshape(m, kp // 1024, 32, 4, 2, 4).transpose(0, 1, 3, 4, 2, 5)
-        rpw = rows_per_warp or default_rows_per_warp(m)
         call = jax.ffi.ffi_call(INT4_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
-        y = call(xf, idx, *pairs, rows_per_warp=np.int64(rpw))
+        y = call(xf, idx, *pairs, rows_per_warp=np.int64(default_rows_per_warp(m)))
     y = y.astype(x.dtype)
     if concat:  # the results side by side, as the kernel writes them
         return y.reshape(*lead, n)
@@ -372,27 +346,6 @@ def int4_gemv_multi(x, ws, index=None, *, rows_per_warp: int | None = None,
         outs.append(y[:, at:at + nj].reshape(*lead, nj))
         at += nj
     return outs
-
-
-MLP_WARPS = (4, 8)
-MLP_OCCUPANCY = (24, 32)
-# `int4_mlp`'s launches: 1 the persistent kernel (grid barrier), 2 gate|up then down chained by
-# programmatic dependent launch (the model's default, v14f), 3 the same two launches in plain
-# stream order; and the (warps, occupancy) each takes when not given (v14: the persistent
-# kernel's best, and for two launches 8 warps a gate|up tile with registers for 32 warps an
-# SM, the fastest of 4/24, 4/32 and 8/32 in the decode step).
-MLP_LAUNCHES = (1, 2, 3)
-MLP_DEFAULTS = {1: (8, 24), 2: (8, 32), 3: (8, 32)}
-
-
-def _mlp_setting(op: str, launches: int, warps, occupancy) -> tuple[int, int]:
-    """(warps, occupancy) for an MLP call with that many launches: MLP_DEFAULTS where None,
-    checked against what the kernels are built for."""
-    dw, do = MLP_DEFAULTS[launches]
-    warps, occupancy = dw if warps is None else warps, do if occupancy is None else occupancy
-    if warps not in MLP_WARPS or occupancy not in MLP_OCCUPANCY:
-        raise ValueError(f"{op}: warps {MLP_WARPS}, occupancy {MLP_OCCUPANCY}")
-    return warps, occupancy
 
 
 def mlp_shape_error(x, h, gate, up, down) -> str | None:
@@ -419,30 +372,26 @@ def mlp_shape_error(x, h, gate, up, down) -> str | None:
     return None
 
 
-def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
-             warps: int | None = None, occupancy: int | None = None, launches: int = 2,
-             corr=None):
+def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *, corr=None):
     """h + down(silu(gate(x)) * up(x)) for a decode step's rows (x, h [..., K1] / [..., N2]
     bf16, M = prod of leading dims <= 4; int4_g64 gate and up [*d, N1, K1], down [*d, N2,
     N1], or stacks read at `index`) in one call of the CUDA op (engine/kernels/cuda/
     int4_gemv.cu): gate|up and down as the wide GEMV computes them, SwiGLU between, the
-    residual added. launches (MLP_LAUNCHES): 1, one launch of the persistent kernel
-    (`int4_mlp_persistent`, a grid barrier between the GEMVs, down's first codes in flight
-    across it); 2, `int4_mlp_gate_up` then `int4_mlp_down` chained by programmatic dependent
-    launch (down's blocks fill their rings while gate|up's last blocks run); 3, those two in
-    plain stream order. Each op rounded to bf16 as the separate calls round them; down's
-    group sums of the activations come from per-tile sums (another order of the same fp32
-    sums, so close to the separate calls, not bitwise). warps (4 or 8 a tile; gate|up's with
-    2 launches, down's is 8), occupancy (resident warps an SM the registers are capped for:
-    24 or 32); None: MLP_DEFAULTS. The model takes it through `layers.mlp_residual` (a plan's
-    mlp "cuda") with 2 launches (H200: the persistent kernel is slower than the separate calls,
-    two launches with programmatic dependent launch faster). corr: x's group sums [..., K1 / 64] where the caller has them
+    residual added, in two launches, `int4_mlp_gate_up` then `int4_mlp_down`, chained by
+    programmatic dependent launch (down's blocks fill their rings with its first codes while
+    gate|up's last blocks run), 8 warps a tile, registers capped for 32 resident warps an SM.
+    Each op rounded to bf16 as the separate calls round them; down's group sums of the
+    activations come from per-tile sums (another order of the same fp32 sums, so close to the
+    separate calls, not bitwise). The model takes it through `layers.mlp_residual` (a plan's
+    mlp "cuda"). Measured on the H200 (docs/benchmarks/README.md): C1 +1.1 to +1.9% and C2
+    +2.6 to +4.7% decode at 1K against the separate calls; the programmatic dependent launch
+    worth ~1-9 us a call against the same launches in stream order; 8 warps a gate|up tile
+    with 32 an SM the fastest of 8/32, 4/24 and 4/32 in the decode step; one persistent launch
+    with a grid barrier between the GEMVs slower than the separate calls (C1 / C2 112.7 / 209.3
+    tok/s against 122.4 / 234.3). corr: x's group sums [..., K1 / 64] where the caller has them
     (as `int4_gemv_multi` takes them)."""
     if (err := mlp_shape_error(x, h, gate, up, down)) is not None:
         raise ValueError(err)
-    if launches not in MLP_LAUNCHES:
-        raise ValueError(f"int4_mlp: launches {MLP_LAUNCHES}, got {launches}")
-    warps, occupancy = _mlp_setting("int4_mlp", launches, warps, occupancy)
     lead, k1 = x.shape[:-1], x.shape[-1]
     m = int(np.prod(lead, dtype=np.int64))
     n1, n2 = gate.shape[0], down.shape[0]
@@ -457,7 +406,6 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *,
         jax.ShapeDtypeStruct((m, n1), jnp.bfloat16),  # scratch: the activations
         jax.ShapeDtypeStruct((m, n1 // 16), jnp.float32)))  # scratch: their tile sums
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
-                     warps=np.int64(warps), occupancy=np.int64(occupancy),
-                     launches=np.int64(launches))
+                     **_attrs(_MLP_BUILD))
     return out.reshape(*lead, n2)
 

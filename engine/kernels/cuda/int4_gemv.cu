@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -85,12 +84,6 @@ __device__ __forceinline__ float2 load_coherent(const float2* p) {
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ uint2 load_stream64(const uint2* p) {
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
 
@@ -308,8 +301,11 @@ __global__ void __launch_bounds__(kWarps * 32)
 //
 // A block of 8 warps owns 16 output rows; warp w takes groups w, w + 8, ... (the 8 warps read
 // adjacent 32-byte pieces of the same rows). Each warp streams its groups' codes and scales into
-// its own shared-memory ring with cp.async, S stages of kMmaU groups (S - 1 stages in flight
-// while it computes one; `stages` attribute, 4 by default: deeper rings measured no faster).
+// its own shared-memory ring with cp.async, S = kMmaStages stages of kMmaU groups (S - 1 stages
+// in flight while it computes one; the `stages` attribute, which must be 4: deeper rings of 6,
+// 8 and 12 stages measured no faster on the H200, 12 slower than 4, and a register ring
+// loading codes and scales 2, 4 or 8 groups ahead, with 3.6 instructions a byte against the
+// copy ring's ~6, no faster either: lm_head at M = 1 334 us at 4 groups against 330 us).
 // The warps' partial sums are added in shared memory in warp order: no atomics, the same order
 // whatever M is (batch-invariant, deterministic).
 //
@@ -334,10 +330,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // dst: a shared-memory address (__cvta_generic_to_shared), computed once by the caller.
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-
-__device__ __forceinline__ void cp_async8(unsigned dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src));
 }
 
 __device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
@@ -374,8 +366,7 @@ struct MmaInputs {
 };
 
 // The warp's group `u` (counted from `in`'s position) of a 16-row tile: lane (g, t) holds 16
-// codes of row g (qa) and of row g + 8 (qb) and the two rows' scales. Shared by both
-// tensor-core kernels, so that they give the same sums bit for bit.
+// codes of row g (qa) and of row g + 8 (qb) and the two rows' scales.
 __device__ __forceinline__ void mma_group(uint2 qa, uint2 qb, float sa, float sb,
                                           const MmaInputs& in, int u, float (&tot)[4]) {
   uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
@@ -430,17 +421,15 @@ __device__ __forceinline__ void mma_reduce_store(float4 (&red)[kMmaWarps][32],
 // row-major) followed by the 16 rows' scales (4 uint4).
 constexpr int kMmaU = 2;
 constexpr int kGroupVec = 36;
+constexpr int kMmaStages = 4;
+constexpr int kMmaSmemBytes = kMmaWarps * kMmaStages * kMmaU * kGroupVec * 16;
 
-template <int S>
-constexpr int mma_smem_bytes() {
-  return kMmaWarps * S * kMmaU * kGroupVec * 16;
-}
-
-template <int S, typename OT>
+template <typename OT>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     int4_gemv_mma(const uint4* __restrict__ xp, const float2* __restrict__ corr,
                   const __grid_constant__ Mats mt,
                   const int32_t* __restrict__ index, OT* __restrict__ y, int k, int m) {
+  constexpr int S = kMmaStages;
   extern __shared__ uint4 smem[];
   __shared__ float4 red[kMmaWarps][32];
   const int n = mt.start[mt.count];
@@ -513,77 +502,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   mma_reduce_store<OT>(red, tot, warp, lane, row0, n, m, y);
 }
 
-// The same kernel with the codes and scales loaded straight into registers, P groups ahead,
-// instead of through the shared-memory ring: the same groups per warp in the same order, the
-// same MMAs (mma_group) and the same reduction, so the same sums bit for bit. Why: the ring's
-// copy side costs, per cp.async, a branch, three placeholder loads the compiler puts before
-// each LDGSTS and an address, and then two shared loads per group: its main loop is ~95
-// instructions per group and lane, half of them copying, in a kernel bound by issue (ncu,
-// docs/benchmarks/README.md v5, v8). Here a group costs two 8-byte and two 4-byte loads into
-// a slot of a P-group register ring, refilled once its group is computed (so P - 1 groups are
-// in flight while one computes). Lanes t = 0..3 of row g read one 32-byte sector together.
-// P = the `prefetch` attribute.
-template <int P, typename OT>
-__global__ void __launch_bounds__(kMmaWarps * 32)
-    int4_gemv_mma_reg(const uint4* __restrict__ xp, const float2* __restrict__ corr,
-                      const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
-                      OT* __restrict__ y, int k, int m) {
-  __shared__ float4 red[kMmaWarps][32];
-  const int n = mt.start[mt.count];
-  const int64_t layer = layer_of(mt, index);
-  const int groups = k >> 6;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * 16;
-  const uint8_t *wa, *wb;
-  const float *sa_p, *sb_p;
-  row_ptrs(mt, min(row0 + g, n - 1), layer, k, wa, sa_p);
-  row_ptrs(mt, min(row0 + g + 8, n - 1), layer, k, wb, sb_p);
-  // The warp's i-th group is group warp + 8 i: its codes start 32 (warp + 8 i) bytes into the
-  // row (the lane's 16 at + 8 t), its scale is the row's (warp + 8 i)-th. The pointers move
-  // once per P groups; within them every load has a constant offset.
-  const uint2* pa = reinterpret_cast<const uint2*>(wa + warp * 32) + t;  // + 32 i
-  const uint2* pb = reinterpret_cast<const uint2*>(wb + warp * 32) + t;
-  sa_p += warp;  // + 8 i
-  sb_p += warp;
-  MmaInputs in(xp, corr, groups, warp, g, t, m);
-  const int count = in.count;
-
-  uint2 qa[P], qb[P];
-  float sa[P], sb[P];
-#pragma unroll
-  for (int j = 0; j < P; ++j) {
-    if (j < count) {
-      qa[j] = load_stream64(pa + 32 * j);
-      qb[j] = load_stream64(pb + 32 * j);
-      sa[j] = __ldg(sa_p + 8 * j);
-      sb[j] = __ldg(sb_p + 8 * j);
-    }
-  }
-  float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int i0 = 0; i0 < count; i0 += P) {
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      if (i0 + j < count) {  // the same for the whole warp
-        mma_group(qa[j], qb[j], sa[j], sb[j], in, j, tot);
-        // The slot is free once its group is computed: refill it with the group P ahead.
-        if (i0 + j + P < count) {
-          qa[j] = load_stream64(pa + 32 * (j + P));
-          qb[j] = load_stream64(pb + 32 * (j + P));
-          sa[j] = __ldg(sa_p + 8 * (j + P));
-          sb[j] = __ldg(sb_p + 8 * (j + P));
-        }
-      }
-    }
-    pa += 32 * P;
-    pb += 32 * P;
-    sa_p += 8 * P;
-    sb_p += 8 * P;
-    in.advance(P);
-  }
-  mma_reduce_store<OT>(red, tot, warp, lane, row0, n, m, y);
-}
-
 // ---- Wide tensor-core variant (M <= 4, K a multiple of 128) ---------------------------------
 //
 // The kernels above give each lane 8 bytes of a row per group, so one warp load touches 8 rows
@@ -602,43 +520,35 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // x is read as it is (x [M, K] bf16), 16 bytes at a time; only the lanes whose column is a row
 // of x load it (zeros stay in the others' registers). A lane's B register r must hold its
 // inputs' pair (r, r + 4) of each 8 (the codes' nibble order, see `pair`): four byte
-// permutations of each 16-byte load put them there.
+// permutations of each 16-byte load put them there. (x permuted by the caller so that its
+// words are those pairs already, 15% fewer instructions in the main loop, was as correct and
+// no faster in the decode step on the H200: the kernel is latency-bound, and XLA's permutation
+// adds work before the call.)
 //
 // The codes come out of `pair` as 128 + q, so the sums need 136 * sum(x) taken off (q - 8 is
-// the code's value). Two ways, the `bias` attribute:
-// - bias = 1: before each of the eight MMAs, one more with A = -136 everywhere and the same B:
-//   D then collects x * (q - 8) chunk by chunk (its partial sums stay small), and nothing
-//   else is read;
-// - bias = 0: corr [M, K/64] fp32 = the group sums of x, computed by the caller; each group's
-//   sum takes 136 * corr off in one FMA (d - 136 c rounded once). The caller's sums come out
-//   of the fusion that makes x; a separate x 136 would be one more kernel a call (v13).
-// Warps take pairs warp, warp + W, ... of a 16-row tile, P pairs of codes and scales in flight
-// in registers; their sums are added in shared memory in warp order. Column m's result does
-// not depend on M (its B column and its A are the same): batch invariant.
-constexpr uint32_t kNeg136x2 = 0xC308C308u;  // two bf16 -136.0
+// the code's value): corr [M, K/64] fp32 = the group sums of x, computed by the caller; each
+// group's sum takes 136 * corr off in one FMA (d - 136 c rounded once). The caller's sums come
+// out of the fusion that makes x; a separate x 136 would be one more kernel a call (v13). (One
+// more MMA with A = -136 before each of the eight, which needs no sums, doubles the MMAs and
+// was slower on the H200: lm_head at M = 1 378.6 us against 303.7.)
+// Warps take pairs warp, warp + W, ... of a 16-row tile, P = 2 pairs of codes and scales in
+// flight in registers; their sums are added in shared memory in warp order. Column m's result
+// does not depend on M (its B column and its A are the same): batch invariant.
 
 // A pair's B registers from x in global memory: lanes holding x load its 64 bytes (16 at a
-// time), four byte permutations a load put inputs (r, r + 4) of each 8 together (none with
-// kXPerm); the other lanes hold zeros. `[q]` gives MMA q's two registers.
-template <bool kXPerm, bool kCoherentX>
+// time), four byte permutations a load put inputs (r, r + 4) of each 8 together; the other
+// lanes hold zeros. `[q]` gives MMA q's two registers.
 struct XFragsGlobal {
   uint32_t b[16];
   __device__ __forceinline__ XFragsGlobal(const uint4* __restrict__ xp, bool has_x) {
     if (has_x) {
 #pragma unroll
       for (int v = 0; v < 4; ++v) {  // inputs 0..7 -> pairs (0, 4), (1, 5), (2, 6), (3, 7)
-        const uint4 xv = kCoherentX ? __ldcg(xp + v) : __ldg(xp + v);
-        if constexpr (kXPerm) {
-          b[4 * v] = xv.x;
-          b[4 * v + 1] = xv.y;
-          b[4 * v + 2] = xv.z;
-          b[4 * v + 3] = xv.w;
-        } else {
-          b[4 * v] = __byte_perm(xv.x, xv.z, 0x5410);
-          b[4 * v + 1] = __byte_perm(xv.x, xv.z, 0x7632);
-          b[4 * v + 2] = __byte_perm(xv.y, xv.w, 0x5410);
-          b[4 * v + 3] = __byte_perm(xv.y, xv.w, 0x7632);
-        }
+        const uint4 xv = __ldg(xp + v);
+        b[4 * v] = __byte_perm(xv.x, xv.z, 0x5410);
+        b[4 * v + 1] = __byte_perm(xv.x, xv.z, 0x7632);
+        b[4 * v + 2] = __byte_perm(xv.y, xv.w, 0x5410);
+        b[4 * v + 3] = __byte_perm(xv.y, xv.w, 0x7632);
       }
     } else {
 #pragma unroll
@@ -658,9 +568,11 @@ struct XFragsShared {
   __device__ __forceinline__ uint2 operator[](int q) const { return p[q]; }
 };
 
-// One pair's eight MMAs over the B registers of `xf`, then the scales (and the group sums
-// of x from `corr()`, called where they are used, with kBias = false).
-template <bool kBias, typename Frags, typename Corr>
+// One pair of groups of a wide tile for lane (g, t): codes ca (row g) and cb (row g + 8), their
+// scales sa and sb; the pair's eight MMAs over the B registers of `xf` (x from global or from
+// shared memory: the same registers, the same sums bit for bit), then the scales and the
+// group sums of x from `corr()`, called where they are used.
+template <typename Frags, typename Corr>
 __device__ __forceinline__ void wide_pair_frags(const uint4 ca, const uint4 cb, const float2 sa,
                                                 const float2 sb, const Frags& xf, Corr corr,
                                                 float (&tot)[2]) {
@@ -671,48 +583,14 @@ __device__ __forceinline__ void wide_pair_frags(const uint4 ca, const uint4 cb, 
   for (int q = 0; q < 8; ++q) {
     const int e = 2 * (q & 1);
     const uint2 b = xf[q];
-    if constexpr (kBias) mma_bf16(d, kNeg136x2, kNeg136x2, kNeg136x2, kNeg136x2, b.x, b.y);
     mma_bf16(d, pair(wq[q >> 1], e), pair(wr[q >> 1], e), pair(wq[q >> 1], e + 1),
              pair(wr[q >> 1], e + 1), b.x, b.y);
   }
-  if constexpr (kBias) {
-    tot[0] = fmaf(sa.x, d[0], tot[0]);
-    tot[0] = fmaf(sa.y, d[1], tot[0]);
-    tot[1] = fmaf(sb.x, d[2], tot[1]);
-    tot[1] = fmaf(sb.y, d[3], tot[1]);
-  } else {
-    const float2 c = corr();  // group sums 2p, 2p + 1 of x row t
-    tot[0] = fmaf(sa.x, fmaf(-136.0f, c.x, d[0]), tot[0]);
-    tot[0] = fmaf(sa.y, fmaf(-136.0f, c.y, d[1]), tot[0]);
-    tot[1] = fmaf(sb.x, fmaf(-136.0f, c.x, d[2]), tot[1]);
-    tot[1] = fmaf(sb.y, fmaf(-136.0f, c.y, d[3]), tot[1]);
-  }
-}
-
-// One pair of groups of a wide tile for lane (g, t): codes ca (row g) and cb (row g + 8), their
-// scales sa and sb, x at xp (the pair's 64 bytes of x row g / 2 from this lane's quarter), the
-// pair's corr at cp (kBias = false). Shared by both wide kernels: the same sums bit for bit.
-// kXPerm: x arrives with each 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7 (`x_perm` of the
-// caller), so its 32-bit words are already the B registers' pairs (r, r + 4): the same
-// registers without the 16 byte permutations a pair.
-// It takes the pair's group sums of x from `corr()` (called where the sums are
-// used) and, with kCoherentX, loads x through L2 only (`__ldcg`): x written earlier in the
-// same launch (the persistent MLP kernel's activations) must not come from the read-only path.
-template <bool kBias, bool kXPerm, bool kCoherentX, typename Corr>
-__device__ __forceinline__ void wide_pair_with(const uint4 ca, const uint4 cb, const float2 sa,
-                                               const float2 sb, const uint4* __restrict__ xp,
-                                               bool has_x, Corr corr, float (&tot)[2]) {
-  wide_pair_frags<kBias>(ca, cb, sa, sb, XFragsGlobal<kXPerm, kCoherentX>(xp, has_x), corr,
-                         tot);
-}
-
-template <bool kBias, bool kXPerm = false>
-__device__ __forceinline__ void wide_pair(const uint4 ca, const uint4 cb, const float2 sa,
-                                          const float2 sb, const uint4* __restrict__ xp,
-                                          bool has_x, const float2* __restrict__ cp,
-                                          float (&tot)[2]) {
-  wide_pair_with<kBias, kXPerm, false>(ca, cb, sa, sb, xp, has_x,
-                                       [cp]() { return __ldg(cp); }, tot);
+  const float2 c = corr();  // group sums 2p, 2p + 1 of x row t
+  tot[0] = fmaf(sa.x, fmaf(-136.0f, c.x, d[0]), tot[0]);
+  tot[0] = fmaf(sa.y, fmaf(-136.0f, c.y, d[1]), tot[0]);
+  tot[1] = fmaf(sb.x, fmaf(-136.0f, c.x, d[2]), tot[1]);
+  tot[1] = fmaf(sb.y, fmaf(-136.0f, c.y, d[3]), tot[1]);
 }
 
 // A tile's warp sums added in shared memory in warp order: the result is warp 0's. A block
@@ -807,23 +685,22 @@ __device__ __forceinline__ void ring_fill(WideRing<P>& r, const WideTile<W>& tl)
 }
 
 // Where a warp's pairs find their group sums of x: `at(j)` for the j-th pair from the
-// current one, `step(n)` moves n pairs on. CorrPairs: corr [M, K/64] as float2 a pair (read
-// through the read-only path); CorrTiles: 4 sums of 16 rows a group (the MLP's down), added
-// in a fixed order, read through L2 only where they were written in the same launch
-// (kCoherent: the persistent kernel), else through the read-only path.
+// current one, `step(n)` moves n pairs on. CorrPairs: corr [M, K/64] as float2 a pair;
+// CorrTiles: 4 sums of 16 rows a group (the MLP's down), added in a fixed order. Both through
+// the read-only path.
 template <int W>
 struct CorrPairs {
   const float2* p;
   __device__ __forceinline__ float2 at(int j) const { return __ldg(p + W * j); }
   __device__ __forceinline__ void step(int n) { p += W * n; }
 };
-template <int W, bool kCoherent>
+template <int W>
 struct CorrTiles {
   const float4* p;
   __device__ __forceinline__ float2 at(int j) const {
     const float4* q = p + 2 * W * j;
-    const float4 lo = kCoherent ? __ldcg(q) : __ldg(q);
-    const float4 hi = kCoherent ? __ldcg(q + 1) : __ldg(q + 1);
+    const float4 lo = __ldg(q);
+    const float4 hi = __ldg(q + 1);
     return make_float2(((lo.x + lo.y) + lo.z) + lo.w, ((hi.x + hi.y) + hi.z) + hi.w);
   }
   __device__ __forceinline__ void step(int n) { p += 2 * W * n; }
@@ -844,12 +721,12 @@ __device__ __forceinline__ void ring_refill(WideRing<P>& r, int j, const uint4* 
 // moving n pairs on: XRunGlobal from x [M, K] in global memory (16 W uint4 a pair),
 // XRunShared from the block's copy in shared memory (`step` bytes a pair: 0 for a lane
 // without x, which reads the zero block throughout).
-template <int W, bool kXPerm, bool kCoherentX>
+template <int W>
 struct XRunGlobal {
   const uint4* p;
   bool has_x;
-  __device__ __forceinline__ XFragsGlobal<kXPerm, kCoherentX> frags(int j) const {
-    return XFragsGlobal<kXPerm, kCoherentX>(p + 16 * W * j, has_x);
+  __device__ __forceinline__ XFragsGlobal frags(int j) const {
+    return XFragsGlobal(p + 16 * W * j, has_x);
   }
   __device__ __forceinline__ void step(int n) { p += 16 * W * n; }
 };
@@ -868,10 +745,9 @@ struct NoRound {
 };
 
 // The warp's pairs of one tile, from the ring (filled with the tile's first P), refilling
-// it from the same tile; x and corr at the warp's first pair (corr unused with kBias);
-// `round()` at the start of each round of P pairs.
-template <int P, int W, bool kBias, bool kFull, typename X, typename Corr,
-          typename Round = NoRound>
+// it from the same tile; x and corr at the warp's first pair; `round()` at the start of each
+// round of P pairs.
+template <int P, int W, bool kFull, typename X, typename Corr, typename Round = NoRound>
 __device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl, X x,
                                            Corr corr, float (&tot)[2], Round round = {}) {
   const uint4 *pa = tl.pa, *pb = tl.pb;
@@ -892,8 +768,8 @@ __device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl
     round();
 #pragma unroll
     for (int j = 0; j < P; ++j) {
-      wide_pair_frags<kBias>(r.ca[j], r.cb[j], r.sa[j], r.sb[j], x.frags(j),
-                             [&corr, j]() { return corr.at(j); }, tot);
+      wide_pair_frags(r.ca[j], r.cb[j], r.sa[j], r.sb[j], x.frags(j),
+                      [&corr, j]() { return corr.at(j); }, tot);
       ring_refill<P, W>(r, j, pa, pb, qa, qb);
     }
     pa += 4 * W * P;
@@ -901,15 +777,15 @@ __device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl
     qa += W * P;
     qb += W * P;
     x.step(P);
-    if constexpr (!kBias) corr.step(P);
+    corr.step(P);
   }
   for (; i0 < tl.count; i0 += P) {
     round();
 #pragma unroll
     for (int j = 0; j < P; ++j) {
       if (i0 + j < tl.count) {  // the same for the whole warp
-        wide_pair_frags<kBias>(r.ca[j], r.cb[j], r.sa[j], r.sb[j], x.frags(j),
-                               [&corr, j]() { return corr.at(j); }, tot);
+        wide_pair_frags(r.ca[j], r.cb[j], r.sa[j], r.sb[j], x.frags(j),
+                        [&corr, j]() { return corr.at(j); }, tot);
         if (i0 + j + P < tl.count)  // the slot is free: refill it with the pair P ahead
           ring_refill<P, W>(r, j, pa, pb, qa, qb);
       }
@@ -919,17 +795,16 @@ __device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl
     qa += W * P;
     qb += W * P;
     x.step(P);
-    if constexpr (!kBias) corr.step(P);
+    corr.step(P);
   }
 }
 
 // ring_run_x over x in global memory at xr (16 W uint4 a pair).
-template <int P, int W, bool kBias, bool kXPerm, bool kCoherentX, bool kFull, typename Corr>
+template <int P, int W, bool kFull, typename Corr>
 __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
                                          const uint4* __restrict__ xr, bool has_x, Corr corr,
                                          float (&tot)[2]) {
-  ring_run_x<P, W, kBias, kFull>(r, tl, XRunGlobal<W, kXPerm, kCoherentX>{xr, has_x}, corr,
-                                 tot);
+  ring_run_x<P, W, kFull>(r, tl, XRunGlobal<W>{xr, has_x}, corr, tot);
 }
 
 // ---- x staged in shared memory (M = 1) ------------------------------------------------------
@@ -1012,18 +887,18 @@ struct LaneRows {
 template <int W>
 struct WideLane : WideTile<W> {
   const uint4* xr;   // x (+ 16 W uint4 a pair)
-  const float2* cr;  // corr (+ W a pair); null with the bias MMAs
+  const float2* cr;  // corr (+ W a pair)
   bool has_x;
 
   __device__ __forceinline__ WideLane(const uint4* __restrict__ x,
                                       const float* __restrict__ corr, const Mats& mt,
                                       const int32_t* __restrict__ index, int k, int m,
-                                      int warp, int lane, int row0, bool bias)
+                                      int warp, int lane, int row0)
       : WideTile<W>(mt, layer_of(mt, index), k, row0, warp, lane) {
     const LaneRows rows(lane, m);
     has_x = rows.has_x;
     xr = rows.x_at(x, k, warp, lane);
-    cr = bias ? nullptr : rows.corr_at(corr, k, warp);
+    cr = rows.corr_at(corr, k, warp);
   }
 };
 
@@ -1042,80 +917,82 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// T > 0 asks the compiler for registers enough for T resident warps an SM (T / W blocks):
-// 64 a lane at T = 32, where P = 2 needs no spills (74 without a bound, 24 warps an SM). More
-// warps, more codes in flight.
+// The wide kernel's pairs of codes and scales in flight a warp (P, the `prefetch` attribute).
+// On the H200 a deeper register ring (P = 4: 98 registers a lane against 74) or 16 warps a
+// tile lower a small call's floor (3.8-4.4 us against 5.4) but slow the large calls (out_proj
+// 11.4-13.4 us against 9.6), and a cp.async ring in shared memory (4 or 8 pairs, no registers)
+// was slower at every shape: the kernel does not wait on bytes in flight that a deeper ring
+// would add.
+constexpr int kWidePairs = 2;
+// Resident warps an SM the wide kernel's registers are capped for (the `occupancy`
+// attribute): 64 a lane, where P = 2 needs no spills (74 without a bound, 24 warps an SM).
+// More warps, more codes in flight. H200: faster at most of the step's shapes (lm_head at
+// M = 1 243.0 against 270.8 us at 4 warps, down 31.7 against 36.3 at 8; gate|up 52.4 against
+// 49.0 at 4 the exception), and in the decode step (C1 / C2 at 1K 119.6 / 227.6 tok/s against
+// 110.8 / 216.5 uncapped).
+constexpr int kWideOccupancy = 32;
+
+// W warps to a 16-row tile (4 or 8), registers capped for kWideOccupancy warps an SM
+// (kWideOccupancy / W blocks).
 // kXs: x (M = 1) staged in shared memory (`stage_x_shared`, xs_bytes(k) of dynamic shared
 // memory), while the ring's first codes are in flight.
-template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false, bool kXs = false>
-__global__ void __launch_bounds__(W * 32, T > 0 ? T / W : 0)
+template <int W, typename OT, bool kXs>
+__global__ void __launch_bounds__(W * 32, kWideOccupancy / W)
     int4_gemv_wide(const uint4* __restrict__ x, const float* __restrict__ corr,
                    const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
                    OT* __restrict__ y, int k, int m) {
+  constexpr int P = kWidePairs;
   __shared__ float2 red[W][32];
   extern __shared__ __align__(16) unsigned char xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = blockIdx.x * 16;
-  const WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0, kBias);
+  const WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0);
   WideRing<P> ring;
   ring_fill(ring, static_cast<const WideTile<W>&>(in));
   float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
   if constexpr (kXs) {
     stage_x_shared(xs, x, k);
-    ring_run_x<P, W, kBias, kXsFull>(ring, in, xs_run<W>(xs, k, warp, lane,
-                                                                     in.has_x),
-                                                 CorrPairs<W>{in.cr}, tot);
+    ring_run_x<P, W, kXsFull>(ring, in, xs_run<W>(xs, k, warp, lane, in.has_x),
+                              CorrPairs<W>{in.cr}, tot);
   } else {
-    ring_run<P, W, kBias, kXPerm, false, full_rounds(W >= 8)>(ring, in, in.xr, in.has_x,
-                                                               CorrPairs<W>{in.cr}, tot);
+    ring_run<P, W, full_rounds(W >= 8)>(ring, in, in.xr, in.has_x, CorrPairs<W>{in.cr}, tot);
   }
   wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
 }
 
-// ---- Persistent MLP for decode (M <= 4): gate|up, SwiGLU, down and the residual, one launch --
+// ---- The MLP for decode (M <= 4): gate|up, SwiGLU, down and the residual ------------------
 //
 // A decode step's MLP is two dependent GEMVs (gate|up 34816 x 5120, down 5120 x 17408 for the
 // 27B) with small XLA kernels around them; each GEMV call pays a ramp (the first codes'
-// latency) and a tail (its last blocks) of ~6-10 us on the H200 (v13 ncu). Here one launch
-// of G co-resident blocks (W warps each) runs
-//   phase A: for tile u = b, b + G, ...: gate rows 16u.. and up rows 16u.. (the wide kernel's
-//            tile loop and reduction for each), then act = SwiGLU of the two (bf16, rounded
-//            as XLA's silu(gate) * up of bf16 GEMV outputs) and the tile's sums of act for
-//            each x row, into `act` [M, N1] and `psum` [M, N1 / 16];
-//   a grid barrier (a self-resetting counter: the grid is sized to the blocks that fit at
-//            once, so every block arrives);
-//   phase B: for tile v = b, b + G, ...: down rows 16v.. over act, with down's group sums of
-//            act from psum (4 tile sums a group, added in a fixed order); out = h + y (bf16).
-// Each warp's codes ring (P = 2 pairs) runs on across tiles: the next tile's first pairs are
-// in flight while a tile is reduced, and a block's first down tile is in flight across the
-// barrier (down's codes do not depend on act). act and psum are read through L2 only
-// (`__ldcg`): they are written in the same launch. A row's result depends on its own x row
-// only: batch invariant. The barrier state is one counter per loaded module, so launches of
-// this kernel must not run concurrently (one decode step at a time per device).
-__device__ unsigned int g_mlp_arrived = 0;
-__device__ unsigned int g_mlp_generation = 0;
-
-__device__ __forceinline__ void grid_barrier(unsigned int blocks) {
-  __threadfence();  // this thread's act / psum stores, before its block arrives
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned int gen = atomicAdd(&g_mlp_generation, 0u);
-    __threadfence();
-    if (atomicAdd(&g_mlp_arrived, 1u) == blocks - 1) {
-      atomicExch(&g_mlp_arrived, 0u);
-      __threadfence();
-      atomicAdd(&g_mlp_generation, 1u);
-    } else {  // a block that never arrives would hang the GPU: give up after ~2 s
-      const long long t0 = clock64();
-      while (atomicAdd(&g_mlp_generation, 0u) == gen) {
-        __nanosleep(64);
-        if (clock64() - t0 > 4000000000LL) __trap();
-      }
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
+// latency) and a tail (its last blocks) of ~6-10 us on the H200 (v13 ncu). Here they run as
+// two launches chained by programmatic dependent launch (sm_90):
+// - int4_mlp_gate_up: block u reduces gate tile u and up tile u (the wide kernel's tile loop
+//   and reduction for each, the ring running on from one to the other), then act = SwiGLU of
+//   the two (bf16, rounded as XLA's silu(gate) * up of bf16 GEMV outputs) and the tile's sums
+//   of act for each x row, into `act` [M, N1] and `psum` [M, N1 / 16]. Each block first
+//   signals `griddepcontrol.launch_dependents`, so the down launch may start once every block
+//   of this grid has begun;
+// - int4_mlp_down (launched with programmaticStreamSerialization): block v fills its ring
+//   with down tile v's first codes and scales (weights: they do not depend on this MLP's
+//   act), then `griddepcontrol.wait`s for the gate|up grid to finish and its stores to be
+//   visible, then reduces the tile over act (through the read-only path: L1 hits for the
+//   blocks of an SM, as the wide kernel's x) with down's group sums of act from psum (4 tile
+//   sums a group, added in a fixed order), and adds the residual: out = h + y (bf16).
+// Down's blocks become resident as gate|up's last blocks leave, so its ramp overlaps gate|up's
+// tail, with no co-residency requirement and no counters: launches may overlap. A row's
+// result depends on its own x row only: batch invariant.
+// H200: the programmatic dependent launch is worth ~1-9 us a call against the same two
+// launches in stream order, and the op 1.1-1.9% C1 and 2.6-4.7% C2 decode (1K) against the
+// separate calls. One persistent launch with a grid barrier between the GEMVs lost to the
+// separate calls (C1 / C2 at 1K 112.7 / 209.3 tok/s against 122.4 / 234.3): it must read act,
+// written in the same launch, through L2, on every x load's critical path.
+//
+// Warps a tile of both launches (down's few tiles want the most warps, as the wide kernel's
+// choice for few tiles) and the resident warps an SM the registers are capped for (the
+// `warps` and `occupancy` attributes): gate|up at 8 / 32 was the fastest of 8 / 32, 4 / 24
+// and 4 / 32 in the decode step (C1 / C2 at 1K 123.3 / 241.3 tok/s; 4 / 24: 123.0 / 232.3).
+constexpr int kMlpWarps = 8;
+constexpr int kMlpOccupancy = 32;
 
 __device__ __forceinline__ float bf16_round(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
@@ -1160,122 +1037,14 @@ __device__ __forceinline__ void mlp_out_store(float2 s, int row0, int n2, int m,
   }
 }
 
-
-// T: resident warps an SM the registers are capped for (32: 64 registers, 144 bytes of
-// spills at W = 8; 24: 80 registers, 20 bytes).
-template <int W, int T>
-__global__ void __launch_bounds__(W * 32, T / W)
-    int4_mlp_persistent(const uint4* __restrict__ x, const float* __restrict__ corr,
-                        const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats gu,
-                        const __grid_constant__ Mats dn, const int32_t* __restrict__ index,
-                        __nv_bfloat16* act, float* psum, __nv_bfloat16* __restrict__ out,
-                        int k1, int m) {
-  __shared__ float2 red[2][W][32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int b = blockIdx.x, blocks = gridDim.x;
-  const int n1 = gu.start[1], n2 = dn.start[dn.count], k2 = n1;  // down's K is act's width
-  const int nt1 = (n1 + 15) / 16, nt2 = (n2 + 15) / 16;
-  const int64_t layer1 = layer_of(gu, index), layer2 = layer_of(dn, index);
-  const LaneRows ln(lane, m);
-  const int count_a = b < nt1 ? (nt1 - b + blocks - 1) / blocks : 0;
-  const int count_b = b < nt2 ? (nt2 - b + blocks - 1) / blocks : 0;
-  // phase A's j-th tile of this block: gate tile u (j even) or up tile u (j odd), u = b + G j/2
-  auto tile_a = [&](int j) {
-    return WideTile<W>(gu, layer1, k1, (j & 1 ? n1 : 0) + 16 * (b + blocks * (j >> 1)), warp,
-                       lane);
-  };
-  auto tile_b = [&](int j) { return WideTile<W>(dn, layer2, k2, 16 * (b + blocks * j), warp,
-                                                lane); };
-  const uint4* xa = ln.x_at(x, k1, warp, lane);
-  const float2* ca = ln.corr_at(corr, k1, warp);
-
-  WideRing<2> ring;
-  WideTile<W> cur;
-  if (count_a > 0) cur = tile_a(0);
-  else if (count_b > 0) cur = tile_b(0);
-  ring_fill(ring, cur);
-  int parity = 0;
-  float2 gate = make_float2(0.0f, 0.0f);  // warp 0: the gate sums of the tile pair at hand
-  for (int j = 0; j < 2 * count_a; ++j) {
-    float tot[2] = {0.0f, 0.0f};
-    ring_run<2, W, false, false, false, full_rounds(false)>(ring, cur, xa, ln.has_x,
-                                                              CorrPairs<W>{ca}, tot);
-    // the next tile's first pairs in flight while this one is reduced (after phase A's last
-    // tile: the first down tile, across the barrier)
-    cur = j + 1 < 2 * count_a ? tile_a(j + 1) : count_b > 0 ? tile_b(0) : WideTile<W>();
-    ring_fill(ring, cur);
-    const float2 s = tile_sums<W>(red[parity], tot, warp, lane);
-    if (warp == 0) {
-      if ((j & 1) == 0) gate = s;
-      else mlp_act_store(gate, s, b + blocks * (j >> 1), n1, m, lane, act, psum);
-    }
-    parity ^= 1;
-  }
-  grid_barrier(blocks);
-  const uint4* xb = ln.x_at(reinterpret_cast<const uint4*>(act), k2, warp, lane);
-  const float4* pb = ln.psum_at(psum, n1, warp);
-  for (int j = 0; j < count_b; ++j) {
-    float tot[2] = {0.0f, 0.0f};
-    ring_run<2, W, false, false, true, full_rounds(true)>(ring, cur, xb, ln.has_x,
-                                                            CorrTiles<W, true>{pb}, tot);
-    cur = j + 1 < count_b ? tile_b(j + 1) : WideTile<W>();
-    ring_fill(ring, cur);
-    const float2 s = tile_sums<W>(red[parity], tot, warp, lane);
-    if (warp == 0) mlp_out_store(s, 16 * (b + blocks * j), n2, m, lane, h, out);
-    parity ^= 1;
-  }
-}
-
-// The persistent MLP's grid: as many blocks as fit on the device at once (every block must
-// reach the barrier), no more than the larger phase has tiles.
-template <int W, int T>
-cudaError_t launch_mlp(cudaStream_t stream, const uint4* x, const float* corr,
-                       const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
-                       const int32_t* index, __nv_bfloat16* act, float* psum,
-                       __nv_bfloat16* out, int k1, int m, int tiles) {
-  static int fit = 0;  // blocks of this kernel that fit on the device at once
-  if (fit == 0) {
-    int dev = 0, sms = 0, per_sm = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (err == cudaSuccess)
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, int4_mlp_persistent<W, T>,
-                                                          W * 32, 0);
-    if (err != cudaSuccess) return err;
-    fit = sms * per_sm;
-  }
-  const int blocks = std::max(1, std::min(fit, tiles));
-  int4_mlp_persistent<W, T><<<blocks, W * 32, 0, stream>>>(x, corr, h, gu, dn, index, act, psum,
-                                                         out, k1, m);
-  return cudaGetLastError();
-}
-
-// ---- The MLP in two launches chained by programmatic dependent launch (sm_90) -------------
-//
-// The same work as the persistent kernel, with the hardware in place of its grid barrier:
-// - int4_mlp_gate_up: block u reduces gate tile u and up tile u (the ring runs on from one to
-//   the other) and stores act and psum as phase A does. Each block first signals
-//   `griddepcontrol.launch_dependents`, so the down launch may start once every block of this
-//   grid has begun;
-// - int4_mlp_down (launched with programmaticStreamSerialization): block v fills its ring
-//   with down tile v's first codes and scales (weights: they do not depend on this MLP's
-//   act), then `griddepcontrol.wait`s for the gate|up grid to finish and its stores to be
-//   visible, then reduces the tile over act (through the read-only path: L1 hits, where the
-//   persistent kernel must go to L2) and adds the residual.
-// Down's blocks become resident as gate|up's last blocks leave, so its ramp overlaps gate|up's
-// tail, with no co-residency requirement and no counters: launches may overlap. Without the
-// attribute (or on a GPU without it) the wait returns at once and stream order holds.
-
-// kXs (and int4_mlp_down's): x (act) staged in shared memory as the wide kernel's kXs.
-template <int W, int T, bool kXs = false>
-__global__ void __launch_bounds__(W * 32, T / W)
+__global__ void __launch_bounds__(kMlpWarps * 32, kMlpOccupancy / kMlpWarps)
     int4_mlp_gate_up(const uint4* __restrict__ x, const float* __restrict__ corr,
                      const __grid_constant__ Mats gu, const int32_t* __restrict__ index,
                      __nv_bfloat16* __restrict__ act, float* __restrict__ psum, int k1,
                      int m) {
+  constexpr int W = kMlpWarps;
   pdl_launch_dependents();
   __shared__ float2 red[2][W][32];
-  extern __shared__ __align__(16) unsigned char xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, u = blockIdx.x;
   const int n1 = gu.start[1];
   const int64_t layer = layer_of(gu, index);
@@ -1287,15 +1056,8 @@ __global__ void __launch_bounds__(W * 32, T / W)
   ring_fill(ring, cur);
   float gt[2] = {0.0f, 0.0f}, ut[2] = {0.0f, 0.0f};
   auto run = [&](float(&tot)[2]) {
-    if constexpr (kXs)
-      ring_run_x<2, W, false, kXsFull>(ring, cur,
-                                                  xs_run<W>(xs, k1, warp, lane, ln.has_x),
-                                                  CorrPairs<W>{ca}, tot);
-    else
-      ring_run<2, W, false, false, false, full_rounds(false)>(ring, cur, xa, ln.has_x,
-                                                                CorrPairs<W>{ca}, tot);
+    ring_run<2, W, full_rounds(false)>(ring, cur, xa, ln.has_x, CorrPairs<W>{ca}, tot);
   };
-  if constexpr (kXs) stage_x_shared(xs, x, k1);
   run(gt);
   cur = WideTile<W>(gu, layer, k1, n1 + 16 * u, warp, lane);  // up's tile u in flight
   ring_fill(ring, cur);
@@ -1305,13 +1067,12 @@ __global__ void __launch_bounds__(W * 32, T / W)
   if (warp == 0) mlp_act_store(gate, up, u, n1, m, lane, act, psum);
 }
 
-template <int W, int T, bool kXs = false>
-__global__ void __launch_bounds__(W * 32, T / W)
+__global__ void __launch_bounds__(kMlpWarps * 32, kMlpOccupancy / kMlpWarps)
     int4_mlp_down(const __nv_bfloat16* __restrict__ h, const __grid_constant__ Mats dn,
                   const int32_t* __restrict__ index, const __nv_bfloat16* act,
                   const float* psum, __nv_bfloat16* __restrict__ out, int k2, int m) {
+  constexpr int W = kMlpWarps;
   __shared__ float2 red[W][32];
-  extern __shared__ __align__(16) unsigned char xs[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = 16 * blockIdx.x;
   const LaneRows ln(lane, m);
   WideRing<2> ring;
@@ -1322,246 +1083,87 @@ __global__ void __launch_bounds__(W * 32, T / W)
   // read-only path (L1 hits for the blocks of an SM, as the wide kernel's x)
   pdl_wait();
   float tot[2] = {0.0f, 0.0f};
-  if constexpr (kXs) {
-    stage_x_shared(xs, reinterpret_cast<const uint4*>(act), k2);
-    ring_run_x<2, W, false, kXsFull>(ring, tl, xs_run<W>(xs, k2, warp, lane, ln.has_x),
-                                               CorrTiles<W, false>{ln.psum_at(psum, k2, warp)},
-                                               tot);
-  } else {
-    ring_run<2, W, false, false, false, full_rounds(true)>(
-        ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2, warp, lane), ln.has_x,
-        CorrTiles<W, false>{ln.psum_at(psum, k2, warp)}, tot);
-  }
+  ring_run<2, W, full_rounds(true)>(
+      ring, tl, ln.x_at(reinterpret_cast<const uint4*>(act), k2, warp, lane), ln.has_x,
+      CorrTiles<W>{ln.psum_at(psum, k2, warp)}, tot);
   const float2 s = tile_sums<W>(red, tot, warp, lane);
   if (warp == 0) mlp_out_store(s, row0, dn.start[dn.count], m, lane, h, out);
 }
 
-// A launch configuration on `stream`, with programmatic stream serialization when `pdl`
-// (cfg points into the object: not to be copied).
+// A launch configuration on `stream` with programmatic stream serialization (cfg points into
+// the object: not to be copied).
 struct PdlLaunch {
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   PdlLaunch(const PdlLaunch&) = delete;
   PdlLaunch& operator=(const PdlLaunch&) = delete;
-  PdlLaunch(cudaStream_t stream, int blocks, int threads, bool pdl, size_t smem = 0) {
+  PdlLaunch(cudaStream_t stream, int blocks, int threads) {
     cfg.gridDim = dim3(blocks);
     cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = smem;
+    cfg.dynamicSmemBytes = 0;
     cfg.stream = stream;
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
+    cfg.numAttrs = 1;
   }
 };
 
-// The two launches: gate|up with W warps a tile, down with 8 (its few tiles want the most
-// warps, as the wide kernel's "auto" picks), registers capped for T warps an SM; down with
-// programmatic stream serialization when `pdl` (else a plain launch: stream order).
-template <int W, int T>
+// The two launches: gate|up, then down with programmatic stream serialization (on a GPU
+// without it the wait returns at once and stream order holds).
 cudaError_t launch_mlp_pdl(cudaStream_t stream, const uint4* x, const float* corr,
                            const __nv_bfloat16* h, const Mats& gu, const Mats& dn,
                            const int32_t* index, __nv_bfloat16* act, float* psum,
-                           __nv_bfloat16* out, int k1, int m, bool pdl) {
+                           __nv_bfloat16* out, int k1, int m) {
   const int n1 = gu.start[1], n2 = dn.start[dn.count];
-  int4_mlp_gate_up<W, T><<<(n1 + 15) / 16, W * 32, 0, stream>>>(x, corr, gu, index, act,
-                                                                psum, k1, m);
+  int4_mlp_gate_up<<<(n1 + 15) / 16, kMlpWarps * 32, 0, stream>>>(x, corr, gu, index, act,
+                                                                  psum, k1, m);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  PdlLaunch b(stream, (n2 + 15) / 16, 8 * 32, pdl, 0);
-  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down<8, T>, h,
+  PdlLaunch b(stream, (n2 + 15) / 16, kMlpWarps * 32);
+  return cudaLaunchKernelEx(&b.cfg, int4_mlp_down, h,
                             dn, index, static_cast<const __nv_bfloat16*>(act),
                             static_cast<const float*>(psum), out, n1, m);
 }
 
-// The wide kernel with the codes and scales of the next S - 1 pairs copied into a shared-memory
-// ring by cp.async, in place of a register ring of P pairs: the same pairs per warp in the
-// same order, the same `wide_pair` and the same reduction, so the same sums bit for bit (bias
-// 0 only). Why: the register ring's depth costs registers (74 a lane at P = 2, 98 at P = 4,
-// so 24 or 16 resident warps an SM), and a GEMV streaming its weights once is bound by the
-// bytes it keeps in flight; the ring keeps S - 1 pairs (1.5 KB each a warp) in flight
-// without registers. Each lane copies and later reads only its own 48 bytes of a stage, so
-// its own cp.async.wait_group is all the ordering it needs.
-constexpr int kRingStageBytes = 1536;  // a warp's pair: 2 x 512 bytes of codes, 512 of scales
-
-template <int S, int W, typename OT>
-__global__ void __launch_bounds__(W * 32)
-    int4_gemv_wide_ring(const uint4* __restrict__ x, const float* __restrict__ corr,
-                        const __grid_constant__ Mats mt, const int32_t* __restrict__ index,
-                        OT* __restrict__ y, int k, int m) {
-  extern __shared__ uint4 ring[];  // [W][S] stages of [codes a: 32][codes b: 32][scales: 32]
-  __shared__ float2 red[W][32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = blockIdx.x * 16;
-  WideLane<W> in(x, corr, mt, index, k, m, warp, lane, row0, false);
-  const int count = in.count;
-  const uint4* mine = ring + warp * S * (kRingStageBytes / 16);
-  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(mine)) + lane * 16;
-
-  const uint4 *pa = in.pa, *pb = in.pb;  // the copy side's next pair
-  const float2 *qa = in.qa, *qb = in.qb;
-  int next = 0;
-  unsigned slot = 0;  // byte offset of the next pair's stage
-  auto issue = [&]() {
-    if (next < count) {
-      const unsigned dst = base + slot;
-      cp_async16(dst, pa);
-      cp_async16(dst + 512, pb);
-      cp_async8(dst + 1024, qa);
-      cp_async8(dst + 1032, qb);
-    }
-    cp_async_commit();  // an empty group past the end keeps the wait count uniform
-    ++next;
-    pa += 4 * W;
-    pb += 4 * W;
-    qa += W;
-    qb += W;
-    slot = slot + kRingStageBytes == S * kRingStageBytes ? 0 : slot + kRingStageBytes;
-  };
-
-#pragma unroll
-  for (int st = 0; st < S - 1; ++st) issue();
-  float tot[2] = {0.0f, 0.0f};  // rows g and g + 8 of x row t
-  const uint4* xr = in.xr;
-  const float2* cr = in.cr;
-  unsigned use = 0;  // byte offset of the pair to compute
-  for (int i = 0; i < count; ++i) {
-    issue();  // pair i + S - 1, into the stage pair i - 1 used
-    cp_async_wait<S - 1>();  // this lane's copies of pair i have landed
-    const uint4* st = mine + use / 16;
-    const uint4 sc = st[64 + lane];
-    wide_pair<false>(st[lane], st[32 + lane], make_float2(__uint_as_float(sc.x),
-                                                          __uint_as_float(sc.y)),
-                     make_float2(__uint_as_float(sc.z), __uint_as_float(sc.w)), xr, in.has_x,
-                     cr, tot);
-    xr += 16 * W;
-    cr += W;
-    use = use + kRingStageBytes == S * kRingStageBytes ? 0 : use + kRingStageBytes;
-  }
-  cp_async_wait<0>();
-  wide_reduce_store<W, OT>(red, tot, warp, lane, row0, mt.start[mt.count], m, y);
-}
-
-template <int S, int W, typename OT>
-cudaError_t launch_wide_ring(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
-                             const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  constexpr int bytes = W * S * kRingStageBytes;
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      int4_gemv_wide_ring<S, W, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (attr != cudaSuccess) return attr;
-  int4_gemv_wide_ring<S, W, OT><<<blocks, W * 32, bytes, stream>>>(
+template <int W, typename OT, bool kXs>
+cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
+                        const Mats& mt, const int32_t* index, void* y, int k, int m) {
+  int4_gemv_wide<W, OT, kXs><<<blocks, W * 32, kXs ? xs_bytes(k) : 0, stream>>>(
       x, corr, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
 }
 
-template <int P, int W, bool kBias, int T, typename OT, bool kXPerm = false, bool kXs = false>
-cudaError_t launch_wide(cudaStream_t stream, int blocks, const uint4* x, const float* corr,
-                        const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  int4_gemv_wide<P, W, kBias, T, OT, kXPerm, kXs><<<blocks, W * 32, kXs ? xs_bytes(k) : 0,
-                                                     stream>>>(x, corr, mt, index,
-                                                               static_cast<OT*>(y), k, m);
-  return cudaGetLastError();
-}
-
-// The wide kernel a call asks for: the shared-memory ring of `stages` pairs (stages 4 or 8,
-// warps 4 or 8, bias 0), or the register ring (stages 0) of P pairs in flight, W warps to a
-// 16-row tile, the bias taken off by MMAs or with corr, T resident warps an SM asked of the
-// compiler (0: its choice; 32 is built for P = 2 without the bias MMAs). `known` is false for
-// a combination not built.
-// W spreads a tile's pairs over its warps: 16 for few rows (measured slower than 8 on the
-// H200, v10); 10 for the 320 tiles of down and out_proj (3 blocks of 10 warps an SM at
-// T = 32: all 320 tiles resident at once on 132 SMs, 3,200 warps against 2,560 at W = 8;
-// 4% faster a call under ncu, no faster in the decode step, v13); 2 and 4 give each warp
-// longer runs of pairs (a 5120-wide row is 40 pairs: 5 a warp at W = 8) and the block less
-// of its fixed cost (row pointers, the first loads' latency, the reduction).
+// The wide kernel with W = `warps` (4 or 8) warps to a 16-row tile, x staged in shared memory
+// where the call has one row of x (xs_for). The caller picks W by the call's tiles
+// (cuda_ops.wide_warps: 4 for 896 tiles and more, 8 for the 320-384 of down and out_proj).
+// Other W measured on the H200: 16 slower than 8 everywhere (lm_head at M = 1 325.6 us against
+// 292.5, down 53.4 against 43.8); 10 for the 320 tiles of down and out_proj (all resident at
+// once on 132 SMs) 4% faster a call under ncu, no faster in the decode step; 2 (longer runs of
+// pairs a warp, less of the block's fixed cost) slower in the decode step than 4 or 8 by
+// shape.
 template <typename OT>
-cudaError_t launch_wide_variant(cudaStream_t stream, int64_t prefetch, int64_t warps, bool bias,
-                                int64_t occupancy, int64_t stages, bool xperm, int blocks,
-                                const uint4* x, const float* corr, const Mats& mt,
-                                const int32_t* index, void* y, int k, int m, bool& known) {
-  known = true;
-  // x permuted by the caller: built for the defaults' kernels only (prefetch 2, registers
-  // capped, bias 0, no ring)
-#define NINFER_WIDE_XPERM(W)                                                                \
-  if (xperm && prefetch == 2 && warps == W && occupancy == 32 && !bias && stages == 0)     \
-    return launch_wide<2, W, false, 32, OT, true>(stream, blocks, x, corr, mt, index, y, k, m);
-  NINFER_WIDE_XPERM(4) NINFER_WIDE_XPERM(8) NINFER_WIDE_XPERM(10)
-#undef NINFER_WIDE_XPERM
-  if (xperm) {
-    known = false;
-    return cudaSuccess;
-  }
-#define NINFER_RING(S, W)                                                                  \
-  if (stages == S && warps == W && !bias && occupancy == 0)                                \
-    return launch_wide_ring<S, W, OT>(stream, blocks, x, corr, mt, index, y, k, m);
-  NINFER_RING(4, 4) NINFER_RING(4, 8) NINFER_RING(8, 4) NINFER_RING(8, 8)
-#undef NINFER_RING
-  if (stages != 0) {
-    known = false;
-    return cudaSuccess;
-  }
-#define NINFER_WIDE(P, W)                                                                    \
-  if (prefetch == P && warps == W && occupancy == 0)                                         \
-    return bias ? launch_wide<P, W, true, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m) \
-                : launch_wide<P, W, false, 0, OT>(stream, blocks, x, corr, mt, index, y, k, m);
-  NINFER_WIDE(2, 2) NINFER_WIDE(2, 4) NINFER_WIDE(2, 8) NINFER_WIDE(2, 10) NINFER_WIDE(2, 16)
-  NINFER_WIDE(4, 2) NINFER_WIDE(4, 4) NINFER_WIDE(4, 8) NINFER_WIDE(4, 10) NINFER_WIDE(4, 16)
-#undef NINFER_WIDE
-#define NINFER_WIDE32(W)                                                                  \
-  if (prefetch == 2 && warps == W && occupancy == 32 && !bias)                            \
-    return xs_for(m, k) ? launch_wide<2, W, false, 32, OT, false, true>(stream, blocks, x,    \
-                                                                        corr, mt, index, y, \
-                                                                        k, m)               \
-                        : launch_wide<2, W, false, 32, OT>(stream, blocks, x, corr, mt,     \
-                                                           index, y, k, m);
-  NINFER_WIDE32(2) NINFER_WIDE32(4) NINFER_WIDE32(8) NINFER_WIDE32(10) NINFER_WIDE32(16)
-#undef NINFER_WIDE32
-  known = false;
-  return cudaSuccess;
+cudaError_t launch_wide_warps(cudaStream_t stream, int64_t warps, int blocks, const uint4* x,
+                              const float* corr, const Mats& mt, const int32_t* index, void* y,
+                              int k, int m) {
+  const bool xs = xs_for(m, k);
+  if (warps == 4)
+    return xs ? launch_wide<4, OT, true>(stream, blocks, x, corr, mt, index, y, k, m)
+              : launch_wide<4, OT, false>(stream, blocks, x, corr, mt, index, y, k, m);
+  return xs ? launch_wide<8, OT, true>(stream, blocks, x, corr, mt, index, y, k, m)
+            : launch_wide<8, OT, false>(stream, blocks, x, corr, mt, index, y, k, m);
 }
 
-template <int S, typename OT>
+template <typename OT>
 cudaError_t launch_mma(cudaStream_t stream, int blocks, const uint4* x4, const float2* c2,
                        const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  constexpr int bytes = mma_smem_bytes<S>();
+  constexpr int bytes = kMmaSmemBytes;
   static const cudaError_t attr = cudaFuncSetAttribute(
-      int4_gemv_mma<S, OT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      int4_gemv_mma<OT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (attr != cudaSuccess) return attr;
-  int4_gemv_mma<S, OT><<<blocks, kMmaWarps * 32, bytes, stream>>>(
+  int4_gemv_mma<OT><<<blocks, kMmaWarps * 32, bytes, stream>>>(
       x4, c2, mt, index, static_cast<OT*>(y), k, m);
   return cudaGetLastError();
-}
-
-template <int P, typename OT>
-cudaError_t launch_mma_reg(cudaStream_t stream, int blocks, const uint4* x4, const float2* c2,
-                           const Mats& mt, const int32_t* index, void* y, int k, int m) {
-  int4_gemv_mma_reg<P, OT><<<blocks, kMmaWarps * 32, 0, stream>>>(
-      x4, c2, mt, index, static_cast<OT*>(y), k, m);
-  return cudaGetLastError();
-}
-
-// The tensor-core kernel a call asks for: the copy ring with `stages` copy stages (prefetch
-// 0) or the register ring of depth `prefetch`. Returns nullptr, or why the attributes are
-// not supported; `err` receives the launch's status.
-template <typename OT>
-const char* launch_mma_variant(cudaStream_t stream, int64_t stages, int64_t prefetch,
-                               int blocks, const uint4* x4, const float2* c2, const Mats& mt,
-                               const int32_t* index, void* y, int k, int m, cudaError_t& err) {
-  switch (prefetch) {
-    case 0:
-      break;
-    case 2: err = launch_mma_reg<2, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
-    case 4: err = launch_mma_reg<4, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
-    case 8: err = launch_mma_reg<8, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
-    default: return "int4_gemv_mma: prefetch must be 0, 2, 4 or 8";
-  }
-  switch (stages) {
-    case 4: err = launch_mma<4, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
-    case 6: err = launch_mma<6, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
-    case 8: err = launch_mma<8, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
-    case 12: err = launch_mma<12, OT>(stream, blocks, x4, c2, mt, index, y, k, m); return nullptr;
-    default: return "int4_gemv_mma: stages must be 4, 6, 8 or 12";
-  }
 }
 
 struct Launch {
@@ -1574,7 +1176,8 @@ struct Launch {
 
 template <int M, int R, typename OT>
 cudaError_t launch(cudaStream_t stream, const Launch& a) {
-  constexpr int U = R == 1 ? 8 : R == 2 ? 4 : 2;  // 128 bytes of weights in flight per lane
+  static_assert(R == 1 || R == 2, "rows a warp: 1 or 2");
+  constexpr int U = R == 1 ? 8 : 4;  // 128 bytes of weights in flight per lane
   const int rows_per_block = kWarps * R;
   const int blocks = (a.n + rows_per_block - 1) / rows_per_block;
   int4_gemv<M, R, U, OT><<<blocks, kWarps * 32, 0, stream>>>(a.x, a.mt, a.index,
@@ -1582,32 +1185,23 @@ cudaError_t launch(cudaStream_t stream, const Launch& a) {
   return cudaGetLastError();
 }
 
-template <int M, typename OT>
-cudaError_t by_rows(cudaStream_t stream, const Launch& a, int rows_per_warp) {
-  switch (rows_per_warp) {
-    // More rows per warp only where the registers allow it without spilling.
-    case 1: return launch<M, 1, OT>(stream, a);
-    case 2:
-      if constexpr (M <= 4) return launch<M, 2, OT>(stream, a);
-      return cudaErrorInvalidValue;
-    case 4:
-      if constexpr (M <= 2) return launch<M, 4, OT>(stream, a);
-      return cudaErrorInvalidValue;
-    default: return cudaErrorInvalidValue;
-  }
-}
+// The FMA kernel's output rows a warp for M rows of x (the `rows_per_warp` attribute): 2 up to
+// 4 rows of x, where the registers allow it without spilling, else 1. (1 and 4 rows a warp at
+// small M measured no faster on the H200: every variant stops near 2.1 TB/s on the large
+// matrices.)
+__host__ __device__ constexpr int fma_rows_per_warp(int m) { return m <= 4 ? 2 : 1; }
 
 template <typename OT>
-cudaError_t by_m(cudaStream_t stream, const Launch& a, int m, int rows_per_warp) {
+cudaError_t by_m(cudaStream_t stream, const Launch& a, int m) {
   switch (m) {
-    case 1: return by_rows<1, OT>(stream, a, rows_per_warp);
-    case 2: return by_rows<2, OT>(stream, a, rows_per_warp);
-    case 3: return by_rows<3, OT>(stream, a, rows_per_warp);
-    case 4: return by_rows<4, OT>(stream, a, rows_per_warp);
-    case 5: return by_rows<5, OT>(stream, a, rows_per_warp);
-    case 6: return by_rows<6, OT>(stream, a, rows_per_warp);
-    case 7: return by_rows<7, OT>(stream, a, rows_per_warp);
-    case 8: return by_rows<8, OT>(stream, a, rows_per_warp);
+    case 1: return launch<1, fma_rows_per_warp(1), OT>(stream, a);
+    case 2: return launch<2, fma_rows_per_warp(2), OT>(stream, a);
+    case 3: return launch<3, fma_rows_per_warp(3), OT>(stream, a);
+    case 4: return launch<4, fma_rows_per_warp(4), OT>(stream, a);
+    case 5: return launch<5, fma_rows_per_warp(5), OT>(stream, a);
+    case 6: return launch<6, fma_rows_per_warp(6), OT>(stream, a);
+    case 7: return launch<7, fma_rows_per_warp(7), OT>(stream, a);
+    case 8: return launch<8, fma_rows_per_warp(8), OT>(stream, a);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -1679,15 +1273,19 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
   if (m < 1 || m > 8) return ffi::Error::InvalidArgument("int4_gemv: M must be 1..8");
   if (yd.size() != 2 || yd[0] != m || yd[1] != n)
     return ffi::Error::InvalidArgument("int4_gemv: y must be [M, N]");
+  if (rows_per_warp != fma_rows_per_warp(static_cast<int>(m)))
+    return ffi::Error::InvalidArgument(
+        "int4_gemv: built for rows_per_warp 2 (M <= 4) or 1 (M 5..8) only, got " +
+        std::to_string(rows_per_warp) + " at M = " + std::to_string(m));
   a.n = static_cast<int>(n);
   a.k = static_cast<int>(k);
   cudaError_t err;
   switch (y->element_type()) {
     case ffi::DataType::F32:
-      err = by_m<float>(stream, a, static_cast<int>(m), static_cast<int>(rows_per_warp));
+      err = by_m<float>(stream, a, static_cast<int>(m));
       break;
     case ffi::DataType::BF16:
-      err = by_m<__nv_bfloat16>(stream, a, static_cast<int>(m), static_cast<int>(rows_per_warp));
+      err = by_m<__nv_bfloat16>(stream, a, static_cast<int>(m));
       break;
     default:
       return ffi::Error::InvalidArgument("int4_gemv: y must be f32 or bf16");
@@ -1700,6 +1298,10 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
                            ffi::Buffer<ffi::F32> corr, ffi::Buffer<ffi::S32> index,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
                            int64_t stages, int64_t prefetch) {
+  if (stages != kMmaStages || prefetch != 0)
+    return ffi::Error::InvalidArgument(
+        "int4_gemv_mma: built for stages 4, prefetch 0 only, got stages " +
+        std::to_string(stages) + ", prefetch " + std::to_string(prefetch));
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
@@ -1719,13 +1321,9 @@ ffi::Error Int4GemvMmaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> xp,
   if (!bf16 && y->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("int4_gemv_mma: y must be f32 or bf16");
   void* yp = y->untyped_data();
-  cudaError_t err = cudaSuccess;
-  const char* bad = bf16 ? launch_mma_variant<__nv_bfloat16>(stream, stages, prefetch, blocks, x4,
-                                                             c2, mt, index.typed_data(), yp, ki,
-                                                             m, err)
-                         : launch_mma_variant<float>(stream, stages, prefetch, blocks, x4, c2,
-                                                     mt, index.typed_data(), yp, ki, m, err);
-  if (bad) return ffi::Error::InvalidArgument(bad);
+  const cudaError_t err =
+      bf16 ? launch_mma<__nv_bfloat16>(stream, blocks, x4, c2, mt, index.typed_data(), yp, ki, m)
+           : launch_mma<float>(stream, blocks, x4, c2, mt, index.typed_data(), yp, ki, m);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -1736,11 +1334,10 @@ bool is_matrix(ffi::Span<const int64_t> d, int64_t rows, int64_t cols) {
 }
 
 // The operands of the wide kernel's call: x [M, K] bf16 as it is, corr [M, K/64] its group
-// sums (with `corr_cols` columns: 0 for the bias MMAs), y [M <= 4, N] f32 or bf16, K a
-// multiple of 128. M, or 0 with `why` set.
+// sums, y [M <= 4, N] f32 or bf16, K a multiple of 128. M, or 0 with `why` set.
 int64_t wide_operands(const ffi::Buffer<ffi::BF16>& x, const ffi::Buffer<ffi::F32>& corr,
                       ffi::Span<const int64_t> yd, ffi::DataType yt, int64_t n, int64_t k,
-                      int64_t corr_cols, std::string& why) {
+                      std::string& why) {
   const auto xd = x.dimensions();
   const int64_t m = yd.size() == 2 ? yd[0] : 0;
   if (k % 128 != 0)
@@ -1749,8 +1346,8 @@ int64_t wide_operands(const ffi::Buffer<ffi::BF16>& x, const ffi::Buffer<ffi::F3
     why = "y must be [M <= 4, N]";
   else if (xd.size() != 2 || xd[0] != m || xd[1] != k)
     why = "x must be [M, K]";
-  else if (!is_matrix(corr.dimensions(), m, corr_cols))
-    why = corr_cols ? "corr must be [M, K/64]" : "corr must be [M, 0] with the bias MMAs";
+  else if (!is_matrix(corr.dimensions(), m, k / 64))
+    why = "corr must be [M, K/64]";
   else if (yt != ffi::DataType::BF16 && yt != ffi::DataType::F32)
     why = "y must be f32 or bf16";
   return why.empty() ? m : 0;
@@ -1761,36 +1358,32 @@ ffi::Error Int4GemvWideImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                             ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> y,
                             int64_t prefetch, int64_t warps, int64_t bias, int64_t occupancy,
                             int64_t stages, int64_t xperm) {
+  if (prefetch != kWidePairs || (warps != 4 && warps != 8) || bias != 0 ||
+      occupancy != kWideOccupancy || stages != 0 || xperm != 0)
+    return ffi::Error::InvalidArgument(
+        "int4_gemv_wide: built for prefetch 2, warps 4 or 8, bias 0, occupancy 32, stages 0, "
+        "xperm 0 only, got prefetch " + std::to_string(prefetch) + ", warps " +
+        std::to_string(warps) + ", bias " + std::to_string(bias) + ", occupancy " +
+        std::to_string(occupancy) + ", stages " + std::to_string(stages) + ", xperm " +
+        std::to_string(xperm));
   Mats mt{};
   int64_t k = 0;
   if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
   const int64_t n = mt.start[mt.count];
-  if (bias != 0 && bias != 1)
-    return ffi::Error::InvalidArgument("int4_gemv_wide: bias must be 0 or 1");
   std::string why;
-  const int64_t m = wide_operands(x, corr, y->dimensions(), y->element_type(), n, k,
-                                  bias ? 0 : k / 64, why);
+  const int64_t m = wide_operands(x, corr, y->dimensions(), y->element_type(), n, k, why);
   if (m == 0) return ffi::Error::InvalidArgument("int4_gemv_wide: " + why);
   const int blocks = static_cast<int>((n + 15) / 16);
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
-  const float* c = bias ? nullptr : corr.typed_data();
+  const float* c = corr.typed_data();
   const int mi = static_cast<int>(m), ki = static_cast<int>(k);
   void* yp = y->untyped_data();
   const bool bf16 = y->element_type() == ffi::DataType::BF16;
-  bool known = false;
   const cudaError_t err =
-      bf16 ? launch_wide_variant<__nv_bfloat16>(stream, prefetch, warps, bias != 0, occupancy,
-                                                stages, xperm != 0, blocks, x4, c, mt,
-                                                index.typed_data(), yp, ki, mi, known)
-           : launch_wide_variant<float>(stream, prefetch, warps, bias != 0, occupancy, stages,
-                                        xperm != 0, blocks, x4, c, mt, index.typed_data(), yp,
-                                        ki, mi, known);
-  if (!known)
-    return ffi::Error::InvalidArgument(
-        "int4_gemv_wide: stages 0 (then prefetch 2 or 4, warps 2, 4, 8, 10 or 16, occupancy 0, "
-        "or 32 with prefetch 2 and bias 0) or stages 4 or 8 (warps 4 or 8, bias 0, "
-        "occupancy 0); xperm 1 with prefetch 2, warps 4, 8 or 10, occupancy 32, bias 0, "
-        "stages 0 only");
+      bf16 ? launch_wide_warps<__nv_bfloat16>(stream, warps, blocks, x4, c, mt,
+                                              index.typed_data(), yp, ki, mi)
+           : launch_wide_warps<float>(stream, warps, blocks, x4, c, mt, index.typed_data(), yp,
+                                      ki, mi);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -1809,31 +1402,22 @@ const char* decode_mlp(ffi::RemainingArgs& rest, ffi::Buffer<ffi::S32>& index, M
   return nullptr;
 }
 
-// Calls f(W, T) as compile-time constants for a (warps, occupancy) the MLP kernels are built
-// for; false for another.
-template <int W, int T, typename F>
-bool mlp_setting_is(int64_t warps, int64_t occupancy, F& f) {
-  if (warps != W || occupancy != T) return false;
-  f(std::integral_constant<int, W>{}, std::integral_constant<int, T>{});
-  return true;
-}
-template <typename F>
-bool with_mlp_setting(int64_t warps, int64_t occupancy, F f) {
-  return mlp_setting_is<4, 24>(warps, occupancy, f) || mlp_setting_is<4, 32>(warps, occupancy, f) ||
-         mlp_setting_is<8, 24>(warps, occupancy, f) || mlp_setting_is<8, 32>(warps, occupancy, f);
-}
-
 // x [M, K1] bf16 (the MLP's normed input), corr [M, K1/64] its group sums, h [M, N2] the
 // residual, index, then gate, up and down as (codes, scales) pairs; out = h + down(SwiGLU)
-// [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. launches: 1 the persistent
-// kernel; 2 gate|up then down chained by programmatic dependent launch; 3 the same two
-// launches in plain stream order.
+// [M, N2], act [M, N1] and psum [M, N1/16] the launches' scratch. The attributes name the
+// build: launches 2 (gate|up then down chained by programmatic dependent launch), warps 8,
+// occupancy 32.
 ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> corr,
                        ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> index,
                        ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                        ffi::Result<ffi::Buffer<ffi::BF16>> act,
                        ffi::Result<ffi::Buffer<ffi::F32>> psum, int64_t warps,
                        int64_t occupancy, int64_t launches) {
+  if (launches != 2 || warps != kMlpWarps || occupancy != kMlpOccupancy)
+    return ffi::Error::InvalidArgument(
+        "int4_mlp: built for launches 2, warps 8, occupancy 32 only, got launches " +
+        std::to_string(launches) + ", warps " + std::to_string(warps) + ", occupancy " +
+        std::to_string(occupancy));
   Mats gu{}, dn{};
   int64_t k1 = 0;
   if (const char* bad = decode_mlp(rest, index, gu, dn, k1))
@@ -1849,26 +1433,13 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     return ffi::Error::InvalidArgument("int4_mlp: h and out must be [M, N2]");
   if (!is_matrix(act->dimensions(), m, n1) || !is_matrix(psum->dimensions(), m, n1 / 16))
     return ffi::Error::InvalidArgument("int4_mlp: act must be [M, N1], psum [M, N1/16]");
-  if (launches < 1 || launches > 3)
-    return ffi::Error::InvalidArgument("int4_mlp: launches 1, 2 or 3");
-  const int tiles = static_cast<int>(std::max((n1 + 15) / 16, (n2 + 15) / 16));
   const auto* x4 = reinterpret_cast<const uint4*>(x.typed_data());
   const auto* hp = reinterpret_cast<const __nv_bfloat16*>(h.typed_data());
   auto* ap = reinterpret_cast<__nv_bfloat16*>(act->typed_data());
   auto* op = reinterpret_cast<__nv_bfloat16*>(out->typed_data());
   const int ki = static_cast<int>(k1), mi = static_cast<int>(m);
-  cudaError_t err = cudaSuccess;
-  const bool known = with_mlp_setting(warps, occupancy, [&](auto w, auto t) {
-    constexpr int W = decltype(w)::value, T = decltype(t)::value;
-    if (launches == 1) {
-      err = launch_mlp<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(), ap,
-                             psum->typed_data(), op, ki, mi, tiles);
-    } else {
-      err = launch_mlp_pdl<W, T>(stream, x4, corr.typed_data(), hp, gu, dn, index.typed_data(),
-                                 ap, psum->typed_data(), op, ki, mi, launches == 2);
-    }
-  });
-  if (!known) return ffi::Error::InvalidArgument("int4_mlp: warps 4 or 8, occupancy 24 or 32");
+  const cudaError_t err = launch_mlp_pdl(stream, x4, corr.typed_data(), hp, gu, dn,
+                                         index.typed_data(), ap, psum->typed_data(), op, ki, mi);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
