@@ -217,7 +217,7 @@ def run_decode(cfg, params, fmt, args, res, dt, plan, variant: dict | None = Non
     # a variant's plan is a static argument (its own trace); extra_kernels is not, so a
     # variant's step is traced afresh
     fwd = M.jit_forward() if not variant else _fresh_jit()
-    step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll,  # noqa: E731
+    step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True,  # noqa: E731
                                plan=plan)
     state_bytes = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
         cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
@@ -410,7 +410,7 @@ def decode_weight_params(params) -> int:
 
 def run_prefill(cfg, params, fmt, args, res, dt, plan):
     fwd = M.jit_forward()
-    step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True, unroll=args.unroll,  # noqa: E731
+    step = lambda p, t, c: fwd(p, cfg, t, c, last_only=True,  # noqa: E731
                                plan=plan)
     n_params = decode_weight_params(params)  # the same FLOP count for every format
     for T in [int(c) for c in args.prefill.split(",") if c]:
@@ -487,8 +487,10 @@ def main() -> None:
     ap.add_argument("--null-gemv", action="store_true", help="replace the GEMV kernel by zeros "
                     "(measures everything else in a decode step)")
     args = ap.parse_args()
-    plan = make_plan(args.plan, parse_overrides(args.set),
-                     where=f"--plan {args.plan} --set {args.set!r}")
+    overrides = parse_overrides(args.set)
+    if args.unroll:  # the plan's unroll_blocks
+        overrides["unroll_blocks"] = True
+    plan = make_plan(args.plan, overrides, where=f"--plan {args.plan} --set {args.set!r}")
     # XLA's flags before JAX starts its backend; the CUDA ops built for the plans that call them
     prepare(plan, *(variant_plans(args) if args.variants else ()))
     EXTRA_KERNELS["n"] = args.extra_kernels

@@ -31,6 +31,10 @@ def record(args) -> None:
     from bench.plan_args import plan_from_args, prepare
 
     plan = plan_from_args(args)
+    if args.unroll:
+        import dataclasses
+
+        plan = dataclasses.replace(plan, unroll_blocks=True)
     prepare(plan)  # XLA's flags before JAX starts; the CUDA ops registered where it calls them
 
     import jax
@@ -49,7 +53,7 @@ def record(args) -> None:
 
     def step(c):
         c = c._replace(pos=jnp.full((1,), args.context, jnp.int32))
-        logits, _, c = fwd(params, cfg, tok, c, last_only=True, unroll=args.unroll,
+        logits, _, c = fwd(params, cfg, tok, c, last_only=True,
                            plan=plan)
         jax.block_until_ready(logits)
         return c

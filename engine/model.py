@@ -25,7 +25,7 @@ from engine.params import ParamError, stack_params  # noqa: F401  (re-exported)
 from engine.plan import REFERENCE, KernelPlan, check_plan
 from engine.quant import embedding_lookup, linear
 
-FORWARD_STATIC = ("cfg", "gdn_mode", "last_only", "unroll", "plan")
+FORWARD_STATIC = ("cfg", "gdn_mode", "last_only", "plan")
 
 
 def _steps(tokens, lengths):
@@ -44,12 +44,13 @@ def _embed(params, tokens):
 
 
 def _run_blocks(blocks, cfg: ModelConfig, x, cache, positions, lengths, valid, mode,
-                unroll: bool, plan: KernelPlan = REFERENCE):
+                plan: KernelPlan = REFERENCE):
     """Scan the stacked blocks over x [B, T, H]; returns (x, cache with its attention KV, conv
-    and rec updated). unroll=True unrolls both scans (same math, static weight slices, compile
-    grows with depth). The carry holds the KV arrays only (the pool, or k and v); the block
-    table is constant and closed over."""
+    and rec updated). The plan's unroll_blocks unrolls both scans (same math, static weight
+    slices, compile grows with depth). The carry holds the KV arrays only (the pool, or k and
+    v); the block table is constant and closed over."""
     paged = isinstance(cache, PagedCache)
+    unroll = plan.unroll_blocks
 
     # block_loop "views": the scans carry layer indices and the matrices stay stacked, read in
     # place by the kernels through `Stacked` views (engine/kernels/stacked.py says why).
@@ -128,7 +129,7 @@ def _head(params, cfg: ModelConfig, h, lengths, last_only: bool,
 
 def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
             gdn_mode: str = "chunk", lengths=None, last_only: bool = False,
-            unroll: bool = False, plan: KernelPlan = REFERENCE):
+            plan: KernelPlan = REFERENCE):
     """Process T new tokens per row at each row's cache position (prefill T > 1, decode T = 1).
 
     params: `stack_params` tree; tokens: [B, T] int32; cache: `init_cache(cfg, B, max_len)` or
@@ -136,7 +137,6 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     gdn_mode: "chunk" (WY/UT form) or "recurrent" (step-by-step); both give the same result.
     lengths: optional [B] int32, valid tokens per row (right padding; a row with 0 is untouched).
     last_only: return logits only at each row's last valid token ([B, 1, V]), for long prefills.
-    unroll: unroll the block scan (compile time then grows with depth; see engine/bench.py).
     plan: the KernelPlan (engine/plan.py) that picks each part's implementation: the plain-JAX
     references, Pallas kernels (Triton on a GPU, the Pallas interpreter elsewhere) or the CUDA
     ops, where the shapes fit.
@@ -152,7 +152,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     positions = cache.pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     x = _embed(params, tokens)
     x, cache = _run_blocks(params["blocks"], cfg, x, cache, positions, lengths, valid, gdn_mode,
-                           unroll, plan)
+                           plan)
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     logits = _head(params, cfg, hidden, lengths, last_only, plan)
     return logits, hidden, cache._replace(pos=cache.pos + lengths)
@@ -226,7 +226,7 @@ def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCa
 
 
 def jit_forward():
-    """forward, jitted with cfg/gdn_mode/last_only/unroll/plan static and the cache donated."""
+    """forward, jitted with cfg/gdn_mode/last_only/plan static and the cache donated."""
     return jax.jit(forward, static_argnames=FORWARD_STATIC, donate_argnames=("cache",))
 
 

@@ -61,6 +61,9 @@ class KernelPlan:
     # (the stacks carried whole and read in place by the kernels at a layer index,
     # engine/kernels/stacked.py).
     block_loop: str = "slices"
+    # Unroll the block scans (the same math with static weight slices; compile time grows with
+    # depth, so no preset does).
+    unroll_blocks: bool = False
     # A GDN layer's decode step after its projections: "xla" (the reference), "pallas" (the
     # recurrent kernel, engine/kernels/gdn_decode.py, the other steps in XLA) or "fused" (the
     # whole step in one kernel, engine/kernels/gdn_decode_fused.py, the state stacks updated in
@@ -104,8 +107,8 @@ class KernelPlan:
             if f.name in CHOICES and v not in CHOICES[f.name]:
                 raise PlanError(f"plan field {f.name!r} must be one of "
                                 f"{list(CHOICES[f.name])}, got {v!r}")
-        for name in ("attn_prep", "attn_merge", "chain_decode", "narrow_decode",
-                     "xla_gpu_graphs"):
+        for name in ("unroll_blocks", "attn_prep", "attn_merge", "chain_decode",
+                     "narrow_decode", "xla_gpu_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"plan field {name!r} must be true or false, "
                                 f"got {getattr(self, name)!r}")

@@ -1,7 +1,8 @@
 """Compile time and throughput of the reference forward on random weights.
 
-    .venv/bin/python -m engine.bench --config tiny --prompt 256 --steps 32
-    python -m engine.bench --config qwen3.8-27b --layers 8 --dtype bfloat16 --device-init  # GPU
+    .venv/bin/python bench/lab/forward_compile.py --config tiny --prompt 256 --steps 32
+    python bench/lab/forward_compile.py --config qwen3.8-27b --layers 8 --dtype bfloat16 \
+        --device-init  # GPU
 
 Prints jit compile seconds for a prefill step (T = --prompt, last-token logits) and a decode
 step (T = 1), then prefill and decode tokens/s. Dev tooling only; not imported by the engine.
@@ -12,13 +13,19 @@ import argparse
 import dataclasses
 import time
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.config import preset
-from engine.model import FORWARD_STATIC, forward, init_cache
-from engine.params import random_flat_params, stack_params
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine.config import preset  # noqa: E402
+from engine.model import FORWARD_STATIC, forward, init_cache  # noqa: E402
+from engine.params import random_flat_params, stack_params  # noqa: E402
+from engine.plan import REFERENCE  # noqa: E402
 
 
 def _timed(fn):
@@ -69,7 +76,8 @@ def main(argv=None) -> None:
     prompt = jnp.asarray(np.random.default_rng(0).integers(
         0, cfg.vocab_size, (args.batch, args.prompt)), jnp.int32)
     step_tok = jnp.zeros((args.batch, 1), jnp.int32)
-    kw = dict(gdn_mode=args.gdn_mode, unroll=args.unroll)
+    kw = dict(gdn_mode=args.gdn_mode,
+              plan=dataclasses.replace(REFERENCE, unroll_blocks=args.unroll))
     prefill, t_cp = _timed(lambda: fwd.lower(params, cfg, prompt, cache, last_only=True,
                                              **kw).compile())
     decode, t_cd = _timed(lambda: fwd.lower(params, cfg, step_tok, cache, **kw).compile())
