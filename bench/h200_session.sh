@@ -54,8 +54,6 @@
 #   kvint8     C1/C2 32K/128K over int8 KV (scales folded into the scores)
 #   waves      the wide GEMV's kernel time against N (16-row tiles) at K = 5120 and 17408, 4 and
 #              8 warps a tile: its fixed cost a call, its rate, the waves' steps
-#   kvcast     int8 KV: how codes become dot operands (paged_attend's cast): GPU tests, the
-#              paged kernel's micro at 32K/128K
 #   graphs     XLA command-buffer settings         cmdbuf     command buffers for loops too
 #   unfused    without the fused GDN decode kernel (plan gdn_decode=pallas)
 #   unroll     blocks unrolled
@@ -81,7 +79,10 @@
 # GEMV and MLP variants no plan selects, which left int4_gemv.cu and cuda_ops (ringdepth: the
 # wide GEMV's P = 4 and shared-memory rings; prefetch: the mma GEMV's register ring; wwarps:
 # the wide GEMV's 2/10/16 warps, uncapped registers and rings; the mlp part's persistent
-# kernel, stream-order launches and other warps; the wide part's bias MMAs).
+# kernel, stream-order launches and other warps; the wide part's bias MMAs), and so is kvcast,
+# whose variants (the paged decode kernel's f16 and bitcast casts of int8 codes) left the
+# kernel, as the GDN prefill kernel's other preps did (gdnmicro and prefillx's tests run its
+# lean path alone).
 # Results land in $OUT (default ./out) as <part>_$TAG.{json,log}, packed at the end into
 # session_$TAG.tgz (PACK=0: not packed); times are in seconds. Sourced (`source
 # bench/h200_session.sh`), it only defines its helpers (run, b27, with_env, prefill2, decode1k)
@@ -447,9 +448,7 @@ PY
           decode1k "mlp_pdl_$rep"
         done ;;
       kvint8)  # C1/C2 decode at 32K/128K over an int8 KV pool (half the KV bytes of bf16),
-        # the paged kernel's int8 scales folded into scores and softmax weights (the A/B
-        # against dequantized element by element left with NINFER_PAGED_INT8: the kernel's
-        # tests and micro take fold=)
+        # the paged kernel's int8 scales folded into scores and softmax weights
         run 120 "$OUT/kvint8_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_attention.py -k paged_decode
         tail -n 2 "$OUT/kvint8_tests_$TAG.log"
@@ -514,21 +513,10 @@ PY
         decode1k treeab_cur
         (B27=$(b27 "$PREV")
          decode1k treeab_prev) ;;
-      kvcast)  # int8 KV pages: bf16 / f16 / magic casts of the codes (paged_decode's
-        # docstring): GPU tests, the paged kernel's micro (the decode A/B by
-        # NINFER_PAGED_INT8_CAST left: the kernel takes cast= as an argument, no plan field)
-        run 150 "$OUT/kvcast_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_kernels_attention.py -k paged_decode
-        tail -n 2 "$OUT/kvcast_tests_$TAG.log"
-        run 200 "$OUT/kvcast_micro_$TAG.log" python3 bench/kernels_micro.py --only attention \
-          --contexts "${KVCAST_CONTEXTS:-32768,131072}" --attn-warps "${KVCAST_WARPS:-4}" \
-          --out "$OUT/kvcast_micro_$TAG.json"
-        grep -E '^paged' "$OUT/kvcast_micro_$TAG.log" ;;
       prefillx)  # prefill experiments, one call: every state-independent term from XLA and
         # the lean scan kernel (plan gdn_prefill=pallas, the presets'), XLA's chunked rule
         # alone (gdn_prefill=xla), and XLA's dynamic-slice fusion (a layer's weights sliced
-        # out of the stacks by address, not copied, before cuBLAS) (the other preps, hybrid
-        # and hybrid_utbf16, left the model: gdn_prefill.gdn_chunk takes them as prep=)
+        # out of the stacks by address, not copied, before cuBLAS)
         run 120 "$OUT/prefillx_tests_$TAG.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
           tests/test_kernels_gdn_prefill.py -k "gpu_27b"
         tail -n 2 "$OUT/prefillx_tests_$TAG.log"
@@ -608,7 +596,7 @@ PY
         run 300 "$OUT/prefill_$TAG.log" $B27 --weights bf16 --contexts "" \
           --prefill 8192,32768,131072 --prefill-reps 1 --out "$OUT/prefill_$TAG.json"
         grep -E 'prefill' "$OUT/prefill_$TAG.log" | cut -c1-160 ;;
-      gdnmicro)  # one GDN layer's prefill: XLA's chunk rule vs the Pallas kernel's tiles
+      gdnmicro)  # one GDN layer's prefill: XLA's chunk rule vs the Pallas kernel's scan tiles
         run 240 "$OUT/gdnmicro_$TAG.log" python3 bench/kernels_micro.py --only gdnprefill \
           --out "$OUT/gdn_prefill_micro_$TAG.json"
         grep -E 'gdn prefill' "$OUT/gdnmicro_$TAG.log" | sort -t: -k2 -n | head -8 ;;

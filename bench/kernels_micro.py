@@ -35,7 +35,6 @@ LAYERS = 4
 REPEAT = 8  # calls per layer inside one jit: amortizes the host dispatch
 SMOKE = False  # --smoke: tiny shapes
 CONTEXTS = (1024, 32768, 131072)
-ATTN_CASTS = ("bf16", "f16", "magic")  # int8 pages: paged_decode.INT8_CASTS
 ATTN_WARPS = (4,)
 FMTS = ("int4_g64", "bf16", "int8_row", "fp8_row")
 SHAPES = [(17408, 5120), (5120, 17408)]
@@ -131,11 +130,9 @@ def gemv_rows(res):
 
 
 def attention_rows(res):
-    """Paged decode at each context, B = 1 and 2: bf16 pages, and int8 pages for each way
-    their codes become dot operands (ATTN_CASTS) and each warps setting (ATTN_WARPS)."""
+    """Paged decode at each context, B = 1 and 2: bf16 pages and int8 pages, each warps
+    setting (ATTN_WARPS)."""
     kvh, hd, nh, page = 4, 256, 24, 64
-    runs = [("bfloat16", "bf16", w) for w in ATTN_WARPS]
-    runs += [("int8", c, w) for c in ATTN_CASTS for w in ATTN_WARPS]
     for b in (1, 2):
         for ctx in CONTEXTS:
             mp = ctx // page
@@ -156,19 +153,17 @@ def attention_rows(res):
                 if kv_dtype == "int8":
                     nbytes += 2 * pool.k_scale.size * 4
                 ref = None
-                for kvd, cast, w in runs:
-                    if kvd != kv_dtype:
-                        continue
-                    f = jax.jit(lambda p, t, q, s, c=cast, w=w: paged_attend(
-                        p, t, jnp.int32(0), q, s, cast=c, num_warps=w))
+                for w in ATTN_WARPS:
+                    f = jax.jit(lambda p, t, q, s, w=w: paged_attend(
+                        p, t, jnp.int32(0), q, s, num_warps=w))
                     out = np.asarray(f(pool, table, q, last), np.float32)
                     ref = out if ref is None else ref
                     t = bench(f, pool, table, q, last)
                     res["paged_decode"].append({
-                        "kv": kv_dtype, "cast": cast, "num_warps": w, "batch": b,
+                        "kv": kv_dtype, "num_warps": w, "batch": b,
                         "context": ctx, "us": t * 1e6, "bytes_per_s": nbytes / t,
                         "max_abs_diff_vs_first": float(np.abs(out - ref).max())})
-                    print(f"paged decode {kv_dtype:>8} {cast:>5} w{w} B{b} ctx {ctx:>6}: "
+                    print(f"paged decode {kv_dtype:>8} w{w} B{b} ctx {ctx:>6}: "
                           f"{t * 1e6:8.1f} us {nbytes / t / 1e12:5.2f} TB/s "
                           f"(max |diff| {np.abs(out - ref).max():.2e})", flush=True)
                 del pool, k
@@ -195,20 +190,17 @@ def gdn_rows(res):
 
 
 PREFILL_TOKENS = (8192, 32768)
+# (64, 4, 2): the model's (gdn_prefill.gdn_chunk_bf16_operands)
 GDN_PREFILL_TILES = [(bv, w, 1) for bv in (32, 64, 128) for w in (4, 8)] + [(64, 4, 2),
                                                                              (64, 8, 2)]
-DEFAULT_TILE = 3  # (64, 8, 1): the model's (gdn_prefill.gdn_chunk_bf16_operands)
 
 
 def gdn_prefill_rows(res):
     """One 27B GDN layer's prefill (the gated delta rule over T tokens, state in and out):
-    the XLA chunk rule (fp32, what the model runs) against the Pallas chunked kernel with bf16
-    operands over its tiles (value-column tile bv, warps, pipeline stages), with its own prep
-    kernel ("pallas_bf16"), XLA's UT transform before its scan ("hybrid_bf16"), XLA's with
-    bf16 operands for its two large products ("hybrid_utbf16"), or every state-independent
-    term from XLA and the lean scan ("hybrid_lean"; these two at the default tile only). Which
-    path, and which tile, makes prefill faster is the question (docs/benchmarks/README.md
-    v8)."""
+    the XLA chunk rule (fp32, plan gdn_prefill "xla") against the Pallas chunked kernel with
+    bf16 operands (every state-independent term from XLA, the diagonal blocks' inverse kernel
+    and the lean scan: plan gdn_prefill "pallas") over its scan's tiles (value-column tile bv,
+    warps, pipeline stages)."""
     from engine import gdn
     from engine.kernels.gdn_prefill import gdn_chunk
 
@@ -225,16 +217,12 @@ def gdn_prefill_rows(res):
         ref = ref_fn(q, k, v, g, beta, s0)
         runs = [("xla", None, ref_fn, (q, k, v, g, beta, s0))]
         qb, kb, vb = (a.astype(jnp.bfloat16) for a in (q, k, v))
-        for prep in ("pallas", "xla", "xla_bf16", "xla_lean"):
-            for bv, warps, stages in GDN_PREFILL_TILES:
-                if bv > d or (prep in ("xla_bf16", "xla_lean")
-                              and (bv, warps, stages) != GDN_PREFILL_TILES[DEFAULT_TILE]):
-                    continue  # the new preps at the default tile only
-                fn = jax.jit(lambda *a, bv=bv, w=warps, st=stages, prep=prep: gdn_chunk(
-                    *a, bv=bv, num_warps=w, num_stages=st, prep=prep))
-                runs.append(({"pallas": "pallas_bf16", "xla": "hybrid_bf16",
-                              "xla_bf16": "hybrid_utbf16", "xla_lean": "hybrid_lean"}[prep],
-                             (bv, warps, stages), fn, (qb, kb, vb, g, beta, s0)))
+        for bv, warps, stages in GDN_PREFILL_TILES:
+            if bv > d:
+                continue
+            fn = jax.jit(lambda *a, bv=bv, w=warps, st=stages: gdn_chunk(
+                *a, bv=bv, num_warps=w, num_stages=st))
+            runs.append(("pallas_bf16", (bv, warps, stages), fn, (qb, kb, vb, g, beta, s0)))
         for impl, tile, fn, args in runs:
             try:
                 t_s = bench(fn, *args, reps=5)
@@ -312,7 +300,7 @@ def flash_rows(res):
 
 def main():
     global SHAPES, CONFIGS, CONTEXTS, FMTS, SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES, FLASH_TILES
-    global DEFAULT_TILE, ATTN_CASTS, ATTN_WARPS
+    global ATTN_WARPS
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     ap.add_argument("--out", default="micro.json")
@@ -320,18 +308,15 @@ def main():
     ap.add_argument("--fmts", default=",".join(FMTS))
     ap.add_argument("--contexts", default="", help="paged decode contexts (default: "
                     + ",".join(map(str, CONTEXTS)) + ")")
-    ap.add_argument("--attn-casts", default=",".join(ATTN_CASTS))
     ap.add_argument("--attn-warps", default=",".join(map(str, ATTN_WARPS)))
     args = ap.parse_args()
     FMTS = tuple(args.fmts.split(","))
-    ATTN_CASTS = tuple(args.attn_casts.split(","))
     ATTN_WARPS = tuple(int(w) for w in args.attn_warps.split(","))
     if args.contexts:
         CONTEXTS = tuple(int(c) for c in args.contexts.split(","))
     if args.smoke:
         SHAPES, CONFIGS, CONTEXTS = [(64, 256)], CONFIGS[:2], (128,)
         SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES = True, (200,), [(16, 4, 1)]
-        DEFAULT_TILE = 0
         FLASH_TILES = [(16, 16, 4, 1, False), (16, 16, 4, 1, True)]
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
            "jax": jax.__version__, "gemv": [], "paged_decode": [], "gdn_decode": [],

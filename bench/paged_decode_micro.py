@@ -4,9 +4,9 @@ trace, against the time the KV bytes take at the measured copy rate.
 
 Each call reads one layer of a pool of LAYERS layers (cycled, as the model reads them, so the
 L2 holds nothing of the call before), at B = 1 and 2 rows of `--contexts` tokens each, bf16
-pages and int8 pages (each `--casts`). Settings: every combination of `--programs`,
-`--warps`, `--stages` and `--unroll`. Each setting's output is checked against the first
-setting's of the same pool: the launch settings other than `programs` must give the same bits.
+pages and int8 pages. Settings: every combination of `--programs`, `--warps`, `--stages` and
+`--unroll`. Each setting's output is checked against the first setting's of the same pool: the
+launch settings other than `programs` must give the same bits.
 
   python bench/paged_decode_micro.py --out paged_decode_micro.json
 """
@@ -74,7 +74,6 @@ def main() -> None:
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batches", default="1,2")
     ap.add_argument("--kv", default="bfloat16,int8")
-    ap.add_argument("--casts", default="bf16,magic", help="int8 pages: paged_decode.INT8_CASTS")
     ap.add_argument("--programs", default="512")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="2")
@@ -97,52 +96,49 @@ def main() -> None:
                 pool = make_pool(kv, batch, ctx)
                 nbytes = layer_bytes(pool, batch, ctx)
                 floor_us = nbytes / (args.copy_tbs * 1e12) * 1e6
-                casts = args.casts.split(",") if kv == "int8" else ["bf16"]
-                for cast in casts:
-                    ref = {}
-                    for programs, warps, stages, unroll in settings:
-                        def one(pool, table, q, last, idx, programs=programs, warps=warps,
-                                stages=stages, unroll=unroll, cast=cast):
-                            return paged_attend(pool, table, idx[0], q, last, programs=programs,
-                                                num_warps=warps, num_stages=stages,
-                                                unroll=unroll, cast=cast)
-                        row = {"kv": kv, "cast": cast, "batch": batch, "context": ctx,
-                               "programs": programs, "warps": warps, "stages": stages,
-                               "unroll": unroll, "bytes": nbytes, "copy_floor_us": floor_us}
-                        try:
-                            out = np.asarray(one(pool, table, q, last,
-                                                 jnp.ones((1,), jnp.int32)), np.float32)
-                            row.update(kernel_times(call_loop(one, pool, table, q, last,
-                                                              layers=LAYERS),
-                                                    (pool, table, q, last)))
-                        except Exception as e:  # noqa: BLE001 (a setting Triton rejects)
-                            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                            print(f"{kv} {cast} B{batch} {ctx} p{programs} w{warps} s{stages} "
-                                  f"u{unroll}: {row['error']}", flush=True)
-                            res["rows"].append(row)
-                            continue
-                        first = ref.setdefault(programs, out)
-                        row["same_bits_as_first_of_programs"] = bool(np.array_equal(first, out))
-                        if "paged_us" in row:
-                            row["tbs"] = nbytes / (row["paged_us"] * 1e-6) / 1e12
-                            row["of_copy"] = floor_us / row["all_us"]
+                ref = {}
+                for programs, warps, stages, unroll in settings:
+                    def one(pool, table, q, last, idx, programs=programs, warps=warps,
+                            stages=stages, unroll=unroll):
+                        return paged_attend(pool, table, idx[0], q, last, programs=programs,
+                                            num_warps=warps, num_stages=stages, unroll=unroll)
+                    row = {"kv": kv, "batch": batch, "context": ctx,
+                           "programs": programs, "warps": warps, "stages": stages,
+                           "unroll": unroll, "bytes": nbytes, "copy_floor_us": floor_us}
+                    try:
+                        out = np.asarray(one(pool, table, q, last,
+                                             jnp.ones((1,), jnp.int32)), np.float32)
+                        row.update(kernel_times(call_loop(one, pool, table, q, last,
+                                                          layers=LAYERS),
+                                                (pool, table, q, last)))
+                    except Exception as e:  # noqa: BLE001 (a setting Triton rejects)
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                        print(f"{kv} B{batch} {ctx} p{programs} w{warps} s{stages} "
+                              f"u{unroll}: {row['error']}", flush=True)
                         res["rows"].append(row)
-                        Path(args.out).write_text(json.dumps(res, indent=2))
-                        print(f"{kv:>8} {cast:>5} B{batch} ctx {ctx:>6} p{programs:>4} w{warps} "
-                              f"s{stages} u{unroll}: kernel {row.get('paged_us', 0):7.1f} us "
-                              f"({row.get('tbs', 0):4.2f} TB/s), call {row.get('all_us', 0):7.1f}"
-                              f" us = {row.get('of_copy', 0):4.2f} of copy; same bits "
-                              f"{row['same_bits_as_first_of_programs']}", flush=True)
+                        continue
+                    first = ref.setdefault(programs, out)
+                    row["same_bits_as_first_of_programs"] = bool(np.array_equal(first, out))
+                    if "paged_us" in row:
+                        row["tbs"] = nbytes / (row["paged_us"] * 1e-6) / 1e12
+                        row["of_copy"] = floor_us / row["all_us"]
+                    res["rows"].append(row)
+                    Path(args.out).write_text(json.dumps(res, indent=2))
+                    print(f"{kv:>8} B{batch} ctx {ctx:>6} p{programs:>4} w{warps} "
+                          f"s{stages} u{unroll}: kernel {row.get('paged_us', 0):7.1f} us "
+                          f"({row.get('tbs', 0):4.2f} TB/s), call {row.get('all_us', 0):7.1f}"
+                          f" us = {row.get('of_copy', 0):4.2f} of copy; same bits "
+                          f"{row['same_bits_as_first_of_programs']}", flush=True)
                 del pool
     best = {}
     for r in res["rows"]:
         if "all_us" in r:
-            key = (r["kv"], r["cast"], r["batch"], r["context"])
+            key = (r["kv"], r["batch"], r["context"])
             if key not in best or r["all_us"] < best[key]["all_us"]:
                 best[key] = r
     print("best settings by call time:")
-    for (kv, cast, b, c), r in best.items():
-        print(f"  {kv:>8} {cast:>5} B{b} ctx {c:>6}: p{r['programs']} w{r['warps']} "
+    for (kv, b, c), r in best.items():
+        print(f"  {kv:>8} B{b} ctx {c:>6}: p{r['programs']} w{r['warps']} "
               f"s{r['stages']} u{r['unroll']} {r['all_us']:.1f} us ({r['of_copy']:.2f} of copy)")
     res["best"] = [dict(r) for r in best.values()]
     Path(args.out).write_text(json.dumps(res, indent=2))

@@ -173,25 +173,13 @@ def _value_heads(x, hv: int):
         b, hv, t, x.shape[-1])
 
 
-def chunk_uw(k, v, g, beta, chunk_size: int, ops: str = "fp32", diag_inverse=None):
-    """u and w of the chunked rule, for a kernel that runs only the state pass
-    (engine/kernels/gdn_prefill.py, prep="xla"). k: [B, T, Hk, K]; v: [B, T, Hv, V]; g, beta:
-    [B, T, Hv]; T a multiple of chunk_size. ops: "fp32" or "bf16", diag_inverse: as for
-    `_uw`. Returns u [B, Hv, T, V], w [B, Hv, T, K] fp32."""
-    _check_ops(ops)
-    hk, hv = k.shape[2], v.shape[2]
-    u, w, _, _ = _uw(*(_head_chunks(x, hk, chunk_size) for x in (k, v, g, beta)), ops,
-                     diag_inverse)
-    return _value_heads(u, hv), _value_heads(w, hv)
-
-
 def chunk_intra(q, k, v, g, beta, chunk_size: int, scale: float, ops: str = "fp32",
                 diag_inverse=None):
     """`_intra_chunk` for a kernel whose sequential pass then only multiplies by the state
-    (engine/kernels/gdn_prefill.py, prep="xla_lean"). q, k: [B, T, Hk, K]; v: [B, T, Hv, V];
-    g, beta: [B, T, Hv]; T a multiple of chunk_size; ops and diag_inverse as for `chunk_uw`.
-    The products of
-    q and k alone (q k^T, K K^T) are taken once a key head, not once a value head.
+    (engine/kernels/gdn_prefill.py). q, k: [B, T, Hk, K]; v: [B, T, Hv, V]; g, beta:
+    [B, T, Hv]; T a multiple of chunk_size. ops: "fp32" or "bf16" (`_product`), diag_inverse:
+    as for `_uw`. The products of q and k alone (q k^T, K K^T) are taken once a key head, not
+    once a value head.
     Returns u [B, Hv, T, V], w, q_in (scaled q decayed from its chunk's start), k_out (k
     decayed to its chunk's end) [B, Hv, T, K], qk (the causal decayed scaled q k^T of each
     chunk, row by row) [B, Hv, T, C], all fp32, and the chunks' decays [B, Hv, N] fp32."""

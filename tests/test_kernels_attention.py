@@ -34,36 +34,6 @@ def test_paged_decode_matches_reference(kv_dtype, batch, slot_offset):
     assert_close(got, want, q.dtype)
 
 
-@pytest.mark.parametrize("fold", [True, False])
-def test_paged_decode_int8_scales_folded_or_not(fold):
-    """INT8 pages with their scales on the scores and softmax weights (the default) or
-    element by element (fold=False): both match the reference."""
-    rng = np.random.default_rng(11)
-    pool, table, q, last = _paged_case(rng, "int8", 2)
-    got = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8,
-                       fold=fold)
-    assert_close(got, paged_attend_ref(pool, table, jnp.int32(1), q, last), q.dtype)
-
-
-def test_paged_decode_int8_casts():
-    """Each way INT8 codes become dot operands matches the reference; f16 and magic give the
-    codes exactly in the same dtype, so the same bits; an unknown name is an error."""
-    rng = np.random.default_rng(12)
-    pool, table, q, last = _paged_case(rng, "int8", 2)
-    want = paged_attend_ref(pool, table, jnp.int32(1), q, last)
-    got = {}
-    for cast in ("bf16", "f16", "magic"):
-        got[cast] = paged_attend(pool, table, jnp.int32(1), q, last, interpret=True,
-                                 programs=8, cast=cast)
-        assert got[cast].dtype == q.dtype
-        assert_close(got[cast], want, q.dtype)
-    np.testing.assert_array_equal(np.asarray(got["f16"], np.float32),
-                                  np.asarray(got["magic"], np.float32))
-    with pytest.raises(ValueError, match="cast must be one of"):
-        paged_attend(pool, table, jnp.int32(1), q, last, interpret=True, programs=8,
-                     cast="fp8")
-
-
 def test_paged_decode_launch_settings():
     """The launch settings by page dtype; a non-positive setting is an error; pages a loop
     step (unroll) and warps/stages change nothing of the result."""
@@ -86,14 +56,12 @@ def test_paged_decode_launch_settings():
                                           np.asarray(again, np.float32))
 
 
-def test_paged_decode_magic_codes_are_exact():
-    """Every int8 code through the magic bitcast comes out as itself."""
-    from engine.kernels.paged_decode import _codes_as
-
+def test_paged_decode_int8_codes_are_exact_in_bf16():
+    """Every int8 code converted to bf16 (how the kernel's dots take INT8 pages) comes out as
+    itself."""
     codes = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
-    for cast in ("bf16", "f16", "magic"):
-        np.testing.assert_array_equal(np.asarray(_codes_as(codes, cast), np.float32),
-                                      np.arange(-128, 128, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(codes.astype(jnp.bfloat16), np.float32),
+                                  np.arange(-128, 128, dtype=np.float32))
 
 
 def test_paged_decode_reads_only_visible_slots():
@@ -202,12 +170,11 @@ def test_flash_prefill_query_tile():
 
 def test_attention_kernels_lower_to_triton():
     rng = np.random.default_rng(0)
-    for kv_dtype, cast in (("bfloat16", None), ("int8", "bf16"), ("int8", "f16"),
-                           ("int8", "magic")):
+    for kv_dtype in ("bfloat16", "int8"):
         pool, table, q, last = _paged_case(rng, kv_dtype, 2, pages=8, page=64, kvh=4, hd=256,
                                            nh=24, mp=4)
         lowers_for_cuda(lambda p, t, q, s: paged_attend(p, t, jnp.int32(0), q, s,
-                                                        interpret=False, cast=cast),
+                                                        interpret=False),
                         pool, table, q, last)
     kc = jnp.zeros((1, 1, 256, 4, 256), jnp.bfloat16)
     q = jnp.zeros((1, 128, 24, 256), jnp.bfloat16)
@@ -217,11 +184,10 @@ def test_attention_kernels_lower_to_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype,cast", [("bfloat16", None), ("int8", "bf16"),
-                                           ("int8", "f16"), ("int8", "magic")])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("merge", ["reduce", "chain"])
-def test_paged_decode_gpu_27b_heads(kv_dtype, cast, batch, merge):
+def test_paged_decode_gpu_27b_heads(kv_dtype, batch, merge):
     """At the 27B's heads against the reference; with two rows, row 0's bits do not depend on
     row 1 (what greedy C1 == C2 in an engine of fixed width needs: its C1 steps run the same
     two-row program with the other row idle). "chain" also promises row 0 alone (a program of
@@ -231,18 +197,18 @@ def test_paged_decode_gpu_27b_heads(kv_dtype, cast, batch, merge):
     rng = np.random.default_rng()
     pool, table, q, last = _paged_case(rng, kv_dtype, batch, layers=2, pages=batch * 40,
                                        page=64, kvh=4, hd=256, nh=24, mp=40)
-    got = paged_attend(pool, table, jnp.int32(1), q, last, cast=cast, merge=merge)
+    got = paged_attend(pool, table, jnp.int32(1), q, last, merge=merge)
     assert_close(got, paged_attend_ref(pool, table, jnp.int32(1), q.astype(jnp.float32), last),
                  jnp.bfloat16)
     if batch == 2:
         # row 1 idle (length 0, as the engine leaves a free row) and then another query
         for q1, last1 in ((q[1:], 0), (-q[1:], int(last[1]) // 2 + 1)):
             other = paged_attend(pool, table, jnp.int32(1), q.at[1:].set(q1),
-                                 last.at[1].set(last1), cast=cast, merge=merge)
+                                 last.at[1].set(last1), merge=merge)
             np.testing.assert_array_equal(np.asarray(other[0], np.float32),
                                           np.asarray(got[0], np.float32))
         if merge == "chain":
-            alone = paged_attend(pool, table[:1], jnp.int32(1), q[:1], last[:1], cast=cast,
+            alone = paged_attend(pool, table[:1], jnp.int32(1), q[:1], last[:1],
                                  merge=merge)
             np.testing.assert_array_equal(np.asarray(alone[0], np.float32),
                                           np.asarray(got[0], np.float32))

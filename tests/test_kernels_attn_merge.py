@@ -65,7 +65,7 @@ def test_merge_kernel_matches_its_reference_on_the_partials():
                                        nh=6, mp=16)
     last = last.at[2].set(0)
     acc, m, l = _partials(pool, table, jnp.int32(0), q, last, 0, interpret=True,
-                          **_settings(pool, 32, None, None, None, None, None))
+                          **_settings(pool, 32, None, None, None))
     gsrc = jnp.asarray(rng.standard_normal((3, 6 * 128)), jnp.bfloat16)
     y, sums = AM.merge_gate_sums(acc, m, l, last, gsrc, heads=6, page=16, max_pages=16,
                                  gate_at=0, gate_stride=128, out_dtype=jnp.bfloat16,

@@ -12,6 +12,7 @@ import pytest
 from engine import gdn
 from engine.gdn import recurrent_gated_delta_rule
 from engine.kernels.gdn_decode import gdn_recurrent
+from engine.kernels.gdn_inverse import diag_inverse
 from engine.kernels.gdn_prefill import chunk_len, gdn_chunk, gdn_chunk_ref
 from engine.plan import PALLAS, REFERENCE
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, rel_err
@@ -24,18 +25,37 @@ def _args(rng, b, t, hk, hv, dk, dv, dtype, with_state):
     return q, k, v, g, beta, s0 if with_state else None
 
 
-# The kernel's diagonal-block inverse against XLA's, through the whole chunk rule: fp32
-# rounding, or bf16's last bit where the inverse is rounded to bf16 for its products.
+# The kernel's diagonal-block inverse against XLA's, in the terms XLA prepares for the scan:
+# fp32 rounding, or bf16's last bit where the inverse is rounded to bf16 for its products.
 SAME_INVERSE = {"float32": 1e-5, "bfloat16": 1e-3}
 
 
-def _check(args, dtype, prep="pallas"):
-    out, state = gdn_chunk(*args, prep=prep)
+def _check(args, dtype):
+    out, state = gdn_chunk(*args)
     ro, rs = gdn_chunk_ref(*args)
     assert out.shape == ro.shape and out.dtype == jnp.float32
     assert_close(out, ro, dtype)
     assert_close(state, rs, dtype)
     return out, state
+
+
+def _check_inverse_terms(args, dtype):
+    """The state-independent terms `gdn_chunk` has XLA prepare (`gdn.chunk_intra`, padded and
+    cast as the kernel does), with the diagonal blocks inverted by engine/kernels/gdn_inverse.py
+    and by XLA's substitution (`gdn.diag_block_inverse`): the same to SAME_INVERSE."""
+    q, k, v, g, beta, _ = args
+    t, f32 = q.shape[1], jnp.float32
+    cdt = f32 if jnp.dtype(dtype) == f32 else jnp.bfloat16
+    c = chunk_len(t)
+    pad = (-t) % c
+    q, k, v = (jnp.pad(x.astype(cdt), ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    g, beta = (jnp.pad(x.astype(f32), ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+    ops = "fp32" if cdt == f32 else "bf16"
+    scale = q.shape[-1] ** -0.5
+    with_kernel = gdn.chunk_intra(q, k, v, g, beta, c, scale, ops, diag_inverse)
+    with_xla = gdn.chunk_intra(q, k, v, g, beta, c, scale, ops)
+    for got, base in zip(with_kernel, with_xla):
+        assert rel_err(got, base) < SAME_INVERSE[jnp.dtype(dtype).name]
 
 
 # lengths 1..3 (one padded 16-step chunk) and ragged multi-chunk lengths (whole chunks: below)
@@ -44,64 +64,42 @@ def _check(args, dtype, prep="pallas"):
     (100, 2, 32, False, jnp.float32),
     (200, 1, 32, True, jnp.float32),
     (2, 1, 16, True, jnp.bfloat16), (130, 2, 32, True, jnp.bfloat16)])
-@pytest.mark.parametrize("prep", ["pallas", "xla", "xla_lean"])
-def test_gdn_chunk_matches_reference(t, batch, dk, with_state, dtype, prep):
-    """Every way to the state pass's inputs: the prep kernel, XLA's UT transform
-    (gdn.chunk_uw) feeding the scan kernel, or every state-independent term from XLA
-    (gdn.chunk_intra) feeding the lean scan kernel."""
+def test_gdn_chunk_matches_reference(t, batch, dk, with_state, dtype):
+    """Every state-independent term from XLA (gdn.chunk_intra) feeding the lean scan
+    kernel."""
     args = _args(np.random.default_rng(), batch, t, 2, 4, dk, 32, dtype, with_state)
-    _check(args, dtype, prep)
+    _check(args, dtype)
 
 
-@pytest.mark.parametrize("prep", ["xla", "xla_lean"])
-def test_gdn_chunk_with_the_inverse_kernel(prep):
-    """inverse="pallas": the UT transform's diagonal blocks from engine/kernels/gdn_inverse.py.
-    The same result as with XLA's substitution to fp32 rounding (with bf16 inputs the inverse
-    is rounded to bf16 for its products, where the last bit can differ), the reference's
-    within the dtype's bound. With the lean prep it is what the model's rule runs (gdn_prefill
+def test_gdn_chunk_with_the_inverse_kernel():
+    """The UT transform's diagonal blocks come from engine/kernels/gdn_inverse.py: the terms
+    XLA prepares are the ones with XLA's substitution to fp32 rounding (with bf16 inputs the
+    inverse is rounded to bf16 for its products, where the last bit can differ), the result
+    the reference's within the dtype's bound. It is what the model's rule runs (gdn_prefill
     "pallas")."""
     for t, dtype in ((200, jnp.float32), (130, jnp.bfloat16)):
         args = _args(np.random.default_rng(), 2, t, 2, 4, 32, 32, dtype, True)
-        got = gdn_chunk(*args, prep=prep, inverse="pallas")
-        base = gdn_chunk(*args, prep=prep)
-        for g_, b_, r_ in zip(got, base, gdn_chunk_ref(*args)):
-            assert rel_err(g_, b_) < SAME_INVERSE[jnp.dtype(dtype).name]
+        got = gdn_chunk(*args)
+        _check_inverse_terms(args, dtype)
+        for g_, r_ in zip(got, gdn_chunk_ref(*args)):
             assert_close(g_, r_, dtype)
-    if prep == "xla_lean":
-        for g_, w_ in zip(gdn.select_rule("chunk", PALLAS, 512)(*args), got):
-            np.testing.assert_array_equal(g_, w_)
-    with pytest.raises(ValueError, match="inverse"):
-        gdn_chunk(*args, prep=prep, inverse="cuda")
+    for g_, w_ in zip(gdn.select_rule("chunk", PALLAS, 512)(*args), got):
+        np.testing.assert_array_equal(g_, w_)
+    q, k, v, g, beta, _ = args
+    with pytest.raises(ValueError, match="ops"):
+        gdn.chunk_intra(q, k, v, g, beta, chunk_len(q.shape[1]), 1.0, "fp16")
 
 
 def test_lean_scan_with_128_step_chunks():
     """128-step chunks through the lean scan match the reference (a ragged last chunk, a
     carried state) and are what the model's rule runs for a caller's chunk_size=128."""
     args = _args(np.random.default_rng(7), 1, 300, 2, 4, 32, 32, jnp.float32, True)
-    got = gdn_chunk(*args, chunk_size=128, prep="xla_lean", inverse="pallas")
+    got = gdn_chunk(*args, chunk_size=128)
     for g_, r_ in zip(got, gdn_chunk_ref(*args)):
         assert_close(g_, r_, jnp.float32)
     rule = gdn.select_rule("chunk", PALLAS, 512)
     for g_, w_ in zip(rule(*args, chunk_size=128), got):
         np.testing.assert_array_equal(g_, w_)
-
-
-@pytest.mark.parametrize("t,batch,with_state", [(2, 1, True), (130, 2, True), (200, 1, False)])
-def test_gdn_chunk_bf16_transform_matches_reference(t, batch, with_state):
-    """XLA's UT transform with bf16 operands for its two large products (prep="xla_bf16"),
-    for bf16 q, k, v: within the bf16 bounds of the reference, and u, w close to the fp32
-    transform's."""
-    args = _args(np.random.default_rng(t), batch, t, 2, 4, 32, 32, jnp.bfloat16, with_state)
-    _check(args, jnp.bfloat16, "xla_bf16")
-    q, k, v, g, beta, _ = args
-    c = 64 if t >= 64 else chunk_len(t)
-    pad = ((0, 0), (0, (-t) % c), (0, 0))
-    k, v = (jnp.pad(x, pad + ((0, 0),)) for x in (k, v))
-    g, beta = (jnp.pad(x, pad) for x in (g, beta))
-    for got, want in zip(gdn.chunk_uw(k, v, g, beta, c, "bf16"), gdn.chunk_uw(k, v, g, beta, c)):
-        assert_close(got, want, jnp.bfloat16)
-    with pytest.raises(ValueError, match="ops"):
-        gdn.chunk_uw(k, v, g, beta, c, "fp16")
 
 
 def test_gdn_chunk_matches_recurrent_oracle_and_carries_state():
@@ -126,13 +124,10 @@ def test_chunk_len_and_selection():
     rule = gdn.select_rule("chunk", PALLAS, 512)
     assert rule.bf16_operands and rule.__module__ == gdn_chunk.__module__
     args = _args(np.random.default_rng(1), 1, 40, 2, 4, 16, 16, jnp.float32, True)
-    # (with the diagonal blocks' inverse kernel, the rule's)
-    for got, want in zip(rule(*args), gdn_chunk(*args, prep="xla_lean", inverse="pallas")):
+    for got, want in zip(rule(*args), gdn_chunk(*args)):
         np.testing.assert_array_equal(got, want)
     assert (gdn.select_rule("chunk", dataclasses.replace(PALLAS, gdn_prefill="xla"), 512)
             is gdn.chunk_gated_delta_rule)
-    with pytest.raises(ValueError, match="prep"):
-        gdn_chunk(*args, prep="cuda")
     assert gdn.select_rule("chunk", PALLAS, 1) is gdn_recurrent
     assert gdn.select_rule("chunk", REFERENCE, 512) is gdn.chunk_gated_delta_rule
     assert gdn.select_rule("recurrent", PALLAS, 512) is gdn.recurrent_gated_delta_rule
@@ -146,34 +141,26 @@ def test_chunk_len_and_selection():
 def test_gdn_chunk_lowers_to_triton(dtype):
     args = _args(np.random.default_rng(0), 1, 100, 16, 48, 128, 128, dtype, True)
     text = lowers_for_cuda(lambda *a: gdn_chunk(*a, interpret=False), *args)
-    assert text.count("__gpu$xla.gpu.triton") == 2  # prep + scan
-    for prep in ("xla", "xla_lean"):
-        text = lowers_for_cuda(lambda *a, p=prep: gdn_chunk(*a, interpret=False, prep=p), *args)
-        assert text.count("__gpu$xla.gpu.triton") == 1  # the scan alone
-        text = lowers_for_cuda(lambda *a, p=prep: gdn_chunk(*a, interpret=False, prep=p,
-                                                            inverse="pallas"), *args)
-        assert text.count("__gpu$xla.gpu.triton") == 2  # the diagonal blocks' inverse + scan
+    assert text.count("__gpu$xla.gpu.triton") == 2  # the diagonal blocks' inverse + scan
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,prep", [(d, p) for d in (jnp.float32, jnp.bfloat16)
-                                        for p in ("pallas", "xla", "xla_lean")]
-                         + [(jnp.bfloat16, "xla_bf16")])
-def test_gdn_chunk_gpu_27b_heads(dtype, prep):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gdn_chunk_gpu_27b_heads(dtype):
     assert on_gpu()
     args = _args(np.random.default_rng(), 2, 1000, 16, 48, 128, 128, dtype, True)
-    _check(args, dtype, prep)
+    _check(args, dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gdn_chunk_gpu_27b_heads_inverse_kernel(dtype):
-    """The model rule's prep with the diagonal blocks' inverse kernel (inverse="pallas")."""
+    """The terms XLA prepares with the diagonal blocks' inverse kernel against those with
+    XLA's substitution, and the rule's result against the reference, compiled."""
     assert on_gpu()
     args = _args(np.random.default_rng(), 2, 1000, 16, 48, 128, 128, dtype, True)
-    got = gdn_chunk(*args, prep="xla_lean", inverse="pallas")
-    for g_, b_, r_ in zip(got, gdn_chunk(*args, prep="xla_lean"), gdn_chunk_ref(*args)):
-        assert rel_err(g_, b_) < SAME_INVERSE[jnp.dtype(dtype).name]
+    _check_inverse_terms(args, dtype)
+    for g_, r_ in zip(gdn_chunk(*args), gdn_chunk_ref(*args)):
         assert_close(g_, r_, dtype)
 
 
@@ -181,7 +168,7 @@ def test_gdn_chunk_gpu_27b_heads_inverse_kernel(dtype):
 def test_lean_scan_gpu_27b_heads_128_step_chunks():
     assert on_gpu()
     args = _args(np.random.default_rng(), 1, 1000, 16, 48, 128, 128, jnp.bfloat16, True)
-    for got, want in zip(gdn_chunk(*args, chunk_size=128, prep="xla_lean"), gdn_chunk_ref(*args)):
+    for got, want in zip(gdn_chunk(*args, chunk_size=128), gdn_chunk_ref(*args)):
         assert_close(got, want, jnp.bfloat16)
 
 

@@ -193,6 +193,11 @@ def test_status_input_tokens_and_session_purge(server):
     from lanes.profile import load_profile
 
     assert st["lane"]["profile_sha256"] == load_profile("cpu").canonical_hash()
+    from engine.plan import REFERENCE
+
+    # the effective kernel plan: the cpu lane's reference preset, every field, its digest
+    assert st["plan"]["preset"] == "reference" and st["plan"]["digest"] == REFERENCE.digest()
+    assert {k: st["plan"][k] for k in REFERENCE.to_dict()} == REFERENCE.to_dict()
     body = {"model": "tiny", "input": "Count the tokens.", "instructions": "Answer briefly.",
             "max_output_tokens": 2}
     n = httpx.post(server.api_url + "/responses/input_tokens", json=body,

@@ -7,22 +7,19 @@ heads are the rows of one [16, hd] tile, zero-padded, so both products are tenso
 Each row shares its own visible pages evenly among its programs, so a short row costs only its
 own pages, in parallel, however wide the table. XLA then merges the splits' (max, sum, acc)
 partials: in reductions, or with a plan's paged_merge "chain" as elementwise chains in split
-order (`check_merge`; on the GPU a reduction's order varied with B). INT8
-pages enter the dots as they are (int8 codes are exact in bf16); their per-token scales
-multiply the page's 64 scores (K) and the 64 softmax weights (V) instead of every element:
-per element only a conversion is left.
+order (`check_merge`; on the GPU a reduction's order varied with B).
 
-How the codes become dot operands, `cast` (a 128K row's pages are 4.3 G
-codes a step; on the H200 none of the three was faster than bf16 in the decode step, v21, so
-the conversion is not what holds the INT8 kernel):
-- ``bf16``: ``astype(bfloat16)`` (an int -> float conversion, then a rounding to bf16);
-- ``f16``: ``astype(float16)``, q and the softmax weights in fp16 too (one conversion);
-- ``magic``: no conversion instruction: the int16 ``code + 0x6480`` has the bits of the fp16
-  ``1152 + code`` (exponent 2^10, the code + 128 in the mantissa's low byte), so a bitcast
-  and one fp16 subtraction of 1152 give the code exactly. q and the weights in fp16.
-Every way gives the codes exactly; K's dots are then the same products (q is exact in fp16
-at the magnitudes a normed, rotated query has), V's take the softmax weights in fp16 (11
-bits) instead of bf16 (8).
+INT8 pages enter the dots as their codes, converted to bf16 (``astype(bfloat16)``): every
+int8 code is exact in bf16, so the dots multiply q (bf16) by the codes themselves, and the
+softmax weights (bf16) by V's codes. The per-token scales then multiply the page's 64 scores
+(K's, before the softmax) and its 64 softmax weights (V's, before their dot) instead of every
+one of the page's 64 x head_dim elements: per element only the conversion is left. Against
+dequantizing element by element before the dots, the 27B's decode over an int8 pool on the
+H200 was faster for one and two rows at 32K and 128K tokens (7.5% for two rows at 128K). The
+conversion is not what holds the kernel (a 128K row's pages are 4.3 G codes a step): fp16
+codes (one conversion instruction, q and the weights in fp16) and a conversion-free bitcast
+(the int16 code + 0x6480 has the bits of the fp16 1152 + code) were measured too, and neither
+was faster than bf16 in the H200 decode step.
 
 Launch settings (programs, warps, stages, pages a loop step) by the pool's dtype,
 `LAUNCH_DEFAULTS`, measured per setting by bench/paged_decode_micro.py (which passes others).
@@ -47,17 +44,6 @@ from engine.paged_kv import KVPool, _load
 
 _ROWS = 16  # minimum M of a Triton dot: the query-head group is padded to it
 TILE_ROWS = _ROWS  # q's rows a KV head as the kernel takes them (`paged_attend_gated` heads=)
-INT8_CASTS = ("bf16", "f16", "magic")
-
-
-def _codes_as(x, cast: str):
-    """INT8 codes -> the dots' dtype, exactly (see the module's docstring)."""
-    if cast == "bf16":
-        return x.astype(jnp.bfloat16)
-    if cast == "f16":
-        return x.astype(jnp.float16)
-    bits = x.astype(jnp.int16) + jnp.int16(0x6480)
-    return lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1152.0)
 
 
 def paged_attend_ref(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0, **_):
@@ -74,7 +60,7 @@ def paged_attend_ref(pool: KVPool, table, layer, q, last_slot, slot_offset: int 
 
 
 def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, splits, page, hd,
-            max_pages, num_pages, slot_offset, quant, scale, fold, cast, unroll):
+            max_pages, num_pages, slot_offset, quant, scale, unroll):
     if quant:
         ks_ref, vs_ref, o_ref, m_ref, l_ref = rest
     else:
@@ -105,13 +91,10 @@ def _kernel(layer_ref, table_ref, last_ref, q_ref, k_ref, v_ref, *rest, splits, 
         """The online softmax's step over one page."""
         m_i, l_i, acc = carry
         k_scale, v_scale = scale, None
-        if quant and fold:  # per-token scales on the scores and on the softmax weights
+        if quant:  # the codes exact in bf16; per-token scales on the scores and the weights
             k_scale = ks[None, :] * scale                                  # [1, page]
             v_scale = vs[None, :]
-            k, v = _codes_as(k, cast), _codes_as(v, cast)
-        elif quant:  # dequantized element by element (the A/B baseline, fold=False)
-            k = k.astype(jnp.float32) * ks[:, None]
-            v = v.astype(jnp.float32) * vs[:, None]
+            k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * k_scale  # [16, page]
@@ -180,46 +163,38 @@ def launch_default(kv_dtype: str = "bfloat16") -> tuple[int, int, int, int]:
     return LAUNCH_DEFAULTS.get(kv_dtype, LAUNCH_DEFAULTS["float32"])
 
 
-def _settings(pool: KVPool, programs, num_warps, num_stages, fold, cast, unroll) -> dict:
-    """The kernel's launch and INT8 settings: None takes the defaults (`launch_default`; INT8
-    scales folded onto the scores and weights; codes cast to bf16)."""
-    cast = "bf16" if cast is None else cast
+def _settings(pool: KVPool, programs, num_warps, num_stages, unroll) -> dict:
+    """The kernel's launch settings: None takes `launch_default`."""
     dp, dw, ds, du = launch_default(str(jnp.dtype(pool.k.dtype)))
     programs = dp if programs is None else programs
     num_warps = dw if num_warps is None else num_warps
     num_stages = ds if num_stages is None else num_stages
     unroll = du if unroll is None else unroll
-    if cast not in INT8_CASTS:
-        raise ValueError(f"cast must be one of {INT8_CASTS}, got {cast!r}")
     if min(programs, num_warps, num_stages, unroll) < 1:
         raise ValueError("paged_attend: programs, num_warps, num_stages and unroll must be "
                          f"positive, got {(programs, num_warps, num_stages, unroll)}")
     return dict(programs=programs, num_warps=num_warps, num_stages=num_stages,
-                fold=True if fold is None else fold, cast=cast, unroll=int(unroll))
+                unroll=int(unroll))
 
 
 def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0, *,
                  interpret: bool | None = None, programs: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 fold: bool | None = None, cast: str | None = None,
                  unroll: int | None = None, merge: str | None = None):
-    """The kernel; same contract as `paged_attend_ref` (T must be 1). fold: INT8 scales on
-    the scores and softmax weights (None: yes; False: element by element, the A/B baseline);
-    cast: how INT8 codes enter the dots (None: "bf16"). unroll: pages a loop step (their
-    loads issued together; the updates, and so the bits, are the same). programs, num_warps,
-    num_stages, unroll: None takes `launch_default()`. merge: how the splits are merged
-    (`check_merge`; None: "reduce")."""
+    """The kernel; same contract as `paged_attend_ref` (T must be 1). unroll: pages a loop
+    step (their loads issued together; the updates, and so the bits, are the same).
+    programs, num_warps, num_stages, unroll: None takes `launch_default()`. merge: how the
+    splits are merged (`check_merge`; None: "reduce")."""
     merge = check_merge("reduce" if merge is None else merge)
     return _paged_attend(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
-                         merge=merge, **_settings(pool, programs, num_warps, num_stages, fold,
-                                                  cast, unroll))
+                         merge=merge, **_settings(pool, programs, num_warps, num_stages,
+                                                  unroll))
 
 
 def paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, gate_at: int,
                        gate_stride: int, slot_offset: int = 0, *, heads: int | None = None,
                        interpret: bool | None = None, programs: int | None = None,
                        num_warps: int | None = None, num_stages: int | None = None,
-                       fold: bool | None = None, cast: str | None = None,
                        unroll: int | None = None):
     """`paged_attend` with the attention layer's tail: the splits merged, the output gated by
     sigmoid of head h's gate at columns [gate_at + h gate_stride, + hd) of gate_src [B, P],
@@ -236,24 +211,23 @@ def paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, gate_
                                gate_at=int(gate_at), gate_stride=int(gate_stride),
                                heads=None if heads is None else int(heads),
                                interpret=interpret, **_settings(pool, programs, num_warps,
-                                                                num_stages, fold, cast, unroll))
+                                                                num_stages, unroll))
 
 
-_STATIC = ("slot_offset", "interpret", "programs", "num_warps", "num_stages", "fold", "cast",
-           "unroll")
+_STATIC = ("slot_offset", "interpret", "programs", "num_warps", "num_stages", "unroll")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("merge",))
 def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
                   interpret: bool | None, programs: int, num_warps: int, num_stages: int,
-                  fold: bool, cast: str, unroll: int, merge: str):
+                  unroll: int, merge: str):
     b, _, nh, hd = q.shape
     r = nh // pool.k.shape[3]
     if r > _ROWS:
         return paged_attend_ref(pool, table, layer, q, last_slot, slot_offset)
     acc, m, l = _partials(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
                           programs=programs, num_warps=num_warps, num_stages=num_stages,
-                          fold=fold, cast=cast, unroll=unroll)
+                          unroll=unroll)
     # Merge the splits. XLA's reductions over [B, S, ...] reduce in an order that varies with
     # B on the GPU (a row's result changed in 1-2 elements of 6,144 beside another row, v25d;
     # reducing row by row did not fix it, v26a); "chain" fixes the order (`_merge_chain`).
@@ -265,7 +239,7 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
 def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot_offset: int,
                         *, gate_at: int, gate_stride: int, heads: int | None,
                         interpret: bool | None, programs: int, num_warps: int,
-                        num_stages: int, fold: bool, cast: str, unroll: int):
+                        num_stages: int, unroll: int):
     from engine.kernels.attn_merge import merge_gate_sums
 
     nh = heads if heads is not None else q.shape[2]  # heads: q is already the kernel's tile
@@ -274,7 +248,7 @@ def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot
                          f"exceed the kernel's {_ROWS} rows (`attn_merge.takes`)")
     acc, m, l = _partials(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
                           programs=programs, num_warps=num_warps, num_stages=num_stages,
-                          fold=fold, cast=cast, unroll=unroll, padded=heads is not None)
+                          unroll=unroll, padded=heads is not None)
     y, sums = merge_gate_sums(acc, m, l, last_slot, gate_src, heads=nh, page=pool.page_size,
                               max_pages=table.shape[1], gate_at=gate_at,
                               gate_stride=gate_stride, out_dtype=q.dtype, interpret=interpret)
@@ -283,7 +257,7 @@ def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot
 
 def _partials(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
               interpret: bool | None, programs: int, num_warps: int, num_stages: int,
-              fold: bool, cast: str, unroll: int, padded: bool = False):
+              unroll: int, padded: bool = False):
     """The paged kernel's per-split partials (acc [B, S, kvh, 16, hd], m and l [B, S, kvh,
     16], fp32) for q [B, 1, nh, hd] with nh / kvh <= 16, or (padded) q already the kernel's
     [B, kvh, 16, hd]."""
@@ -299,12 +273,7 @@ def _partials(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
     splits = _splits(kvh, mp, programs)
     # [B, kvh, 16, hd]: head h = g * r + i (HF repeat_kv order) -> group g, row i.
     quant = pool.k_scale is not None
-    if quant and fold and cast != "bf16":
-        cdt = jnp.float16
-    elif pool.k.dtype in (jnp.bfloat16, jnp.int8):
-        cdt = jnp.bfloat16
-    else:
-        cdt = jnp.float32
+    cdt = jnp.bfloat16 if pool.k.dtype in (jnp.bfloat16, jnp.int8) else jnp.float32
     if padded:
         qg = q.astype(cdt)
     else:
@@ -312,8 +281,7 @@ def _partials(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - r), (0, 0)))
     kern = functools.partial(_kernel, splits=splits, page=page, hd=hd, max_pages=mp,
                              num_pages=pool.num_pages, slot_offset=slot_offset, quant=quant,
-                             scale=hd ** -0.5, fold=fold, cast=cast,
-                             unroll=unroll)
+                             scale=hd ** -0.5, unroll=unroll)
     args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), table.astype(jnp.int32),
             last_slot.astype(jnp.int32), qg, pool.k, pool.v]
     if quant:
