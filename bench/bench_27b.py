@@ -47,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from engine.kernels.stacked import MATRICES  # noqa: E402
-from engine.model import model as M  # noqa: E402
+import engine.model.model as M  # noqa: E402
 from engine.model.config import QWEN38_27B, preset  # noqa: E402
 from engine.ops.quant import GROUP, INT4_G64, QTensor  # noqa: E402
 
@@ -290,7 +290,7 @@ def install_extra_kernels() -> None:
     XLA from fusing them; z is a zero that XLA cannot see to be one). The model's results do
     not change. The step time's slope against n over the layers is the cost of such a
     kernel."""
-    from engine.model import model
+    import engine.model.model as model
 
     def with_extra(layer_fn):
         def wrapped(p, cfg, x, *rest, **kw):

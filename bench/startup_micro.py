@@ -124,7 +124,7 @@ def part_widths(args) -> dict:
         cuda_ops.require(plan)
 
     from engine.io.loader import start_load
-    from engine.model import model as M
+    import engine.model.model as M
     from engine.runtime.scheduler import piece_widths
 
     loading = start_load(Path(args.artifact), compute_dtype=args.compute_dtype,

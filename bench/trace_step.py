@@ -42,7 +42,7 @@ def record(args) -> None:
 
     from bench.bench_27b import random_paged_cache, random_params
     from bench.profile_summary import newest_xplane
-    from engine.model import model as M
+    import engine.model.model as M
     from engine.model.config import QWEN38_27B
 
     cfg, dt = QWEN38_27B, jnp.bfloat16

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.io.loader import LoadedModel, worker_threads
-from engine.model import model as M
+import engine.model.model as M
 from engine.plan import REFERENCE, KernelPlan, check_plan
 from engine.runtime.memory import Memory
 from engine.runtime.scheduler import (QueueFull, Scheduler, Sequence,  # noqa: F401 (re-export)

@@ -55,7 +55,7 @@ def paged_decode_ab(cfg, plans: dict, marker: str, marked=("on",), seed: int = 9
     KernelPlan of `plans` ({name: plan}, engine/plan.py): {name: (logits, cache)}. Asserts
     that the kernel named `marker` is in the step's jaxpr exactly for the plans named in
     `marked`. The plans are static arguments of the forward: each is its own trace."""
-    from engine.model import model as M
+    import engine.model.model as M
     from engine.model.params import random_flat_params, stack_params
     from engine.ops import paged_kv as pk
 

@@ -34,7 +34,7 @@ _FFI_ATTRS = re.compile(r'mhlo\.backend_config = \{(.*?)\}', re.S)
 def _abstract_params(cfg):
     """The stacked params' shapes with int4_g64 matrices (as bench/bench_27b.py builds them)."""
     from engine.kernels.stacked import MATRICES
-    from engine.model import model as M
+    import engine.model.model as M
     from engine.ops.quant import GROUP, INT4_G64, QTensor
 
     specs = cfg.tensor_specs()
@@ -93,7 +93,7 @@ def _lower(fn, *args) -> str:
 
 def forwards(call_kw: dict):
     """(name, fn, args) for each forward the engine compiles, as Engine binds them."""
-    from engine.model import model as M
+    import engine.model.model as M
     from engine.model.config import QWEN38_27B
     from engine.runtime.scheduler import piece_widths
 

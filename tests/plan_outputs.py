@@ -51,7 +51,7 @@ def _small_int4_bf16():
 
 
 def run(cfg, params, dtype, call_kw: dict) -> dict:
-    from engine.model import model as M
+    import engine.model.model as M
     from engine.model.cache import init_paged_cache
     from engine.ops import paged_kv as pk
 

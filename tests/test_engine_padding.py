@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.model import model as M
+import engine.model.model as M
 from engine.ops import paged_kv as pk
 from engine.plan import PALLAS, REFERENCE
 from engine.runtime.scheduler import MIN_PIECE, piece, piece_widths

@@ -199,7 +199,7 @@ def test_the_block_loop_form_alone_changes_no_bit():
     import jax.numpy as jnp
     import numpy as np
 
-    from engine.model import model as M
+    import engine.model.model as M
     from engine.model.cache import init_paged_cache
     from engine.model.config import TEST_SMALL as cfg
     from engine.model.params import random_flat_params, stack_params

@@ -78,7 +78,7 @@ def test_fused_lowers_to_triton():
 def _tiny_model_after_prefill(seed: int):
     """The tiny model (params from `seed`), a 2-row cache after a 5-token prefill on the
     reference path, and the next decode step's tokens."""
-    from engine.model import model as M
+    import engine.model.model as M
     from engine.model.params import random_flat_params, stack_params
 
     cfg = preset("tiny")
@@ -93,7 +93,7 @@ def _tiny_model_after_prefill(seed: int):
 def test_model_decode_with_fused_kernel_matches():
     """The whole tiny model's decode step with the fused kernel (the pallas plan) against the
     reference path, and gdn_decode "pallas" (the recurrent kernel alone) not running it."""
-    from engine.model import model as M
+    import engine.model.model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(5)
     want, _, wc = M.forward(params, cfg, step, cache, plan=REFERENCE)
@@ -238,7 +238,7 @@ def test_split_at_27b_heads_lowers_and_rejects_a_bad_split():
 def test_model_decode_with_split_heads_matches():
     """The tiny model's in-place decode step (split in DEFAULT_SPLIT = 2 programs a head)
     against the reference path."""
-    from engine.model import model as M
+    import engine.model.model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(15)
     want, _, wc = M.forward(params, cfg, step, cache, plan=REFERENCE)
@@ -320,7 +320,7 @@ def test_model_decode_with_the_conv_stacks_swapped_is_the_copy_path():
     reading the cache's conv stack and writing a second one in place gives the same logits
     and cache, bit for bit, as "copy" (the pallas plan's: a copy into the stack a layer),
     with no dynamic-update-slice of the conv stack left; an unknown setting is an error."""
-    from engine.model import model as M
+    import engine.model.model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(8)
     lengths = jnp.asarray([1, 0], jnp.int32)

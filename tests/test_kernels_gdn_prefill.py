@@ -176,7 +176,7 @@ def test_lean_scan_gpu_27b_heads_128_step_chunks():
 def test_model_prefill_pallas_equals_xla():
     """A ragged 40-token prefill through the model both ways: same logits and GDN states (the
     chunked GDN layers take `select_rule`'s choice for the pallas plan)."""
-    from engine.model import model as M
+    import engine.model.model as M
     from engine.model.config import TEST_SMALL
     from engine.model.params import random_flat_params, stack_params
 
@@ -194,7 +194,7 @@ def test_model_prefill_pallas_equals_xla():
 def test_bf16_model_hands_the_kernel_bf16_operands(monkeypatch):
     """A bf16 model's GDN mixer gives the chunked kernel bf16 q, k, v (tensor-core dots); an
     fp32 model keeps fp32 operands (IEEE dots, the tests' precision)."""
-    from engine.model import layers
+    import engine.model.layers as layers
     from engine.model.config import TEST_SMALL as cfg
     from engine.model.params import random_flat_params
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.model import model as M
+import engine.model.model as M
 from engine.model.config import TEST_SMALL
 from engine.model.params import random_flat_params, stack_params
 from engine.ops import paged_kv as pk

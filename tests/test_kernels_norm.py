@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.kernels import norm_sums as N
-from engine.model import model as M
+import engine.model.model as M
 from engine.model.config import TEST_SMALL
 from engine.model.params import random_flat_params, stack_params
 from engine.plan import PALLAS

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.kernels.paged_prefill import paged_prefill_attend, paged_prefill_attend_ref
-from engine.model import model as M
+import engine.model.model as M
 from engine.model.config import TEST_SMALL
 from engine.model.params import random_flat_params, stack_params
 from engine.ops import paged_kv as pk

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.io.artifact import ArtifactError, open_artifact, write_artifact
-from engine.model import model as M
+import engine.model.model as M
 from engine.model.config import ModelConfig
 from engine.model.params import HostStack, host_leaf
 from engine.ops.quant import QTensor
