@@ -18,6 +18,7 @@ from engine.ops.norms import rms_norm
 from engine.ops.paged_kv import PagedKV
 from engine.plan import REFERENCE, KernelPlan
 
+
 def mlp(p, x, plan: KernelPlan = REFERENCE, corr=None):
     """SwiGLU: down(silu(gate(x)) * up(x)). x: [B, T, H]; corr: x's group sums or None."""
     gate, up = linear_multi(x, [p["gate_proj"], p["up_proj"]], plan, corr=corr)

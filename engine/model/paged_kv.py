@@ -19,11 +19,12 @@ def _decode_attend(pool: KVPool, table, layer, q, slots, valid, slot_offset, gat
     `attn_merge.paged_attend_gated` (the gated output and its group sums), with q already
     the kernel's tile holding `heads` heads where heads is given. merge: how the kernel's
     splits are merged (a plan's paged_merge)."""
-    from engine.kernels.attn_merge import paged_attend_gated
     from engine.kernels.paged_decode import paged_attend
 
     last = jnp.where(valid[:, 0], slots[:, 0], slot_offset)
     if gate is not None:
+        from engine.kernels.attn_merge import paged_attend_gated
+
         return paged_attend_gated(pool, table, layer, q, last, *gate, slot_offset,
                                   heads=heads)
     return paged_attend(pool, table, layer, q, last, slot_offset, merge=merge)

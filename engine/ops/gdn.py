@@ -1,5 +1,7 @@
-"""Gated DeltaNet reference math in plain jnp: the gated delta rule (chunked and step-by-step) and
-the depthwise causal conv that feeds it.
+"""Gated DeltaNet reference math in plain jnp: the gated delta rule (chunked and step-by-step),
+the depthwise causal conv that feeds it, and `gdn_core`, a GDN layer's whole step between its
+projections (given the rule to run; the model's `select_rule` picks it by the plan). cfg is a
+`ModelConfig` (engine/model/config.py), read for its fields only.
 
 Everything here is fp32 and written for clarity; GPU kernels are checked against these functions.
 Recurrence (per value head, state S: [K, V]):
