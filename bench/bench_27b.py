@@ -46,10 +46,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine import model as M  # noqa: E402
-from engine.config import QWEN38_27B, preset  # noqa: E402
 from engine.kernels.stacked import MATRICES  # noqa: E402
-from engine.quant import GROUP, INT4_G64, QTensor  # noqa: E402
+import engine.model.model as M  # noqa: E402
+from engine.model.config import QWEN38_27B, preset  # noqa: E402
+from engine.ops.quant import GROUP, INT4_G64, QTensor  # noqa: E402
 
 from bench.plan_args import (add_plan_args, label, make_plan, parse_overrides,  # noqa: E402
                              parse_value, parse_variants, prepare)
@@ -176,7 +176,7 @@ def random_cache(cfg, ctx: int, dtype, batch: int = 1):
 def random_paged_cache(cfg, ctx: int, dtype, batch: int = 1, kv: str = "bfloat16"):
     """A paged cache: each row owns consecutive pages holding ctx random K/V tokens, stored as
     `kv` (bfloat16, or int8 codes with per-row fp32 scales)."""
-    from engine import paged_kv as pk
+    from engine.ops import paged_kv as pk
 
     per_row = pk.kv_pages_needed(ctx + 16)
     kv_dtype = dtype if kv == "bfloat16" else kv
@@ -222,7 +222,7 @@ def run_decode(cfg, params, fmt, args, res, dt, plan, variant: dict | None = Non
     state_bytes = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
         cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     if args.paged:
-        from engine.paged_kv import kv_bytes_per_token
+        from engine.ops.paged_kv import kv_bytes_per_token
 
         kv_per_tok = kv_bytes_per_token(cfg, dt if args.kv == "bfloat16" else args.kv)
     else:
@@ -290,7 +290,7 @@ def install_extra_kernels() -> None:
     XLA from fusing them; z is a zero that XLA cannot see to be one). The model's results do
     not change. The step time's slope against n over the layers is the cost of such a
     kernel."""
-    from engine import model
+    import engine.model.model as model
 
     def with_extra(layer_fn):
         def wrapped(p, cfg, x, *rest, **kw):

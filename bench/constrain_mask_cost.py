@@ -7,7 +7,7 @@ Each library gets the same two grammars (a bounded JSON schema; a required call 
 function tools in the Qwen XML form) and the same adversary: random logits (a random model)
 sampled through the mask for WALKS walks. Per-token cost = fill the next-token bitmask + accept
 the sampled token, measured over those walks. Valid = the JSON parses and validates with
-jsonschema; the tool text parses with engine/toolcall.py into calls whose arguments validate.
+jsonschema; the tool text parses with engine/text/toolcall.py into calls whose arguments validate.
 The walks often prefer structural tokens so that most of them end within the cap; a walk that
 hits the cap is reported as unfinished (no budget steering here: that is ours, engine/constrain/,
 tested in tests/test_constrain*.py).
@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from engine.tokenizer import SPECIAL_START_ID, Tokenizer
-from engine.toolcall import parse_tool_calls
+from engine.text.tokenizer import SPECIAL_START_ID, Tokenizer
+from engine.text.toolcall import parse_tool_calls
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 16},
@@ -95,7 +95,7 @@ def _walks(tok, new_matcher, fill, accept, done, words: int, kind: str):
 
 
 def bench_llguidance(tok):
-    from engine.constrain import ConstraintCompiler
+    from engine.constrain.compiler import ConstraintCompiler
 
     t0 = time.perf_counter()
     cc = ConstraintCompiler(tok)
@@ -228,10 +228,10 @@ def engine_share() -> None:
 
     import jax
 
-    from engine.constrain import ConstraintCompiler
+    from engine.constrain.compiler import ConstraintCompiler
     from engine.engine import DoneEvent, Engine, GenerationRequest
-    from engine.loader import build_embedded, load_model
-    from engine.sampling import SamplingParams
+    from engine.io.loader import build_embedded, load_model
+    from engine.runtime.sampling import SamplingParams
 
     path = Path(tempfile.mkdtemp()) / "tiny.ninfer"
     build_embedded("tiny", path)

@@ -1,4 +1,4 @@
-"""Peak memory of `engine.convert` on a large synthetic checkpoint (run by hand, not in CI).
+"""Peak memory of `engine.io.convert` on a large synthetic checkpoint (run by hand, not in CI).
 
     .venv/bin/python bench/convert_peak_memory.py [--dir /tmp/ninfer-bench] [--layers 4]
         [--recipes bf16,int8,int4,fp32] [--keep]
@@ -33,8 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.config import QWEN38_27B  # noqa: E402
-from engine.hf_config import hf_text_config_dict  # noqa: E402
+from engine.io.hf_config import hf_text_config_dict  # noqa: E402
+from engine.model.config import QWEN38_27B  # noqa: E402
 
 CHUNK = 64 << 20  # bytes of random data generated at a time
 
@@ -123,16 +123,16 @@ def main() -> int:
     largest = 248320 * 5120 * 2
     print(f"checkpoint: {total / 1e9:.2f} GB bf16 in {time.time() - t:.0f} s; largest tensor "
           f"{largest / 1e9:.2f} GB", flush=True)
-    _, _, base = run_child(["-c", "import engine.convert"])
+    _, _, base = run_child(["-c", "import engine.io.convert"])
     print(f"baseline (python + imports): peak RSS {base / 1e9:.2f} GB", flush=True)
     for recipe in a.recipes.split(","):
         out = d / f"out-{recipe}.ninfer"
-        rc, secs, rss = run_child(["-m", "engine.convert", "--from", str(d / "hf"), "--out",
+        rc, secs, rss = run_child(["-m", "engine.io.convert", "--from", str(d / "hf"), "--out",
                                    str(out), "--recipe", recipe])
         if rc:
             print(f"{recipe}: converter failed ({rc})")
             return 1
-        _, vsecs, vrss = run_child(["-c", "import sys; from engine.artifact import "
+        _, vsecs, vrss = run_child(["-c", "import sys; from engine.io.artifact import "
                                     "open_artifact; a = open_artifact(sys.argv[1]); "
                                     "[a.load(n) for n in a.tensor_names]", str(out)])
         print(f"{recipe}: convert {secs:.0f} s, peak RSS {rss / 1e9:.2f} GB "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.loader import ensure_embedded, load_model  # noqa: E402
+from engine.io.loader import ensure_embedded, load_model  # noqa: E402
 from lanes.profile import load_profile  # noqa: E402
 from tests.engine_runs import greedy_tokens  # noqa: E402
 

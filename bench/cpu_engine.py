@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.plan_args import add_plan_args, plan_from_args, prepare  # noqa: E402
 from engine.engine import Engine, GenerationRequest, TokenEvent  # noqa: E402
-from engine.loader import ensure_embedded, load_model  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.io.loader import ensure_embedded, load_model  # noqa: E402
+from engine.runtime.sampling import SamplingParams  # noqa: E402
 from lanes.profile import load_profile  # noqa: E402
 
 

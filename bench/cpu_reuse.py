@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cpu_engine import run  # noqa: E402
 from engine.engine import Engine, GenerationRequest, TokenEvent  # noqa: E402
-from engine.loader import ensure_embedded, load_model  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.io.loader import ensure_embedded, load_model  # noqa: E402
+from engine.runtime.sampling import SamplingParams  # noqa: E402
 from lanes.profile import load_profile  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     eng.warmup()
     eng.start()
     tok = model.tokenizer
-    corpus = tok.encode(open(Path(__file__).resolve().parent.parent / "engine" / "gdn.py").read()
+    corpus = tok.encode(open(Path(__file__).resolve().parent.parent / "engine" / "ops" / "gdn.py").read()
                         * 40)
     new_turn = tok.encode("<|im_start|>user\nNow explain the chunked form.<|im_end|>\n"
                           "<|im_start|>assistant\n")

@@ -3,7 +3,7 @@ shape of a qwen3.8-27b decode step, on one GPU: achieved bytes/s of int4 codes +
 measured copy bandwidth, per rows of x (M) and CUDA kernel ("fma", "mma", and "wide" at the
 warps a tile `wide_warps` picks or at 4 or 8). Weights are stacks of 4 layers
 read in place through the layer index (the model's access), so the 60 MB L2 cannot hold them.
-Also checks each CUDA result against the reference (`quant.linear`) before timing it. The CUDA
+Also checks each CUDA result against the reference (`linear`) before timing it. The CUDA
 op is built for --plan's cuda_arch and cuda_flags (engine/plan.py; default h200) and the plan's
 XLA flags are set, as the engine would.
 
@@ -28,8 +28,8 @@ from bench.kernels_micro import LAYERS, call_loop, per_call, traced_kernels  # n
 from bench.plan_args import add_plan_args, cuda_ops_status, plan_from_args  # noqa: E402
 from engine.kernels import cuda_ops, qgemv  # noqa: E402
 from engine.kernels.stacked import Stacked  # noqa: E402
+from engine.model.linear import linear  # noqa: E402
 from engine.plan import apply_process_settings  # noqa: E402
-from engine.quant import linear  # noqa: E402
 
 # (name, N, K) of one decode step's matrices (GDN layers x48, attention x16, lm_head x1), and
 # the concatenations the step launches

@@ -44,11 +44,11 @@ import numpy as np  # noqa: E402
 from bench.bench_27b import random_params  # noqa: E402
 from bench.plan_args import (add_plan_args, make_plan, parse_overrides,  # noqa: E402
                              parse_variants, prepare)
-from engine.config import QWEN38_27B, preset  # noqa: E402
 from engine.engine import Engine, GenerationRequest, TokenEvent  # noqa: E402
-from engine.loader import LoadedModel  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.io.loader import LoadedModel  # noqa: E402
+from engine.model.config import QWEN38_27B, preset  # noqa: E402
+from engine.runtime.sampling import SamplingParams  # noqa: E402
+from engine.text.tokenizer import Tokenizer  # noqa: E402
 
 T0 = time.monotonic()
 

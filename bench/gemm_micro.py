@@ -28,7 +28,8 @@ from bench.bench_27b import _random_qtensor, ceilings  # noqa: E402
 from bench.kernels_micro import per_call  # noqa: E402
 from engine.kernels import qgemm  # noqa: E402
 from engine.kernels.stacked import Stacked  # noqa: E402
-from engine.quant import INT4_G64, linear  # noqa: E402
+from engine.model.linear import linear  # noqa: E402
+from engine.ops.quant import INT4_G64  # noqa: E402
 
 LAYERS = 4
 # (name, N, K): the int4 matrices a 27B prefill piece multiplies (GDN x48, MLP x64, attention

@@ -22,9 +22,9 @@ import numpy as np  # noqa: E402
 
 from bench.bench_27b import random_params  # noqa: E402
 from bench.plan_args import add_plan_args, label, plan_from_args, prepare  # noqa: E402
-from engine import model as M  # noqa: E402
-from engine import paged_kv as pk  # noqa: E402
-from engine.config import QWEN38_27B, preset  # noqa: E402
+import engine.model.model as M  # noqa: E402
+from engine.model.config import QWEN38_27B, preset  # noqa: E402
+from engine.ops import paged_kv as pk  # noqa: E402
 
 
 def greedy(params, cfg, prompts, steps, plan, weights_dtype):

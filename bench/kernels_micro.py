@@ -28,8 +28,8 @@ from engine.kernels import qgemv  # noqa: E402
 from engine.kernels.gdn_decode import gdn_recurrent  # noqa: E402
 from engine.kernels.paged_decode import paged_attend  # noqa: E402
 from engine.kernels.stacked import Stacked  # noqa: E402
-from engine.paged_kv import KVPool  # noqa: E402
-from engine.quant import linear  # noqa: E402
+from engine.model.linear import linear  # noqa: E402
+from engine.ops.paged_kv import KVPool  # noqa: E402
 
 LAYERS = 4
 REPEAT = 8  # calls per layer inside one jit: amortizes the host dispatch
@@ -179,7 +179,7 @@ def gdn_rows(res):
         beta = jax.random.uniform(key[4], (b, 1, 48))
         s = jax.random.normal(key[5], (b, 48, 128, 128))
         for name, fn in (("pallas", gdn_recurrent),
-                         ("xla", __import__("engine.gdn", fromlist=["x"]).
+                         ("xla", __import__("engine.ops.gdn", fromlist=["x"]).
                           recurrent_gated_delta_rule)):
             t = bench(jax.jit(fn), q, k, v, g, beta, s)
             nbytes = 2 * s.size * 4
@@ -201,8 +201,8 @@ def gdn_prefill_rows(res):
     bf16 operands (every state-independent term from XLA, the diagonal blocks' inverse kernel
     and the lean scan: plan gdn_prefill "pallas") over its scan's tiles (value-column tile bv,
     warps, pipeline stages)."""
-    from engine import gdn
     from engine.kernels.gdn_prefill import gdn_chunk
+    from engine.ops import gdn
 
     hk, hv, d = (16, 48, 128) if not SMOKE else (2, 6, 16)
     for t in PREFILL_TOKENS:

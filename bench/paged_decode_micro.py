@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from bench.kernels_micro import call_loop, traced_kernels  # noqa: E402
 from engine.kernels.paged_decode import paged_attend  # noqa: E402
-from engine.paged_kv import KVPool  # noqa: E402
+from engine.ops.paged_kv import KVPool  # noqa: E402
 
 KVH, HD, NH, PAGE, LAYERS = 4, 256, 24, 64, 4
 

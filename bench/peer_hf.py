@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from engine.config import QWEN38_27B, preset  # noqa: E402
-from engine.hf_config import hf_text_config_dict  # noqa: E402
+from engine.io.hf_config import hf_text_config_dict  # noqa: E402
+from engine.model.config import QWEN38_27B, preset  # noqa: E402
 
 
 def main():

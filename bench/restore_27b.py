@@ -339,7 +339,7 @@ def main(argv=None) -> int:
         profile_path, prof = write_profile(work, art, a)
         result["profile"] = {**prof, "path": str(profile_path)}
 
-        from engine.tokenizer import Tokenizer, build_qwen35_tokenizer_json
+        from engine.text.tokenizer import Tokenizer, build_qwen35_tokenizer_json
 
         tok = Tokenizer(build_qwen35_tokenizer_json())
         t0 = time.monotonic()

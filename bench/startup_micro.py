@@ -81,7 +81,7 @@ def part_compile(args) -> dict:
     _setup_cache(args.cache_dir)
     import jax
 
-    from engine.loader import start_load
+    from engine.io.loader import start_load
 
     jax.devices()
     t_init = time.monotonic() - t0
@@ -123,8 +123,8 @@ def part_widths(args) -> dict:
 
         cuda_ops.require(plan)
 
-    from engine import model as M
-    from engine.loader import start_load
+    from engine.io.loader import start_load
+    import engine.model.model as M
     from engine.runtime.scheduler import piece_widths
 
     loading = start_load(Path(args.artifact), compute_dtype=args.compute_dtype,
@@ -164,7 +164,7 @@ def part_load(args) -> dict:
     import jax
     import numpy as np
 
-    import engine.loader as L
+    import engine.io.loader as L
 
     out = {}
     size = os.path.getsize(args.artifact)

@@ -6,13 +6,13 @@
 The layout is what `./ninfer convert --recipe int4` (or bf16) stores: norms, A_log, dt_bias and
 conv1d fp32, the embedding bf16, every other 2-D matrix (lm_head and the MTP layer included)
 int4_g64 (or bf16). The tokenizer and chat template are the ones the embedded models carry
-(engine/loader.py build_embedded), so the server can tokenize and apply the chat template.
+(engine/io/loader.py build_embedded), so the server can tokenize and apply the chat template.
 
 Values do not matter, only the bytes' count and that they are not all zero: a few random pools
 (int4 codes, scales, normal values per fan-in) are drawn once from a seeded generator and every
 tensor is a slice of a pool at a random offset (a view: no copy), tiled when larger than the
 pool. The same seed gives the same bytes, so the same sha256. What is left is the artifact
-writer's own cost (engine/artifact.py): each part hashed while written, fsync, then the whole
+writer's own cost (engine/io/artifact.py): each part hashed while written, fsync, then the whole
 file hashed once more for its identity; this script prints each phase.
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine.artifact import (ALIGN, FORMAT_VERSION, MAGIC, _HEADER, _check_entry,  # noqa: E402
+from engine.io.artifact import (ALIGN, FORMAT_VERSION, MAGIC, _HEADER, _check_entry,  # noqa: E402
                              _fsync_dir, canonical_json, write_artifact)
-from engine.quant import DENSE, dtype_name  # noqa: E402
-from engine.config import ModelConfig, preset  # noqa: E402
-from engine.quant import GROUP, INT4_G64, QTensor  # noqa: E402
+from engine.model.config import ModelConfig, preset  # noqa: E402
+from engine.ops.quant import DENSE, dtype_name  # noqa: E402
+from engine.ops.quant import GROUP, INT4_G64, QTensor  # noqa: E402
 
 FORMATS = ("int4_g64", "bf16")
 _POOL_BYTES = 64 << 20   # random int4 codes drawn once
@@ -99,7 +99,7 @@ def expected_bytes(cfg: ModelConfig, fmt: str) -> int:
 
 def write_parallel(path, cfg: ModelConfig, tensors, *, tokenizer_json, chat_template, source,
                    extra, special_tokens=None, threads: int | None = None) -> tuple[str, dict]:
-    """The same bytes as engine.artifact.write_artifact (tests/test_synth_artifact.py compares
+    """The same bytes as engine.io.artifact.write_artifact (tests/test_synth_artifact.py compares
     the sha256 of both), written faster: the layout is planned first (every offset follows from
     the shapes), then the parts are hashed and pwrite'n by a thread pool (hashlib and pwrite
     release the GIL), and the file's fsync overlaps the whole-file sha256 (which must come last:
@@ -191,8 +191,8 @@ def write_parallel(path, cfg: ModelConfig, tensors, *, tokenizer_json, chat_temp
 def synth_artifact(out: Path, preset_name: str = "qwen3.8-27b", fmt: str = "int4_g64",
                    seed: int = 0, log=None, writer: str = "parallel") -> dict:
     """Write the artifact; returns {sha256, bytes, seconds, phases}."""
-    from engine.loader import TEMPLATE_DIR
-    from engine.tokenizer import build_qwen35_tokenizer_json
+    from engine.text.chat import TEMPLATE_DIR
+    from engine.text.tokenizer import build_qwen35_tokenizer_json
 
     cfg = preset(preset_name)
     out = Path(out)
@@ -236,11 +236,11 @@ def synth_artifact(out: Path, preset_name: str = "qwen3.8-27b", fmt: str = "int4
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the .ninfer file to write")
-    ap.add_argument("--preset", default="qwen3.8-27b", help="engine.config preset name")
+    ap.add_argument("--preset", default="qwen3.8-27b", help="engine.model.config preset name")
     ap.add_argument("--format", default="int4_g64", choices=FORMATS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--writer", default="parallel", choices=("parallel", "engine"),
-                    help="parallel (default; same bytes) or engine.artifact.write_artifact")
+                    help="parallel (default; same bytes) or engine.io.artifact.write_artifact")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = ap.parse_args(argv)
     cfg = preset(args.preset)

@@ -42,8 +42,8 @@ def record(args) -> None:
 
     from bench.bench_27b import random_paged_cache, random_params
     from bench.profile_summary import newest_xplane
-    from engine import model as M
-    from engine.config import QWEN38_27B
+    import engine.model.model as M
+    from engine.model.config import QWEN38_27B
 
     cfg, dt = QWEN38_27B, jnp.bfloat16
     params = random_params(cfg, dt, "int4_g64")

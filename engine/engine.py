@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import model as M
-from engine.loader import LoadedModel, worker_threads
+from engine.io.loader import LoadedModel, worker_threads
+import engine.model.model as M
 from engine.plan import REFERENCE, KernelPlan, check_plan
 from engine.runtime.memory import Memory
 from engine.runtime.scheduler import (QueueFull, Scheduler, Sequence,  # noqa: F401 (re-export)
                                       SeqStatus, piece_widths)
-from engine.sampling import Paths, SamplingParams, batch_paths, request_key, sample
+from engine.runtime.sampling import Paths, SamplingParams, batch_paths, request_key, sample
 
 
 class PromptTooLong(ValueError):
@@ -172,7 +172,7 @@ class Engine:
         self.exec_counts = {"loaded": 0, "compiled": 0}
         self.exec_saving: threading.Thread | None = None  # compile()'s background saves
         # paths (static): which sampler paths the batch's rows take, known here from their
-        # parameters, so that no cond on the device decides it (`engine.sampling.Paths`)
+        # parameters, so that no cond on the device decides it (`engine.runtime.sampling.Paths`)
         self._sample = jax.jit(functools.partial(_sample_rows,
                                                  n_vocab=model.tokenizer.vocab_size),
                                static_argnames=("paths",))

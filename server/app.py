@@ -15,8 +15,8 @@ from sanic import Request, Sanic, response
 
 from engine.engine import (DoneEvent, Engine, GenerationRequest, PromptTooLong, QueueFull,
                            TokenEvent)
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
+from engine.io.loader import LoadedModel
+from engine.runtime.sampling import SamplingParams
 from server import chains, chat_completions, routes_extra
 from server.checkpoints import http as ckpt_http
 from server.auth import KeyRing
@@ -269,10 +269,10 @@ async def _constraint(rt: Runtime, m: LoadedModel, req: ResponseRequest, max_tok
     if rt.constraints is None:  # a runtime built without the loader (tests): build it once
         async with _compiler_lock:
             if rt.constraints is None:
-                from engine.constrain import ConstraintCompiler
+                from engine.constrain.compiler import ConstraintCompiler
 
                 rt.constraints = await asyncio.to_thread(ConstraintCompiler, m.tokenizer)
-    from engine.constrain import ConstraintError
+    from engine.constrain.compiler import ConstraintError
 
     budget = None
     if thinking:  # leave at least a quarter of the output budget for the answer

@@ -13,8 +13,8 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass
 
-from engine.chat import ChatTemplateError, render_chat
-from engine.loader import LoadedModel
+from engine.io.loader import LoadedModel
+from engine.text.chat import ChatTemplateError, render_chat
 from server.errors import invalid
 from server.output_items import split_token_ids
 from server.request_model import ResponseRequest, items_to_messages, reasoning_text

@@ -50,7 +50,7 @@ def bind_loopback(host: str, port: int) -> socket.socket:
 
 def _load_in_background(rt, profile, args, t_start: float) -> None:
     from engine.engine import Engine
-    from engine.loader import ensure_embedded, start_load
+    from engine.io.loader import ensure_embedded, start_load
 
     phases = {"boot_s": round(time.monotonic() - t_start, 3)}  # start -> this thread
     try:
@@ -253,7 +253,7 @@ def _prepare_restore(engine) -> None:
 
 def _constraint_tables(tokenizer):
     """(the ConstraintCompiler of `tokenizer`, seconds it took)."""
-    from engine.constrain import ConstraintCompiler
+    from engine.constrain.compiler import ConstraintCompiler
 
     t = time.monotonic()
     compiler = ConstraintCompiler(tokenizer)
@@ -318,7 +318,7 @@ def cmd_test(args, rest: list[str]) -> int:
 
 
 def cmd_convert(rest: list[str]) -> int:
-    from engine.convert import main
+    from engine.io.convert import main
 
     return main(rest)
 

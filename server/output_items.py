@@ -2,7 +2,7 @@
 
 With thinking on, generation starts inside `<think>` (the chat template's generation prompt ends
 with it): everything up to `</think>` is a `reasoning` item. The rest goes through the tool-call
-parser (engine/toolcall.py): its text is a `message` item, each complete call a `function_call`
+parser (engine/text/toolcall.py): its text is a `message` item, each complete call a `function_call`
 item. A message item is opened at its first character and closed when a call follows it or the
 output ends; text after a call opens a new message item.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.toolcall import StreamingToolParser, TextDelta, ToolCallEnd
+from engine.text.toolcall import StreamingToolParser, TextDelta, ToolCallEnd
 from server.response_objects import new_id
 
 THINK_END = "</think>"

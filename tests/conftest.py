@@ -48,7 +48,7 @@ def shared_state_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedded_models_dir(shared_state_dir):
     """The `models/` folder of the shared state dir, with the embedded model generated (once)."""
-    from engine.loader import ensure_embedded
+    from engine.io.loader import ensure_embedded
     from lanes.profile import load_profile
 
     ensure_embedded(shared_state_dir, "tiny", load_profile("cpu").model_sha256)
@@ -58,6 +58,6 @@ def embedded_models_dir(shared_state_dir):
 @pytest.fixture(scope="session")
 def tiny_model(embedded_models_dir):
     """The embedded model loaded once per test run (engine tests share it)."""
-    from engine.loader import load_model
+    from engine.io.loader import load_model
 
     return load_model(embedded_models_dir / "tiny.ninfer")

@@ -9,7 +9,7 @@ def greedy_tokens(model, ids, n: int, before_start=None, **engine_kw):
     first, e.g. its compile), generate n greedy tokens after the prompt `ids`, stop it.
     Returns (tokens, the DoneEvent)."""
     from engine.engine import DoneEvent, Engine, GenerationRequest, TokenEvent
-    from engine.sampling import SamplingParams
+    from engine.runtime.sampling import SamplingParams
 
     kw = dict(context_tokens=256, prefill_chunk=16, max_concurrency=1, max_queue=2)
     kw.update(engine_kw)

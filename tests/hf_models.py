@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import transformers
 
-from engine.config import ModelConfig
-from engine.hf_config import hf_text_config_dict
+from engine.io.hf_config import hf_text_config_dict
+from engine.model.config import ModelConfig
 
 WEIGHT_SCALE = 3.0
 ARCHS = ("qwen3_5", "qwen3_next")  # Qwen3_5ForCausalLM, dense Qwen3NextForCausalLM

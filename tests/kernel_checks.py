@@ -40,7 +40,7 @@ def on_gpu() -> bool:
 
 def random_pool(rng, kv_dtype, layers, pages, page, kvh, hd):
     """A KV pool of random K/V (bf16/f32, or int8 codes with per-token scales)."""
-    from engine.paged_kv import KVPool, quantize_kv
+    from engine.ops.paged_kv import KVPool, quantize_kv
 
     k = rng.standard_normal((layers, pages, page, kvh, hd)).astype(np.float32)
     v = rng.standard_normal((layers, pages, page, kvh, hd)).astype(np.float32)
@@ -55,9 +55,9 @@ def paged_decode_ab(cfg, plans: dict, marker: str, marked=("on",), seed: int = 9
     KernelPlan of `plans` ({name: plan}, engine/plan.py): {name: (logits, cache)}. Asserts
     that the kernel named `marker` is in the step's jaxpr exactly for the plans named in
     `marked`. The plans are static arguments of the forward: each is its own trace."""
-    from engine import model as M
-    from engine import paged_kv as pk
-    from engine.params import random_flat_params, stack_params
+    import engine.model.model as M
+    from engine.model.params import random_flat_params, stack_params
+    from engine.ops import paged_kv as pk
 
     assert set(marked) <= set(plans), f"marked {marked} not among the plans {list(plans)}"
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,

@@ -33,9 +33,9 @@ _FFI_ATTRS = re.compile(r'mhlo\.backend_config = \{(.*?)\}', re.S)
 
 def _abstract_params(cfg):
     """The stacked params' shapes with int4_g64 matrices (as bench/bench_27b.py builds them)."""
-    from engine import model as M
     from engine.kernels.stacked import MATRICES
-    from engine.quant import GROUP, INT4_G64, QTensor
+    import engine.model.model as M
+    from engine.ops.quant import GROUP, INT4_G64, QTensor
 
     specs = cfg.tensor_specs()
     flat = {n: jax.ShapeDtypeStruct(s, jnp.bfloat16) for n, s in specs.items()}
@@ -55,8 +55,8 @@ def _abstract_params(cfg):
 
 
 def _abstract_cache(cfg, batch: int):
-    from engine import paged_kv as pk
-    from engine.cache import init_paged_cache
+    from engine.model.cache import init_paged_cache
+    from engine.ops import paged_kv as pk
     from engine.runtime.pages import pages_for
 
     pages = pages_for(CONTEXT, pk.PAGE_SIZE)
@@ -93,8 +93,8 @@ def _lower(fn, *args) -> str:
 
 def forwards(call_kw: dict):
     """(name, fn, args) for each forward the engine compiles, as Engine binds them."""
-    from engine import model as M
-    from engine.config import QWEN38_27B
+    import engine.model.model as M
+    from engine.model.config import QWEN38_27B
     from engine.runtime.scheduler import piece_widths
 
     cfg = QWEN38_27B

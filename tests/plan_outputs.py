@@ -25,19 +25,19 @@ STEPS = 3
 
 
 def _tiny_fp32():
-    from engine.config import TINY
-    from engine.params import stack_params
-    from engine.tiny import tiny_tensors
+    from engine.io.tiny import tiny_tensors
+    from engine.model.config import TINY
+    from engine.model.params import stack_params
 
     flat = {n: np.asarray(a, np.float32) for n, a in tiny_tensors(TINY)}
     return TINY, stack_params(flat, TINY), jnp.float32
 
 
 def _small_int4_bf16():
-    from engine.config import TEST_SMALL
     from engine.kernels.stacked import MATRICES
-    from engine.params import random_flat_params, stack_params
-    from engine.quant import INT4_G64, quantize
+    from engine.model.config import TEST_SMALL
+    from engine.model.params import random_flat_params, stack_params
+    from engine.ops.quant import INT4_G64, quantize
 
     flat = random_flat_params(TEST_SMALL, seed=3)
     out = {}
@@ -51,9 +51,9 @@ def _small_int4_bf16():
 
 
 def run(cfg, params, dtype, call_kw: dict) -> dict:
-    from engine import model as M
-    from engine import paged_kv as pk
-    from engine.cache import init_paged_cache
+    import engine.model.model as M
+    from engine.model.cache import init_paged_cache
+    from engine.ops import paged_kv as pk
 
     pages = 4
     pool = pk.init_kv_pool(cfg, pages, pk.PAGE_SIZE, dtype)

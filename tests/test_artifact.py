@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from engine import artifact as A
-from engine.artifact import ALIGN, MAGIC, ArtifactError, open_artifact, write_artifact
-from engine.config import TEST_SMALL
-from engine.quant import FP8_ROW, INT4_G64, INT8_ROW, QTensor, quantize
+from engine.io import artifact as A
+from engine.io.artifact import ALIGN, MAGIC, ArtifactError, open_artifact, write_artifact
+from engine.model.config import TEST_SMALL
+from engine.ops.quant import FP8_ROW, INT4_G64, INT8_ROW, QTensor, quantize
 
 CFG = TEST_SMALL
 _FMT_CYCLE = [None, INT8_ROW, FP8_ROW, INT4_G64]

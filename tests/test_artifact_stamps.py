@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from engine.artifact import ArtifactError, open_artifact
-from engine.loader import load_model, verify_artifact
+from engine.io.artifact import ArtifactError, open_artifact
+from engine.io.loader import load_model, verify_artifact
 from server.artifact_stamps import RACY_MARGIN_S, ArtifactStamps
 from server.cli import build_parser
 

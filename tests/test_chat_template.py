@@ -1,4 +1,4 @@
-"""Our Qwen3.5-format chat template, rendered by engine.chat, must equal transformers' rendering."""
+"""Our Qwen3.5-format chat template, rendered by engine.text.chat, must equal transformers' rendering."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,8 @@ import pytest
 import tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.chat import ChatTemplateError, default_chat_template, load_chat_template, render_chat
+from engine.text.chat import (ChatTemplateError, default_chat_template, load_chat_template,
+                              render_chat)
 
 TOOLS = [
     {"type": "function", "function": {

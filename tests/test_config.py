@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from engine.config import PRESETS, QWEN38_27B, TEST_SMALL, ConfigError, ModelConfig, preset
-from engine.hf_config import hf_text_config_dict, model_config_from_hf
+from engine.io.hf_config import hf_text_config_dict, model_config_from_hf
+from engine.model.config import PRESETS, QWEN38_27B, TEST_SMALL, ConfigError, ModelConfig, preset
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -8,9 +8,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from engine.constrain import ConstraintCompiler, ConstraintError
-from engine.tokenizer import Tokenizer
-from engine.toolcall import parse_tool_calls
+from engine.constrain.compiler import ConstraintCompiler, ConstraintError
+from engine.text.tokenizer import Tokenizer
+from engine.text.toolcall import parse_tool_calls
 
 TOOL_CALL, THINK_END, EOS = 248058, 248069, 248046
 

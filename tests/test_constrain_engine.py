@@ -11,12 +11,12 @@ import queue
 import jsonschema
 import pytest
 
-from engine.chat import render_chat
-from engine.config import TINY
-from engine.constrain import ConstraintCompiler
+from engine.constrain.compiler import ConstraintCompiler
 from engine.engine import DoneEvent, Engine, GenerationRequest
-from engine.sampling import SamplingParams
-from engine.toolcall import parse_tool_calls
+from engine.model.config import TINY
+from engine.runtime.sampling import SamplingParams
+from engine.text.chat import render_chat
+from engine.text.toolcall import parse_tool_calls
 
 TINY_TOOLS_SHA256 = "7cfa6f7150a0bb60872cfcbef87a0e1904edf3cb38d201fc7c15bf52229f886f"
 TOOL_CALL = 248058
@@ -44,7 +44,7 @@ POINT = {"type": "object", "additionalProperties": False, "required": ["label", 
 
 @pytest.fixture(scope="module")
 def tools_model(shared_state_dir):
-    from engine.loader import ensure_embedded, load_model
+    from engine.io.loader import ensure_embedded, load_model
 
     model = load_model(ensure_embedded(shared_state_dir, "tiny-tools", TINY_TOOLS_SHA256))
     assert model.cfg.name == "tiny-tools"

@@ -9,10 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine import convert as C  # noqa: E402
-from engine.artifact import open_artifact  # noqa: E402
-from engine.hf_checkpoint import SafetensorsFile  # noqa: E402
-from engine.quant import ERROR_BOUNDS, QTensor, dequantize_np  # noqa: E402
+from engine.io import convert as C  # noqa: E402
+from engine.io.artifact import open_artifact  # noqa: E402
+from engine.io.hf_checkpoint import SafetensorsFile  # noqa: E402
+from engine.ops.quant import ERROR_BOUNDS, QTensor, dequantize_np  # noqa: E402
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,

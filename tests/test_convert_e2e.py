@@ -23,12 +23,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.artifact import open_artifact  # noqa: E402
-from engine.chat import default_chat_template  # noqa: E402
-from engine.config import TEST_SMALL  # noqa: E402
-from engine.model import init_cache, jit_forward, stack_params  # noqa: E402
-from engine.quant import QTensor, dequantize  # noqa: E402
-from engine.tokenizer import MODEL_VOCAB_SIZE, build_qwen35_tokenizer_json  # noqa: E402
+from engine.io.artifact import open_artifact  # noqa: E402
+from engine.model.config import TEST_SMALL  # noqa: E402
+from engine.model.model import init_cache, jit_forward, stack_params  # noqa: E402
+from engine.ops.quant import QTensor, dequantize  # noqa: E402
+from engine.text.chat import default_chat_template  # noqa: E402
+from engine.text.tokenizer import MODEL_VOCAB_SIZE, build_qwen35_tokenizer_json  # noqa: E402
 from tests.hf_models import ARCHS, build_hf, hf_logits, rel_err  # noqa: E402
 from tests.serverproc import REPO, start_server  # noqa: E402
 

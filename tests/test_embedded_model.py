@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.artifact import open_artifact
-from engine.config import TINY
-from engine.loader import build_embedded
-from engine.tiny import hashed_ints, tiny_tensors
+from engine.io.artifact import open_artifact
+from engine.io.loader import build_embedded
+from engine.io.tiny import hashed_ints, tiny_tensors
+from engine.model.config import TINY
 from lanes.profile import load_profile
 
 
@@ -29,7 +29,7 @@ def test_weights_come_from_integers():
 
 
 def test_artifact_is_complete_and_tokenizer_is_real(shared_state_dir):
-    from engine.loader import ensure_embedded
+    from engine.io.loader import ensure_embedded
 
     path = ensure_embedded(shared_state_dir, "tiny", load_profile("cpu").model_sha256)
     art = open_artifact(path)

@@ -10,7 +10,7 @@ import pytest
 from engine.engine import (DoneEvent, Engine, GenerationRequest, PromptTooLong, QueueFull,
                            TokenEvent)
 from engine.plan import REFERENCE
-from engine.sampling import SamplingParams
+from engine.runtime.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

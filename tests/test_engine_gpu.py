@@ -9,14 +9,14 @@ import pytest
 
 from engine.engine import Engine
 from engine.plan import H200, REFERENCE
-from engine.sampling import SamplingParams
+from engine.runtime.sampling import SamplingParams
 from tests.kernel_checks import on_gpu
 from tests.test_engine_batching import alone_and_together
 
 
 @pytest.fixture(scope="module")
 def bf16_model(embedded_models_dir):
-    from engine.loader import load_model
+    from engine.io.loader import load_model
 
     return load_model(embedded_models_dir / "tiny.ninfer", compute_dtype="bfloat16",
                       kv_dtype="bfloat16")

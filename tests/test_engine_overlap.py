@@ -10,7 +10,7 @@ import pytest
 
 from engine.engine import Engine, GenerationRequest
 from engine.plan import REFERENCE
-from engine.sampling import SamplingParams
+from engine.runtime.sampling import SamplingParams
 from tests.test_engine_batching import Collector
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model as M
-from engine import paged_kv as pk
+import engine.model.model as M
+from engine.ops import paged_kv as pk
 from engine.plan import PALLAS, REFERENCE
 from engine.runtime.scheduler import MIN_PIECE, piece, piece_widths
 from tests.engine_runs import greedy_tokens
@@ -162,8 +162,8 @@ def test_compile_during_load_then_serving_compiles_nothing(embedded_models_dir, 
     import jax
 
     from engine.engine import DoneEvent, Engine, GenerationRequest, TokenEvent
-    from engine.loader import start_load
-    from engine.sampling import SamplingParams
+    from engine.io.loader import start_load
+    from engine.runtime.sampling import SamplingParams
 
     class Compiles(logging.Handler):
         def __init__(self):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import Engine, GenerationRequest
-from engine.sampling import SamplingParams
+from engine.runtime.sampling import SamplingParams
 from tests.test_engine_batching import Collector
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import gdn
-from engine.gdn import causal_conv1d, l2_normalize
+from engine.ops import gdn
+from engine.ops.gdn import causal_conv1d, l2_normalize
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 

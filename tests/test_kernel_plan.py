@@ -199,11 +199,11 @@ def test_the_block_loop_form_alone_changes_no_bit():
     import jax.numpy as jnp
     import numpy as np
 
-    from engine import model as M
-    from engine import paged_kv as pk
-    from engine.cache import init_paged_cache
-    from engine.config import TEST_SMALL as cfg
-    from engine.params import random_flat_params, stack_params
+    import engine.model.model as M
+    from engine.model.cache import init_paged_cache
+    from engine.model.config import TEST_SMALL as cfg
+    from engine.model.params import random_flat_params, stack_params
+    from engine.ops import paged_kv as pk
 
     params = stack_params(random_flat_params(cfg, seed=1), cfg)
     toks = jnp.asarray(np.arange(12)[None] % 500, jnp.int32)

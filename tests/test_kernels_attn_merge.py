@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.config import QWEN38_27B, TEST_SMALL
 from engine.kernels import attn_merge as AM
+from engine.kernels.attn_merge import paged_attend_gated
 from engine.kernels.cuda_ops import group_sums
-from engine.kernels.paged_decode import (_partials, _settings, paged_attend,
-                                         paged_attend_gated)
+from engine.kernels.paged_decode import _partials, _settings, paged_attend
+from engine.model.config import QWEN38_27B, TEST_SMALL
 from engine.plan import PALLAS, PRESETS, KernelPlan
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, paged_decode_ab
 from tests.test_kernels_attention import _paged_case

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import paged_kv as pk
-from engine.config import QWEN38_27B, TEST_SMALL
 from engine.kernels import attn_prep as A
+from engine.model.config import QWEN38_27B, TEST_SMALL
+from engine.ops import paged_kv as pk
 from engine.plan import PALLAS
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, paged_decode_ab
 

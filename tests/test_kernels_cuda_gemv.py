@@ -1,8 +1,8 @@
-"""The CUDA int4_g64 GEMV (engine/kernels/cuda_ops.py, XLA FFI) against the reference
-`quant.linear`. It runs only on a GPU (-m gpu), built and registered by `cuda_ops.require`
-for the h200 plan (engine/plan.py); on the CPU the tests check that it lowers to its FFI call
-for CUDA, that `require` refuses this machine, and that `qmatmul` uses the Pallas kernel
-unless asked for the CUDA op (a plan's gemv "cuda")."""
+"""The CUDA int4_g64 GEMV (engine/kernels/cuda_ops.py, XLA FFI) against the reference `linear`
+(engine/model/linear.py). It runs only on a GPU (-m gpu), built and registered by
+`cuda_ops.require` for the h200 plan (engine/plan.py); on the CPU the tests check that it lowers
+to its FFI call for CUDA, that `require` refuses this machine, and that `qmatmul` uses the
+Pallas kernel unless asked for the CUDA op (a plan's gemv "cuda")."""
 from __future__ import annotations
 
 import jax
@@ -13,8 +13,9 @@ from jax import export
 
 from engine.kernels import cuda_ops, qgemv
 from engine.kernels.stacked import Stacked
+from engine.model.linear import linear
+from engine.ops.quant import quantize
 from engine.plan import H200, PALLAS
-from engine.quant import linear, quantize
 from tests.kernel_checks import assert_close, on_gpu
 
 
@@ -284,7 +285,7 @@ def test_multi_lowers_to_one_call_and_cpu_keeps_separate_linears():
     """A layer's projections of one x: one FFI call with a (codes, scales) pair per weight for
     CUDA; with the pallas plan (no CUDA op) `linear_multi` is exactly the separate `linear`
     calls."""
-    from engine.quant import linear_multi
+    from engine.model.linear import linear_multi
 
     ws = [_qtensor(n, 128, n, lead=(2,)) for n in (64, 48, 32)]
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 128)), jnp.bfloat16)
@@ -313,7 +314,7 @@ def test_wide_call_takes_x_as_it_is_and_concat_returns_one_array():
     SM, the offset by group sums, x permuted in the kernel), and concat=True gives the
     projections side by side in one array; with the pallas plan `linear_multi(concat=True)`
     is the separate linears' concatenation."""
-    from engine.quant import linear_multi
+    from engine.model.linear import linear_multi
 
     ws = [_qtensor(n, 256, n, lead=(2,)) for n in (64, 48)]
     x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 256)), jnp.bfloat16)
@@ -367,7 +368,7 @@ def _mlp_case(m, k1=512, n1=1024, n2=1000, lead=(2,)):
 
 def _mlp_reference(x, h, gate, up, down, index):
     """h + down(silu(gate(x)) * up(x)), the layer's matrices dequantized, fp32 throughout."""
-    from engine.quant import dequantize
+    from engine.ops.quant import dequantize
 
     def mat(w):
         layer = type(w)(w.data[index], w.scale[index], w.fmt, w.shape[-2:])
@@ -460,7 +461,7 @@ def test_mlp_takes_decode_rows_of_int4_stacks_only():
     and with the h200 plan's mlp "cuda" it lowers for CUDA to one call of the op (two
     launches)."""
     from engine.kernels.stacked import Stacked
-    from engine.layers import mlp, mlp_residual
+    from engine.model.layers import mlp, mlp_residual
 
     def takes(*a):
         return cuda_ops.mlp_shape_error(*a) is None

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.gdn import chunk_gated_delta_rule, l2_normalize
 from engine.kernels.gdn_decode import gdn_recurrent, gdn_recurrent_ref
+from engine.ops.gdn import chunk_gated_delta_rule, l2_normalize
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
 
 

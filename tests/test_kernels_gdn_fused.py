@@ -1,5 +1,5 @@
 """The fused GDN decode step (engine/kernels/gdn_decode_fused.py) against its reference
-`engine.layers.gdn_core`: in the Pallas interpreter on CPU (tiny and 27B head shapes, fp32 and
+`engine.ops.gdn.gdn_core`: in the Pallas interpreter on CPU (tiny and 27B head shapes, fp32 and
 bf16 activations, rows with and without a token), lowered for CUDA, and on the GPU (-m gpu)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.config import QWEN38_27B, preset
 from engine.kernels.gdn_decode_fused import gdn_decode_fused, gdn_decode_fused_ref
+from engine.model.config import QWEN38_27B, preset
 from engine.plan import PALLAS, REFERENCE, PlanError
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
 
@@ -78,8 +78,8 @@ def test_fused_lowers_to_triton():
 def _tiny_model_after_prefill(seed: int):
     """The tiny model (params from `seed`), a 2-row cache after a 5-token prefill on the
     reference path, and the next decode step's tokens."""
-    from engine import model as M
-    from engine.params import random_flat_params, stack_params
+    import engine.model.model as M
+    from engine.model.params import random_flat_params, stack_params
 
     cfg = preset("tiny")
     params = stack_params(random_flat_params(cfg, seed=seed), cfg)
@@ -93,7 +93,7 @@ def _tiny_model_after_prefill(seed: int):
 def test_model_decode_with_fused_kernel_matches():
     """The whole tiny model's decode step with the fused kernel (the pallas plan) against the
     reference path, and gdn_decode "pallas" (the recurrent kernel alone) not running it."""
-    from engine import model as M
+    import engine.model.model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(5)
     want, _, wc = M.forward(params, cfg, step, cache, plan=REFERENCE)
@@ -238,7 +238,7 @@ def test_split_at_27b_heads_lowers_and_rejects_a_bad_split():
 def test_model_decode_with_split_heads_matches():
     """The tiny model's in-place decode step (split in DEFAULT_SPLIT = 2 programs a head)
     against the reference path."""
-    from engine import model as M
+    import engine.model.model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(15)
     want, _, wc = M.forward(params, cfg, step, cache, plan=REFERENCE)
@@ -320,7 +320,7 @@ def test_model_decode_with_the_conv_stacks_swapped_is_the_copy_path():
     reading the cache's conv stack and writing a second one in place gives the same logits
     and cache, bit for bit, as "copy" (the pallas plan's: a copy into the stack a layer),
     with no dynamic-update-slice of the conv stack left; an unknown setting is an error."""
-    from engine import model as M
+    import engine.model.model as M
 
     cfg, params, cache, step = _tiny_model_after_prefill(8)
     lengths = jnp.asarray([1, 0], jnp.int32)

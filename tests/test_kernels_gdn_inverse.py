@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import gdn
-from engine.gdn import l2_normalize
 from engine.kernels.gdn_inverse import diag_inverse, diag_inverse_ref, supported
+from engine.ops import gdn
+from engine.ops.gdn import l2_normalize
 from tests.kernel_checks import lowers_for_cuda, on_gpu, rel_err
 
 

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import gdn
-from engine.gdn import recurrent_gated_delta_rule
 from engine.kernels.gdn_decode import gdn_recurrent
 from engine.kernels.gdn_inverse import diag_inverse
 from engine.kernels.gdn_prefill import chunk_len, gdn_chunk, gdn_chunk_ref
+from engine.model.gdn import select_rule
+from engine.ops import gdn
+from engine.ops.gdn import recurrent_gated_delta_rule
 from engine.plan import PALLAS, REFERENCE
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, rel_err
 from tests.test_kernels_gdn import _gdn_inputs
@@ -83,7 +84,7 @@ def test_gdn_chunk_with_the_inverse_kernel():
         _check_inverse_terms(args, dtype)
         for g_, r_ in zip(got, gdn_chunk_ref(*args)):
             assert_close(g_, r_, dtype)
-    for g_, w_ in zip(gdn.select_rule("chunk", PALLAS, 512)(*args), got):
+    for g_, w_ in zip(select_rule("chunk", PALLAS, 512)(*args), got):
         np.testing.assert_array_equal(g_, w_)
     q, k, v, g, beta, _ = args
     with pytest.raises(ValueError, match="ops"):
@@ -97,7 +98,7 @@ def test_lean_scan_with_128_step_chunks():
     got = gdn_chunk(*args, chunk_size=128)
     for g_, r_ in zip(got, gdn_chunk_ref(*args)):
         assert_close(g_, r_, jnp.float32)
-    rule = gdn.select_rule("chunk", PALLAS, 512)
+    rule = select_rule("chunk", PALLAS, 512)
     for g_, w_ in zip(rule(*args, chunk_size=128), got):
         np.testing.assert_array_equal(g_, w_)
 
@@ -121,16 +122,16 @@ def test_chunk_len_and_selection():
     assert [chunk_len(t) for t in (1, 3, 16, 17, 63, 64, 1000)] == [16, 16, 16, 32, 64, 64, 64]
     # the kernel is the prefill rule of gdn_prefill "pallas", fed every state-independent
     # term by XLA; gdn_prefill "xla" keeps the reference
-    rule = gdn.select_rule("chunk", PALLAS, 512)
+    rule = select_rule("chunk", PALLAS, 512)
     assert rule.bf16_operands and rule.__module__ == gdn_chunk.__module__
     args = _args(np.random.default_rng(1), 1, 40, 2, 4, 16, 16, jnp.float32, True)
     for got, want in zip(rule(*args), gdn_chunk(*args)):
         np.testing.assert_array_equal(got, want)
-    assert (gdn.select_rule("chunk", dataclasses.replace(PALLAS, gdn_prefill="xla"), 512)
+    assert (select_rule("chunk", dataclasses.replace(PALLAS, gdn_prefill="xla"), 512)
             is gdn.chunk_gated_delta_rule)
-    assert gdn.select_rule("chunk", PALLAS, 1) is gdn_recurrent
-    assert gdn.select_rule("chunk", REFERENCE, 512) is gdn.chunk_gated_delta_rule
-    assert gdn.select_rule("recurrent", PALLAS, 512) is gdn.recurrent_gated_delta_rule
+    assert select_rule("chunk", PALLAS, 1) is gdn_recurrent
+    assert select_rule("chunk", REFERENCE, 512) is gdn.chunk_gated_delta_rule
+    assert select_rule("recurrent", PALLAS, 512) is gdn.recurrent_gated_delta_rule
     # head dims that are not Triton tiles take the reference
     args = _args(np.random.default_rng(), 1, 5, 1, 2, 24, 16, jnp.float32, True)
     for got, want in zip(gdn_chunk(*args), gdn_chunk_ref(*args)):
@@ -174,10 +175,10 @@ def test_lean_scan_gpu_27b_heads_128_step_chunks():
 
 def test_model_prefill_pallas_equals_xla():
     """A ragged 40-token prefill through the model both ways: same logits and GDN states (the
-    chunked GDN layers take `gdn.select_rule`'s choice for the pallas plan)."""
-    from engine import model as M
-    from engine.config import TEST_SMALL
-    from engine.params import random_flat_params, stack_params
+    chunked GDN layers take `select_rule`'s choice for the pallas plan)."""
+    import engine.model.model as M
+    from engine.model.config import TEST_SMALL
+    from engine.model.params import random_flat_params, stack_params
 
     cfg, b, t = TEST_SMALL, 2, 40
     params = stack_params(random_flat_params(cfg, seed=5), cfg)
@@ -193,12 +194,12 @@ def test_model_prefill_pallas_equals_xla():
 def test_bf16_model_hands_the_kernel_bf16_operands(monkeypatch):
     """A bf16 model's GDN mixer gives the chunked kernel bf16 q, k, v (tensor-core dots); an
     fp32 model keeps fp32 operands (IEEE dots, the tests' precision)."""
-    from engine import layers
-    from engine.config import TEST_SMALL as cfg
-    from engine.params import random_flat_params
+    import engine.model.layers as layers
+    from engine.model.config import TEST_SMALL as cfg
+    from engine.model.params import random_flat_params
 
     seen = []
-    real = gdn.select_rule
+    real = select_rule
 
     def spy(mode, plan, t):
         rule = real(mode, plan, t)

@@ -1,5 +1,6 @@
-"""The int4_g64 GEMM for prefill pieces (engine/kernels/qgemm.py) against `quant.linear`, in
-the Pallas interpreter on CPU, lowered to Triton for CUDA, and compiled on the GPU (-m gpu)."""
+"""The int4_g64 GEMM for prefill pieces (engine/kernels/qgemm.py) against the model's `linear`
+(engine/model/linear.py), in the Pallas interpreter on CPU, lowered to Triton for CUDA, and
+compiled on the GPU (-m gpu)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import quant
 from engine.kernels import qgemm
+from engine.model.linear import linear
+from engine.ops import quant
 from engine.plan import PALLAS
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
 
@@ -39,7 +41,7 @@ def test_gemm_matches_linear_interpret(m):
     assert bn == 32 and gb == 2 and split * iters == 4 and (split > 1) == (m <= 64)
     got = qgemm.int4_matmul(x, w, interpret=True, config=cfg)
     assert got.shape == (1, m, 96) and got.dtype == jnp.float32
-    assert_close(got, quant.linear(x, w), jnp.float32)
+    assert_close(got, linear(x, w), jnp.float32)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -49,7 +51,7 @@ def test_gemm_16_bit_activations(dtype):
     x = jnp.asarray(rng.standard_normal((2, 24, 256)), dtype)
     got = qgemm.int4_matmul(x, w, interpret=True, config=qgemm.GemmConfig(bm=16, bn=32))
     assert got.dtype == dtype and got.shape == (2, 24, 64)
-    assert_close(got, quant.linear(x.astype(jnp.float32), _f32(w)), dtype)
+    assert_close(got, linear(x.astype(jnp.float32), _f32(w)), dtype)
 
 
 def test_gemm_reads_a_layer_of_a_stack_in_place():
@@ -60,7 +62,7 @@ def test_gemm_reads_a_layer_of_a_stack_in_place():
     for i in (0, 2):
         got = qgemm.int4_matmul(x, stack, jnp.asarray([i], jnp.int32), interpret=True,
                                 config=cfg)
-        assert_close(got, quant.linear(x, jax.tree.map(jnp.asarray, layers[i])), jnp.float32)
+        assert_close(got, linear(x, jax.tree.map(jnp.asarray, layers[i])), jnp.float32)
 
 
 def test_gemm_steps_by_the_groups_that_divide_k():
@@ -70,7 +72,7 @@ def test_gemm_steps_by_the_groups_that_divide_k():
     assert qgemm.plan(12, 64, 17408, qgemm.DEFAULT)[2] == 4  # the 27B's down_proj: 272 groups
     x = jnp.asarray(rng.standard_normal((12, 192)), jnp.float32)
     assert qgemm.takes(x, w)
-    assert_close(qgemm.int4_matmul(x, w, interpret=True), quant.linear(x, w), jnp.float32)
+    assert_close(qgemm.int4_matmul(x, w, interpret=True), linear(x, w), jnp.float32)
 
 
 def test_gemm_refuses_what_it_cannot_tile():
@@ -101,9 +103,9 @@ def test_gemm_gpu_27b_shapes(m, nk):
     w, _ = _weight(n, k, rng)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     got = qgemm.int4_matmul(x, w)
-    assert_close(got, quant.linear(x.astype(jnp.float32), _f32(w)), jnp.bfloat16)
-    # the model's path: quant.linear with a plan's int4_gemm_rows takes this kernel
-    np.testing.assert_array_equal(np.asarray(quant.linear(x, w, plan), np.float32),
+    assert_close(got, linear(x.astype(jnp.float32), _f32(w)), jnp.bfloat16)
+    # the model's path: linear with a plan's int4_gemm_rows takes this kernel
+    np.testing.assert_array_equal(np.asarray(linear(x, w, plan), np.float32),
                                   np.asarray(got, np.float32))
 
 
@@ -112,4 +114,4 @@ def test_gemm_leaves_non_power_of_two_columns_to_the_reference():
     w, _ = _weight(48, 128, rng)  # GDN's in_proj_b / in_proj_a are 48 x 5120
     x = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
     assert not qgemm.takes(x, w)
-    np.testing.assert_array_equal(qgemm.int4_matmul(x, w, interpret=True), quant.linear(x, w))
+    np.testing.assert_array_equal(qgemm.int4_matmul(x, w, interpret=True), linear(x, w))

@@ -1,5 +1,6 @@
-"""Weight-only GEMV kernel (engine/kernels/qgemv.py) against `quant.linear`, in the Pallas
-interpreter on CPU, lowered to Triton for CUDA, and compiled on the GPU (-m gpu)."""
+"""Weight-only GEMV kernel (engine/kernels/qgemv.py) against the model's `linear`
+(engine/model/linear.py), in the Pallas interpreter on CPU, lowered to Triton for CUDA, and
+compiled on the GPU (-m gpu)."""
 from __future__ import annotations
 
 import jax
@@ -7,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import quant
 from engine.kernels import qgemv
+from engine.model.linear import linear
+from engine.ops import quant
 from engine.plan import PALLAS
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
 
@@ -33,7 +35,7 @@ def test_gemv_matches_linear_interpret(fmt, rows, dot):
     cfg = qgemv.GemvConfig(bn=32, bk=128, programs=12, dot=dot)
     got = qgemv.qmatmul(x, w, interpret=True, config=cfg)
     assert got.shape == (rows, 1, 96) and got.dtype == jnp.float32
-    assert_close(got, quant.linear(x, w), jnp.float32)
+    assert_close(got, linear(x, w), jnp.float32)
 
 
 @pytest.mark.parametrize("fmt", ["int4_g64", "dense"])
@@ -43,7 +45,7 @@ def test_gemv_bf16_activations(fmt):
     x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
     got = qgemv.qmatmul(x, w, interpret=True)
     assert got.dtype == jnp.bfloat16
-    want = quant.linear(x.astype(jnp.float32), jax.tree.map(
+    want = linear(x.astype(jnp.float32), jax.tree.map(
         lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, w))
     assert_close(got, want, jnp.bfloat16)
 
@@ -52,11 +54,11 @@ def test_linear_pallas_option_and_fallback():
     rng = np.random.default_rng()
     w = _weight("int4_g64", 32, 128, rng)
     x1 = jnp.asarray(rng.standard_normal((1, 1, 128)), jnp.float32)
-    assert_close(quant.linear(x1, w, PALLAS), quant.linear(x1, w), jnp.float32)
+    assert_close(linear(x1, w, PALLAS), linear(x1, w), jnp.float32)
     # Prefill-sized x is not GEMV work: the reference path, bit for bit.
     xt = jnp.asarray(rng.standard_normal((1, 16, 128)), jnp.float32)
     assert not qgemv.supported(xt, w)
-    np.testing.assert_array_equal(quant.linear(xt, w, PALLAS), quant.linear(xt, w))
+    np.testing.assert_array_equal(linear(xt, w, PALLAS), linear(xt, w))
 
 
 @pytest.mark.parametrize("fmt", ["int4_g64", "dense"])
@@ -67,7 +69,7 @@ def test_gemv_reads_a_layer_of_a_stack_in_place(fmt):
     x = jnp.asarray(rng.standard_normal((1, 256)), jnp.float32)
     for i in (0, 2):
         got = qgemv.qmatmul(x, stack, jnp.asarray([i], jnp.int32), interpret=True)
-        assert_close(got, quant.linear(x, layers[i]), jnp.float32)
+        assert_close(got, linear(x, layers[i]), jnp.float32)
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model as M
-from engine import paged_kv as pk
-from engine.config import TEST_SMALL
-from engine.params import random_flat_params, stack_params
+import engine.model.model as M
+from engine.model.config import TEST_SMALL
+from engine.model.params import random_flat_params, stack_params
+from engine.ops import paged_kv as pk
+from engine.ops.quant import quantize
 from engine.plan import PALLAS, REFERENCE, PlanError
-from engine.quant import quantize
 from tests.kernel_checks import assert_close
 
 

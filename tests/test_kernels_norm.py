@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model as M
-from engine.config import TEST_SMALL
 from engine.kernels import norm_sums as N
-from engine.params import random_flat_params, stack_params
+import engine.model.model as M
+from engine.model.config import TEST_SMALL
+from engine.model.params import random_flat_params, stack_params
 from engine.plan import PALLAS
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu
 

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import model as M
-from engine import paged_kv as pk
-from engine.config import TEST_SMALL
 from engine.kernels.paged_prefill import paged_prefill_attend, paged_prefill_attend_ref
-from engine.params import random_flat_params, stack_params
+import engine.model.model as M
+from engine.model.config import TEST_SMALL
+from engine.model.params import random_flat_params, stack_params
+from engine.ops import paged_kv as pk
 from engine.plan import PALLAS, REFERENCE
 from tests.kernel_checks import assert_close, lowers_for_cuda, on_gpu, random_pool
 

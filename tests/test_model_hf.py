@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import TEST_SMALL
-from engine.hf_config import model_config_from_hf
-from engine.model import init_cache, jit_forward, stack_params
+from engine.io.hf_config import model_config_from_hf
+from engine.model.config import TEST_SMALL
+from engine.model.model import init_cache, jit_forward, stack_params
 
 jax.config.update("jax_enable_x64", False)
 transformers = pytest.importorskip("transformers")

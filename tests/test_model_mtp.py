@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.config import TEST_SMALL, ConfigError
-from engine.model import init_cache, jit_forward, jit_mtp_forward, mtp_forward
-from engine.params import random_flat_params, stack_params
-from engine.quant import INT8_ROW, QTensor, dequantize_np, quantize
+from engine.model.config import TEST_SMALL, ConfigError
+from engine.model.model import init_cache, jit_forward, jit_mtp_forward, mtp_forward
+from engine.model.params import random_flat_params, stack_params
+from engine.ops.quant import INT8_ROW, QTensor, dequantize_np, quantize
 
 CFG = dataclasses.replace(TEST_SMALL, name="test-small-mtp", mtp_layers=1)
 TOL = 1e-5

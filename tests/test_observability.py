@@ -201,7 +201,7 @@ def test_a_bad_stats_read_never_fails_a_scrape(bad):
 def test_pool_gauges_from_a_real_memory():
     import jax.numpy as jnp
 
-    from engine.config import TEST_SMALL
+    from engine.model.config import TEST_SMALL
     from engine.runtime.memory import Memory
 
     mem = Memory(TEST_SMALL, batch=1, context_tokens=128, capacity_tokens=128,

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.chat import default_chat_template, render_chat
+from engine.text.chat import default_chat_template, render_chat
 from server.errors import APIError
 from server.output_items import OutputAssembler, split_token_ids
 from server.request_model import items_to_messages, parse_response_request

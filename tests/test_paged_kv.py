@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.config import QWEN38_27B, TEST_SMALL, ConfigError
-from engine.model import (init_cache, init_paged_cache, jit_forward, jit_mtp_forward,
-                          stack_params)
-from engine.paged_kv import (PAGE_SIZE, PagedKV, copy_pages, dequantize_kv, init_kv_pool,
-                             kv_bytes_per_token, kv_pages_needed, paged_write_attend,
-                             quantize_kv)
-from engine.params import random_flat_params
+from engine.model.config import QWEN38_27B, TEST_SMALL, ConfigError
+from engine.model.model import (init_cache, init_paged_cache, jit_forward, jit_mtp_forward,
+                                stack_params)
+from engine.model.paged_kv import paged_write_attend
+from engine.model.params import random_flat_params
+from engine.ops.paged_kv import (PAGE_SIZE, PagedKV, copy_pages, dequantize_kv, init_kv_pool,
+                                 kv_bytes_per_token, kv_pages_needed, quantize_kv)
 from engine.plan import PALLAS
 
 CFG = dataclasses.replace(TEST_SMALL, name="test-small-mtp", mtp_layers=1)
@@ -326,8 +326,8 @@ def test_attend_blocks_matches_one_softmax_and_ignores_other_rows(kv_dtype):
     """The blocked online softmax against one softmax over the gathered slots (`attend`), with
     rows of very different lengths, slot_offset > 0 and a step that sees nothing; a row's result
     is bitwise the same beside a short or a long neighbour."""
-    from engine.attention import attend
-    from engine.paged_kv import BLOCK_PAGES, _load, attend_blocks
+    from engine.model.attention import attend
+    from engine.ops.paged_kv import BLOCK_PAGES, _load, attend_blocks
     from tests.kernel_checks import random_pool
 
     rng = np.random.default_rng(5)

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from engine.config import TEST_SMALL
-from engine.params import ParamError, random_flat_params, stack_params, unstack_layer
+from engine.model.config import TEST_SMALL
+from engine.model.params import ParamError, random_flat_params, stack_params, unstack_layer
 
 CFG = dataclasses.replace(TEST_SMALL, name="p", num_layers=8, full_attention_interval=4,
                           mtp_layers=1)
@@ -84,7 +84,7 @@ def test_opaque_weight_pytrees_are_stacked_leafwise(flat):
 def test_put_gets_each_leaf_once_and_builds_the_same_tree(flat):
     """With `put`, host tensors arrive as HostStacks (built with one copy of each byte, the GDN
     blocks' double stack included) and plain host arrays; the tree is the default one."""
-    from engine.params import HostStack, host_leaf
+    from engine.model.params import HostStack, host_leaf
 
     seen = []
 

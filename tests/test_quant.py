@@ -7,10 +7,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from engine import quant
-from engine.quant import (ERROR_BOUNDS, FP8_ROW, INT4_G64, INT8_ROW, QUANT_FORMATS, QTensor,
-                          QuantError, dequantize, dequantize_np, embedding_lookup, linear,
-                          quantize)
+from engine.ops import quant
+from engine.ops.quant import (ERROR_BOUNDS, FP8_ROW, INT4_G64, INT8_ROW, QUANT_FORMATS, QTensor,
+                              QuantError, dequantize, dequantize_np, embedding_lookup,
+                              linear_ref, quantize)
 
 
 def _close(got, want):
@@ -136,9 +136,9 @@ def test_int4_dequantize_to_16_bits_rounds_the_fp32_values_once(stacked):
     hlo = jax.jit(dequantize, static_argnums=1).lower(q, jnp.bfloat16).as_text()
     assert "concatenate" not in hlo and "bitcast_convert" in hlo
     x = jnp.asarray(_gauss((3, 256), seed=12)).astype(jnp.bfloat16)
-    if not stacked:  # linear() on bf16 x multiplies by exactly those bf16 weights
+    if not stacked:  # linear_ref() on bf16 x multiplies by exactly those bf16 weights
         w = jnp.asarray(dequantize_np(q)).astype(jnp.bfloat16)
-        np.testing.assert_array_equal(np.asarray(linear(x, q)),
+        np.testing.assert_array_equal(np.asarray(linear_ref(x, q)),
                                       np.asarray(jnp.einsum("...i,oi->...o", x, w)))
 
 
@@ -155,10 +155,11 @@ def test_linear_equals_matmul_with_dequantized_weight(fmt):
     q = quantize(_gauss((48, 128), seed=4), fmt)
     x = jnp.asarray(_gauss((2, 5, 128), seed=5))
     # exactly the dense path on the dequantized weight; x @ w.T up to summation order
-    np.testing.assert_array_equal(np.asarray(linear(x, q)), np.asarray(linear(x, dequantize(q))))
+    np.testing.assert_array_equal(np.asarray(linear_ref(x, q)),
+                                  np.asarray(linear_ref(x, dequantize(q))))
     want = x @ dequantize(q).T
-    _close(linear(x, q), want)
-    got = jax.jit(linear)(x, jax.device_put(q))
+    _close(linear_ref(x, q), want)
+    got = jax.jit(linear_ref)(x, jax.device_put(q))
     # under jit XLA may fuse the dequantize into the dot and reassociate: equal to rounding
     _close(got, want)
 
@@ -166,9 +167,9 @@ def test_linear_equals_matmul_with_dequantized_weight(fmt):
 def test_linear_dense_behaviour_unchanged():
     w = _gauss((16, 32), seed=6)
     x = jnp.asarray(_gauss((3, 32), seed=7))
-    np.testing.assert_array_equal(np.asarray(linear(x, jnp.asarray(w))),
+    np.testing.assert_array_equal(np.asarray(linear_ref(x, jnp.asarray(w))),
                                   np.asarray(jnp.einsum("...i,oi->...o", x, w)))
-    assert linear(x.astype(jnp.bfloat16), w).dtype == jnp.bfloat16
+    assert linear_ref(x.astype(jnp.bfloat16), w).dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
@@ -183,11 +184,11 @@ def test_stacked_qtensors_tree_map_and_scan(fmt):
     x = jnp.asarray(_gauss((4, 64), seed=20))
 
     def body(h, w):
-        return h, linear(h, w)  # scan slices the leading axis: w is an unstacked QTensor
+        return h, linear_ref(h, w)  # scan slices the leading axis: w is an unstacked QTensor
 
     _, ys = jax.jit(lambda x, s: jax.lax.scan(body, x, s))(x, stacked)
     for i, q in enumerate(layers):
-        _close(ys[i], linear(x, q))
+        _close(ys[i], linear_ref(x, q))
     leaves, treedef = jax.tree.flatten(stacked)
     assert len(leaves) == 2 and jax.tree.unflatten(treedef, leaves).fmt == fmt
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.config import QWEN38_27B, TEST_SMALL
+from engine.model.config import QWEN38_27B, TEST_SMALL
 from engine.runtime import state_copy
 from engine.runtime.retention import (BASE_WEIGHT, Role, retention_score, retention_weight)
 from engine.runtime.states import StatePool, StatePoolError, Tier, state_image_bytes

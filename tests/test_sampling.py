@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import sampling
-from engine.sampling import (Paths, SamplingParams, batch_arrays, batch_paths, request_key,
-                             sample, step_key)
+from engine.runtime import sampling
+from engine.runtime.sampling import (Paths, SamplingParams, batch_arrays, batch_paths, request_key,
+                                     sample, step_key)
 
 V = 1000
 

@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.synth_artifact import expected_bytes, synth_artifact  # noqa: E402
-from engine.artifact import open_artifact  # noqa: E402
-from engine.quant import INT4_G64, QTensor  # noqa: E402
+from engine.io.artifact import open_artifact  # noqa: E402
+from engine.ops.quant import INT4_G64, QTensor  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_layout_identity_and_determinism(tiny_int4, tmp_path):
                       for p in e["parts"].values())
         assert payload == expected_bytes(cfg, "int4_g64")
     # Same seed, same bytes, whichever writer: the parallel one (the fixture's, the default)
-    # writes exactly what engine.artifact.write_artifact writes.
+    # writes exactly what engine.io.artifact.write_artifact writes.
     assert tiny_int4["writer"] == "parallel"
     again = synth_artifact(tmp_path / "again.ninfer", "tiny", "int4_g64", seed=3,
                            writer="engine")
@@ -53,7 +53,7 @@ def test_bf16_format(tmp_path):
 
 
 def test_loads_with_the_loader_and_generates(tiny_int4):
-    from engine.loader import load_model
+    from engine.io.loader import load_model
 
     model = load_model(Path(tiny_int4["path"]), expected_sha256=tiny_int4["sha256"])
     assert model.sha256 == tiny_int4["sha256"] and model.model_id == "tiny"
@@ -71,8 +71,8 @@ def test_loader_puts_every_layer_exactly(tiny_int4, compute):
     artifact's tensor, int4 codes and scales bit for bit, dense ones in the compute dtype."""
     import jax
 
-    from engine.loader import load_model
-    from engine.params import unstack_layer
+    from engine.io.loader import load_model
+    from engine.model.params import unstack_layer
 
     path = Path(tiny_int4["path"])
     model = load_model(path, compute_dtype=compute)

@@ -12,8 +12,8 @@ import tiktoken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import tokenizer as T
-from engine.chat import default_chat_template, render_chat
+from engine.text import tokenizer as T
+from engine.text.chat import default_chat_template, render_chat
 
 # Pinned: the artifact embeds this exact file. A change here is a change of every artifact's hash.
 EXPECTED_SHA256 = "f8abfaee710a96bbea9700338241cffd2ae23a30f1950d16ceb3864f6c237008"

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.toolcall import (ParseResult, StreamingToolParser, TextDelta, ToolCallArgsDelta,
-                             ToolCallEnd, ToolCallStart, parse_tool_calls)
+from engine.text.toolcall import (ParseResult, StreamingToolParser, TextDelta, ToolCallArgsDelta,
+                                  ToolCallEnd, ToolCallStart, parse_tool_calls)
 
 SCHEMA = {
     "type": "object",

@@ -22,9 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.config import preset  # noqa: E402
-from engine.model import FORWARD_STATIC, forward, init_cache  # noqa: E402
-from engine.params import random_flat_params, stack_params  # noqa: E402
+from engine.model.config import preset  # noqa: E402
+from engine.model.model import FORWARD_STATIC, forward, init_cache  # noqa: E402
+from engine.model.params import random_flat_params, stack_params  # noqa: E402
 from engine.plan import REFERENCE  # noqa: E402
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import llguidance as llg
 import numpy as np
 
-from engine.constrain import grammar as G
 from engine.constrain.constraint import Constraint, plan_close_out
-from engine.tokenizer import SPECIAL_START_ID, Tokenizer
+import engine.constrain.grammar as G
+from engine.text.tokenizer import SPECIAL_START_ID, Tokenizer
 
 ConstraintError = G.ConstraintError
 

@@ -2,7 +2,7 @@ r"""Request -> the grammar of the text after thinking (llguidance Lark), or None
 
 Pure functions over the request's fields; nothing here touches a tokenizer.
 
-Tool calls follow the chat template's layout exactly, which is what engine/toolcall.py parses:
+Tool calls follow the chat template's layout exactly, which is what engine/text/toolcall.py parses:
 
     <tool_call>                 the special token 248058, never its spelling in plain text
     <function=NAME>
@@ -14,7 +14,7 @@ Tool calls follow the chat template's layout exactly, which is what engine/toolc
 
 Parameters come in the schema's declared order: each required one once, each optional one at
 most once, no other key (so `required` and `additionalProperties: false` hold). A parameter
-whose schema allows a string is written raw (engine/toolargs.py reads it as a string); raw text
+whose schema allows a string is written raw (engine/text/toolargs.py reads it as a string); raw text
 never contains `</parameter>` or `<parameter=`, so the parser's first `</parameter>` is the
 close. Any other parameter is JSON constrained by its own schema (`%json`), which toolargs
 converts back exactly. Several calls are separated by one newline, as the template renders them.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 
-from engine.toolargs import json_type
+from engine.text.toolargs import json_type
 
 TOOL_CALL_ID = 248058
 TOOL_CALL_END_ID = 248059

@@ -1,13 +1,15 @@
 """Pallas kernels (Triton backend), each beside a pure-JAX reference with the same signature.
 
-The model picks each implementation by its kernel plan (engine/plan.py). Every kernel wrapper
-takes `interpret=None`:
+The model picks each implementation by its kernel plan (engine/plan.py). A kernel module imports
+only the references and formats of engine/ops/, engine/plan.py and other kernels, never the
+model (tests/test_import_graph.py). Every kernel wrapper takes `interpret=None`:
 None runs the Pallas interpreter on a non-GPU backend (how the CPU tests check the kernels) and
 the compiled Triton kernel on a GPU. Triton, not Mosaic GPU: Triton Pallas calls survive
 `jax.export` across JAX versions (REFERENCE section 9).
 
-Modules (kernel; reference):
-- `qgemv`: weight-only GEMV for decode, int4_g64 / int8_row / fp8_row / dense; `quant.linear`.
+Modules (kernel; reference, in engine/ops/ unless named here):
+- `qgemv`: weight-only GEMV for decode, int4_g64 / int8_row / fp8_row / dense;
+  `quant.linear_ref`.
 - `paged_decode`: paged attention decode over bf16/f32/int8 KV; the gather in `paged_kv`.
 - `paged_prefill`: paged attention for a prefill chunk (T > 1) over bf16/f32/int8 KV, GQA
   heads packed into the tile rows; the gather in `paged_kv`.
@@ -15,7 +17,7 @@ Modules (kernel; reference):
   `gdn.recurrent_gated_delta_rule`.
 - `gdn_decode_fused`: a GDN layer's whole decode step after its projections (conv, norms,
   gates, recurrent step, gated norm) in one kernel (a plan's gdn_decode "fused");
-  `layers.gdn_core`.
+  `gdn.gdn_core`.
 - `gdn_prefill`: chunked (WY/UT) gated delta rule for prefill, state in and out;
   `gdn.chunk_gated_delta_rule`.
 - `gdn_inverse`: the UT transform's diagonal-block inverses in one launch;

@@ -15,6 +15,9 @@ shape, `paged_decode.check_merge`).
 `attention.attention_mixer`, `cuda_ops.group_sums`). A plan's attn_merge sends a decode step's
 attention layers here (with the prep kernel, `attn_prep`); no preset does: measured on the H200
 within the runs' spread of the default path (C2 +0.8% at 1K, -1.4% at 32K).
+
+`paged_attend_gated` is the paged decode kernel (`paged_decode`'s partials) followed by this one:
+the gated decode attention the model calls.
 """
 from __future__ import annotations
 
@@ -27,7 +30,10 @@ from jax.experimental import pallas as pl
 
 from engine.kernels import resolve_interpret, triton_params
 from engine.kernels.cuda_ops import group_sums
-from engine.quant import GROUP
+from engine.kernels.paged_decode import (_ROWS, _STATIC, TILE_ROWS, _merge, _partials,
+                                         _settings)
+from engine.ops.paged_kv import KVPool
+from engine.ops.quant import GROUP
 
 TILE = 128  # output columns a program (two groups of 64)
 
@@ -36,8 +42,6 @@ def takes(cfg) -> bool:
     """Whether a model's attention layers fit the kernel: a head's columns split into its
     tiles (a power of two, at least one group of 64) and a KV head's query heads fit the paged
     kernel's tile (`paged_decode.TILE_ROWS`)."""
-    from engine.kernels.paged_decode import TILE_ROWS
-
     hd = cfg.head_dim
     return (hd % GROUP == 0 and hd & (hd - 1) == 0
             and cfg.num_heads // cfg.num_kv_heads <= TILE_ROWS)
@@ -56,8 +60,6 @@ def merge_gate_sums_ref(acc, m, l, gate, out_dtype):
     heads a KV head serves), gate [B, nh hd] (nh = kvh r, head h = g r + i) -> (y [B, nh hd]
     in out_dtype, its group sums [B, nh hd / 64] fp32): the merged attention rounded to
     out_dtype, times sigmoid(gate) rounded to out_dtype."""
-    from engine.kernels.paged_decode import _merge
-
     b, _, kvh, _, hd = acc.shape
     r = gate.shape[-1] // (kvh * hd)
     out = _merge(acc, m, l)[:, :, :r].reshape(b, kvh * r * hd).astype(out_dtype)
@@ -153,3 +155,44 @@ def _merge_gate(acc, m, l, last, gate_src, *, heads, page, max_pages, gate_at, g
         interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, 1),
         name="attn_merge")(last.astype(jnp.int32), acc, m, l, gate_src)
+
+
+def paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, gate_at: int,
+                       gate_stride: int, slot_offset: int = 0, *, heads: int | None = None,
+                       interpret: bool | None = None, programs: int | None = None,
+                       num_warps: int | None = None, num_stages: int | None = None,
+                       unroll: int | None = None):
+    """`paged_decode.paged_attend` with the attention layer's tail: the splits merged, the
+    output gated by sigmoid of head h's gate at columns [gate_at + h gate_stride, + hd) of
+    gate_src [B, P], and the group sums of the result, in this module's kernel after the paged
+    one. heads: q is already the kernel's tile [B, kvh,
+    TILE_ROWS, hd] holding this many heads (the prep kernel's `pad`), else q is [B, 1, nh,
+    hd]. Returns (y [B, 1, heads hd] in q.dtype, sums [B, 1, heads hd / 64] fp32)."""
+    if heads is not None and (q.ndim != 4 or q.shape[1] != pool.k.shape[3]
+                              or q.shape[2] != _ROWS or heads % q.shape[1]
+                              or heads // q.shape[1] > _ROWS):
+        raise ValueError(f"paged_attend_gated: a padded q must be [B, kvh {pool.k.shape[3]}, "
+                         f"{_ROWS}, hd] holding {heads} heads, got {q.shape}")
+    return _paged_attend_gated(pool, table, layer, q, last_slot, gate_src, slot_offset,
+                               gate_at=int(gate_at), gate_stride=int(gate_stride),
+                               heads=None if heads is None else int(heads),
+                               interpret=interpret, **_settings(pool, programs, num_warps,
+                                                                num_stages, unroll))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("gate_at", "gate_stride", "heads"))
+def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot_offset: int,
+                        *, gate_at: int, gate_stride: int, heads: int | None,
+                        interpret: bool | None, programs: int, num_warps: int,
+                        num_stages: int, unroll: int):
+    nh = heads if heads is not None else q.shape[2]  # heads: q is already the kernel's tile
+    if nh // pool.k.shape[3] > _ROWS:
+        raise ValueError(f"paged_attend_gated: {nh} heads on {pool.k.shape[3]} KV heads "
+                         f"exceed the kernel's {_ROWS} rows (`attn_merge.takes`)")
+    acc, m, l = _partials(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
+                          programs=programs, num_warps=num_warps, num_stages=num_stages,
+                          unroll=unroll, padded=heads is not None)
+    y, sums = merge_gate_sums(acc, m, l, last_slot, gate_src, heads=nh, page=pool.page_size,
+                              max_pages=table.shape[1], gate_at=gate_at,
+                              gate_stride=gate_stride, out_dtype=q.dtype, interpret=interpret)
+    return y[:, None], sums[:, None]

@@ -42,9 +42,9 @@ def takes(cfg, pool, x) -> bool:
 def prep_ref(cfg, qkv, qn, kn, pool, table, positions, valid, layer, slot_offset=0):
     """The model's ops: (q [B, 1, nh, hd] normed and rotated, the pool with this step's K/V
     written). qkv [B, 1, nh 2 hd + 2 kvh hd]; qn, kn [hd]."""
-    from engine.attention import apply_rope, rope_tables
-    from engine.norms import rms_norm
-    from engine.paged_kv import write_pool
+    from engine.ops.attention import apply_rope, rope_tables
+    from engine.ops.norms import rms_norm
+    from engine.ops.paged_kv import write_pool
 
     b = qkv.shape[0]
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -142,8 +142,8 @@ def attn_prep(cfg, qkv, qn, kn, pool, table, positions, valid, layer, slot_offse
                                              "pad"))
 def _prep(cfg, qkv, qs, ks, pool, table, positions, valid, at, *, slot_offset, interpret,
           num_warps, pad=0):
-    from engine.attention import inv_freq
-    from engine.paged_kv import KVPool
+    from engine.ops.attention import inv_freq
+    from engine.ops.paged_kv import KVPool
 
     b = qkv.shape[0]
     nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -4,7 +4,7 @@
 Triton version is instruction-bound near 1.1 TB/s (docs/benchmarks/README.md, v3); the CUDA one
 dequantizes with one logic op per code. Same signature and result as `qgemv.qmatmul` for int4
 weights (x [..., K], a QTensor or a stack of them read at `index`), checked against the same
-reference (`quant.linear`) by the GPU tests.
+reference (`ops.quant.linear_ref`) by the GPU tests.
 
 The shared library is compiled from the source with the machine's `nvcc` (`NVCC`, else the
 PATH's, else /usr/local/cuda/bin/nvcc) for the kernel plan's architecture and flags
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.quant import GROUP, INT4_G64, QTensor
+from engine.ops.quant import GROUP, INT4_G64, QTensor
 
 log = logging.getLogger("ninfer.cuda_ops")
 
@@ -187,7 +187,7 @@ def worthwhile(mats) -> bool:
 
 
 def takes(x, mats, lead: int = 0) -> bool:
-    """The one decision `qgemv.qmatmul` and `quant.linear_multi` share: x @ each of `mats`
+    """The one decision `qgemv.qmatmul` and `model.linear.linear_multi` share: x @ each of `mats`
     (int4_g64, `lead` stack dims) runs here, in one launch: shapes supported and enough rows
     to be faster (a property of the shapes; whether the op runs at all is the plan's)."""
     return (1 <= len(mats) <= MAX_MATS and all(supported(x, w, lead) for w in mats)

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.attention import attend
 from engine.kernels import resolve_interpret, triton_params
+from engine.ops.attention import attend
 
 
 def flash_attend_ref(k_cache, v_cache, layer, q, positions, **_):

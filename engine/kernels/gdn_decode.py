@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.gdn import recurrent_gated_delta_rule
 from engine.kernels import resolve_interpret, triton_params
+from engine.ops.gdn import recurrent_gated_delta_rule
 
 gdn_recurrent_ref = recurrent_gated_delta_rule
 

@@ -8,13 +8,13 @@ Here all of it is one Pallas call per layer: program (row, value head) reads its
 h // r) and v channels with their conv windows, applies the conv, SiLU and norms in registers,
 steps its [Dk, Dv] state once and writes the normed, gated output head.
 
-Decode only (T == 1): the reference for any T is `engine.layers.gdn_core`, which this matches
-(same signature and result; `gdn_decode_fused_ref` names it for the tests). The conv state is
-not aliased: the r value-head programs of a key head all read its q/k window, and the first of
-them writes the shifted one, so the new state goes to a fresh buffer (B x conv_dim x (W - 1),
-a few hundred KB), or into a second stack of every layer's states at the layer's index
-(`conv_out`: a plan's gdn_conv_write "swap"; copy or swap, the same bits). The recurrent state is
-aliased: each program owns its head.
+Decode only (T == 1): the reference for any T is `engine.ops.gdn.gdn_core` with a reference
+rule, which this matches (`gdn_decode_fused_ref`, with this kernel's signature, for the tests).
+The conv state is not aliased: the r value-head programs of a key head all read its q/k window,
+and the first of them writes the shifted one, so the new state goes to a fresh buffer (B x
+conv_dim x (W - 1), a few hundred KB), or into a second stack of every layer's states at the
+layer's index (`conv_out`: a plan's gdn_conv_write "swap"; copy or swap, the same bits). The
+recurrent state is aliased: each program owns its head.
 
 The kernel (`gdn_decode_fused_rows`) takes the layer's input projections as the one GEMV launch
 writes them, side by side in one row, and its parameters and states as [L, ...] stacks read at
@@ -25,18 +25,28 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.config import ModelConfig
 from engine.kernels import resolve_interpret, triton_params
-from engine.layers import gdn_core
-from engine.norms import gated_rms_norm
+from engine.ops.gdn import GDN_RULES, gdn_core
+from engine.ops.norms import gated_rms_norm
 
-gdn_decode_fused_ref = gdn_core
+if TYPE_CHECKING:
+    from engine.model.config import ModelConfig
+
+
+def gdn_decode_fused_ref(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state,
+                         lengths, valid, mode: str, plan, out_dtype):
+    """The reference: `ops.gdn.gdn_core` with the reference rule `mode` names; the arguments of
+    `gdn_decode_fused` (plan is accepted for them: the reference takes no kernel)."""
+    del plan
+    return gdn_core(p, cfg, qkv, z, b_in, a_in, conv_state, rec_state, lengths, valid,
+                    GDN_RULES[mode], out_dtype)
 
 
 def _silu(x):
@@ -117,8 +127,9 @@ def _kernel(idx_ref, len_ref, proj_ref, w_ref, cs_ref, alog_ref, dtb_ref, nw_ref
 def gdn_decode_fused(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths,
                      valid, mode: str, plan, out_dtype, *, interpret: bool | None = None,
                      num_warps: int = 8, split: int = 1):
-    """`engine.layers.gdn_core` for T == 1 as one Pallas kernel; same arguments and result
-    (mode/plan are accepted for the signature: one step is the recurrent rule either way).
+    """`gdn_decode_fused_ref` (`engine.ops.gdn.gdn_core`) for T == 1 as one Pallas kernel; same
+    arguments and result (mode/plan are accepted for the signature: one step is the recurrent
+    rule either way).
     A program holds a whole [Dk, Dv] fp32 state (64 KB at the 27B heads): 8 warps keep it at
     64 values a thread. The one-layer case of `gdn_decode_fused_stacked`."""
     del mode, plan, valid  # T == 1: a row is valid iff its length is > 0

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.gdn import diag_block_inverse
 from engine.kernels import resolve_interpret, triton_params
+from engine.ops.gdn import diag_block_inverse
 
 diag_inverse_ref = diag_block_inverse
 

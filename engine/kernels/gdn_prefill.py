@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.gdn import chunk_gated_delta_rule, chunk_intra
 from engine.kernels import resolve_interpret, triton_params
 from engine.kernels.gdn_inverse import diag_inverse
+from engine.ops.gdn import chunk_gated_delta_rule, chunk_intra
 
 gdn_chunk_ref = chunk_gated_delta_rule
 
@@ -131,10 +131,10 @@ def gdn_chunk(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
 
 def gdn_chunk_bf16_operands(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
                             scale: float | None = None):
-    """`gdn_chunk` as the model's prefill rule (`gdn.select_rule`): it carries the mark that
-    tells a bf16 model's GDN mixer to hand it bf16 q, k, v (engine/layers.py). The scan
-    kernel with value tiles of 64 columns, 4 warps and 2 pipeline stages (the fastest of 8/1,
-    8/2, 8/3 and 4/2 at 8K and 32K tokens, H200 docs/benchmarks)."""
+    """`gdn_chunk` as the model's prefill rule (`model.gdn.select_rule`): it carries the mark
+    that tells a bf16 model's GDN step to hand it bf16 q, k, v (engine/ops/gdn.py `gdn_core`).
+    The scan kernel with value tiles of 64 columns, 4 warps and 2 pipeline stages (the fastest
+    of 8/1, 8/2, 8/3 and 4/2 at 8K and 32K tokens, H200 docs/benchmarks)."""
     return gdn_chunk(q, k, v, g, beta, initial_state, chunk_size, scale, bv=64,
                      num_warps=4, num_stages=2)
 

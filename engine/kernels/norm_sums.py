@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 
 from engine.kernels import resolve_interpret, triton_params
 from engine.kernels.cuda_ops import group_sums
-from engine.norms import gated_rms_norm, rms_norm
-from engine.quant import GROUP
+from engine.ops.norms import gated_rms_norm, rms_norm
+from engine.ops.quant import GROUP
 
 MAX_ROWS = 4  # a decode step's rows (the wide GEMV's limit)
 

@@ -1,4 +1,4 @@
-"""Paged attention decode (one query token per row) over the KV pool of engine/paged_kv.py.
+"""Paged attention decode (one query token per row) over the KV pool of engine/ops/paged_kv.py.
 
 Flash-decoding: the grid is (row, kv head, split); each program walks its share of the row's
 pages through the block table, one page (64 tokens x head_dim, contiguous per token) per loop
@@ -27,7 +27,9 @@ The split of a row's pages (programs) must not depend on the batch size: it
 orders the softmax merge (batch invariance).
 
 `paged_attend` takes what `paged_write_attend` gives `attention.attend` (after the write) and
-returns the same [B, 1, heads, head_dim]; `paged_attend_ref` is that reference path.
+returns the same [B, 1, heads, head_dim]; `paged_attend_ref` is that reference path. The gated
+variant, this kernel's partials merged by the attention tail kernel, is
+`attn_merge.paged_attend_gated`.
 """
 from __future__ import annotations
 
@@ -38,12 +40,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.attention import attend
 from engine.kernels import resolve_interpret, triton_params
-from engine.paged_kv import KVPool, _load
+from engine.ops.attention import attend
+from engine.ops.paged_kv import KVPool, _load
 
 _ROWS = 16  # minimum M of a Triton dot: the query-head group is padded to it
-TILE_ROWS = _ROWS  # q's rows a KV head as the kernel takes them (`paged_attend_gated` heads=)
+TILE_ROWS = _ROWS  # q's rows a KV head as the kernel takes them
+# (`attn_merge.paged_attend_gated` heads=)
 
 
 def paged_attend_ref(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0, **_):
@@ -191,29 +194,6 @@ def paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int = 0,
                                                   unroll))
 
 
-def paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, gate_at: int,
-                       gate_stride: int, slot_offset: int = 0, *, heads: int | None = None,
-                       interpret: bool | None = None, programs: int | None = None,
-                       num_warps: int | None = None, num_stages: int | None = None,
-                       unroll: int | None = None):
-    """`paged_attend` with the attention layer's tail: the splits merged, the output gated by
-    sigmoid of head h's gate at columns [gate_at + h gate_stride, + hd) of gate_src [B, P],
-    and the group sums of the result, in one kernel after the paged one
-    (engine/kernels/attn_merge.py). heads: q is already the kernel's tile [B, kvh,
-    TILE_ROWS, hd] holding this many heads (the prep kernel's `pad`), else q is [B, 1, nh,
-    hd]. Returns (y [B, 1, heads hd] in q.dtype, sums [B, 1, heads hd / 64] fp32)."""
-    if heads is not None and (q.ndim != 4 or q.shape[1] != pool.k.shape[3]
-                              or q.shape[2] != _ROWS or heads % q.shape[1]
-                              or heads // q.shape[1] > _ROWS):
-        raise ValueError(f"paged_attend_gated: a padded q must be [B, kvh {pool.k.shape[3]}, "
-                         f"{_ROWS}, hd] holding {heads} heads, got {q.shape}")
-    return _paged_attend_gated(pool, table, layer, q, last_slot, gate_src, slot_offset,
-                               gate_at=int(gate_at), gate_stride=int(gate_stride),
-                               heads=None if heads is None else int(heads),
-                               interpret=interpret, **_settings(pool, programs, num_warps,
-                                                                num_stages, unroll))
-
-
 _STATIC = ("slot_offset", "interpret", "programs", "num_warps", "num_stages", "unroll")
 
 
@@ -233,26 +213,6 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
     # reducing row by row did not fix it, v26a); "chain" fixes the order (`_merge_chain`).
     out = _merge_chain(acc, m, l) if merge == "chain" else _merge(acc, m, l)
     return out[:, :, :r].reshape(b, 1, nh, hd).astype(q.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC + ("gate_at", "gate_stride", "heads"))
-def _paged_attend_gated(pool: KVPool, table, layer, q, last_slot, gate_src, slot_offset: int,
-                        *, gate_at: int, gate_stride: int, heads: int | None,
-                        interpret: bool | None, programs: int, num_warps: int,
-                        num_stages: int, unroll: int):
-    from engine.kernels.attn_merge import merge_gate_sums
-
-    nh = heads if heads is not None else q.shape[2]  # heads: q is already the kernel's tile
-    if nh // pool.k.shape[3] > _ROWS:
-        raise ValueError(f"paged_attend_gated: {nh} heads on {pool.k.shape[3]} KV heads "
-                         f"exceed the kernel's {_ROWS} rows (`attn_merge.takes`)")
-    acc, m, l = _partials(pool, table, layer, q, last_slot, slot_offset, interpret=interpret,
-                          programs=programs, num_warps=num_warps, num_stages=num_stages,
-                          unroll=unroll, padded=heads is not None)
-    y, sums = merge_gate_sums(acc, m, l, last_slot, gate_src, heads=nh, page=pool.page_size,
-                              max_pages=table.shape[1], gate_at=gate_at,
-                              gate_stride=gate_stride, out_dtype=q.dtype, interpret=interpret)
-    return y[:, None], sums[:, None]
 
 
 def _partials(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,

@@ -1,5 +1,5 @@
 """Paged attention for a prefill chunk (T > 1 query tokens per row) over the KV pool of
-engine/paged_kv.py.
+engine/ops/paged_kv.py.
 
 The reference (`paged_prefill_attend_ref`, what `paged_write_attend` does after its write)
 gathers all max_pages pages of each row and materialises [B, heads, T, max_pages * P] fp32
@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from engine.attention import attend
 from engine.kernels import resolve_interpret, triton_params
-from engine.paged_kv import KVPool, _load
+from engine.ops.attention import attend
+from engine.ops.paged_kv import KVPool, _load
 
 _MIN_TILE = 16  # smallest M/N/K of a Triton dot
 

@@ -15,9 +15,10 @@ rounded to x's dtype, go into two tensor-core dots of depth 32 gb, [bm, 32 gb] x
 Programs tile N by `bn`, M by `bm` and split K where that is needed to fill the GPU; XLA adds
 the splits' fp32 partials.
 
-The reference is `quant.linear` (dequantize to x's dtype, then an XLA matmul). Both round
+The reference is `ops.quant.linear_ref` (dequantize to x's dtype, then an XLA matmul). Both round
 code x scale to x's dtype; the results differ by the order of the fp32 sums. `takes` says
-which calls it serves; the model's `linear` sends int4 prefill matmuls here on a GPU.
+which calls it serves; the model's `linear` (engine/model/linear.py) sends int4 prefill
+matmuls here on a GPU.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from jax.experimental import pallas as pl
 from engine.kernels import resolve_interpret, triton_params
 # the GEMV's nibble-to-float constants, its dot and its K split
 from engine.kernels.qgemv import _MAGIC, _MAGIC_OFF, _dot, _split
-from engine.quant import GROUP, INT4_G64, QTensor, linear
+from engine.ops.quant import GROUP, INT4_G64, QTensor, linear_ref
 
 MIN_ROWS = 9                 # fewer rows: the decode GEMV (qgemv / cuda_ops, M <= 8)
 
@@ -114,7 +115,7 @@ def int4_matmul(x, w: QTensor, index=None, *, interpret: bool | None = None,
                 config: GemmConfig | None = None):
     """x [..., K] @ w.T with w an int4_g64 QTensor [N, K], or with `index` (int32 [d]) a
     stack [*d dims, N, K] read at that layer in place. Returns [..., N] in x.dtype,
-    accumulated in fp32. Shapes `takes` refuses go to the reference (`quant.linear`)."""
+    accumulated in fp32. Shapes `takes` refuses go to the reference (`linear_ref`)."""
     config = config or DEFAULT
     nlead = 0 if index is None else int(index.shape[0])
     if not takes(x, w, nlead, config):
@@ -122,7 +123,7 @@ def int4_matmul(x, w: QTensor, index=None, *, interpret: bool | None = None,
             from engine.kernels.stacked import Stacked
 
             w = Stacked(w, index).materialize()
-        return linear(x, w)
+        return linear_ref(x, w)
     return _int4_matmul(x, w, jnp.zeros((1,), jnp.int32) if index is None
                         else jnp.asarray(index, jnp.int32),
                         interpret=resolve_interpret(interpret), config=config, lead=nlead)

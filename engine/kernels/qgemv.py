@@ -16,9 +16,10 @@ With `cuda=True` (a plan's gemv "cuda"), int4_g64 weights go to the CUDA op of
 engine/kernels/cuda_ops.py (same signature and result, one logic op per code where this kernel
 is instruction-bound) where their shapes fit it.
 
-`qmatmul(x, w)` has `quant.linear`'s signature and result (fp32 accumulation, output in x.dtype);
-`qmatmul_ref` is `quant.linear` itself. Shapes the kernel cannot tile, and M > MAX_ROWS (prefill:
-compute-bound, better served by a dequantize + matmul), fall back to the reference.
+`qmatmul(x, w)` has `ops.quant.linear_ref`'s signature and result (fp32 accumulation, output
+in x.dtype); `qmatmul_ref` is `linear_ref` itself. Shapes the kernel cannot tile, and
+M > MAX_ROWS (prefill: compute-bound, better served by a dequantize + matmul), fall back to the
+reference.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from engine.kernels import resolve_interpret, triton_params
-from engine.quant import FP8_ROW, GROUP, INT4_G64, INT8_ROW, QTensor, linear
+from engine.ops.quant import FP8_ROW, GROUP, INT4_G64, INT8_ROW, QTensor, linear_ref
 
 MAX_ROWS = 8
 _MAGIC = 0x4B000000          # the bits of 2.0 ** 23 in fp32
@@ -69,8 +70,8 @@ def default_config(w, rows: int) -> GemvConfig:
 
 
 def qmatmul_ref(x, w, **_):
-    """The reference: `quant.linear` (dequantize, then an XLA matmul)."""
-    return linear(x, w)
+    """The reference: `ops.quant.linear_ref` (dequantize, then an XLA matmul)."""
+    return linear_ref(x, w)
 
 
 def _pow2_divisor(n: int, target: int) -> int:
@@ -212,7 +213,7 @@ def qmatmul(x, w, index=None, *, interpret: bool | None = None,
             config: GemvConfig | None = None, corr=None, cuda: bool = False):
     """x: [..., K] (M = prod of the leading dims <= MAX_ROWS); w: [N, K] dense array or QTensor,
     or with `index` (int32 [d]) a stack [*d dims, N, K] read at that layer in place.
-    Returns [..., N] in x.dtype, accumulated in fp32. Same result as `quant.linear` up to the
+    Returns [..., N] in x.dtype, accumulated in fp32. Same result as `linear_ref` up to the
     order of the fp32 sums (and bf16 rounding of the weights, which the reference does and the
     kernel does not). cuda: int4_g64 weights through the CUDA op where it takes the shapes
     (`cuda_ops.takes`). corr: x's group sums for the CUDA op (`cuda_ops.int4_gemv_multi`);
@@ -228,7 +229,7 @@ def qmatmul(x, w, index=None, *, interpret: bool | None = None,
             from engine.kernels.stacked import Stacked
 
             w = Stacked(w, index).materialize()
-        return linear(x, w)
+        return linear_ref(x, w)
     idx = jnp.zeros((1,), jnp.int32) if index is None else jnp.asarray(index, jnp.int32)
     interpret = resolve_interpret(interpret)
     lead, k = x.shape[:-1], x.shape[-1]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from engine.quant import QTensor
+from engine.ops.quant import QTensor
 
 
 @dataclass(frozen=True, eq=False)

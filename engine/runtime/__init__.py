@@ -1,8 +1,5 @@
-"""Host-side memory managers: KV page ownership (`pages`), recurrent-state images (`states`),
-and the retention rule that decides what to keep (`retention`)."""
-from engine.runtime.pages import CopyPlan, PageAllocator, PagesExhausted, PageTable
-from engine.runtime.retention import Role, retention_score, retention_weight
-from engine.runtime.states import StateImage, StatePool, StatePoolError, Tier
-
-__all__ = ["CopyPlan", "PageAllocator", "PagesExhausted", "PageTable", "Role", "retention_score",
-           "retention_weight", "StateImage", "StatePool", "StatePoolError", "Tier"]
+"""Host-side memory managers and the serving loop's parts: KV page ownership (`pages`),
+recurrent-state images (`states`), the retention rule that decides what to keep (`retention`),
+the prefix index, the scheduler, `memory` tying them to the device cache, the executable store
+and per-request sampling (`sampling`). Import the submodules directly: this package re-exports
+nothing."""

@@ -226,8 +226,8 @@ def prepare_restore(mem) -> int:
     ~0.9 s of the first restore's 1.2 s TTFT (tiny model); from JAX's persistent cache after
     the first process each is a trace and a load. Reads only shapes: any thread. Returns how
     many executables it prepared."""
-    from engine import paged_kv as pk
-    from engine.runtime import state_copy as sc
+    from engine.ops import paged_kv as pk
+    import engine.runtime.state_copy as sc
 
     arrays = [_abstract(a) for a in _arrays(mem.cache.pool)]
     spec = page_spec(mem.cache.pool)

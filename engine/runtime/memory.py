@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import paged_kv as pk
-from engine.cache import PagedCache, init_paged_cache
-from engine.config import ModelConfig
-from engine.runtime import state_copy as sc
+from engine.model.cache import PagedCache, init_paged_cache
+from engine.model.config import ModelConfig
+from engine.ops import paged_kv as pk
 from engine.runtime.pages import PageAllocator, PageTable, pages_for
 from engine.runtime.prefix import PrefixIndex, Snapshot
 from engine.runtime.retention import Role, retention_score
+import engine.runtime.state_copy as sc
 from engine.runtime.states import StatePool, Tier
 
 # A shared prefix serves every new session of its principal: kept like a live session head.

@@ -1,6 +1,6 @@
 """Host bookkeeping for the paged attention KV pool: which page ids each sequence holds.
 
-The device pool (`engine/paged_kv.py`, [attn_layers, num_pages, page_size, kv_heads, head_dim])
+The device pool (`engine/ops/paged_kv.py`, [attn_layers, num_pages, page_size, kv_heads, head_dim])
 knows nothing about ownership. This module decides page ids and tells the device which pages to
 copy; it never touches device arrays. Token i of a sequence lives in page
 `pages[i // page_size]` at slot `i % page_size`.

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.runtime import state_copy as sc
+from engine.model.config import ModelConfig
+import engine.runtime.state_copy as sc
 
 
 class StatePoolError(RuntimeError):

@@ -8,16 +8,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from engine.attention import attention_mixer, kv_write_attend
-from engine.config import ModelConfig
-from engine.gdn import (causal_conv1d, chunk_gated_delta_rule, l2_normalize,
-                        recurrent_gated_delta_rule, select_rule)
-from engine.norms import gated_rms_norm, rms_norm
-from engine.paged_kv import PagedKV, paged_write_attend
+from engine.model.attention import attention_mixer, kv_write_attend
+from engine.model.config import ModelConfig
+from engine.model.gdn import select_rule
+from engine.model.linear import linear, linear_multi
+from engine.model.paged_kv import paged_write_attend
+from engine.ops.gdn import gdn_core
+from engine.ops.norms import rms_norm
+from engine.ops.paged_kv import PagedKV
 from engine.plan import REFERENCE, KernelPlan
-from engine.quant import linear, linear_multi
-
-GDN_RULES = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}
 
 
 def mlp(p, x, plan: KernelPlan = REFERENCE, corr=None):
@@ -99,42 +98,10 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
                 *lead, *st.conv.shape[-3:])
         return y, st._replace(conv=conv, rec=rec), None
     qkv, z, b_in, a_in = linear_multi(x, mats, plan, corr=corr)
-    out, conv_state, rec_state = gdn_core(p, cfg, qkv, z, b_in, a_in, conv_state, rec_state,
-                                          lengths, valid, mode, plan, x.dtype)
-    return linear(out.reshape(b, t, -1), p["out_proj"], plan), conv_state, rec_state
-
-
-def gdn_core(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths, valid,
-             mode: str, plan: KernelPlan, out_dtype):
-    """The GDN mixer between its input projections and out_proj: causal conv + SiLU, q/k L2
-    norms, the gates, the gated delta rule, the gated output norm. qkv [B, T, conv_dim], z
-    [B, T, Hv*Dv], b_in/a_in [B, T, Hv] as the projections give them. Returns (out [B, T, Hv,
-    Dv] out_dtype, conv_state, rec_state). The reference of the fused decode kernel
-    (engine/kernels/gdn_decode_fused.py)."""
-    b, t, _ = qkv.shape
-    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv, conv_state = causal_conv1d(qkv, p["conv1d"], conv_state, lengths)
-    qkv = jax.nn.silu(qkv)  # fp32 from here to the output norm
-    q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
-    q = l2_normalize(q.reshape(b, t, hk, dk))
-    k = l2_normalize(k.reshape(b, t, hk, dk))
-    v = v.reshape(b, t, hv, dv)
-    beta = jax.nn.sigmoid(b_in.astype(jnp.float32))
-    a = a_in.astype(jnp.float32)
-    # A_log is float even in bf16 checkpoints: exp of a bf16 A_log loses the decay's precision.
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-        a + p["dt_bias"].astype(jnp.float32))
-    g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
     rule = select_rule(mode, plan, t)
-    if out_dtype == jnp.bfloat16 and getattr(rule, "bf16_operands", False):
-        # The Pallas chunked kernel's dots take bf16 operands with fp32 sums (as FLA's chunked
-        # kernels do): fp32 operands make Triton emulate IEEE fp32 dots without tensor cores.
-        q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
-    out, rec_state = rule(q, k, v, g, beta, rec_state)
-    z = z.reshape(b, t, hv, dv)
-    out = gated_rms_norm(out, z, p["norm"], cfg.rms_norm_eps).astype(out_dtype)
-    return out, conv_state, rec_state
+    out, conv_state, rec_state = gdn_core(p, cfg, qkv, z, b_in, a_in, conv_state, rec_state,
+                                          lengths, valid, rule, x.dtype)
+    return linear(out.reshape(b, t, -1), p["out_proj"], plan), conv_state, rec_state
 
 
 def norm_fused(x, plan: KernelPlan) -> bool:

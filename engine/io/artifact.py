@@ -26,9 +26,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from engine.config import ConfigError, ModelConfig
-from engine.quant import DENSE, DENSE_DTYPES, DTYPES, FORMATS, QTensor, QuantError, dtype_name, \
-    part_layout
+from engine.model.config import ConfigError, ModelConfig
+from engine.ops.quant import (DENSE, DENSE_DTYPES, DTYPES, FORMATS, QTensor, QuantError, dtype_name,
+                              part_layout)
 
 MAGIC = b"NINFER\x00\x01"
 FORMAT_VERSION = 1

@@ -1,7 +1,7 @@
 """Chat templates: render a conversation to prompt text exactly as transformers' apply_chat_template does.
 
 Templates come from the model's HF directory (`load_chat_template`) or, for our own artifacts, from
-`engine/templates/qwen3_5_chat.jinja` (`default_chat_template`). HF templates are untrusted code, so
+`engine/text/templates/qwen3_5_chat.jinja` (`default_chat_template`). HF templates are untrusted code, so
 they run in jinja2's immutable sandbox with the same environment transformers builds: trim_blocks,
 lstrip_blocks, loopcontrols, a `tojson` that does not HTML-escape, `raise_exception`,
 `strftime_now`, and a `namespace` that refuses underscore names.

@@ -1,5 +1,7 @@
-"""Gated DeltaNet reference math in plain jnp: the gated delta rule (chunked and step-by-step) and
-the depthwise causal conv that feeds it.
+"""Gated DeltaNet reference math in plain jnp: the gated delta rule (chunked and step-by-step),
+the depthwise causal conv that feeds it, and `gdn_core`, a GDN layer's whole step between its
+projections (given the rule to run; the model's `select_rule` picks it by the plan). cfg is a
+`ModelConfig` (engine/model/config.py), read for its fields only.
 
 Everything here is fp32 and written for clarity; GPU kernels are checked against these functions.
 Recurrence (per value head, state S: [K, V]):
@@ -10,10 +12,16 @@ A step with g = 0 and beta = 0 leaves S unchanged: that is how padding and ragge
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from engine.ops.norms import gated_rms_norm
+
+if TYPE_CHECKING:
+    from engine.model.config import ModelConfig
 
 # The reference must not silently drop to TF32/bf16 passes on GPU.
 _HI = lax.Precision.HIGHEST
@@ -284,22 +292,39 @@ def l2_normalize(x, eps: float = 1e-6):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def select_rule(mode: str, plan, t: int):
-    """The gated delta rule for a call of T steps: `mode` ("chunk" or "recurrent") names the
-    reference; the plan (engine/plan.py) swaps in the Pallas kernels (same signature and
-    result): with gdn_decode "pallas" or "fused", decode-sized steps (T <= 16) the recurrent
-    one (engine/kernels/gdn_decode.py); with gdn_prefill "pallas", longer chunked calls the
-    chunked prefill one (engine/kernels/gdn_prefill.py): XLA prepares every term that does
-    not depend on the carried state and the kernel's lean state pass keeps a layer's state in
-    registers for the whole scan (a whole 27B prefill of 8K tokens: 0.981 s with this
-    module's chunk rule, 0.772 s so, H200 docs/benchmarks). Imported lazily: the kernels
-    import this module for their references."""
-    if plan.gdn_decode != "xla" and t <= 16:
-        from engine.kernels.gdn_decode import gdn_recurrent
+# The references by the name a forward's gdn_mode gives.
+GDN_RULES = {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}
 
-        return gdn_recurrent
-    if plan.gdn_prefill == "pallas" and mode == "chunk":
-        from engine.kernels.gdn_prefill import gdn_chunk_bf16_operands
 
-        return gdn_chunk_bf16_operands
-    return {"chunk": chunk_gated_delta_rule, "recurrent": recurrent_gated_delta_rule}[mode]
+def gdn_core(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_state, rec_state, lengths, valid,
+             rule, out_dtype):
+    """The GDN mixer between its input projections and out_proj: causal conv + SiLU, q/k L2
+    norms, the gates, the gated delta rule, the gated output norm. qkv [B, T, conv_dim], z
+    [B, T, Hv*Dv], b_in/a_in [B, T, Hv] as the projections give them; rule: the gated delta
+    rule (a reference of `GDN_RULES`, or a kernel with the same signature: the model's
+    `select_rule`). Returns (out [B, T, Hv, Dv] out_dtype, conv_state, rec_state). With a
+    reference rule, the reference of the fused decode kernel
+    (engine/kernels/gdn_decode_fused.py)."""
+    b, t, _ = qkv.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv, conv_state = causal_conv1d(qkv, p["conv1d"], conv_state, lengths)
+    qkv = jax.nn.silu(qkv)  # fp32 from here to the output norm
+    q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    q = l2_normalize(q.reshape(b, t, hk, dk))
+    k = l2_normalize(k.reshape(b, t, hk, dk))
+    v = v.reshape(b, t, hv, dv)
+    beta = jax.nn.sigmoid(b_in.astype(jnp.float32))
+    a = a_in.astype(jnp.float32)
+    # A_log is float even in bf16 checkpoints: exp of a bf16 A_log loses the decay's precision.
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a + p["dt_bias"].astype(jnp.float32))
+    g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+    if out_dtype == jnp.bfloat16 and getattr(rule, "bf16_operands", False):
+        # The Pallas chunked kernel's dots take bf16 operands with fp32 sums (as FLA's chunked
+        # kernels do): fp32 operands make Triton emulate IEEE fp32 dots without tensor cores.
+        q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
+    out, rec_state = rule(q, k, v, g, beta, rec_state)
+    z = z.reshape(b, t, hv, dv)
+    out = gated_rms_norm(out, z, p["norm"], cfg.rms_norm_eps).astype(out_dtype)
+    return out, conv_state, rec_state

@@ -19,7 +19,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from engine.config import TINY, ModelConfig
+from engine.model.config import TINY, ModelConfig
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

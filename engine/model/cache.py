@@ -2,7 +2,7 @@
 
 Two kinds, and `model.forward` dispatches on the type:
 - `Cache`: contiguous per-row KV [block, B, max_len, ...] (tests, single-sequence tools).
-- `PagedCache`: attention KV in a shared page pool (engine/paged_kv.py) reached through per-row
+- `PagedCache`: attention KV in a shared page pool (engine/ops/paged_kv.py) reached through per-row
   block tables; the GDN states stay per row. The MTP layer's KV is one more layer of the same
   pool, addressed through the same tables (see paged_kv's module docstring for its slot rule).
 
@@ -18,8 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from engine.config import ModelConfig
-from engine.paged_kv import KVPool
+from engine.model.config import ModelConfig
+from engine.ops.paged_kv import KVPool
 
 
 class Cache(NamedTuple):
@@ -70,7 +70,7 @@ def init_paged_cache(cfg: ModelConfig, pool: KVPool, block_table, dtype=jnp.floa
     int32 page ids (entries a row never reaches may be -1). `dtype` is the conv state dtype (the
     activation dtype); the KV dtype is the pool's. The caller owns the tables: before a step that
     writes slots [pos, pos + T) of a row, the row's pages for them must be in its table and
-    owned by it alone (see paged_kv.paged_write_attend)."""
+    owned by it alone (see model.paged_kv.paged_write_attend)."""
     block_table = jnp.asarray(block_table, jnp.int32)
     if block_table.ndim != 2:
         raise ValueError(f"block_table must be [batch, max_pages], got {block_table.shape}")

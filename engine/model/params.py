@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 
 class ParamError(ValueError):

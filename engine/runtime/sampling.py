@@ -20,7 +20,7 @@ bit patterns, no sort. Each path sits under a `lax.cond` that runs only when som
 and an all-greedy batch skips the noise too. Which path a row takes depends on that row alone,
 and every path picks argmax(scaled logit + noise[token]) over the kept set.
 
-Measured on the 2-core CPU box (`python -m engine.sampling`, best of 5 rounds), ms per step,
+Measured on the 2-core CPU box (`python -m engine.runtime.sampling`, best of 5 rounds), ms per step,
 B=1 / B=4: greedy 1.1 / 2.3; temperature only 3.7 / 8.0; top_k=20 top_p=0.95 3.0 / 8.1; top_p=0.95
 with the nucleus in the cap 3.4 / 8.3; top_p=0.95 on a flat distribution (full path) 6.5 / 21.
 """
@@ -242,7 +242,7 @@ def _largest_threshold(keys, enough, unroll: bool = False):
 
 
 def _bench(vocab: int = 248_320, steps: int = 10, rounds: int = 5) -> None:
-    """Per-step sampler cost on this machine: `python -m engine.sampling`."""
+    """Per-step sampler cost on this machine: `python -m engine.runtime.sampling`."""
     import time
 
     cases = {  # name: (temperature, top_k, top_p, logit scale: large = peaked)

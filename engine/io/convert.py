@@ -26,11 +26,11 @@ from typing import Callable, Iterator
 import ml_dtypes
 import numpy as np
 
-from engine.artifact import ArtifactError, write_artifact
-from engine.config import ConfigError, ModelConfig
-from engine.hf_checkpoint import CheckpointError, HFCheckpoint
-from engine.hf_config import model_config_from_hf
-from engine.quant import FP8_ROW, INT4_G64, INT8_ROW, QuantError, quantize
+from engine.io.artifact import ArtifactError, write_artifact
+from engine.io.hf_checkpoint import CheckpointError, HFCheckpoint
+from engine.io.hf_config import model_config_from_hf
+from engine.model.config import ConfigError, ModelConfig
+from engine.ops.quant import FP8_ROW, INT4_G64, INT8_ROW, QuantError, quantize
 
 RECIPES = {"fp32": None, "bf16": None, "int8": INT8_ROW, "fp8": FP8_ROW, "int4": INT4_G64}
 # architecture -> prefix of the text model's tensors

@@ -1,7 +1,9 @@
-"""Weight formats and the one matmul entry point the model uses.
+"""Weight formats and the reference matmul.
 
-`linear(x, w)` computes x @ w.T for a weight in HF orientation [out, in], whatever its storage
-format. Dense weights are plain arrays (fp32 or bf16); quantized ones are `QTensor` pytrees.
+`linear_ref(x, w)` computes x @ w.T for a weight in HF orientation [out, in], whatever its
+storage format: the reference behind the model's `engine.model.linear.linear`, which also sends
+shapes to the kernels by the plan. Dense weights are plain arrays (fp32 or bf16); quantized
+ones are `QTensor` pytrees.
 
 Formats (all symmetric, no zero point; docs/formats/artifact.md has the byte layout):
 
@@ -25,12 +27,10 @@ Measured normwise round-trip error ||w - dq(q(w))|| / ||w|| on Gaussian weights 
 
 A QTensor's `fmt` and logical `shape` ([out, in]) are static pytree metadata; `data` and `scale`
 are leaves. Stacking layers with `jax.tree.map(lambda *xs: jnp.stack(xs), *qts)` adds leading dims
-to the leaves only; `lax.scan` slices them off again, so `linear` sees [out, in] weights.
+to the leaves only; `lax.scan` slices them off again, so `linear_ref` sees [out, in] weights.
 `dequantize` accepts leading dims too.
 """
 from __future__ import annotations
-
-import math
 
 from dataclasses import dataclass
 
@@ -220,63 +220,22 @@ def dequantize_np(qt: QTensor) -> np.ndarray:
     raise QuantError(f"unknown quantized format {qt.fmt!r}")
 
 
-# ---- the matmul the model uses ----------------------------------------------------------------
-def linear(x: jax.Array, w, plan=None, corr=None) -> jax.Array:
-    """x: [..., in] -> [..., out], with w: [out, in] (a dense array or a QTensor).
+# ---- the reference matmul -------------------------------------------------------------------
+def linear_ref(x: jax.Array, w) -> jax.Array:
+    """x: [..., in] -> [..., out], with w: [out, in] (a dense array or a QTensor): the reference
+    matmul, what `engine.model.linear.linear` computes on the reference plan and what the
+    kernels (engine/kernels/qgemv.py, qgemm.py) are checked against.
 
-    A QTensor is dequantized to x.dtype first, then multiplied exactly like a dense weight: this is
-    the reference path that fused low-precision kernels must match. plan (engine/plan.py; None:
-    the reference): with gemv "pallas" or "cuda", decode-sized x (at most `qgemv.MAX_ROWS` rows)
-    goes to the weight-only GEMV (engine/kernels/qgemv.py; int4_g64 weights to the CUDA op with
-    "cuda"), which reads the stored format directly; a prefill piece's x of `qgemm.MIN_ROWS` to
-    the plan's int4_gemm_rows rows against int4_g64 weights to the int4 GEMM
-    (engine/kernels/qgemm.py), which does not write a dequantized copy. corr: x's group sums
-    where the caller has them (engine/kernels/norm_sums.py), for the CUDA GEMV.
+    A QTensor is dequantized to x.dtype first (code * scale in fp32, rounded once to x's
+    dtype; fp32 for other x), then multiplied exactly like a dense weight. A layer view of a
+    stacked weight (engine/kernels/stacked.py, anything with `materialize`) is materialized
+    first.
     """
-    if plan is not None and plan.gemv != "xla":
-        from engine.kernels import qgemm, qgemv
-        from engine.kernels.stacked import Stacked
-
-        stacked = isinstance(w, Stacked)
-        mat, index = (w.w, w.index) if stacked else (w, None)
-        lead = int(index.shape[0]) if stacked else 0
-        cuda = plan.gemv == "cuda"
-        if (math.prod(x.shape[:-1]) <= plan.int4_gemm_rows
-                and qgemm.takes(x, mat, lead)):  # takes: at least qgemm.MIN_ROWS rows
-            return qgemm.int4_matmul(x, mat, index)
-        if stacked:  # a layer of a stacked weight (engine/kernels/stacked.py)
-            if qgemv.supported(x, w.w, lead):
-                return qgemv.qmatmul(x, w.w, w.index, corr=corr, cuda=cuda)
-            w = w.materialize()
-        if qgemv.supported(x, w):
-            return qgemv.qmatmul(x, w, corr=corr, cuda=cuda)
     if hasattr(w, "materialize"):  # a layer view (block_loop "views") on the reference path
         w = w.materialize()
     if isinstance(w, QTensor):  # code * scale in fp32, rounded once to x's dtype
         w = dequantize(w, x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
-
-
-def linear_multi(x: jax.Array, ws, plan=None, concat: bool = False, corr=None):
-    """[linear(x, w, plan) for w in ws]: a layer's projections of one input. With the plan's
-    gemv "cuda", int4_g64 weights (layer views of one stack, or plain QTensors) go to the CUDA
-    GEMV in one launch that prepares x once (engine/kernels/cuda_ops.py `int4_gemv_multi`: the
-    same result per projection as separate calls). concat=True returns the projections side by
-    side in one [..., sum of outs] array instead (from the one launch, no slices)."""
-    ws = list(ws)
-    if plan is not None and plan.gemv == "cuda" and len(ws) > 1:
-        from engine.kernels import cuda_ops
-        from engine.kernels.stacked import Stacked
-
-        views = all(isinstance(w, Stacked) for w in ws)
-        mats = [w.w for w in ws] if views else ws
-        lead = int(ws[0].index.shape[0]) if views else 0
-        if (views or not any(isinstance(w, Stacked) for w in ws)) and cuda_ops.takes(
-                x, mats, lead):
-            return cuda_ops.int4_gemv_multi(x, mats, ws[0].index if views else None,
-                                            concat=concat, corr=corr)
-    outs = [linear(x, w, plan, corr) for w in ws]
-    return jnp.concatenate(outs, axis=-1) if concat else outs
 
 
 def embedding_lookup(table, ids: jax.Array, dtype=jnp.float32) -> jax.Array:

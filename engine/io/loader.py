@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import model as M
-from engine.artifact import ArtifactError, open_artifact, write_artifact
-from engine.config import ModelConfig
-from engine.params import HostStack, host_leaf
-from engine.quant import QTensor
-from engine.tokenizer import Tokenizer, build_qwen35_tokenizer_json
+from engine.io.artifact import ArtifactError, open_artifact, write_artifact
+import engine.model.model as M
+from engine.model.config import ModelConfig
+from engine.model.params import HostStack, host_leaf
+from engine.ops.quant import QTensor
+from engine.text.chat import TEMPLATE_DIR
+from engine.text.tokenizer import Tokenizer, build_qwen35_tokenizer_json
 
-TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _KV_DTYPES = {**_DTYPES, "int8": jnp.int8}
 
@@ -50,7 +50,7 @@ def embedded_path(state_dir: Path, name: str) -> Path:
 
 def build_embedded(name: str, out: Path) -> str:
     """Write the embedded model `name` to `out`; returns its sha256."""
-    from engine.tiny import EMBEDDED, embedded_config, embedded_tensors
+    from engine.io.tiny import EMBEDDED, embedded_config, embedded_tensors
 
     if name not in EMBEDDED:
         raise ArtifactError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")

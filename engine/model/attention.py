@@ -1,10 +1,11 @@
-"""Gated full attention: partial rotate-half RoPE, GQA, the KV write/attend step, output gate.
+"""Gated full attention: the mixer (projections, q/k norms, RoPE, the KV write/attend step,
+output gate) and its kernel dispatch by the plan.
 
 The KV cache of all attention layers is one contiguous array per K and V,
 [layers, B, max_len, kv_heads, head_dim]; `kv_write_attend` is the only code that knows that layout.
-The paged pool (engine/paged_kv.py) replaces that one function with `paged_write_attend`;
+The paged pool replaces that one function with `paged_write_attend` (engine/model/paged_kv.py);
 `layers.attention_layer` picks one by the type of the kv it is given. Both share `attend`, the
-layout-free softmax core.
+layout-free softmax core (engine/ops/attention.py, with RoPE).
 """
 from __future__ import annotations
 
@@ -12,43 +13,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
-from engine.config import ModelConfig
-from engine.norms import rms_norm
-from engine.quant import linear, linear_multi
-
-_HI = lax.Precision.HIGHEST
-
-
-def inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """RoPE's inverse frequencies [rotary_dim / 2] fp32, the way HF computes them."""
-    d = cfg.rotary_dim
-    return (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32)
-                                                  / np.float32(d)))).astype(np.float32)
-
-
-def rope_tables(cfg: ModelConfig, positions):
-    """cos, sin: [B, T, rotary_dim] fp32 for integer positions [B, T].
-
-    Qwen3.5 declares multimodal RoPE sections, but for text all three position streams are equal,
-    which makes it plain 1-D RoPE. inv_freq in fp32 the same way HF computes it.
-    """
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(cfg), jnp.float32)
-    ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)
-
-
-def apply_rope(x, cos, sin):
-    """Rotate-half RoPE on the first rotary_dim dims of x [B, T, heads, head_dim]; the rest pass."""
-    d = cos.shape[-1]
-    xf = x.astype(jnp.float32)
-    rot, rest = xf[..., :d], xf[..., d:]
-    half = d // 2
-    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    rot = rot * cos[:, :, None] + rotated * sin[:, :, None]
-    return jnp.concatenate([rot, rest], axis=-1).astype(x.dtype)
+from engine.model.config import ModelConfig
+from engine.model.linear import linear, linear_multi
+from engine.ops.attention import apply_rope, attend, rope_tables
+from engine.ops.norms import rms_norm
 
 
 def kv_write_attend(kv, layer, q, k, v, positions, valid, plan=None):
@@ -85,7 +54,7 @@ def _kernel_attend(k_cache, v_cache, layer, q, positions, plan):
     """The plan's kernel path of `kv_write_attend` after the write, or None where it names no
     kernel or none fits."""
     from engine.kernels import flash_prefill, paged_decode
-    from engine.paged_kv import KVPool
+    from engine.ops.paged_kv import KVPool
 
     nl, b, s, kvh, hd = k_cache.shape
     if plan.prefill_attention == "flash" and flash_prefill.supported(k_cache, q):
@@ -101,31 +70,13 @@ def _kernel_attend(k_cache, v_cache, layer, q, positions, plan):
     return None
 
 
-def attend(q, keys, vals, visible):
-    """Softmax attention of q over gathered keys/values, in fp32, whatever the storage layout.
-
-    q: [B, T, heads, head_dim]; keys, vals: [B, S, kv_heads, head_dim] fp32; visible: [B, T, S]
-    bool (which slots query t of row b may see). Returns [B, T, heads, head_dim] in q.dtype.
-    """
-    b, t, nh, hd = q.shape
-    kvh = keys.shape[2]
-    # GQA: query head h reads kv head h // (nh // kvh) (HF repeat_kv order).
-    qg = q.astype(jnp.float32).reshape(b, t, kvh, nh // kvh, hd)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, keys, precision=_HI) * hd ** -0.5
-    # A finite floor, not -inf: a query whose own slot was dropped (past S) sees nothing and must
-    # yield garbage rather than NaN that would poison the rest of the batch row.
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, vals, precision=_HI)
-    return out.reshape(b, t, nh, hd).astype(q.dtype)
-
-
 def _prep_decode(cfg: ModelConfig, x, kv, plan):
-    """`paged_kv.paged_prep_attend` where a decode step's layer takes it (the paged pool, the
-    plan's attn_prep and the kernel's shapes: `attn_prep.takes`), with `gated` set where the
-    plan's attention tail kernel takes the rest (`attn_merge`), else None."""
+    """`model.paged_kv.paged_prep_attend` where a decode step's layer takes it (the paged pool,
+    the plan's attn_prep and the kernel's shapes: `attn_prep.takes`), with `gated` set where
+    the plan's attention tail kernel takes the rest (`attn_merge`), else None."""
     from engine.kernels import attn_merge, attn_prep
-    from engine.paged_kv import PagedKV, paged_prep_attend
+    from engine.model.paged_kv import paged_prep_attend
+    from engine.ops.paged_kv import PagedKV
 
     if isinstance(kv, PagedKV) and plan.attn_prep and attn_prep.takes(cfg, kv.pool, x):
         return functools.partial(paged_prep_attend, cfg=cfg, merge=plan.paged_merge,
@@ -138,9 +89,9 @@ def attention_mixer(p, cfg: ModelConfig, x, kv, layer, positions, valid,
     """Gated attention token mixer. p: the layer's `self_attn` params; x: [B, T, H] (normed).
 
     q_proj rows are grouped per head as [q (head_dim) | gate (head_dim)]. `write_attend` is
-    `kv_write_attend` or `paged_kv.paged_write_attend`, matching the kind of `kv`. plan: the
+    `kv_write_attend` or `model.paged_kv.paged_write_attend`, matching the kind of `kv`. plan: the
     KernelPlan (engine/plan.py; None: the references), passed to the projections and to
-    `write_attend`; corr: x's group sums for the projections' GEMV (`quant.linear`). Returns
+    `write_attend`; corr: x's group sums for the projections' GEMV (`linear`). Returns
     (out [B, T, H], new kv).
     """
     b, t, _ = x.shape

@@ -40,7 +40,7 @@ Rules, each tested in tests/test_toolcall.py:
    right after that `<tool_call>`, so a later well-formed call is still found. No exception, no
    lost character.
 3. Content is the text outside calls, concatenated, with leading and trailing whitespace removed.
-4. Parameter values are converted to JSON by the tool's schema (engine/toolargs.py: union
+4. Parameter values are converted to JSON by the tool's schema (engine/text/toolargs.py: union
    precedence null, boolean, integer, number, object, array, string; exact numbers; duplicate
    parameters: the last wins). `json.loads(call.arguments_json) == call.arguments`.
 
@@ -54,7 +54,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engine.toolargs import encode_arguments, index_tools
+from engine.text.toolargs import encode_arguments, index_tools
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

@@ -1,7 +1,7 @@
 """HF `config.json` (Qwen3.5 / Qwen3-Next text models) <-> our ModelConfig."""
 from __future__ import annotations
 
-from engine.config import ConfigError, ModelConfig
+from engine.model.config import ConfigError, ModelConfig
 
 _SUPPORTED = {"qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next"}
 

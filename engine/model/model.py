@@ -15,15 +15,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from engine.cache import Cache, PagedCache, init_cache, init_paged_cache  # noqa: F401
-from engine.config import ConfigError, ModelConfig
 from engine.kernels.stacked import flatten_stack, select_layer, sub_layer
-from engine.layers import GDN_RULES, StackedStates, attention_layer, gdn_layer
-from engine.norms import rms_norm
-from engine.paged_kv import PagedKV
-from engine.params import ParamError, stack_params  # noqa: F401  (re-exported)
+from engine.model.cache import Cache, PagedCache, init_cache, init_paged_cache  # noqa: F401
+from engine.model.config import ConfigError, ModelConfig
+from engine.model.layers import StackedStates, attention_layer, gdn_layer
+from engine.model.linear import linear
+from engine.model.params import ParamError, stack_params  # noqa: F401  (re-exported)
+from engine.ops.gdn import GDN_RULES
+from engine.ops.norms import rms_norm
+from engine.ops.paged_kv import PagedKV
+from engine.ops.quant import embedding_lookup
 from engine.plan import REFERENCE, KernelPlan, check_plan
-from engine.quant import embedding_lookup, linear
 
 FORWARD_STATIC = ("cfg", "gdn_mode", "last_only", "plan")
 
@@ -133,7 +135,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     """Process T new tokens per row at each row's cache position (prefill T > 1, decode T = 1).
 
     params: `stack_params` tree; tokens: [B, T] int32; cache: `init_cache(cfg, B, max_len)` or
-    `init_paged_cache(cfg, pool, block_table)` (same results; see engine/paged_kv.py).
+    `init_paged_cache(cfg, pool, block_table)` (same results; see engine/ops/paged_kv.py).
     gdn_mode: "chunk" (WY/UT form) or "recurrent" (step-by-step); both give the same result.
     lengths: optional [B] int32, valid tokens per row (right padding; a row with 0 is untouched).
     last_only: return logits only at each row's last valid token ([B, 1, V]), for long prefills.
