@@ -142,8 +142,8 @@ def _stream_turn(client, model: str, text: str, max_tokens: int) -> dict:
 def _hf_checkpoint(cfg, work: Path) -> Path:
     """A random fp32 transformers model of cfg's shapes, saved with our tokenizer and chat
     template, for `./ninfer convert`."""
-    from engine.chat import default_chat_template
-    from engine.tokenizer import build_qwen35_tokenizer_json
+    from engine.text.chat import default_chat_template
+    from engine.text.tokenizer import build_qwen35_tokenizer_json
     from tests.hf_models import build_hf
 
     src = work / "hf-tiny"
@@ -182,7 +182,7 @@ def run_cpu(args) -> dict:
     import openai
     from tokenizers import Tokenizer
 
-    from engine.config import TINY
+    from engine.model.config import TINY
     from engine.plan import REFERENCE
     from lanes.profile import load_profile
     from tests.serverproc import start_server
