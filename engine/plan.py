@@ -253,6 +253,14 @@ def machine_problems(plan: KernelPlan, platform: str, serving: bool = True) -> l
     return out
 
 
+def process_xla_flags() -> str:
+    """XLA's flags for this process (XLA_FLAGS: the operator's, with the plan's that
+    `apply_process_settings` added): the one place the engine reads them."""
+    import os
+
+    return os.environ.get("XLA_FLAGS", "")
+
+
 def apply_process_settings(plan: KernelPlan) -> None:
     """Put the plan's XLA flags into XLA_FLAGS for this process; JAX reads them when it starts
     its backend, so this runs before that (the server does it right after loading the lane's
@@ -260,7 +268,7 @@ def apply_process_settings(plan: KernelPlan) -> None:
     started without them is a PlanError: the plan would not be what runs."""
     import os
 
-    given = os.environ.get("XLA_FLAGS", "")
+    given = process_xla_flags()
     missing = [f for f in plan.xla_flags() if f.split("=")[0] not in given]
     if not missing:
         return

@@ -24,12 +24,22 @@ def assert_close(got, want, dtype) -> None:
     assert err < BOUNDS[jnp.dtype(dtype).name], f"normwise error {err:.3g} ({jnp.dtype(dtype)})"
 
 
+# The custom calls a CUDA lowering may hold: Pallas's Triton calls and the CUDA ops' FFI targets
+CUDA_TARGETS = ("__gpu$xla.gpu.triton", "ninfer_int4_gemv", "ninfer_int4_gemv_mma",
+                "ninfer_int4_gemv_wide", "ninfer_int4_mlp")
+
+
+def cuda_module_text(fn, *args) -> str:
+    """`fn` exported for CUDA (no GPU needed): the lowered module's text."""
+    exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call(t) for t in CUDA_TARGETS])(*args)
+    return exp.mlir_module()
+
+
 def lowers_for_cuda(fn, *args) -> str:
     """Export `fn` (a kernel call with interpret=False) for CUDA: this runs the Pallas -> Triton
     lowering, so unsupported primitives or block shapes fail here, without a GPU."""
-    exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    text = exp.mlir_module()
+    text = cuda_module_text(fn, *args)
     assert "__gpu$xla.gpu.triton" in text
     return text
 

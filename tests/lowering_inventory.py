@@ -20,7 +20,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import export
+
+from tests.kernel_checks import cuda_module_text
 
 CONTEXT = 32768
 PREFILL_CHUNK = 8192
@@ -83,14 +84,6 @@ def summarize(text: str) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _lower(fn, *args) -> str:
-    targets = ["__gpu$xla.gpu.triton"] + [f"ninfer_int4_{t}" for t in
-                                          ("gemv", "gemv_mma", "gemv_wide", "mlp")]
-    exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call(t) for t in targets])(*args)
-    return exp.mlir_module()
-
-
 def forwards(call_kw: dict):
     """(name, fn, args) for each forward the engine compiles, as Engine binds them."""
     import engine.model.model as M
@@ -118,7 +111,7 @@ def inventory(call_kw: dict) -> dict:
     real = jax.default_backend
     jax.default_backend = lambda: "gpu"
     try:
-        return {name: summarize(_lower(fn, *args)) for name, fn, args in forwards(call_kw)}
+        return {name: summarize(cuda_module_text(fn, *args)) for name, fn, args in forwards(call_kw)}
     finally:
         jax.default_backend = real
 

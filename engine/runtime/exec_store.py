@@ -38,6 +38,8 @@ from pathlib import Path
 
 import jax
 
+from engine.plan import process_xla_flags
+
 MAGIC = b"NINFER-EXEC/1\n"
 _TAG = b"ninfer/executable/v1\0"
 _SUFFIX = ".exe"
@@ -85,7 +87,7 @@ def runtime_description() -> dict:
         "platform": [backend.platform, backend.platform_version],
         "devices": sorted({d.device_kind for d in jax.devices()}),
         "config": config,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_flags": process_xla_flags(),
     }
 
 
