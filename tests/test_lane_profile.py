@@ -39,7 +39,7 @@ def test_shipped_profile_runs_the_reference_plan_and_keeps_its_hash(tmp_path):
     del d["plan"]
     assert cpu.canonical_hash() == hashlib.sha256(
         json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    # the cpu lane's hash before kernel plans (the tree at c07b6f6)
+    # the cpu lane's hash before kernel plans (the tree at 96a3244)
     assert cpu.canonical_hash() == ("31fac85398d9e247a4a077fa21875212"
                                     "c6d3d5eda3ab4714cacb67d53373f0ed")
 
