@@ -41,12 +41,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.bench_27b import random_params  # noqa: E402
+from bench.bench_27b import ceilings, decode_weight_bytes, random_params  # noqa: E402
 from bench.plan_args import (add_plan_args, make_plan, parse_overrides,  # noqa: E402
                              parse_variants, prepare)
 from engine.engine import Engine, GenerationRequest, TokenEvent  # noqa: E402
 from engine.io.loader import LoadedModel  # noqa: E402
 from engine.model.config import QWEN38_27B, preset  # noqa: E402
+from engine.ops.paged_kv import kv_bytes_per_token  # noqa: E402
 from engine.runtime.sampling import SamplingParams  # noqa: E402
 from engine.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -135,6 +136,26 @@ def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int, variant: str 
     return path
 
 
+def add_roofline(res: dict, summary: list, cfg, params, kv) -> None:
+    """The copy ceiling (read + write, as torch's device copy measures it; the higher of
+    torch's and JAX's), measured after the engines have stopped, and each summary row's
+    roofline: the bytes one step reads (every decode weight, each row's KV over its context,
+    its recurrent state) at that ceiling."""
+    pk = ceilings()
+    wbytes = decode_weight_bytes(params)
+    kv_tok = kv_bytes_per_token(cfg, kv)
+    state = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
+        cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    res["ceilings"] = pk
+    res["step_bytes"] = {"weights": wbytes, "kv_per_token": kv_tok, "state_per_row": state}
+    for s in summary:
+        c = s["concurrency"]
+        moved = wbytes + c * (s["context"] * kv_tok + state)
+        s["step_bytes"] = moved
+        s["roofline_tokens_per_s"] = c * pk["copy_bytes_per_s"] / moved
+        s["steady_of_roofline"] = s["steady_tokens_per_s_median"] / s["roofline_tokens_per_s"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default=QWEN38_27B.name)
@@ -168,6 +189,9 @@ def main() -> None:
                     "one run per mode and sampling at its widest concurrency into "
                     "FILE-b<B>[n]-c<C>-<overlap>-<sampling>.xplane.pb.gz (n: narrow; trace_step.py "
                     "--read FILE prints its timelines)")
+    ap.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure the copy ceiling at the end (needs a GPU) and state each "
+                         "decode figure as a fraction of its roofline")
     ap.add_argument("--out", default="engine_27b.json")
     a = ap.parse_args()
     sets = parse_overrides(a.set)
@@ -308,14 +332,17 @@ def main() -> None:
                                         "tokens_per_s_median": float(np.median(v)),
                                         "steady_tokens_per_s_median": float(np.median(
                                             [d["steady_tokens_per_s"] for d in got]))})
+    if a.roofline and jax.default_backend() == "gpu":
+        add_roofline(res, summary, cfg, params, kv)
     res["summary"] = summary
     save()
     print(f"{'variant':>8} {'B':>2} {'narrow':>6} {'ctx':>7} {'C':>2} {'sampling':>9} {'overlap':>7} "
-          f"{'tok/s':>8} {'steady':>8}")
+          f"{'tok/s':>8} {'steady':>8} {'roof':>6}")
     for s in summary:
         print(f"{s['variant']:>8} {s['batch']:>2} {int(s['narrow']):>6} {s['context']:>7} {s['concurrency']:>2} "
               f"{s['sampling']:>9} {int(s['overlap']):>7} {s['tokens_per_s_median']:>8.1f} "
-              f"{s['steady_tokens_per_s_median']:>8.1f}")
+              f"{s['steady_tokens_per_s_median']:>8.1f} "
+              f"{100 * s.get('steady_of_roofline', float('nan')):>5.1f}%")
     for run in res["runs"]:
         for p in run.get("prefill", []):
             print(f"prefill {run.get('variant') or ''} B={run['batch']} narrow={int(run.get('narrow', False))} "

@@ -245,14 +245,48 @@ def run_h200(args) -> dict:
                                f"{jax.default_backend()!r}")
     with tempfile.TemporaryDirectory(prefix="ninfer-bench-") as tmp:
         out = Path(tmp) / "engine_27b.json"
+        # 8K is there for its prefill; decode is stated at 1K / 32K / 128K
         cmd = [sys.executable, str(REPO / "bench" / "engine_27b.py"), "--plan", "h200",
-               "--batches", "1,2", "--contexts", "1024,32768,131072", "--out", str(out)]
+               "--batches", "1,2", "--contexts", "1024,8192,32768,131072", "--modes", "1",
+               "--reps", str(args.reps), "--decode-tokens", "64", "--turns", "4,64",
+               "--out", str(out)]
         run = subprocess.run(cmd, cwd=REPO)
         if run.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {run.returncode}")
         engine = json.loads(out.read_text())
-    return record("h200", args.argv, H200, {"engine_27b": engine}, {},
+    figures, ratios = h200_figures(engine)
+    return record("h200", args.argv, H200, {**figures, "engine_27b": engine}, ratios,
                   engine_command=" ".join(cmd[1:]))
+
+
+def h200_figures(engine: dict) -> tuple[dict, dict]:
+    """The README's H200 table from an engine_27b result: steady C1 and C2 tokens/s at each
+    context (the B=1 engine's C1, the B=2 engine's C2), their fractions of the roofline, and
+    prefill seconds from empty (the B=1 engine's)."""
+    figures: dict = {"decode": {}, "prefill_s": {}, "turn_prefill_s": {},
+                     "copy_bytes_per_s": engine.get("ceilings", {}).get("copy_bytes_per_s")}
+    ratios: dict = {}
+    for s in engine["summary"]:
+        if (s["batch"], s["concurrency"]) not in ((1, 1), (2, 2)):
+            continue
+        row = figures["decode"].setdefault(str(s["context"]), {})
+        key = f"c{s['concurrency']}"
+        row[f"{key}_tok_s"] = s["steady_tokens_per_s_median"]
+        if "steady_of_roofline" in s:
+            row[f"{key}_of_roofline"] = s["steady_of_roofline"]
+    for ctx, row in figures["decode"].items():
+        if "c1_tok_s" in row and "c2_tok_s" in row:
+            ratios[f"c2_over_c1_{ctx}"] = row["c2_tok_s"] / row["c1_tok_s"]
+        if "c1_of_roofline" in row:
+            ratios[f"c1_of_roofline_{ctx}"] = row["c1_of_roofline"]
+    for run in engine["runs"]:
+        if run.get("batch") == 1 and run.get("prefill"):
+            figures["prefill_s"][str(run["context"])] = run["prefill"][0]["seconds"]
+            for t in run.get("turns", []):
+                figures["turn_prefill_s"].setdefault(str(run["context"]), {})[
+                    str(t["tokens"])] = t["seconds"]
+    figures["prefill_s_note"] = "one prompt from empty through the engine (B=1)"
+    return figures, ratios
 
 
 # ---- chart ---------------------------------------------------------------------------------------
@@ -292,7 +326,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--chart", action="store_true", help="also draw the figures (PNG beside it)")
     ap.add_argument("--prompt-tokens", type=int, default=4600)
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=None,
+                    help="runs of each figure (default: cpu 2, h200 5; medians)")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
@@ -303,10 +338,11 @@ def main(argv: list[str]) -> int:
         print(f"ninfer bench: unknown suite {args.suite!r}; suites: {', '.join(SUITES)}",
               file=sys.stderr)
         return 2
-    if args.prompt_tokens < 16 or args.decode_tokens < 2 or args.reps < 1:
+    if args.prompt_tokens < 16 or args.decode_tokens < 2 or (args.reps is not None and args.reps < 1):
         print("ninfer bench: --prompt-tokens >= 16, --decode-tokens >= 2, --reps >= 1; "
               f"suites: {', '.join(SUITES)}", file=sys.stderr)
         return 2
+    args.reps = args.reps or (5 if args.suite == "h200" else 2)
     args.argv = list(argv)
     out = Path(args.out or REPO / "bench-results" / f"{args.suite}.json")
     try:
@@ -332,6 +368,15 @@ def main(argv: list[str]) -> int:
               f"{f['peer']['decode_tok_s']:.1f}, {r['decode_over_peer']:.2f}x; "
               f"{100 * r['decode_of_roofline']:.0f}% of the copy roofline "
               f"{f['decode_roofline_tok_s']:.0f})")
+    if args.suite == "h200":
+        print(f"{'context':>8} {'C1 tok/s':>9} {'of roof':>8} {'C2 tok/s':>9} {'C2/C1':>6} "
+              f"{'prefill s':>10}")
+        for ctx, row in f["decode"].items():
+            print(f"{ctx:>8} {row.get('c1_tok_s', float('nan')):>9.1f} "
+                  f"{100 * row.get('c1_of_roofline', float('nan')):>7.1f}% "
+                  f"{row.get('c2_tok_s', float('nan')):>9.1f} "
+                  f"{r.get(f'c2_over_c1_{ctx}', float('nan')):>6.2f} "
+                  f"{f['prefill_s'].get(ctx, float('nan')):>10.3f}")
     print(f"results: {out}")
     return 0
 
