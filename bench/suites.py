@@ -14,8 +14,9 @@ same token count: one forward over the prompt (its prefill) and greedy steps wit
 decode). The limit: the host's copy bandwidth (numpy) against the bytes a decode step reads.
 
 h200: the serving engine at the qwen3.8-27b shapes with the h200 plan (bench/engine_27b.py: one
-and two sequences at 1K / 32K / 128K, prefill of 8K / 32K / 128K); it needs a GPU and says so,
-writing nothing, anywhere else.
+and two sequences at 1K / 32K / 128K, prefill of 8K / 32K / 128K, the copy roofline of each),
+then the peer on the same GPU (bench/peer_hf.py: transformers with flash-linear-attention);
+it needs a GPU and says so, writing nothing, anywhere else.
 """
 from __future__ import annotations
 
@@ -254,12 +255,26 @@ def run_h200(args) -> dict:
         if run.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {run.returncode}")
         engine = json.loads(out.read_text())
-    figures, ratios = h200_figures(engine)
-    return record("h200", args.argv, H200, {**figures, "engine_27b": engine}, ratios,
-                  engine_command=" ".join(cmd[1:]))
+        peer, peer_cmd = _h200_peer(Path(tmp) / "peer.json")
+    figures, ratios = h200_figures(engine, peer)
+    return record("h200", args.argv, H200, {**figures, "engine_27b": engine, "peer": peer},
+                  ratios, engine_command=" ".join(cmd[1:]), peer_command=peer_cmd)
 
 
-def h200_figures(engine: dict) -> tuple[dict, dict]:
+def _h200_peer(out: Path) -> tuple[dict, str]:
+    """The peer on the same machine, after the engine's process has given the GPU back:
+    transformers with flash-linear-attention's kernels (bench/peer_hf.py), prefill at 8K and
+    32K and decode at 1K / 8K / 32K. Where transformers or torch is missing, the record says
+    so instead."""
+    cmd = [sys.executable, str(REPO / "bench" / "peer_hf.py"), "--contexts", "1024,8192,32768",
+           "--steps", "16", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=REPO)
+    if run.returncode != 0 or not out.exists():
+        return {"error": f"{' '.join(cmd[1:])} exited {run.returncode}"}, " ".join(cmd[1:])
+    return json.loads(out.read_text()), " ".join(cmd[1:])
+
+
+def h200_figures(engine: dict, peer: dict | None = None) -> tuple[dict, dict]:
     """The README's H200 table from an engine_27b result: steady C1 and C2 tokens/s at each
     context (the B=1 engine's C1, the B=2 engine's C2), their fractions of the roofline, and
     prefill seconds from empty (the B=1 engine's)."""
@@ -286,6 +301,13 @@ def h200_figures(engine: dict) -> tuple[dict, dict]:
                 figures["turn_prefill_s"].setdefault(str(run["context"]), {})[
                     str(t["tokens"])] = t["seconds"]
     figures["prefill_s_note"] = "one prompt from empty through the engine (B=1)"
+    for p in (peer or {}).get("runs", []):
+        ctx = str(p["context"])
+        ours = figures["decode"].get(ctx, {}).get("c1_tok_s")
+        if ours:
+            ratios[f"c1_over_peer_decode_{ctx}"] = ours / p["decode_tokens_per_s"]
+        if ctx in figures["prefill_s"] and p["context"] >= 8192:
+            ratios[f"prefill_peer_over_ours_{ctx}"] = p["prefill_s"] / figures["prefill_s"][ctx]
     return figures, ratios
 
 
@@ -377,6 +399,10 @@ def main(argv: list[str]) -> int:
                   f"{row.get('c2_tok_s', float('nan')):>9.1f} "
                   f"{r.get(f'c2_over_c1_{ctx}', float('nan')):>6.2f} "
                   f"{f['prefill_s'].get(ctx, float('nan')):>10.3f}")
+        for p in f["peer"].get("runs", []):
+            print(f"peer (transformers + fla) {p['context']:>6}: prefill {p['prefill_s']:.2f} s, "
+                  f"decode {p['decode_tokens_per_s']:.1f} tok/s")
+        print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
     print(f"results: {out}")
     return 0
 
