@@ -214,6 +214,37 @@ def done_record(state: Path, request_id: str) -> dict:
     return {}
 
 
+# ---- the page cache ----------------------------------------------------------------------------
+def evict_page_cache(paths: list[Path]) -> dict:
+    """Take every file under `paths` out of the page cache, as a reboot would: the kernel's
+    drop_caches where this process may write it (root), and posix_fadvise(DONTNEED) on each
+    file either way (clean pages of a file nobody maps leave the cache). Returns what was done."""
+    files, nbytes = [], 0
+    for root in paths:
+        for f in ([root] if root.is_file() else sorted(x for x in root.rglob("*") if x.is_file())):
+            files.append(f)
+    os.sync()
+    dropped = None
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        dropped = True
+    except OSError as e:
+        dropped = f"{type(e).__name__}: {e}"
+    advised = 0
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            nbytes += os.fstat(fd).st_size
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            advised += 1
+        finally:
+            os.close(fd)
+    return {"drop_caches": dropped, "fadvise_dontneed_files": advised, "bytes": nbytes}
+
+
 # ---- artifact and profile ---------------------------------------------------------------------
 def ensure_artifact(work: Path, preset: str, fmt: str, timeout: float) -> dict:
     art = work / "models" / f"{preset}-{fmt}.ninfer"
@@ -305,6 +336,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-reprefill", action="store_true",
                     help="skip phase (f), the cold re-prefill by another principal (a cheaper "
                          "re-measurement of restart-to-ready and the restore)")
+    ap.add_argument("--cold-disk", action=argparse.BooleanOptionalAction, default=True,
+                    help="take the state directory and the artifact out of the page cache "
+                         "before server 2 starts (its start and restore read from the disk), "
+                         "then start server 3 with them cached: the same restore warm")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="give up (and stop the servers) past this many seconds")
     a = ap.parse_args(argv)
@@ -397,8 +432,12 @@ def main(argv=None) -> int:
         log(f"server 1 stopped in {stop1['stop_s']}s; saves: "
             f"{[(s.get('written_bytes'), s.get('seconds')) for s in saves]}")
 
-        # (d) server 2: warm start
-        log("server 2: starting (same state dir, compilation cache warm)")
+        # (d) server 2: warm compilation cache; with --cold-disk, every file out of the page cache
+        if a.cold_disk:
+            result["evicted"] = evict_page_cache([state, Path(art["path"])])
+            log(f"page cache: {result['evicted']}")
+        log("server 2: starting (same state dir, compilation cache warm"
+            f"{', cold disk' if a.cold_disk else ''})")
         srv, s2 = start_and_probe(state, extra, left(), model_id)
         result["server2"] = s2
         log(f"server 2 ready: health {s2['ready_health_s']}s, generate {s2['ready_generate_s']}s;"
@@ -456,6 +495,34 @@ def main(argv=None) -> int:
                 f"path {dc.get('path')}, computed {dc.get('computed_tokens')} tokens")
         stop2 = stop_server(srv, min(left(0), 120))
         srv = None
+        warm = None
+        if a.cold_disk:  # (g) server 3: the same restore with every file in the page cache
+            last = third["response"] if a.decode_tokens else r2
+            for f in [Path(art["path"])] + sorted(x for x in state.rglob("*") if x.is_file()):
+                with open(f, "rb") as fh:  # what a server that just ran leaves cached
+                    while fh.read(1 << 24):
+                        pass
+            log("server 3: starting (everything in the page cache)")
+            srv, s3 = start_and_probe(state, extra, left(), model_id)
+            n_before = len(records(state))
+            fourth = post_stream(srv, OWNER, {"model": model_id, "input": TURN,
+                                              "previous_response_id": last["id"],
+                                              "max_output_tokens": a.max_output,
+                                              "temperature": 0, "prompt_cache_key": SESSION},
+                                 left())
+            d4 = done_record(state, fourth["response"]["id"])
+            rs3 = next((x for x in records(state)[n_before:]
+                        if x["event"] == "checkpoint_restore" and x.get("state") == "available"),
+                       {})
+            s3["stop"] = stop_server(srv, min(left(0), 120))
+            srv = None
+            warm = {"server3": s3, "ttft_s": d4.get("ttft_s"), "path": d4.get("path"),
+                    "client_ttft_s": fourth["client_ttft_s"],
+                    "restore_bytes": rs3.get("read_bytes"), "restore_s": rs3.get("seconds")}
+            log(f"  warm restore: ttft {warm['ttft_s']}s, path {warm['path']}, "
+                f"restore {warm['restore_bytes']} B in {warm['restore_s']}s; ready "
+                f"{s3['ready_generate_s']}s")
+            result["warm"] = warm
         rs = next((x for x in restores if x.get("state") == "available"), {})
         result["restored"] = {"ttft_s": d2.get("ttft_s"), "client_ttft_s": second["client_ttft_s"],
                               "path": d2.get("path"), "checkpoint": d2.get("checkpoint"),
@@ -481,7 +548,14 @@ def main(argv=None) -> int:
             "decode_engine_tokens_per_s": (decode or {}).get("engine_decode_tokens_per_s"),
             "restore_bytes": rs.get("read_bytes"), "restore_s": rs.get("seconds"),
             "restart_to_ready_cold_s": s1["ready_generate_s"],
-            "restart_to_ready_warm_s": s2["ready_generate_s"],
+            "restart_to_ready_warm_s": (warm["server3"] if warm else s2)["ready_generate_s"],
+            "restart_to_ready_cold_disk_s": s2["ready_generate_s"] if a.cold_disk else None,
+            "disk": "cold (server 2), page cache (server 3)" if a.cold_disk else "page cache",
+            "ttft_restored_warm_s": (warm or {}).get("ttft_s"),
+            "restore_warm_s": (warm or {}).get("restore_s"),
+            "ratio_reprefill_over_restore_warm": (
+                round(ttft_c / warm["ttft_s"], 2) if warm and warm.get("ttft_s") and ttft_c
+                else None),
             "health_ready_cold_s": s1["ready_health_s"],
             "health_ready_warm_s": s2["ready_health_s"],
             "compile_cold_s": (s1["startup_phases"] or {}).get("compile_s"),
@@ -512,14 +586,19 @@ def main(argv=None) -> int:
 def print_table(s: dict) -> None:
     rows = [
         ("prompt tokens", s["prompt_tokens"]),
+        ("disk", s["disk"]),
         ("TTFT restored from disk (s)", s["ttft_restored_s"]),
         ("  restore path", s["restore_path"]),
         ("  restore bytes / s", f"{s['restore_bytes']} / {s['restore_s']}"),
+        ("TTFT restored, page cache (s)", s["ttft_restored_warm_s"]),
+        ("  restore s, page cache", s["restore_warm_s"]),
         ("TTFT cold re-prefill (s)", s["ttft_cold_reprefill_s"]),
         ("ratio re-prefill / restore", s["ratio_reprefill_over_restore"]),
-        ("restart-to-ready cold (s)", s["restart_to_ready_cold_s"]),
+        ("ratio re-prefill / restore, page cache", s["ratio_reprefill_over_restore_warm"]),
+        ("restart-to-ready cold cache (s)", s["restart_to_ready_cold_s"]),
         ("  of which compile (s)", s["compile_cold_s"]),
-        ("restart-to-ready warm cache (s)", s["restart_to_ready_warm_s"]),
+        ("restart-to-ready warm cache, cold disk (s)", s["restart_to_ready_cold_disk_s"]),
+        ("restart-to-ready warm cache, page cache (s)", s["restart_to_ready_warm_s"]),
         ("  of which compile / load (s)", f"{s['compile_warm_s']} / {s['load_warm_s']}"),
         ("artifact write (s)", s["artifact_write_s"]),
         ("whole run (s)", s["total_s"]),
