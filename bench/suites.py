@@ -250,6 +250,7 @@ def run_h200(args) -> dict:
         cmd = [sys.executable, str(REPO / "bench" / "engine_27b.py"), "--plan", "h200",
                "--batches", "1,2", "--contexts", "1024,8192,32768,131072", "--modes", "1",
                "--reps", str(args.reps), "--decode-tokens", "64", "--turns", "4,64",
+               "--budget-s", "420",
                "--out", str(out)]
         run = subprocess.run(cmd, cwd=REPO)
         if run.returncode != 0:
