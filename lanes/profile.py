@@ -26,7 +26,27 @@ _KV_DTYPES = {"float32", "bfloat16", "int8"}
 # Fields a profile TOML may leave out, and their defaults. A field left at its default is also
 # left out of the canonical hash, so adding such a field never changes the hash (or the
 # checkpoint fingerprint) of an existing profile; any other value is hashed.
-OPTIONAL_DEFAULTS = {"plan": REFERENCE}
+OPTIONAL_DEFAULTS = {
+    "plan": REFERENCE,
+    "model_preset": None,       # the model's shapes: "embedded:<preset>" names its own
+    "weights": "fp32",          # the artifact's weight format (a `./ninfer convert` recipe)
+    "kv_capacity_auto": False,  # kv_capacity_tokens was "auto": resolved by the planner
+    "card": None,               # a GPU lane's card; None: the host is the device
+    "admission_headroom_bytes": 0,
+    "compile_headroom_bytes": 0,
+    "host_kv_bytes": 0,
+    "checkpoint_quota_bytes": None,
+    "checkpoint_staging_bytes": 0,
+    "ram_floor_bytes": 0,
+    "keep_warm": None,
+    "speculative": None,
+    "model_source": None,
+}
+_CARD_KEYS = {"name": str, "memory_mib": int, "arch": str, "min_driver": str}
+_KEEP_WARM_KEYS = {"enabled": bool, "period_ms": int, "duty": float, "grace_ms": int}
+_SPECULATIVE_KEYS = {"method": str, "draft_tokens": int}
+_SOURCE_KEYS = {"repository": str, "revision": str, "recipe": str, "converter": str}
+SPECULATIVE_METHODS = ("off",)  # speculative decoding has not landed: every lane is off
 
 
 class ProfileError(ValueError):
@@ -54,6 +74,20 @@ class LaneProfile:
     port: int
     # what runs: the kernel plan the profile's [plan] table names (engine/plan.py)
     plan: KernelPlan = REFERENCE
+    model_preset: str | None = None
+    weights: str = "fp32"
+    kv_capacity_auto: bool = False
+    # [card]: name (as the driver reports it), memory_mib, arch (sm_XX), min_driver
+    card: tuple | None = None
+    admission_headroom_bytes: int = 0
+    compile_headroom_bytes: int = 0
+    host_kv_bytes: int = 0
+    checkpoint_quota_bytes: int | None = None
+    checkpoint_staging_bytes: int = 0
+    ram_floor_bytes: int = 0
+    keep_warm: tuple | None = None     # [keep_warm]: enabled, period_ms, duty, grace_ms
+    speculative: tuple | None = None   # [speculative]: method, draft_tokens
+    model_source: tuple | None = None  # [model_source]: repository, revision, recipe, converter
 
     def __post_init__(self):
         def need(cond, msg):
@@ -72,7 +106,7 @@ class LaneProfile:
              "queue_timeout_s must be positive")
         need(isinstance(self.host_state_bytes, int) and self.host_state_bytes >= 0,
              "host_state_bytes must be a non-negative integer")
-        need(self.kv_capacity_tokens >= self.context_tokens,
+        need(self.kv_capacity_auto or self.kv_capacity_tokens >= self.context_tokens,
              "kv_capacity_tokens must hold at least one full context")
         need(self.prefill_chunk & (self.prefill_chunk - 1) == 0,
              "prefill_chunk must be a power of two")
@@ -80,10 +114,38 @@ class LaneProfile:
         need(isinstance(self.plan, KernelPlan), "plan must be a KernelPlan")
         need(len(self.model_sha256) == 64 or self.model_sha256 == "PENDING",
              "model_sha256 must be a 64-hex sha256")
+        from lanes.planner import WEIGHT_FORMATS
+
+        need(self.weights in WEIGHT_FORMATS, f"weights must be one of {list(WEIGHT_FORMATS)}")
+        for f in ("admission_headroom_bytes", "compile_headroom_bytes", "host_kv_bytes",
+                  "checkpoint_staging_bytes", "ram_floor_bytes"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and v >= 0, f"{f} must be a non-negative integer, got {v!r}")
+        need(self.checkpoint_quota_bytes is None or (
+            isinstance(self.checkpoint_quota_bytes, int) and self.checkpoint_quota_bytes > 0),
+            "checkpoint_quota_bytes must be a positive integer")
+        spec = dict(self.speculative or ())
+        need(spec.get("method", "off") in SPECULATIVE_METHODS,
+             f"[speculative] method must be one of {list(SPECULATIVE_METHODS)} (speculative "
+             f"decoding is not in this engine yet)")
+        card = dict(self.card or ())
+        need(self.card is None or card.get("memory_mib", 0) > 0,
+             "[card] memory_mib must be a positive integer")
+
+    def table(self, key: str) -> dict:
+        """A table field ([card], [keep_warm], [speculative], [model_source]) as a dict."""
+        return dict(getattr(self, key) or ())
+
+    @property
+    def gpu(self) -> bool:
+        return self.card is not None
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["plan"] = self.plan.to_dict()
+        for k in _TABLES:
+            if d[k] is not None:
+                d[k] = dict(d[k])
         return d
 
     def canonical_hash(self) -> str:
@@ -116,7 +178,67 @@ def load_profile(name_or_path: str) -> LaneProfile:
                            f"missing fields {sorted(required - set(data))}")
     if "plan" in data:
         data["plan"] = plan_from_table(data["plan"], path)
-    return LaneProfile(**data)
+    for key, spec in _TABLES.items():
+        if key in data:
+            data[key] = _table(data[key], key, spec, path)
+    if data.get("kv_capacity_tokens") == "auto":
+        data["kv_capacity_auto"] = True
+        data["kv_capacity_tokens"] = 1  # replaced by the planner's figure below
+    elif "kv_capacity_auto" in data:
+        raise ProfileError(f"{path}: kv_capacity_auto is set by kv_capacity_tokens = \"auto\"")
+    try:
+        profile = LaneProfile(**data)
+    except TypeError as e:
+        raise ProfileError(f"{path}: {e}") from None
+    if profile.kv_capacity_auto:
+        from lanes.planner import plan_lane
+
+        try:
+            plan = plan_lane(profile)
+        except ValueError as e:
+            raise ProfileError(f"{path}: {e}") from None
+        if plan.kv_capacity_tokens < profile.context_tokens:
+            raise ProfileError(f"{path}: kv_capacity_tokens = \"auto\" resolves to "
+                               f"{plan.kv_capacity_tokens:,} tokens, less than one "
+                               f"{profile.context_tokens:,}-token context:\n{plan.table()}")
+        profile = dataclasses.replace(profile, kv_capacity_tokens=plan.kv_capacity_tokens)
+    return profile
+
+
+_TABLES = {"card": _CARD_KEYS, "keep_warm": _KEEP_WARM_KEYS, "speculative": _SPECULATIVE_KEYS,
+           "model_source": _SOURCE_KEYS}
+
+
+def _table(value, key: str, spec: dict, path) -> tuple:
+    """A profile's sub-table as a sorted tuple of (key, value): every key known and typed."""
+    if not isinstance(value, dict):
+        raise ProfileError(f"{path}: '{key}' must be a table ([{key}]), got {value!r}")
+    unknown = sorted(set(value) - set(spec))
+    if unknown:
+        raise ProfileError(f"{path}: [{key}] has unknown keys {unknown}; known: {sorted(spec)}")
+    for k, v in value.items():
+        t = spec[k]
+        ok = isinstance(v, t) and not (t is int and isinstance(v, bool)) or \
+            (t is float and isinstance(v, int) and not isinstance(v, bool))
+        if not ok:
+            raise ProfileError(f"{path}: [{key}] {k} must be a {t.__name__}, got {v!r}")
+    return tuple(sorted(value.items()))
+
+
+def model_config(profile: LaneProfile):
+    """The model shapes a profile serves: its embedded model's, or `model_preset`'s."""
+    from engine.model.config import preset as model_preset
+
+    name = profile.model_preset
+    if name is None and profile.model.startswith("embedded:"):
+        name = profile.model.split(":", 1)[1]
+    if name is None:
+        raise ProfileError(f"lane profile {profile.name!r}: model_preset is required when the "
+                           f"model is an artifact path")
+    try:
+        return model_preset(name)
+    except (KeyError, ValueError) as e:
+        raise ProfileError(f"lane profile {profile.name!r}: model_preset: {e}") from None
 
 
 def plan_from_table(table, path) -> KernelPlan:

@@ -353,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("omp-config", help="write the Oh My Pi client config for this server",
                    add_help=False)
+    sub.add_parser("plan", help="the memory planner's fit table for a lane (or every lane)",
+                   add_help=False)
     sub.add_parser("ctl", help="control a running server: status | save | drain | stop",
                    add_help=False)
     return p
@@ -366,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.ctl import main as ctl_main
 
         return ctl_main(argv[1:], default_state_dir())
+    if argv[:1] == ["plan"]:
+        from lanes.cli import main as plan_main
+
+        return plan_main(argv[1:])
     if argv[:1] == ["omp-config"]:
         from server.omp_config import main as omp_config_main
 
