@@ -184,6 +184,14 @@ def cmd_serve(args) -> int:
     host = args.host or profile.host
     port = profile.port if args.port is None else args.port
     args.state_dir = Path(args.state_dir or default_state_dir())
+    from lanes.preflight import EX_CONFIG, preflight, refuse
+
+    problems = preflight(profile, state_dir=args.state_dir,
+                         checkpoints=getattr(args, "checkpoints", "on") == "on",
+                         model_override=args.model)
+    if problems:  # before the state directory is made or anything is bound
+        print(refuse(profile, problems), file=sys.stderr, flush=True)
+        return EX_CONFIG
     args.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     key_file = Path(args.key_file or args.state_dir / "keys")
     sock = bind_loopback(host, port)
