@@ -43,7 +43,7 @@ OPTIONAL_DEFAULTS = {
     "model_source": None,
 }
 _CARD_KEYS = {"name": str, "memory_mib": int, "arch": str, "min_driver": str}
-_KEEP_WARM_KEYS = {"enabled": bool, "period_ms": int, "duty": float, "grace_ms": int}
+_KEEP_WARM_KEYS = {"window_ms": int, "period_ms": int, "duty": float, "grace_ms": int}
 _SPECULATIVE_KEYS = {"method": str, "draft_tokens": int}
 _SOURCE_KEYS = {"repository": str, "revision": str, "recipe": str, "converter": str}
 SPECULATIVE_METHODS = ("off",)  # speculative decoding has not landed: every lane is off
@@ -85,7 +85,7 @@ class LaneProfile:
     checkpoint_quota_bytes: int | None = None
     checkpoint_staging_bytes: int = 0
     ram_floor_bytes: int = 0
-    keep_warm: tuple | None = None     # [keep_warm]: enabled, period_ms, duty, grace_ms
+    keep_warm: tuple | None = None     # [keep_warm]: window_ms, period_ms, duty, grace_ms
     speculative: tuple | None = None   # [speculative]: method, draft_tokens
     model_source: tuple | None = None  # [model_source]: repository, revision, recipe, converter
 
@@ -128,6 +128,13 @@ class LaneProfile:
         need(spec.get("method", "off") in SPECULATIVE_METHODS,
              f"[speculative] method must be one of {list(SPECULATIVE_METHODS)} (speculative "
              f"decoding is not in this engine yet)")
+        if self.keep_warm is not None:
+            from engine.runtime.keep_warm import KeepWarmConfig
+
+            try:
+                KeepWarmConfig(**dict(self.keep_warm))
+            except (TypeError, ValueError) as e:
+                need(False, f"[keep_warm]: {e}")
         card = dict(self.card or ())
         need(self.card is None or card.get("memory_mib", 0) > 0,
              "[card] memory_mib must be a positive integer")
