@@ -210,3 +210,14 @@ def plan_lane(profile, cfg: ModelConfig | None = None, *, context_tokens: int | 
         problems.append(f"the host parts need {plan.total('host'):,} B, more than this "
                         f"host's {host_ram:,} B of RAM")
     return plan
+
+
+def allocator_fraction(profile) -> float | None:
+    """The share of the card JAX's allocator takes at start (what the plan budgets: the card
+    less the admission headroom), or None on the CPU lane. JAX's default, 75% of the card,
+    would hold back memory the plan counts on, or on a card with other work, take too much."""
+    if not profile.gpu:
+        return None
+    card = profile.table("card")
+    total = card["memory_mib"] * MiB
+    return (total - profile.admission_headroom_bytes) / total

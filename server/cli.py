@@ -192,6 +192,11 @@ def cmd_serve(args) -> int:
     if problems:  # before the state directory is made or anything is bound
         print(refuse(profile, problems), file=sys.stderr, flush=True)
         return EX_CONFIG
+    from lanes.planner import allocator_fraction
+
+    fraction = allocator_fraction(profile)
+    if fraction is not None:  # read by JAX when its backend starts, below
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.4f}"
     args.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     key_file = Path(args.key_file or args.state_dir / "keys")
     sock = bind_loopback(host, port)
