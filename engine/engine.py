@@ -10,7 +10,8 @@ shared system prefix) continues from it and computes only its new tokens.
 `Engine` glues the stages together: the scheduler (engine/runtime/scheduler.py), the device
 memory (runtime/memory.py), the model runner (runtime/runner.py: the forward, compiled ahead of
 time), the batch sampler (runtime/batch_sampler.py) and the engine thread's loop
-(runtime/loop.py, with chained decode steps in runtime/chain.py).
+(runtime/loop.py, with chained decode steps in runtime/chain.py). A checkpointer sees the
+engine through `hooks` and `checkpoint` (runtime/checkpoint_port.py) only.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import numpy as np
 from engine.io.loader import LoadedModel
 from engine.plan import REFERENCE, KernelPlan, check_plan
 from engine.runtime.batch_sampler import BatchSampler
+from engine.runtime.checkpoint_port import CheckpointPort, EngineHooks
 from engine.runtime.loop import Inbox, StepLoop
 from engine.runtime.memory import Memory
 from engine.runtime.request import (DoneEvent, GenerationRequest,  # noqa: F401 (re-export)
@@ -35,13 +37,14 @@ from engine.runtime.scheduler import QueueFull, Scheduler, Sequence  # noqa: F40
 
 
 class Engine:
-    """An engine of `max_concurrency` rows over `model` under `plan`. `before_evict(snapshot)`:
-    called on the engine thread before the runtime drops a stored state."""
+    """An engine of `max_concurrency` rows over `model` under `plan`. `hooks`: the callbacks it
+    makes into its host, on the engine thread (a checkpointer's `before_evict`); `checkpoint`:
+    what a checkpointer may read and call (engine/runtime/checkpoint_port.py)."""
 
     def __init__(self, model: LoadedModel, *, context_tokens: int, prefill_chunk: int,
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
                  capacity_tokens: int | None = None, state_slots: int = 8,
-                 host_state_bytes: int = 0, before_evict=None,
+                 host_state_bytes: int = 0, hooks: EngineHooks | None = None,
                  plan: KernelPlan = REFERENCE):
         # what runs: the forward's implementations and the loop's form (engine/plan.py)
         self.plan = check_plan(plan)
@@ -57,17 +60,19 @@ class Engine:
                                   prefill_chunk=prefill_chunk)
         self.sampler = BatchSampler(batch=max_concurrency, n_vocab=model.tokenizer.vocab_size,
                                     context_tokens=context_tokens)
+        hooks = hooks or EngineHooks()
         self.mem = Memory(model.cfg, batch=max_concurrency, context_tokens=context_tokens,
                           capacity_tokens=capacity_tokens or context_tokens * max_concurrency,
                           kv_dtype=model.kv_dtype, conv_dtype=model.compute_dtype,
                           state_slots=state_slots, host_state_bytes=host_state_bytes,
-                          before_evict=before_evict)
+                          before_evict=hooks.before_evict)
         self.inbox = Inbox(max_queue)
         # chained decode steps (the plan's chain_decode): the next step is dispatched with the
         # sampled tokens still on the device, before the host reads them
         self.loop = StepLoop(sched=self.sched, mem=self.mem, runner=self.runner,
                              sampler=self.sampler, inbox=self.inbox,
                              context_tokens=context_tokens, chain_decode=self.plan.chain_decode)
+        self.checkpoint = CheckpointPort(self.mem, self.call)
         self._thread = threading.Thread(target=self.loop.run, name="ninfer-engine", daemon=True)
 
     @property
@@ -93,6 +98,12 @@ class Engine:
     def _pending(self) -> int:
         """Requests submitted and not yet admitted (or expired)."""
         return self.inbox.pending
+
+    def stats(self) -> dict:
+        """The memory's gauges (`Memory.stats`: pages, state images, evictions) with the
+        sequences running and waiting (submitted, not yet admitted)."""
+        return {**self.mem.stats(), "running": len(self.sched.running),
+                "waiting": self.inbox.pending}
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> None:

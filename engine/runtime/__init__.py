@@ -3,6 +3,6 @@ recurrent-state images (`states`), the retention rule that decides what to keep 
 the prefix index, the scheduler, `memory` tying them to the device cache, the executable store
 and per-request sampling (`sampling`); the engine's stages: its requests and events
 (`request`), the model runner (`runner`), a step's sampling dispatch (`batch_sampler`), the
-engine thread's loop (`loop`) with chained decode steps (`chain`), and the export and import
-of stored states (`checkpoint_io`). Import the submodules directly: this package re-exports
-nothing."""
+engine thread's loop (`loop`) with chained decode steps (`chain`), and the checkpoint interface
+(`checkpoint_port`, over `checkpoint_io`). Import the submodules directly: this package
+re-exports nothing."""
