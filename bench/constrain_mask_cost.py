@@ -247,7 +247,7 @@ def engine_share() -> None:
             np.zeros((2, 2), np.uint32), np.zeros(2, np.int32))
     mask = np.full((2, cc.mask_words), -1, np.int32)
     for label, m in (("sampler, no mask", None), ("sampler, masked", mask)):
-        best = min(_time(lambda: jax.block_until_ready(eng._sample(logits, *args, m)))
+        best = min(_time(lambda: jax.block_until_ready(eng.sampler._sample(logits, *args, m)))
                    for _ in range(5))
         print(f"engine B=2 {label:26s} {best * 1e3:6.2f} ms")
     eng.start()

@@ -78,7 +78,7 @@ def main() -> None:
     res["prefill_2048"]["prefill_tokens_per_s"] = 2048 / res["prefill_2048"]["ttft_s"][0]
     res["c2_over_c1_decode"] = res["c2"]["decode_tokens_per_s"] / res["c1"]["decode_tokens_per_s"]
     # chained decode steps (the plan's chain_decode): on or off, and how many were chained
-    res["overlap"], res["chained_steps"] = eng._overlap, eng.chained_steps
+    res["overlap"], res["chained_steps"] = eng.loop.chain.enabled, eng.chained_steps
     eng.stop()
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"compile {compile_s:.1f}s | decode C1 {res['c1']['decode_tokens_per_s']:.1f} tok/s, "

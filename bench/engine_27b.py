@@ -121,8 +121,9 @@ def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int, variant: str 
     from bench.profile_summary import newest_xplane
 
     eng = rows.engine
-    eng._overlap = mode
-    path = (f"{a.trace}{'-' + variant if variant else ''}-b{eng.B}{'n' if eng._narrow else ''}-c{conc}-{int(mode)}-{sampling}"
+    eng.loop.chain.enabled = mode
+    narrow = 'n' if eng.runner.narrow_decode else ''
+    path = (f"{a.trace}{'-' + variant if variant else ''}-b{eng.B}{narrow}-c{conc}-{int(mode)}-{sampling}"
             ".xplane.pb.gz")
     rng = np.random.default_rng(11)
     with tempfile.TemporaryDirectory() as d:
@@ -274,7 +275,7 @@ def main() -> None:
                     for smp in samplings:
                         for mode in modes:
                             for c in concs:
-                                eng._overlap = mode  # read by the engine thread, idle here
+                                eng.loop.chain.enabled = mode  # the engine thread is idle here
                                 chained0 = eng.chained_steps
                                 new = {r: rng.integers(10, top, 4).tolist() for r in range(c)}
                                 dones = rows.request(list(range(c)), new, a.decode_tokens,

@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine.io.artifact import (ALIGN, FORMAT_VERSION, MAGIC, _HEADER, _check_entry,  # noqa: E402
-                             _fsync_dir, canonical_json, write_artifact)
+from engine.io.artifact import _fsync_dir, write_artifact  # noqa: E402
+from engine.io.artifact_format import (ALIGN, FORMAT_VERSION, HEADER, MAGIC,  # noqa: E402
+                                       canonical_json, check_entry)
 from engine.model.config import ModelConfig, preset  # noqa: E402
 from engine.ops.quant import DENSE, dtype_name  # noqa: E402
 from engine.ops.quant import GROUP, INT4_G64, QTensor  # noqa: E402
@@ -151,7 +152,7 @@ def write_parallel(path, cfg: ModelConfig, tensors, *, tokenizer_json, chat_temp
         with concurrent.futures.ThreadPoolExecutor(threads or min(16, os.cpu_count() or 2)) as ex:
             list(ex.map(put, sorted(jobs, key=lambda j: -j[1].nbytes)))
         for name, entry in table.items():
-            _check_entry(name, entry, specs[name])
+            check_entry(name, entry, specs[name])
         t_parts = time.perf_counter()
         directory = {"format_version": FORMAT_VERSION, "alignment": ALIGN,
                      "model": {"name": cfg.name, "config": cfg.to_dict(),
@@ -161,8 +162,8 @@ def write_parallel(path, cfg: ModelConfig, tensors, *, tokenizer_json, chat_temp
                      "extra": extra, "tensors": table}
         blob = canonical_json(directory)
         os.pwrite(fd, blob, pos)
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, ALIGN, pos, len(blob),
-                              hashlib.sha256(blob).digest())
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, ALIGN, pos, len(blob),
+                             hashlib.sha256(blob).digest())
         os.pwrite(fd, header, 0)
         synced = threading.Thread(target=os.fsync, args=(fd,))
         synced.start()  # the disk writes back while the CPU hashes the file (page cache)

@@ -84,6 +84,9 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                              kv_dtype=profile.kv_dtype, expected_sha256=expected, timings=load,
                              stamps=stamps, verify=mode)
         phases["load_start_s"] = round(time.monotonic() - t, 3)
+        from server.checkpoints import setup as checkpoint_setup
+
+        ck = checkpoint_setup.checkpointer(rt, args)  # the engine takes its hooks
         t = time.monotonic()
         engine = Engine(loading.abstract, context_tokens=profile.context_tokens,
                         prefill_chunk=profile.prefill_chunk,
@@ -91,7 +94,8 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                         queue_timeout_s=profile.queue_timeout_s,
                         capacity_tokens=profile.kv_capacity_tokens,
                         state_slots=profile.state_slots,
-                        host_state_bytes=profile.host_state_bytes, plan=profile.plan)
+                        host_state_bytes=profile.host_state_bytes,
+                        hooks=None if ck is None else ck.engine_hooks(), plan=profile.plan)
         phases["engine_init_s"] = round(time.monotonic() - t, 3)
         loading.start()
         # Token tables (~1-2 s, mostly Python) on a thread of their own, beside the compile
@@ -115,9 +119,7 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         phases["warm_run_s"] = round(warm_s, 3)
         compile_s += warm_s
         t = time.monotonic()
-        from server.checkpoints.setup import attach as attach_checkpoints
-
-        attach_checkpoints(rt, model, profile, engine, args)
+        checkpoint_setup.attach(rt, ck, model, profile, engine)
         phases["checkpoints_attach_s"] = round(time.monotonic() - t, 3)
         engine.start()
         rt.model, rt.engine = model, engine
@@ -251,11 +253,9 @@ def cmd_serve(args) -> int:
 def _prepare_restore(engine) -> None:
     """Once serving: compile what the first checkpoint restore would compile on its way to
     the first token (engine/runtime/checkpoint_io.py prepare_restore), off the request path."""
-    from engine.runtime.checkpoint_io import prepare_restore
-
     t = time.monotonic()
     try:
-        n = prepare_restore(engine.mem)
+        n = engine.checkpoint.prepare_restore()
     except Exception as e:  # noqa: BLE001 - a restore then compiles them itself
         print(f"ninfer: restore path not prepared: {type(e).__name__}", file=sys.stderr,
               flush=True)

@@ -50,7 +50,7 @@ def _copy(good, tmp_path, name="c.ninfer"):
 
 
 def _header(path):
-    return A._HEADER.unpack(path.read_bytes()[:A._HEADER.size])
+    return A.HEADER.unpack(path.read_bytes()[:A.HEADER.size])
 
 
 def _rewrite_directory(path, mutate):
@@ -62,7 +62,7 @@ def _rewrite_directory(path, mutate):
     mutate(d)
     blob = A.canonical_json(d)
     raw[off:] = blob
-    raw[:A._HEADER.size] = A._HEADER.pack(magic, ver, align, off, len(blob),
+    raw[:A.HEADER.size] = A.HEADER.pack(magic, ver, align, off, len(blob),
                                           hashlib.sha256(blob).digest())
     path.write_bytes(bytes(raw))
 
@@ -101,7 +101,7 @@ def test_fp32_roundtrip_and_header_layout(tmp_path):
     raw = path.read_bytes()
     magic, ver, align, off, length, digest = _header(path)
     assert (magic, ver, align) == (MAGIC, 1, ALIGN) and off % ALIGN == 0
-    assert off + length == len(raw) and raw[A._HEADER.size:ALIGN] == bytes(ALIGN - A._HEADER.size)
+    assert off + length == len(raw) and raw[A.HEADER.size:ALIGN] == bytes(ALIGN - A.HEADER.size)
     d = json.loads(raw[off:])
     assert raw[off:] == A.canonical_json(d)  # sorted keys, compact
     assert d["model"]["config_hash"] == CFG.canonical_hash()

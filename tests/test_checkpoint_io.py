@@ -81,8 +81,7 @@ def test_export_import_is_bit_exact_and_continues_identically(tiny_model, engine
     assert np.array_equal(exp3.tokens, np.asarray(fed2, np.int32))
 
 
-def test_eviction_saves_an_unsaved_session_head_and_restore_installs_it(tiny_model, engine,
-                                                                        tmp_path):
+def test_eviction_saves_an_unsaved_session_head_and_restore_installs_it(tiny_model, tmp_path):
     import time
 
     from server.checkpoints.manager import Checkpointer
@@ -90,8 +89,9 @@ def test_eviction_saves_an_unsaved_session_head_and_restore_installs_it(tiny_mod
 
     store = CheckpointStore(tmp_path / "ck", quota_bytes=1 << 30)
     fp = {"test": 1}
-    ck = Checkpointer(store, fp, autosave=False)
-    ck.attach(engine)
+    ck = Checkpointer(store, autosave=False)
+    engine = make_engine(tiny_model, hooks=ck.engine_hooks())  # the evict hook: built in
+    ck.attach(engine, fp)
     try:
         p = turn(tiny_model, "Explain cache eviction in one paragraph. " * 8)
         out, _ = run(engine, p, "erin", max_tokens=16)
@@ -108,8 +108,8 @@ def test_eviction_saves_an_unsaved_session_head_and_restore_installs_it(tiny_mod
         assert snapshot_of(engine, "erin", fed).from_disk
         assert ck.restore_for("erin", "session-of-erin", fed + [1, 2]) is None  # resident
     finally:
-        engine.mem.before_evict = None
         ck._jobs.put(None)
+        engine.stop()
         store.close()
 
 

@@ -24,7 +24,7 @@ def engine(model, request):
     (the plan's narrow_decode), so a sequence alone and two at once run different forwards."""
     eng = Engine(model, context_tokens=2048, prefill_chunk=64, max_concurrency=2, max_queue=4,
                  plan=dataclasses.replace(REFERENCE, narrow_decode=request.param))
-    assert eng._narrow is request.param
+    assert eng.runner.narrow_decode is request.param
     eng.start()
     yield eng
     eng.stop()

@@ -63,11 +63,11 @@ def _both(engines, fn):
 
 def test_chaining_is_on_by_default_and_off_with_the_plan(model, engines):
     on, off = engines
-    assert on._overlap and not off._overlap
+    assert on.loop.chain.enabled and not off.loop.chain.enabled
     kw = dict(context_tokens=256, prefill_chunk=64)
-    assert Engine(model, **kw)._overlap  # the default plan chains
+    assert Engine(model, **kw).loop.chain.enabled  # the default plan chains
     assert not Engine(model, plan=dataclasses.replace(REFERENCE, chain_decode=False),
-                      **kw)._overlap
+                      **kw).loop.chain.enabled
 
 
 def test_greedy_and_seeded_tokens_and_stop_at_a_chosen_token(model, engines):

@@ -1,4 +1,4 @@
-"""Right-padded prefill pieces: the claim engine._run_step relies on, and the engine around it.
+"""Right-padded prefill pieces: the claim StepLoop.run_step relies on, and the engine around it.
 
 A piece of L tokens padded to width W (lengths = L) must leave the same KV pool, GDN state and
 position, and give the same last-token logits, as the unpadded piece of L tokens; and a prompt

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine import Engine, GenerationRequest
+from engine.engine import Engine, EngineHooks, GenerationRequest
 from engine.runtime.sampling import SamplingParams
 from tests.test_engine_batching import Collector
 
@@ -119,7 +119,7 @@ def test_shared_prefix_across_sessions_of_one_principal_only(model, engine):
 def test_after_eviction_recomputes_the_same_tokens(model):
     saved = []
     eng = make_engine(model, capacity_tokens=1024, state_slots=1, host_state_bytes=0,
-                      before_evict=saved.append)
+                      hooks=EngineHooks(before_evict=saved.append))
     try:
         p1 = turn(model, "Explain recursion.")
         out1, _ = run(eng, p1, "erin")

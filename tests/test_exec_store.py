@@ -142,7 +142,7 @@ def test_engine_loads_every_width_without_tracing_and_generates_the_same(tiny_mo
         if forbid_lowering:
             def no_lowering(*a, **k):
                 raise AssertionError("traced a width the store holds")
-            eng._lower = no_lowering
+            eng.runner._lower = no_lowering
         eng.compile(store=store)
         if eng.exec_saving is not None:  # the saves run on a background thread
             eng.exec_saving.join()

@@ -133,7 +133,7 @@ def worker_threads() -> int:
 def copy_threads() -> int:
     """Threads that stack the weights on the host and put them on the device: every core, at
     most 16. On the H200's 16-core host the 27B's 17.2 GB moved in 5.3 s on 16 threads and
-    9.2 s on 8 (bench/startup_micro.py, v19d); the compile beside it is mostly loading stored
+    9.2 s on 8 (bench/startup_micro.py); the compile beside it is mostly loading stored
     executables (engine/runtime/exec_store.py)."""
     return max(1, min(16, os.cpu_count() or 1))
 

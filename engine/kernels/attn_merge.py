@@ -3,7 +3,7 @@ output gate applied, and the group sums that o_proj's int4 GEMV takes.
 
 After `paged_decode`'s kernel, XLA runs four kernels a gated-attention layer for this (the
 splits' max, the weighted sums of the values and of the softmax denominators, then the gate's
-multiply with the group sums: ~7 us a layer, 16 layers, H200 v28d). Here program (row, head,
+multiply with the group sums: ~7 us a layer, 16 layers, on the H200). Here program (row, head,
 column tile) walks only the row's non-empty splits (which the row's own length fixes, as the
 paged kernel split them) in chunks, in split order: the max, then the weighted sums; divides,
 rounds to the activations' dtype, multiplies by sigmoid(gate) read from the projections' one

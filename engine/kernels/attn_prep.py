@@ -3,7 +3,7 @@ as one kernel: q and k RMSNorms (each head, the layer's weights read from their 
 their first rotary dims, and this step's K and V written into the paged pool in place.
 
 In XLA that is ~7 small kernels a layer on the GPU (the norms with RoPE for q and for k, the
-weights' slices, the page arithmetic, two scatters into the pool; H200 v27 trace). Here program
+weights' slices, the page arithmetic, two scatters into the pool, in an H200 trace). Here program
 (b, h) takes head h of row b's projections, laid out as the one GEMV launch writes them
 ([q | gate] per query head, then K, then V): a query head is normed and rotated into q; a key
 head is normed, rotated and stored at its slot; a value head is stored. A row whose step is not

@@ -102,8 +102,8 @@ def flash_attend(k_cache, v_cache, layer, q, positions, *, interpret: bool | Non
     16, S not a multiple of the key tile) take the reference. bq: the largest query tile, halved
     until it divides T; num_warps None: 8 for 128-row tiles, else 4. split: the key tiles
     below the query tile's diagonal run without the causal mask. The defaults are the fastest
-    of the H200 sweep (docs/benchmarks/README.md v9: 128 x 64, 8 warps, 2 stages, split: 442
-    TFLOP/s for one 27B layer at 32K tokens against 289 for v8's 64 x 64, 4 warps)."""
+    of an H200 sweep (128 x 64, 8 warps, 2 stages, split: 442 TFLOP/s for one 27B layer at
+    32K tokens against 289 for the earlier 64 x 64, 4 warps)."""
     bq = _query_tile(q.shape[1], bq)
     if num_warps is None:
         num_warps = 8 if bq >= 128 else 4

@@ -1,12 +1,12 @@
 """A GDN layer's decode step between its input projections and out_proj, as one kernel.
 
 On the H200 a decode step of the 27B model runs ~1,800 kernels, ~1,550 of them small XLA
-fusions that together take ~3 ms of an 11 ms step (docs/benchmarks/README.md, v5 profile).
-Each GDN layer spends about a dozen of them on the work after its projections: the causal conv
-and its state shift, SiLU, the q/k L2 norms, the gates, the recurrent step, the gated RMSNorm.
-Here all of it is one Pallas call per layer: program (row, value head) reads its q/k (key head
-h // r) and v channels with their conv windows, applies the conv, SiLU and norms in registers,
-steps its [Dk, Dv] state once and writes the normed, gated output head.
+fusions that together take ~3 ms of an 11 ms step (profiled). Each GDN layer spends about a
+dozen of them on the work after its projections: the causal conv and its state shift, SiLU,
+the q/k L2 norms, the gates, the recurrent step, the gated RMSNorm. Here all of it is one
+Pallas call per layer: program (row, value head) reads its q/k (key head h // r) and v channels
+with their conv windows, applies the conv, SiLU and norms in registers, steps its [Dk, Dv]
+state once and writes the normed, gated output head.
 
 Decode only (T == 1): the reference for any T is `engine.ops.gdn.gdn_core` with a reference
 rule, which this matches (`gdn_decode_fused_ref`, with this kernel's signature, for the tests).
@@ -18,7 +18,7 @@ recurrent state is aliased: each program owns its head.
 
 The kernel (`gdn_decode_fused_rows`) takes the layer's input projections as the one GEMV launch
 writes them, side by side in one row, and its parameters and states as [L, ...] stacks read at
-the layer's index, so the model's scan slices nothing for it (H200 v10: the step went from
+the layer's index, so the model's scan slices nothing for it (on the H200 the step went from
 ~1,950 to ~1,470 kernels).
 """
 from __future__ import annotations
@@ -172,8 +172,8 @@ def gdn_decode_fused_stacked(p, cfg: ModelConfig, qkv, z, b_in, a_in, conv_all, 
 
 # The in-place decode path's launch: each value head's state over 2 programs by its Dv columns
 # (the gated output norm, which spans a head's Dv, in XLA after the kernel), 4 warps a program
-# (a [Dk, Dv / 2] fp32 half-state is 64 values a thread). H200, 27B heads, one row (v24c/d,
-# docs/benchmarks/README.md; the kernel's own time a C1 step): 1 program of 8 warps (the
+# (a [Dk, Dv / 2] fp32 half-state is 64 values a thread). H200, 27B heads, one row (the
+# kernel's own time a C1 step): 1 program of 8 warps (the
 # default before) 398-400 us, 4 warps 307-310, 16 warps 417, 2 warps 2,825 (spills); split 2
 # of 8 warps 261, of 4 warps 213; split 4 of 4 warps 207, of 2 warps 208; split 8 222-240.
 # C1 1K decode: split 2 of 4 warps 133.0 / 131.3 tok/s against 127.4 / 125.4 for the old

@@ -6,7 +6,8 @@ GEMV the model normalizes x, and before the MLP it also adds the mixer's output 
 residual stream. XLA fuses all of that into one kernel for one row, but for two rows it
 emits the norm as a Triton fusion and the group sums, the residual add and the slice of the
 layer's norm weight out of its stack as separate kernels: ~8 small kernels a GDN layer where
-one row has 3 (H200 v27: a C2 step 0.44 ms longer in XLA's small kernels than a C1 step).
+one row has 3 (on the H200 a C2 step spent 0.44 ms longer in XLA's small kernels than a C1
+step).
 Here each norm is one Pallas (Triton) call for any number of rows, which reads its weight
 from the layer stack at the layer's index and writes:
 

@@ -134,8 +134,8 @@ def _splits(kvh: int, max_pages: int, programs: int) -> int:
     pages among them (`_kernel`), so the split, which orders the softmax merge, depends on the
     row's length alone, never on the rows beside it (batch invariance: the same greedy tokens
     at C1 and C2). A table wider than the row (an engine's pool sized for its longest context)
-    no longer leaves a short row's pages to one program (v25: 41 us a layer at 1K in a table of
-    133K, where the pages of a 1K table took a few)."""
+    no longer leaves a short row's pages to one program (on the H200 that was 41 us a layer
+    at 1K in a table of 133K, where the pages of a 1K table took a few)."""
     return max(1, min(max_pages, -(-programs // kvh)))
 
 
@@ -153,7 +153,7 @@ def check_merge(merge: str) -> str:
 
 
 # programs, num_warps, num_stages, unroll by the pool's dtype. H200, the 27B's heads, a 128K
-# row (bench/paged_decode_micro.py, v21b, kernel time and merge a call): bf16 pages 140.9 us
+# row (bench/paged_decode_micro.py, kernel time and merge a call): bf16 pages 140.9 us
 # with 8 warps against 148.7 with 4 (B = 2: 264.8 / 280.9); int8 pages 110.4 us with 4
 # against 178.3 with 8. 1024 programs, 1 or 3 stages and 2 pages a loop step were no faster.
 LAUNCH_DEFAULTS = {"int8": (512, 4, 2, 1), "bfloat16": (512, 8, 2, 1),
@@ -209,8 +209,8 @@ def _paged_attend(pool: KVPool, table, layer, q, last_slot, slot_offset: int, *,
                           programs=programs, num_warps=num_warps, num_stages=num_stages,
                           unroll=unroll)
     # Merge the splits. XLA's reductions over [B, S, ...] reduce in an order that varies with
-    # B on the GPU (a row's result changed in 1-2 elements of 6,144 beside another row, v25d;
-    # reducing row by row did not fix it, v26a); "chain" fixes the order (`_merge_chain`).
+    # B on the GPU (a row's result changed in 1-2 elements of 6,144 beside another row, and
+    # reducing row by row did not fix it); "chain" fixes the order (`_merge_chain`).
     out = _merge_chain(acc, m, l) if merge == "chain" else _merge(acc, m, l)
     return out[:, :, :r].reshape(b, 1, nh, hd).astype(q.dtype)
 

@@ -155,9 +155,8 @@ def paged_prefill_attend(pool: KVPool, table, layer, q, slots, slot_offset: int 
                          num_stages: int = 2):
     """The kernel; same contract as `paged_prefill_attend_ref`. Shapes `supported` rejects take
     the reference. block_rows: (token, head) rows per program (128: 371 TFLOP/s for one 27B
-    layer at 32K tokens on the H200 against 193 with 64, docs/benchmarks/README.md v9);
-    programs: the row's table is
-    split across programs while kv_heads * tiles is below it (short chunks), the splits' partials
+    layer at 32K tokens on the H200 against 193 with 64); programs: the row's table is split
+    across programs while kv_heads * tiles is below it (short chunks), the splits' partials
     merged in XLA; num_warps None: 4 for head_dim <= 128, else 8."""
     if not supported(pool, q, block_rows):
         return paged_prefill_attend_ref(pool, table, layer, q, slots, slot_offset)

@@ -92,7 +92,7 @@ def gdn_mixer(p, cfg: ModelConfig, x, conv_state, rec_state, lengths, valid, mod
             return y, st._replace(conv_out=conv_l, rec=rec), None
         lead = st.conv.shape[:-3]
         # a plain dynamic update (the index is always in range): `.at[].set` drops an
-        # out-of-range index, which costs a bounds-check kernel a layer on the GPU (v13 HLO)
+        # out-of-range index, which costs a bounds-check kernel a layer on the GPU (in the HLO)
         conv = jax.lax.dynamic_update_index_in_dim(
             st.conv.reshape(-1, *st.conv.shape[-3:]), conv_l, st.layer, 0).reshape(
                 *lead, *st.conv.shape[-3:])

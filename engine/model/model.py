@@ -166,8 +166,8 @@ def forward_rows(params, cfg: ModelConfig, tokens, cache: PagedCache, rows, *, l
     cache rows `rows` [n] int32 (distinct), the other rows left alone and not computed.
 
     A prefill piece is one row's work: `forward` over all B rows would run the other B - 1
-    as padding through every matmul (an engine of two rows prefilled at half the rate, H200
-    v25). The rows' GDN states, positions and block-table rows are taken out, `forward` runs
+    as padding through every matmul (an engine of two rows prefilled at half the rate on the
+    H200). The rows' GDN states, positions and block-table rows are taken out, `forward` runs
     on them with the shared KV pool, and they are put back (in place once the cache is
     donated; the states' copy is ~0.15 GB a 27B row, tens of us against a piece's ms).
     Returns (logits fp32 [B, 1, V] with zeros in the rows not run, the new cache)."""

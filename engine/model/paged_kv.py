@@ -15,7 +15,7 @@ def _decode_attend(pool: KVPool, table, layer, q, slots, valid, slot_offset, gat
     """A decode step's attention (T = 1) by the paged-decode kernel. A row without a token
     this step (idle in a wider engine) sees its first slot only: its output is dropped, and it
     would otherwise read its whole stored context (at 128K, ~8.6 GB over the 27B's 16
-    attention layers: ~1.5 ms a step, H200 v26d). gate: (gate_src, gate_at, gate_stride) for
+    attention layers: ~1.5 ms a step on the H200). gate: (gate_src, gate_at, gate_stride) for
     `attn_merge.paged_attend_gated` (the gated output and its group sums), with q already
     the kernel's tile holding `heads` heads where heads is given. merge: how the kernel's
     splits are merged (a plan's paged_merge)."""

@@ -105,7 +105,7 @@ def _unit_lower_inverse(m, diag_inverse=None):
     [[A, 0], [L, B]]^-1 = [[A^-1, 0], [-B^-1 L A^-1, B^-1]], until one block is left. A
     substitution over the whole C rows instead costs C steps that each read the whole
     right-hand side: on the H200 that loop alone was a quarter of a 27B prefill (3072 steps,
-    305 ms of 1.29 s for 8K tokens, docs/benchmarks/README.md v8). The usual recursive
+    305 ms of 1.29 s for 8K tokens). The usual recursive
     triangular inversion: exact in exact arithmetic; in fp32 checked against numpy's float64
     inverse on the chunk's own kind of matrix (tests/test_gdn.py). diag_inverse: what inverts
     the diagonal blocks (default `diag_block_inverse`; the Pallas kernel of
@@ -159,7 +159,7 @@ def _uw(k, v, g, beta, ops: str = "fp32", diag_inverse=None):
     kk = beta[..., :, None] * _product("...ik,...jk->...ij", k, k, ops) * decay
     m = jnp.tril(kk, -1) + jnp.eye(c, dtype=kk.dtype)
     inv = _unit_lower_inverse(m, diag_inverse)
-    # two products, not one over [V | K] side by side: its slices were copies (v11 profile)
+    # two products, not one over [V | K] side by side: its slices were copies (profiled)
     u = _product("...ij,...jv->...iv", inv, v * beta[..., None], ops)
     w = _product("...ij,...jk->...ik", inv, k * (beta * jnp.exp(gamma))[..., None], ops)
     return u, w, gamma, decay
@@ -267,7 +267,7 @@ def causal_conv1d(x, weight, state, lengths=None):
     The taps read x shifted in with zeros, and the state's part of the first W-1 outputs comes
     from the small [state; 0] window: no [state; x] array of T + W - 1 rows is built. Built as
     one array it was a separate fp32 copy that a 27B prefill wrote channel-major (19 ms of an
-    8K prefill, docs/benchmarks/README.md v11); this way every term is element-wise in x and
+    8K prefill); this way every term is element-wise in x and
     fuses into the conv's consumers.
     """
     b, t, c = x.shape

@@ -182,8 +182,8 @@ def _dequantize_int4_16bit(qt: QTensor, dtype) -> jax.Array:
     byte's two values (code * scale in fp32, rounded once to `dtype`) are put side by side in
     a uint32 that is then read as two `dtype` values, low half first. The same values as
     interleaving the two nibbles' arrays (`_unpack_int4`), which XLA on the GPU runs as a
-    concatenate at ~1 TB/s (a 17408 x 5120 weight in 212 us of a prefill, v16c); this is a
-    loop fusion that reads a byte and writes four."""
+    concatenate at ~1 TB/s (a 17408 x 5120 weight in 212 us of a prefill); this is a loop
+    fusion that reads a byte and writes four."""
     packed = jnp.asarray(qt.data)                                   # [..., out, in/2] uint8
     *lead, out, half = packed.shape
     per = GROUP // 2                                                # bytes a group

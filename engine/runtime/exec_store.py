@@ -4,9 +4,9 @@ nor lowers the model again.
 With JAX's persistent compilation cache warm, a restart still traces and lowers every prefill
 width and the decode step before the cache can even be asked (its key is a hash of the lowered
 module): 0.4-0.7 s of Python a width for the 27B on the H200 host, 5.0 s for nine widths
-against 1.1 s of cache loads (bench/startup_micro.py, docs/benchmarks/README.md section v19). This store
-keeps each width's compiled executable under a key that names everything the lowering depends
-on, and hands back a `jax.stages.Compiled` without tracing.
+against 1.1 s of cache loads (bench/startup_micro.py). This store keeps each width's compiled
+executable under a key that names everything the lowering depends on, and hands back a
+`jax.stages.Compiled` without tracing.
 
 The key (`describe`): the sha256 of every source file of the engine package (the code that
 traces), the JAX, jaxlib, NumPy and ml_dtypes versions, the backend's platform and version and

@@ -189,7 +189,7 @@ class Memory:
         """Run once each device op that admitting, continuing and storing a request runs (row
         0's position, table row and states set; a state stored and restored; a page copied on
         write), so that a first request compiles none of them: before this they compiled on
-        first use, ~0.5 s of a first request's time to first token (v25). Before serving only
+        first use, ~0.5 s of a first request's time to first token. Before serving only
         (it writes row 0 and the state pool's slot 0)."""
         table = PageTable(self.alloc)
         self._set_row(0, table, pos=0)

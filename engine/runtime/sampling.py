@@ -100,7 +100,7 @@ class Paths(NamedTuple):
     data-dependent `lax.cond`s that choose them: on a GPU each such cond copies its predicate to
     the host and blocks the host until the device gets there, so a step's sampling would wait
     for the forward dispatched before it, and the engine could not dispatch the next step
-    while the device runs this one (H200, v25: 2 ms of idle device a 27B decode step)."""
+    while the device runs this one (2 ms of idle device a 27B decode step on the H200)."""
     stochastic: bool  # a row with temperature > 0
     plain: bool       # ... and neither top-k nor top-p: the full softmax
     cut: bool         # ... with top-k and/or top-p: from the top `cap`

@@ -47,7 +47,7 @@ def runtime_fingerprint(model, profile, engine) -> dict:
         "context_tokens": profile.context_tokens,
         "max_concurrency": profile.max_concurrency,
         "prefill_chunk": profile.prefill_chunk,
-        "page_size": engine.mem.page_size,
+        "page_size": engine.checkpoint.page_size,
         "plan": engine.plan.to_dict(),
         "speculative": None,  # {backend, draft_window} once speculative decoding lands
     }

@@ -1,8 +1,10 @@
 """The checkpointer: when to save, how to restore, and the stop report.
 
-Saves run on one saver thread fed by a bounded queue: the HTTP layer only enqueues (a stream
-never waits for a save). A save asks the engine thread to export the session head's state
-(`Engine.call`: device reads happen between steps, only new pages are read), then hashes and
+The checkpointer sees the engine through its checkpoint interface only
+(engine/runtime/checkpoint_port.py): the hooks the engine is built with (`engine_hooks`) and
+`Engine.checkpoint`. Saves run on one saver thread fed by a bounded queue: the HTTP layer only
+enqueues (a stream never waits for a save). A save asks the engine thread to export the session
+head's state (device reads happen between steps, only new pages are read), then hashes and
 publishes it off the engine thread. Triggers: a completed stored response (`after_response`,
 when autosave is on), an explicit request (`save`), the runtime evicting a session head that
 is not on disk yet (`before_evict`, on the engine thread), and a graceful stop (`shutdown`).
@@ -39,13 +41,16 @@ class Head:
 
 
 class Checkpointer:
-    def __init__(self, store: CheckpointStore, fingerprint: dict, *, log=None,
-                 autosave: bool = True, queue_size: int = 64):
-        self.store, self.fingerprint, self.autosave = store, fingerprint, autosave
+    """Built before the engine (whose hooks it gives, `engine_hooks`), attached to it once the
+    engine and its runtime fingerprint exist (`attach`)."""
+
+    def __init__(self, store: CheckpointStore, *, log=None, autosave: bool = True,
+                 queue_size: int = 64):
+        self.store, self.autosave = store, autosave
+        self.fingerprint: dict | None = None
         self._log_fn = log
         self.engine = None
         self._digests = None
-        self._spec = None  # the pool's page layout (engine/runtime/checkpoint_io.page_spec)
         self._heads: dict[tuple[str, str], Head] = {}
         self._resident: set[tuple[str, str]] = set()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
@@ -55,11 +60,18 @@ class Checkpointer:
         self.draining = False
         self.counts = dict.fromkeys(("saved", "refused", "skipped", "restored", "misses"), 0)
 
-    def attach(self, engine) -> None:
+    def engine_hooks(self):
+        """The hooks to build the engine with: a session head about to be evicted is saved."""
+        from engine.runtime.checkpoint_port import EngineHooks
+
+        return EngineHooks(before_evict=self._before_evict)
+
+    def attach(self, engine, fingerprint: dict) -> None:
+        """Start checkpointing `engine` (built with `engine_hooks`) under `fingerprint`."""
         from engine.runtime.checkpoint_io import PageDigests
 
+        self.fingerprint = fingerprint
         self.engine, self._digests = engine, PageDigests()
-        engine.mem.before_evict = self._before_evict
         self._thread.start()
 
     def _log(self, event: str, **fields) -> None:
@@ -113,8 +125,6 @@ class Checkpointer:
 
     def _before_evict(self, snap) -> None:
         # Engine thread, before the runtime drops `snap`: a session head not on disk is saved.
-        from engine.runtime.checkpoint_io import export_snapshot
-
         k = (snap.principal, snap.session)
         head = self._heads.get(k)
         if head is None or head.key != snap.key:
@@ -122,7 +132,7 @@ class Checkpointer:
         self._resident.discard(k)
         if head.saved:
             return
-        exp = export_snapshot(self.engine.mem, snap, self._digests, session=snap.session)
+        exp = self.engine.checkpoint.export(snap, self._digests, session=snap.session)
         self._enqueue(("save_export", snap.principal, snap.session, head, exp))
 
     # ---- restore --------------------------------------------------------------------------
@@ -168,34 +178,24 @@ class Checkpointer:
 
     def _page_layout(self):
         """Pages are read straight into the engine's staging layout (no host copy on the
-        engine thread); the pool's page shapes are asked of the engine thread once."""
-        from engine.runtime.checkpoint_io import StagedPages, page_spec
+        engine thread), laid out by the engine's page spec."""
+        from engine.runtime.checkpoint_io import StagedPages
 
-        if self._spec is None:
-            self._spec = self.engine.call(
-                lambda e: page_spec(e.mem.cache.pool)).result(timeout=EXPORT_TIMEOUT_S)
-        return StagedPages.layout(self._spec)
+        return StagedPages.layout(self.engine.checkpoint.page_spec)
 
     def _install(self, principal, session, res, stages: dict):
         """Install a verified load on the engine thread; `stages` receives the transfer's
         remaining start (to_device_s) and the engine's scatter and install (import_s)."""
-        from engine.runtime.checkpoint_io import import_snapshot
-
-        mem = self.engine.mem
-        conv_n = int(np.prod(mem.states.conv_shape)) * mem.states.conv_dtype.itemsize
-        conv = np.frombuffer(res.state_bytes, mem.states.conv_dtype, count=int(
-            np.prod(mem.states.conv_shape))).reshape(mem.states.conv_shape)
-        rec = np.frombuffer(res.state_bytes, np.float32, offset=conv_n).reshape(
-            mem.states.rec_shape)
+        port = self.engine.checkpoint
+        conv, rec = port.state_layout.from_bytes(res.state_bytes)
         pages = res.pages
         t = time.monotonic()
         if res.staged is not None:  # transferred here: the engine thread only scatters
             pages = res.staged.to_device()
         stages["to_device_s"] = time.monotonic() - t
         t = time.monotonic()
-        fut = self.engine.call(lambda e: import_snapshot(
-            e.mem, principal, session, res.tokens, pages, conv, rec, self._digests,
-            res.page_digests))
+        fut = port.install(principal, session, res.tokens, pages, conv, rec, self._digests,
+                           res.page_digests)
         snap = fut.result(timeout=EXPORT_TIMEOUT_S)
         stages["import_s"] = time.monotonic() - t
         return snap
@@ -238,26 +238,19 @@ class Checkpointer:
                 fut.set_result(result)
 
     def _save_job(self, kind, principal, session, head: Head, extra) -> dict:
-        from engine.runtime.checkpoint_io import export_snapshot
-
+        port = self.engine.checkpoint
         if kind == "save" and head.saved:
             return {"status": "already_saved", "generation": None}
         exp = extra if kind == "save_export" else None
         for attempt in range(2):
             if exp is None:
                 digests = self._digests if attempt == 0 else None
-
-                def run(e, digests=digests):
-                    snap = e.mem.index.get(principal, head.key)
-                    return None if snap is None else export_snapshot(e.mem, snap, digests,
-                                                                     session=session)
-
-                exp = self.engine.call(run).result(timeout=EXPORT_TIMEOUT_S)
+                exp = port.export_stored(principal, head.key, digests,
+                                         session=session).result(timeout=EXPORT_TIMEOUT_S)
                 if exp is None:
                     return {"status": "nothing_to_save", "generation": None}
             t0 = time.monotonic()
-            image = [np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # no copies, no join
-                     for a in (exp.conv, exp.rec)]
+            image = port.state_layout.to_bytes(exp.conv, exp.rec)  # no copies, no join
             inp = SaveInput(exp.tokens, exp.page_size, exp.pages, exp.digests, image,
                             head.response_id)
             live = frozenset(session_namespace(p, s) for p, s in list(self._resident))

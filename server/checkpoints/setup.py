@@ -1,5 +1,6 @@
-"""Wiring for `./ninfer serve`: open the store at start, attach the checkpointer to the engine
-once the model is loaded, serve the control plane, and parse the size flags."""
+"""Wiring for `./ninfer serve`: open the store at start, build the checkpointer before the
+engine (which takes its hooks) and attach it once the model is loaded, serve the control plane,
+and parse the size flags."""
 from __future__ import annotations
 
 import os
@@ -46,18 +47,27 @@ def open_store(rt, args) -> None:
         raise SystemExit(f"ninfer: checkpoints: {e}") from None
 
 
-def attach(rt, model, profile, engine, args) -> None:
-    """Build the checkpointer for the loaded runtime (before the engine starts)."""
+def checkpointer(rt, args):
+    """The checkpointer, built before the engine (`Engine(hooks=ck.engine_hooks())`); None
+    without a store."""
     store = rt.extra.get("checkpoint_store")
     if store is None:
-        return
-    from server.checkpoints.fingerprint import fingerprint_digest, runtime_fingerprint
+        return None
     from server.checkpoints.manager import Checkpointer
 
+    return Checkpointer(store, log=rt.obs.on_event,
+                        autosave=getattr(args, "checkpoint_autosave", "on") == "on")
+
+
+def attach(rt, ck, model, profile, engine) -> None:
+    """Attach the checkpointer `ck` (or None) to the loaded runtime (before the engine
+    starts)."""
+    if ck is None:
+        return
+    from server.checkpoints.fingerprint import fingerprint_digest, runtime_fingerprint
+
     fp = runtime_fingerprint(model, profile, engine)
-    ck = Checkpointer(store, fp, log=rt.obs.on_event,
-                      autosave=getattr(args, "checkpoint_autosave", "on") == "on")
-    ck.attach(engine)
+    ck.attach(engine, fp)
     rt.extra["fingerprint_sha256"] = fingerprint_digest(fp)
     rt.extra["checkpoints"] = ck
 

@@ -8,8 +8,8 @@
 // operand `index`, read on the device, so the kernel reads one layer of the stack in place.
 //
 // Two kernels: `int4_gemv` (fp32 FMAs, any M, the faster one for M <= 2) and `int4_gemv_mma`
-// (bf16 tensor cores, cost flat in M; below). Measured on the H200 in docs/benchmarks/README.md
-// (v4): both stop near 2.1 TB/s on the large matrices, against 4.2 TB/s for a copy.
+// (bf16 tensor cores, cost flat in M; below). Measured on the H200: both stop near 2.1 TB/s on
+// the large matrices, against 4.2 TB/s for a copy.
 //
 // Why a CUDA kernel: the Pallas/Triton version tops out near 1.1 TB/s of int4 bytes because its
 // unpack-and-FMA loop is instruction-bound. Here every 32-bit word of codes is 8 consecutive
@@ -90,7 +90,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // (a & MASK) | MAGIC in one LOP3. Written as C, the compiler emits an AND and an OR: a SASS
 // LOP3 takes one immediate, so both constants cannot ride in one instruction unless one of
 // them sits in a register, which it then hoists out of the loop. One logic op a code instead
-// of two: the kernels below are issue-bound (ncu, docs/benchmarks/README.md v5).
+// of two: the kernels below are issue-bound (ncu).
 template <uint32_t MASK, uint32_t MAGIC>
 __device__ __forceinline__ uint32_t and_or(uint32_t a) {
   uint32_t d;
@@ -507,15 +507,15 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // The kernels above give each lane 8 bytes of a row per group, so one warp load touches 8 rows
 // for 32 bytes each (and the scale loads 8 rows for 4 bytes each): the L1 handles ~33 lines per
 // 512 bytes of codes. Without any arithmetic that pattern reads at 3.4 TB/s on the H200, against
-// 4.3 TB/s with 16 bytes a lane and row (bench/read_patterns.py `mma`, docs/benchmarks/README.md
-// v9). Here lane (g, t) loads 16 contiguous bytes of row g (and of row g + 8): bytes 16 t ..
-// 16 t + 15 of the row's 64-byte piece holding groups 2p and 2p + 1, so lanes t = 0, 1 hold
-// group 2p's codes and t = 2, 3 group 2p + 1's. An MMA's 16 k positions then span two groups,
-// which the B operand keeps apart: column n = 2m + par holds row m of x at the k positions of
-// the lanes with t / 2 == par and zeros elsewhere, so D's column n is row m's sum over group
-// 2p + par alone. Eight MMAs cover a pair of groups (32 codes of two rows per lane); lane (g, t)
-// ends with rows g and g + 8 of x row m = t for both groups, each scaled by its row's group
-// scale (one 8-byte load per row and pair).
+// 4.3 TB/s with 16 bytes a lane and row (bench/read_patterns.py `mma`). Here lane (g, t) loads
+// 16 contiguous bytes of row g (and of row g + 8): bytes 16 t .. 16 t + 15 of the row's 64-byte
+// piece holding groups 2p and 2p + 1, so lanes t = 0, 1 hold group 2p's codes and t = 2, 3
+// group 2p + 1's. An MMA's 16 k positions then span two groups, which the B operand keeps
+// apart: column n = 2m + par holds row m of x at the k positions of the lanes with t / 2 == par
+// and zeros elsewhere, so D's column n is row m's sum over group 2p + par alone. Eight MMAs
+// cover a pair of groups (32 codes of two rows per lane); lane (g, t) ends with rows g and g + 8
+// of x row m = t for both groups, each scaled by its row's group scale (one 8-byte load per row
+// and pair).
 //
 // x is read as it is (x [M, K] bf16), 16 bytes at a time; only the lanes whose column is a row
 // of x load it (zeros stay in the others' registers). A lane's B register r must hold its
@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
 // The codes come out of `pair` as 128 + q, so the sums need 136 * sum(x) taken off (q - 8 is
 // the code's value): corr [M, K/64] fp32 = the group sums of x, computed by the caller; each
 // group's sum takes 136 * corr off in one FMA (d - 136 c rounded once). The caller's sums come
-// out of the fusion that makes x; a separate x 136 would be one more kernel a call (v13). (One
+// out of the fusion that makes x; a separate x 136 would be one more kernel a call. (One
 // more MMA with A = -136 before each of the eight, which needs no sums, doubles the MMAs and
 // was slower on the H200: lm_head at M = 1 378.6 us against 303.7.)
 // Warps take pairs warp, warp + W, ... of a 16-row tile, P = 2 pairs of codes and scales in
@@ -753,7 +753,7 @@ __device__ __forceinline__ void ring_run_x(WideRing<P>& r, const WideTile<W>& tl
   const uint4 *pa = tl.pa, *pb = tl.pb;
   const float2 *qa = tl.qa, *qb = tl.qb;
   int i0 = 0;
-  // What the ring buys, by the sm_90 SASS (v22): ptxas puts every refill on one scoreboard
+  // What the ring buys, by the sm_90 SASS: ptxas puts every refill on one scoreboard
   // and waits for codes with a full drain of it (no partial DEPBAR), so in the conditional
   // loop a pair's first use of its codes also waits for the refill issued just before it,
   // and in the full rounds the refills sink to the round's end and are waited for at the
@@ -814,12 +814,12 @@ __device__ __forceinline__ void ring_run(WideRing<P>& r, const WideTile<W>& tl,
 // reads 8 bytes at + 8 q; a zero block of 64 bytes after the last pair for the lanes without
 // x. The same B registers as the global path: the same sums, bit for bit. A pair's x then
 // costs 8 loads of 8 bytes from shared memory against 4 of 16 through L1, 16 permutations
-// and 8 zeroings, and 14 fewer live registers. H200 (docs/benchmarks/README.md v23): kernel
-// time at M = 1 4-11% lower (gate|up-like at 4 warps 32.1 against 36.1 us); in the decode
-// step the wide calls' time alone on the GPU 137 us lower (1,871 against 2,008 us).
+// and 8 zeroings, and 14 fewer live registers. H200: kernel time at M = 1 4-11% lower
+// (gate|up-like at 4 warps 32.1 against 36.1 us); in the decode step the wide calls' time
+// alone on the GPU 137 us lower (1,871 against 2,008 us).
 constexpr int kXsPair = 272;
 // Full rounds (ring_run) at every staged call: with x from shared memory they are faster at
-// the full-wave calls too (gate|up 34816 x 5120 at 4 warps 32.5 against 36.2 us; v23).
+// the full-wave calls too (gate|up 34816 x 5120 at 4 warps 32.5 against 36.2 us).
 constexpr bool kXsFull = true;
 // The MLP op's launches do not stage x (H200): gate|up's staging made the op slower alone (60.05
 // against 58.62 us at M = 1); down's made it 1.2 us faster alone but 117 us a step slower in
@@ -964,7 +964,7 @@ __global__ void __launch_bounds__(W * 32, kWideOccupancy / W)
 //
 // A decode step's MLP is two dependent GEMVs (gate|up 34816 x 5120, down 5120 x 17408 for the
 // 27B) with small XLA kernels around them; each GEMV call pays a ramp (the first codes'
-// latency) and a tail (its last blocks) of ~6-10 us on the H200 (v13 ncu). Here they run as
+// latency) and a tail (its last blocks) of ~6-10 us on the H200 (ncu). Here they run as
 // two launches chained by programmatic dependent launch (sm_90):
 // - int4_mlp_gate_up: block u reduces gate tile u and up tile u (the wide kernel's tile loop
 //   and reduction for each, the ring running on from one to the other), then act = SwiGLU of

@@ -1,0 +1,181 @@
+"""The model runner: the forward as an engine runs it, compiled ahead of time.
+
+A step's forward runs over every row of the batched cache, or over its own rows alone
+(`forward_rows`) where that is narrower (`ModelRunner.narrow`): a prefill piece (one row's) in
+an engine of more rows, and with the plan's narrow_decode a decode step of fewer rows than the
+engine has. Logits come only at each row's last valid position: a prefill chunk never builds
+[T, V]. `compile` builds the executable of every (rows, width) the engine runs, or loads it from
+an ExecStore; `forward` then calls them without jit's dispatch and trace cache.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.io.loader import LoadedModel, worker_threads
+import engine.model.model as M
+from engine.plan import KernelPlan
+from engine.runtime.scheduler import piece_widths
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+class ModelRunner:
+    """The forward of an engine of `batch` rows whose prefill pieces are at most
+    `prefill_chunk` wide, for `model` under `plan`."""
+
+    def __init__(self, model: LoadedModel, plan: KernelPlan, *, batch: int, prefill_chunk: int):
+        self.model, self.plan, self.B = model, plan, batch
+        self.prefill_chunk = prefill_chunk
+        cfg = model.cfg
+        fwd = M.jit_forward()
+
+        def bound(f):  # the forward's call (and its ahead-of-time lowering) for this engine
+            return lambda p, t, c, n: f(p, cfg, t, c, lengths=n, last_only=True, plan=plan)
+        self._jit_fwd, self._lower = bound(fwd), bound(fwd.lower)
+        rows_fwd = M.jit_forward_rows()
+
+        def bound_rows(f):
+            return lambda p, t, c, n, r: f(p, cfg, t, c, r, lengths=n, plan=plan)
+        self._jit_rows, self._lower_rows = bound_rows(rows_fwd), bound_rows(rows_fwd.lower)
+        # decode steps of fewer rows over those rows alone (the plan's narrow_decode: in an
+        # engine of two rows one sequence decodes at a one-row engine's rate, not with the other
+        # row as padding through every matmul)
+        self.narrow_decode = batch > 1 and plan.narrow_decode
+        # (rows, width) -> its compiled forward (compile() fills it): called without jit's
+        # dispatch and trace cache, so a width loaded from an ExecStore is never traced; rows
+        # B: every row (`forward`), fewer: `forward_rows`
+        self._compiled: dict[tuple[int, int], object] = {}
+        self.exec_counts = {"loaded": 0, "compiled": 0}
+        self.exec_saving: threading.Thread | None = None  # compile()'s background saves
+
+    def narrow(self, kind: str, n_seqs: int) -> bool:
+        """Whether a step of `n_seqs` sequences runs over its own rows alone (`forward_rows`):
+        a prefill piece (one row's) in an engine of more rows; a decode step of fewer rows
+        with narrow decode on."""
+        if kind == "prefill":
+            return self.B > 1
+        return self.narrow_decode and n_seqs < self.B
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (rows, width) forwards this engine runs: every prefill piece width over one
+        row (all rows when the engine has one), the narrow decode steps, and the decode step
+        over all rows."""
+        narrow = 1 if self.B > 1 else self.B
+        decode = [(n, 1) for n in range(1, self.B)] if self.narrow_decode else []
+        return ([(narrow, w) for w in piece_widths(self.prefill_chunk)] + decode
+                + [(self.B, 1)])
+
+    def forward(self, tokens, cache, lengths, rows=None):
+        """The forward over every row, or over the cache rows `rows` (tokens and lengths then
+        have one row each of them); returns (logits [B, 1, V], hidden or None, cache)."""
+        params = self.model.params
+        compiled = self._compiled.get((tokens.shape[0], tokens.shape[1]))
+        if rows is None:
+            if compiled is not None:
+                return compiled(params, tokens, cache, lengths=lengths)
+            return self._jit_fwd(params, tokens, cache, lengths)
+        if compiled is not None:
+            logits, cache = compiled(params, tokens, cache, rows, lengths=lengths)
+        else:
+            logits, cache = self._jit_rows(params, tokens, cache, lengths, rows)
+        return logits, None, cache
+
+    def compile(self, cache, threads: int | None = None, store=None) -> float:
+        """Compile the forward of every shape (`shapes`) for a cache of `cache`'s shapes, ahead
+        of time; returns seconds. Needs only the params' shapes and dtypes, so it may run
+        before they are on the device: a runner built on ModelLoad.abstract compiles while the
+        weights are copied, and attach() gives it the loaded model afterwards.
+
+        The widths compile on a thread pool: XLA compiles (or loads from the persistent cache)
+        with the GIL released, so they overlap; the steps then call these executables. Nothing
+        runs: running every prefill width, as a compile-by-calling warmup must, would cost ~16K
+        tokens of forward work at startup.
+
+        store: an ExecStore (engine/runtime/exec_store.py) or None. A width whose executable
+        the store holds under this call's key is loaded from it, without tracing or lowering;
+        the others are compiled, and saved into it on a background thread (`exec_saving`);
+        the store drops what no start used for two weeks. `exec_counts` says how many were
+        loaded and compiled."""
+        from engine.runtime.exec_store import (compile_noting_cache, describe,
+                                               runtime_description)
+
+        t0 = time.monotonic()
+        shapes = self.shapes()
+        threads = threads or worker_threads()
+        params, cache = _abstract(self.model.params), _abstract(cache)
+        # a plan with the CUDA ops: build and register their FFI targets first (a compiled or
+        # loaded executable calls them; CudaUnavailable says why not); the library's digest
+        # (source, compiler, arch, flags) is part of the key
+        cuda_lib = None
+        if self.plan.uses_cuda:
+            from engine.kernels import cuda_build
+
+            cuda_lib = cuda_build.require(self.plan).name
+
+        def leaves(tree):
+            flat, treedef = jax.tree.flatten(tree)
+            return [str(treedef), [[list(x.shape), str(x.dtype)] for x in flat]]
+        call = {"cfg": repr(self.model.cfg), "params": leaves(params), "cache": leaves(cache),
+                "batch": self.B, "plan": self.plan.to_dict(), "fn": "forward/last_only",
+                "cuda_lib": cuda_lib}
+        runtime = runtime_description() if store is not None else None
+        def describe_shape(n, w):
+            if n == self.B:  # the key the store has always had for the whole batch's forward
+                return describe({**call, "width": w}, runtime)
+            return describe({**call, "fn": "forward_rows", "rows": n, "width": w}, runtime)
+        keys = ({sw: describe_shape(*sw) for sw in shapes} if store is not None else {})
+
+        to_save, from_cache = [], []  # (key, compiled), (key, lowered): for the store
+
+        def compile_shape(sw):
+            n, w = sw
+            compiled = store.load(keys[sw]) if store is not None else None
+            if compiled is not None:
+                return sw, compiled, "loaded"
+            i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+            if n == self.B:
+                lowered = self._lower(params, i32((n, w)), cache, i32((n,)))
+            else:
+                lowered = self._lower_rows(params, i32((n, w)), cache, i32((n,)), i32((n,)))
+            compiled, cached = compile_noting_cache(lowered)
+            if store is not None:
+                (from_cache if cached else to_save).append(
+                    (keys[sw], lowered if cached else compiled))
+            return sw, compiled, "compiled"
+        with concurrent.futures.ThreadPoolExecutor(threads, "ninfer-compile") as pool:
+            for sw, compiled, how in pool.map(compile_shape, shapes):
+                self._compiled[sw] = compiled
+                self.exec_counts[how] += 1
+        if store is not None:
+            store.keep(keys.values())
+            if to_save or from_cache:  # serialized, written and fsynced off the start's path
+                self.exec_saving = store.save_in_background(to_save, from_cache)
+        return time.monotonic() - t0
+
+    def attach(self, model: LoadedModel) -> None:
+        """Give a runner built on a ModelLoad's abstract model the loaded one (same config,
+        shapes and dtypes: the compiled executables stay valid)."""
+        if model.cfg != self.model.cfg or (
+                jax.tree.structure(model.params) != jax.tree.structure(self.model.params)):
+            raise ValueError("attach: the loaded model is not the one the engine was built for")
+        self.model = model
+
+    def warm(self, cache):
+        """Put a step's host arrays of every shape on the device (as the steps put them) and
+        run the decode step once over `cache` with length 0 (nothing is written); returns
+        (its logits [B, 1, V], the cache)."""
+        for n, w in self.shapes():
+            jax.device_put(np.zeros((n, w), np.int32))
+            jax.device_put(np.zeros((n,), np.int32))
+        logits, _, cache = self.forward(jnp.zeros((self.B, 1), jnp.int32), cache,
+                                        jnp.zeros((self.B,), jnp.int32))
+        return logits, cache
