@@ -27,6 +27,7 @@ from engine.io.loader import LoadedModel
 from engine.plan import REFERENCE, KernelPlan, check_plan
 from engine.runtime.batch_sampler import BatchSampler
 from engine.runtime.checkpoint_port import CheckpointPort, EngineHooks
+from engine.runtime.keep_warm import KeepWarm, KeepWarmConfig
 from engine.runtime.loop import Inbox, StepLoop
 from engine.runtime.memory import Memory
 from engine.runtime.request import (DoneEvent, GenerationRequest,  # noqa: F401 (re-export)
@@ -45,7 +46,7 @@ class Engine:
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
                  capacity_tokens: int | None = None, state_slots: int = 8,
                  host_state_bytes: int = 0, hooks: EngineHooks | None = None,
-                 plan: KernelPlan = REFERENCE):
+                 plan: KernelPlan = REFERENCE, keep_warm: KeepWarmConfig | None = None):
         # what runs: the forward's implementations and the loop's form (engine/plan.py)
         self.plan = check_plan(plan)
         self.context_tokens = context_tokens
@@ -73,6 +74,10 @@ class Engine:
                              sampler=self.sampler, inbox=self.inbox,
                              context_tokens=context_tokens, chain_decode=self.plan.chain_decode)
         self.checkpoint = CheckpointPort(self.mem, self.call)
+        # while idle, the GPU's clocks kept up (runtime/keep_warm.py; a no-op off CUDA)
+        self.keep_warm = KeepWarm.for_backend(keep_warm or KeepWarmConfig(),
+                                              jax.default_backend())
+        self.loop.keep_warm = self.keep_warm
         self._thread = threading.Thread(target=self.loop.run, name="ninfer-engine", daemon=True)
 
     @property
@@ -112,6 +117,7 @@ class Engine:
     def stop(self) -> None:
         self.inbox.put(None)
         self._thread.join(timeout=30)
+        self.keep_warm.close()
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue a request; raises QueueFull when max_queue requests already wait, and

@@ -95,7 +95,8 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
                         capacity_tokens=profile.kv_capacity_tokens,
                         state_slots=profile.state_slots,
                         host_state_bytes=profile.host_state_bytes,
-                        hooks=None if ck is None else ck.engine_hooks(), plan=profile.plan)
+                        hooks=None if ck is None else ck.engine_hooks(), plan=profile.plan,
+                        keep_warm=_keep_warm(profile))
         phases["engine_init_s"] = round(time.monotonic() - t, 3)
         loading.start()
         # Token tables (~1-2 s, mostly Python) on a thread of their own, beside the compile
@@ -158,6 +159,13 @@ def _check_plan_early(profile) -> None:
         if _nvcc() is None:
             raise SystemExit(f"ninfer: lane {profile.name}: its kernel plan runs the CUDA ops, "
                              "and no nvcc was found (NVCC, PATH, /usr/local/cuda/bin/nvcc)")
+
+
+def _keep_warm(profile):
+    """The lane's [keep_warm] table as the engine's config (off when the table is absent)."""
+    from engine.runtime.keep_warm import KeepWarmConfig
+
+    return KeepWarmConfig(**profile.table("keep_warm"))
 
 
 def _check_plan_device(profile) -> None:

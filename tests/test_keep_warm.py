@@ -111,3 +111,38 @@ def test_the_spin_kernel_assembles_for_every_lane_card(tmp_path, arch):
                           str(src)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "k.cubin").stat().st_size > 0
+
+
+def test_the_engine_marks_itself_busy_before_a_step_and_idle_after(tiny_model):
+    import queue
+    import time
+
+    from engine.engine import Engine, GenerationRequest
+    from engine.runtime.request import DoneEvent
+    from engine.runtime.sampling import SamplingParams
+
+    eng = Engine(tiny_model, context_tokens=512, prefill_chunk=64, keep_warm=CFG)
+    eng.start()
+    try:
+        sched = eng.keep_warm.schedule
+        t0 = time.monotonic()
+        seen_busy = []
+        q: queue.Queue = queue.Queue()
+
+        def emit(ev):
+            seen_busy.append(sched.busy)
+            q.put(ev)
+
+        eng.submit(GenerationRequest(prompt_ids=[10, 11, 12], sampling=SamplingParams(
+            temperature=0), max_tokens=4, stop_ids=frozenset(), emit=emit))
+        while not isinstance(q.get(timeout=300), DoneEvent):
+            pass
+        assert seen_busy and all(seen_busy)  # every token came while marked busy
+        for _ in range(200):
+            if not sched.busy:
+                break
+            time.sleep(0.01)
+        assert not sched.busy and sched.idle_since > t0
+        assert sched.due(sched.idle_since + CFG.grace_ms / 1e3)  # a spin would start
+    finally:
+        eng.stop()

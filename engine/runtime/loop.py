@@ -71,6 +71,8 @@ class StepLoop:
                                  inbox_empty=inbox.empty, context_tokens=context_tokens,
                                  enabled=chain_decode)
         self._inflight: InFlight | None = None
+        self.keep_warm = None  # the engine's KeepWarm: told before each step, and when idle
+        self._warm_idle = True
 
     def run(self) -> None:
         """The engine thread: runs until the inbox says stop."""
@@ -96,7 +98,13 @@ class StepLoop:
                     self._finish(seq, "cancelled")
             step = self.sched.next_step()
             if step is None:
+                if self.sched.idle and not self._warm_idle and self.keep_warm is not None:
+                    self._warm_idle = True
+                    self.keep_warm.idle()
                 continue
+            if self._warm_idle and self.keep_warm is not None:
+                self._warm_idle = False
+                self.keep_warm.busy()  # the spin in flight stops before this step is enqueued
             try:
                 self.run_step(step)
             except Exception as e:  # the engine thread must survive a failed step
