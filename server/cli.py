@@ -378,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("ctl", help="control a running server: status | save | drain | stop",
                    add_help=False)
+    sub.add_parser("lane", help="install, start, stop, upgrade and roll back a lane",
+                   add_help=False)
     return p
 
 
@@ -393,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         from lanes.cli import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["lane"]:
+        from lanes.lifecycle import main as lane_main
+
+        return lane_main(argv[1:])
     if argv[:1] == ["omp-config"]:
         from server.omp_config import main as omp_config_main
 
