@@ -71,35 +71,78 @@ def library_path(source: Path, arch: str, nvcc: str,
     inc = Path(jax.ffi.include_dir())
     for hdr in sorted((inc / "xla" / "ffi" / "api").glob("*.h")):
         h.update(hdr.read_bytes())
-    ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    h.update(ver.encode())
+    h.update(nvcc_version(nvcc).encode())
     h.update(arch.encode())
     h.update(json.dumps(list(flags)).encode())
     return cache_dir() / f"{source.stem}-sm{arch}-{h.hexdigest()[:16]}.so"
 
 
 def build(source: Path, arch: str, nvcc: str,
-          flags: tuple[str, ...] = ("-O3", "-std=c++17")) -> Path:
-    """Compile `source` into the cache (nothing to do when it is there). Returns the path."""
-    out = library_path(source, arch, nvcc, flags)
+          flags: tuple[str, ...] = ("-O3", "-std=c++17"), out: Path | None = None) -> Path:
+    """Compile `source` for sm_`arch` into the cache (nothing to do when it is there), or into
+    `out`. Returns the path. The build is byte-reproducible: nvcc names its intermediate files
+    after its process id and embeds those names, so it runs in a build directory of its own
+    with its intermediates kept there under fixed names (`--keep --keep-dir .`)."""
+    out = out or library_path(source, arch, nvcc, flags)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".build-", suffix=".so")
-    os.close(fd)
+    work = tempfile.mkdtemp(dir=out.parent, prefix=".build-")
     try:
-        cmd = [nvcc, *flags, "--shared", "-Xcompiler", "-fPIC",
+        cmd = [nvcc, *flags, "--shared", "-Xcompiler", "-fPIC", "--keep", "--keep-dir", ".",
                f"-gencode=arch=compute_{arch},code=sm_{arch}",
-               f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+               f"-I{jax.ffi.include_dir()}", str(Path(source).resolve()), "-o", "lib.so"]
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
         if res.returncode != 0:
             raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr[-2000:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)  # atomic: a reader sees the old state or the whole library
+        os.chmod(Path(work) / "lib.so", 0o755)
+        os.replace(Path(work) / "lib.so", out)  # atomic: readers see nothing or all of it
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def nvcc_version(nvcc: str) -> str:
+    """The compiler's release line ("Cuda compilation tools, release 13.0, V13.0.88")."""
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()[-2] if len(out.strip().splitlines()) > 1 else out.strip()
+
+
+def fatbin_archs(library: Path) -> dict[str, set[int]]:
+    """What the library's embedded fatbinary holds: {"sm": {86, ...}} for compiled code (ELF
+    entries) and {"ptx": {...}} for PTX, read from its ELF `.nv_fatbin` section (the fatbinary
+    container: magic 0xBA55ED50, then entries of kind 1 PTX / 2 ELF, each with its arch)."""
+    import struct
+
+    data = Path(library).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ValueError(f"{library}: not a 64-bit ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+
+    def section(i):
+        return struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+
+    names = section(shstrndx)[4]
+    found = {"sm": set(), "ptx": set()}
+    for i in range(shnum):
+        sec = section(i)
+        name = data[names + sec[0]:data.index(b"\0", names + sec[0])]
+        if name != b".nv_fatbin":
+            continue
+        pos, stop = sec[4], sec[4] + sec[5]
+        while pos + 16 <= stop:
+            magic, _, hsize, fsize = struct.unpack_from("<IHHQ", data, pos)
+            if magic != 0xBA55ED50:
+                break
+            p, end = pos + hsize, pos + hsize + fsize
+            while p < end:
+                kind, _, ehsize, esize = struct.unpack_from("<HHIQ", data, p)
+                arch, = struct.unpack_from("<I", data, p + 28)
+                found["ptx" if kind == 1 else "sm"].add(arch)
+                p += ehsize + esize
+            pos = end
+    return found
 
 
 _LOCK = threading.Lock()

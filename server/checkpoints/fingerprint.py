@@ -18,10 +18,14 @@ SCHEMA = 1
 _ENGINE_DIR = Path(__file__).resolve().parents[2] / "engine"
 
 
+_SOURCES = ("*.py", "*.cu", "*.cuh", "*.h")
+
+
 def engine_build_id(root: Path = _ENGINE_DIR) -> str:
-    """sha256 over the engine's Python sources (relative path, NUL, bytes, in path order)."""
+    """sha256 over the engine's sources, the CUDA ops' included (relative path, NUL, bytes, in
+    path order)."""
     h = hashlib.sha256(b"ninfer/engine-build/v1\0")
-    for p in sorted(root.rglob("*.py")):
+    for p in sorted(q for pattern in _SOURCES for q in root.rglob(pattern)):
         if "__pycache__" in p.parts:
             continue
         h.update(p.relative_to(root).as_posix().encode() + b"\0")
@@ -49,8 +53,19 @@ def runtime_fingerprint(model, profile, engine) -> dict:
         "prefill_chunk": profile.prefill_chunk,
         "page_size": engine.checkpoint.page_size,
         "plan": engine.plan.to_dict(),
+        # the CUDA ops' library (digest of source, FFI headers, nvcc version, arch, flags)
+        "cuda_ops": cuda_ops_id(engine.plan),
         "speculative": None,  # {backend, draft_window} once speculative decoding lands
     }
+
+
+def cuda_ops_id(plan) -> str | None:
+    """The name of the CUDA ops' library a plan runs (None: the plan runs none)."""
+    if not plan.uses_cuda:
+        return None
+    from engine.kernels.cuda_build import library_digest
+
+    return library_digest(plan)
 
 
 def differing_fields(saved: dict, current: dict) -> list[str]:
