@@ -18,20 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from engine.model.config import ModelConfig
 from engine.ops import paged_kv as pk
-from engine.ops.quant import DTYPES, part_layout
 from engine.runtime.pages import pages_for
 from engine.runtime.states import state_image_bytes
 
 MiB = 1 << 20
-# the weight formats a lane may name (what `./ninfer convert --recipe` writes) and the stored
-# format of each matrix under it; vectors and the conv kernels stay fp32, the embedding table
-# bf16 (fp32 under the fp32 recipe), as engine/io/convert.py stores them
-WEIGHT_FORMATS = {"fp32": None, "bf16": None, "int8": "int8_row", "fp8": "fp8_row",
-                  "int4": "int4_g64"}
+# the weight formats a lane may name: what `./ninfer convert --recipe` writes
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "fp8", "int4")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 
@@ -97,22 +91,14 @@ class MemoryPlan:
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str, *, mtp: bool = True) -> int:
-    """Bytes of every stored tensor under weight format `fmt`, as the converter stores them."""
-    if fmt not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
-    total = 0
-    for name, shape in cfg.tensor_specs().items():
-        if name.startswith("mtp.") and not mtp:
-            continue
-        n = int(np.prod(shape))
-        if len(shape) == 1 or name.endswith("conv1d") or fmt == "fp32":
-            total += 4 * n
-        elif name == "embed_tokens" or fmt == "bf16":
-            total += 2 * n
-        else:
-            total += sum(int(np.prod(s)) * np.dtype(DTYPES[d]).itemsize
-                         for d, s in part_layout(WEIGHT_FORMATS[fmt], shape).values())
-    return total
+    """Bytes of every stored tensor under weight format `fmt` (a converter recipe), as the
+    converter stores them (engine/io/convert.py)."""
+    from engine.io.convert import ConvertError, stored_bytes
+
+    try:
+        return stored_bytes(cfg, fmt, mtp=mtp)
+    except ConvertError as e:
+        raise ValueError(str(e)) from None
 
 
 def kv_pool_pages(capacity_tokens: int, context_tokens: int, batch: int,

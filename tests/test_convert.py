@@ -307,3 +307,24 @@ def test_truncated_shard_refused(q35, tmp_path):
         (src / f.name).write_bytes(data[:-100] if f.name == "model-main.safetensors" else data)
     with pytest.raises(C.ConvertError, match=r"model-main.safetensors: tensor .* outside the file"):
         C.convert(src, tmp_path / "cut.ninfer", "bf16")
+
+
+def test_convert_plans_its_peak_memory_and_disk_and_refuses_when_short(tmp_path):
+    """The real 27B's needs, from its shapes: the largest tensor (embedding / lm_head, 2.54 GB
+    in bf16) sets the peak; the artifact is the stored payload."""
+    from engine.io.convert import resource_problems, resources_needed, stored_bytes
+    from engine.model.config import QWEN38_27B
+
+    largest = 248_320 * 5_120 * 2
+    need = resources_needed(QWEN38_27B, "int4")
+    assert need["ram"] == int(((512 << 20) + 1.3 * largest) * 1.25)
+    assert need["disk"] == stored_bytes(QWEN38_27B, "int4") + (1 << 20)
+    assert resources_needed(QWEN38_27B, "fp32")["ram"] > need["ram"]
+    ok = resource_problems(QWEN38_27B, "int4", tmp_path / "m.ninfer",
+                           ram_available=lambda: 64 << 30, disk_free=lambda p: 1 << 40)
+    assert ok == []
+    short = resource_problems(QWEN38_27B, "int4", tmp_path / "m.ninfer",
+                              ram_available=lambda: 2 << 30, disk_free=lambda p: 10 << 30)
+    assert len(short) == 2
+    assert "memory at its peak" in short[0] and "2.0 GiB is available" in short[0]
+    assert "artifact needs 16.0 GiB" in short[1] and "10.0 GiB is free" in short[1]

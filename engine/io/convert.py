@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -30,7 +31,8 @@ from engine.io.artifact import ArtifactError, write_artifact
 from engine.io.hf_checkpoint import CheckpointError, HFCheckpoint
 from engine.io.hf_config import model_config_from_hf
 from engine.model.config import ConfigError, ModelConfig
-from engine.ops.quant import FP8_ROW, INT4_G64, INT8_ROW, QuantError, quantize
+from engine.ops.quant import (DTYPES, FP8_ROW, INT4_G64, INT8_ROW, QuantError, part_layout,
+                              quantize)
 
 RECIPES = {"fp32": None, "bf16": None, "int8": INT8_ROW, "fp8": FP8_ROW, "int4": INT4_G64}
 # architecture -> prefix of the text model's tensors
@@ -215,6 +217,73 @@ def _describe(v) -> str:
     return f"{fmt}{list(v.shape)}"
 
 
+# ---- what a conversion needs ------------------------------------------------------------------
+# Peak resident memory over the largest source tensor L (measured with bench/convert_peak_memory.py
+# on a checkpoint whose largest tensors are the 27B's: 0.44 GB after imports, then bf16 1.0 L,
+# int4 1.3 L, int8 1.5 L, fp32 3.0 L over 0.5 GB), with a quarter more as margin.
+_PEAK_PER_LARGEST = {"bf16": 1.0, "int4": 1.3, "int8": 1.5, "fp8": 1.5, "fp32": 3.0}
+_BASE_RAM = 512 << 20
+_MARGIN = 1.25
+
+
+def stored_bytes(cfg: ModelConfig, recipe: str, *, mtp: bool = True) -> int:
+    """Bytes of every tensor as `store` keeps it under `recipe` (the artifact's payload)."""
+    if recipe not in RECIPES:
+        raise ConvertError(f"unknown recipe {recipe!r}; known: {list(RECIPES)}")
+    total = 0
+    for name, shape in cfg.tensor_specs().items():
+        if name.startswith("mtp.") and not mtp:
+            continue
+        n = int(np.prod(shape))
+        if len(shape) == 1 or name.endswith("conv1d") or recipe == "fp32":
+            total += 4 * n
+        elif name == "embed_tokens" or recipe == "bf16":
+            total += 2 * n
+        else:
+            total += sum(int(np.prod(s)) * np.dtype(DTYPES[d]).itemsize
+                         for d, s in part_layout(RECIPES[recipe], shape).values())
+    return total
+
+
+def resources_needed(cfg: ModelConfig, recipe: str, source_itemsize: int = 2) -> dict:
+    """{ram, disk} bytes a conversion of `cfg` under `recipe` needs: its peak memory (from the
+    largest source tensor) and the artifact it writes (payload, plus a MiB for the directory)."""
+    largest = max(int(np.prod(s)) for s in cfg.tensor_specs().values()) * source_itemsize
+    ram = int((_BASE_RAM + _PEAK_PER_LARGEST[recipe] * largest) * _MARGIN)
+    return {"ram": ram, "disk": stored_bytes(cfg, recipe) + (1 << 20)}
+
+
+def resource_problems(cfg: ModelConfig, recipe: str, out: Path, *, ram_available=None,
+                      disk_free=None) -> list[str]:
+    """What keeps this machine from converting: too little available RAM or free disk."""
+    need = resources_needed(cfg, recipe)
+    ram = ram_available() if ram_available else _mem_available()
+    parent = Path(out).resolve().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    disk = disk_free(parent) if disk_free else shutil.disk_usage(parent).free
+    problems = []
+    if ram is not None and ram < need["ram"]:
+        problems.append(f"converting {cfg.name} with recipe {recipe} needs about "
+                        f"{need['ram'] / 2**30:.1f} GiB of memory at its peak; "
+                        f"{ram / 2**30:.1f} GiB is available: close other programs or convert "
+                        f"on a larger machine")
+    if disk < need["disk"]:
+        problems.append(f"the artifact needs {need['disk'] / 2**30:.1f} GiB under {parent}; "
+                        f"{disk / 2**30:.1f} GiB is free: free disk or choose another --out")
+    return problems
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 # ---- entry points ---------------------------------------------------------------------------
 def convert(hf_dir, out, recipe: str, *, name: str | None = None, log=None) -> str:
     """Convert the HF directory `hf_dir` to the artifact `out`; returns the artifact's sha256."""
@@ -224,6 +293,9 @@ def convert(hf_dir, out, recipe: str, *, name: str | None = None, log=None) -> s
         ckpt = HFCheckpoint(hf_dir)
         name = name or Path(hf_dir).resolve().name
         cfg, arch = model_config(ckpt, name)
+        problems = resource_problems(cfg, recipe, Path(out))
+        if problems:  # refused before anything is read or written
+            raise ConvertError("; ".join(problems))
         sources, skipped = plan(cfg, ckpt, arch)
         if log:
             log(f"{arch} -> {cfg.name}: {len(sources)} tensors, recipe {recipe}; hashing the "
