@@ -99,17 +99,18 @@ def preflight(profile, *, state_dir: Path, checkpoints: bool, synthetic: bool = 
                             f"{profile.checkpoint_quota_bytes / MiB:,.0f} MiB checkpoint quota; "
                             f"free disk, choose another --state-dir, or lower --checkpoint-quota")
     if not synthetic and model_override is None and not profile.model.startswith("embedded:"):
-        if profile.model_sha256 == "PENDING":
-            pinned = state_dir / "models" / "pinned.json"
-            if not pinned.exists():
-                problems.append(f"lane {profile.name}'s model has not been converted on this "
-                                f"installation: convert the source checkpoint with ./ninfer "
-                                f"convert --recipe {profile.weights} --out "
-                                f"{state_dir / profile.model} (its sha256 is then pinned), "
-                                f"or serve --synthetic-weights to try the lane without it")
-        elif not (state_dir / profile.model).exists() and not Path(profile.model).exists():
-            problems.append(f"lane {profile.name}'s model {profile.model} is not in "
-                            f"{state_dir}; convert it again or restore it from a backup")
+        from lanes.models import artifact_path, pinned_sha256
+
+        art = artifact_path(profile, state_dir)
+        if pinned_sha256(profile, state_dir) is None:
+            problems.append(f"lane {profile.name}'s model has not been converted on this "
+                            f"installation: ./ninfer convert --lane {profile.name} --from "
+                            f"SOURCE_CHECKPOINT_DIR --state-dir {state_dir} (writes {art} and "
+                            f"pins its sha256), or serve --synthetic-weights to try the lane "
+                            f"without it")
+        elif not art.exists():
+            problems.append(f"lane {profile.name}'s model {art} is missing; convert it again "
+                            f"or restore it from a backup")
     return problems
 
 

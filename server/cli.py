@@ -72,8 +72,16 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         else:
             # The lane's own artifact must be the one its profile pins (fail closed); an
             # artifact named on the command line is the operator's choice and is only hashed.
-            pinned = args.model is None and profile.model_sha256 != "PENDING"
-            path, expected = Path(model_arg), (profile.model_sha256 if pinned else None)
+            if args.model is None:  # the lane's artifact, pinned by its profile or here
+                from lanes.models import artifact_path, pinned_sha256
+
+                path, expected = (artifact_path(profile, args.state_dir),
+                                  pinned_sha256(profile, args.state_dir))
+                if expected is None:
+                    raise RuntimeError(f"lane {profile.name}'s model is not pinned on this "
+                                        f"installation (./ninfer convert --lane {profile.name})")
+            else:
+                path, expected = Path(model_arg), None
         # The engine (its device allocations first, on an idle machine) and its compile need
         # only the params' shapes: the compile runs while the weights are copied and verified
         # on the loader's threads (which release the GIL), and so do the constraint tables;
@@ -339,6 +347,10 @@ def cmd_test(args, rest: list[str]) -> int:
 
 
 def cmd_convert(rest: list[str]) -> int:
+    if any(a == "--lane" or a.startswith("--lane=") for a in rest):
+        from lanes.models import convert_for_lane
+
+        return convert_for_lane(rest, default_state_dir())
     from engine.io.convert import main
 
     return main(rest)

@@ -47,9 +47,11 @@ def _check(lane, tmp_path, **kw):
     kw.setdefault("ram", lambda: 128 << 30)
     kw.setdefault("free_disk", lambda p: 1 << 40)
     kw.setdefault("checkpoints", True)
-    pinned = tmp_path / "models" / "pinned.json"
-    pinned.parent.mkdir(parents=True, exist_ok=True)
-    pinned.write_text("{}")
+    from lanes.models import artifact_path, write_pin
+
+    prof = load_profile(lane)
+    write_pin(tmp_path, {"lane": prof.name, "artifact_sha256": "0" * 64})
+    artifact_path(prof, tmp_path).write_bytes(b"x")
     return preflight(load_profile(lane), state_dir=tmp_path, **kw)
 
 
@@ -84,3 +86,72 @@ def test_host_ram_disk_and_the_model_are_checked(tmp_path):
 def test_the_cpu_lane_passes_here(tmp_path):
     assert preflight(load_profile("cpu"), state_dir=tmp_path / "s", checkpoints=True) == []
     assert MiB == 1 << 20
+
+
+def test_convert_for_a_lane_pins_the_artifact_and_serve_holds_it(tmp_path):
+    """A lane whose model is PENDING: `./ninfer convert --lane` writes it into the state
+    directory and pins its sha256; serve then starts on it, and refuses it once a byte
+    changes. A second convert is refused while the pin stands."""
+    import re
+
+    import httpx
+
+    from engine.model.config import TINY
+    from engine.text.chat import default_chat_template
+    from engine.text.tokenizer import build_qwen35_tokenizer_json
+    from lanes.models import read_pin
+    from tests.hf_models import build_hf
+    from tests.serverproc import start_server
+
+    src = tmp_path / "hf"
+    build_hf(TINY, seed=4, weight_scale=1.0).save_pretrained(src)
+    (src / "tokenizer.json").write_text(build_qwen35_tokenizer_json(), encoding="utf-8")
+    (src / "chat_template.jinja").write_text(default_chat_template(), encoding="utf-8")
+    text = (ROOT / "lanes" / "profiles" / "cpu.toml").read_text()
+    for key, value in (("name", '"pinned"'), ("model", '"models/pinned-tiny.ninfer"'),
+                       ("model_sha256", '"PENDING"'), ("prefill_chunk", "1"),
+                       ("context_tokens", "512")):
+        text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert n == 1
+    lane = tmp_path / "pinned.toml"
+    lane.write_text(text + 'model_preset = "tiny"\n')
+    state = tmp_path / "state"
+    out = _serve("--lane", str(lane), "--state-dir", str(state))
+    assert out.returncode == 78 and "has not been converted" in out.stderr
+    conv = subprocess.run([sys.executable, "-m", "server.cli", "convert", "--lane", str(lane),
+                           "--from", str(src), "--state-dir", str(state), "--quiet"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert conv.returncode == 0, conv.stderr
+    pin = read_pin(state)
+    assert pin["lane"] == "pinned" and pin["recipe"] == "fp32" and len(pin["source_files"]) >= 2
+    again = subprocess.run([sys.executable, "-m", "server.cli", "convert", "--lane", str(lane),
+                            "--from", str(src), "--state-dir", str(state)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 78 and "already converted and pinned" in again.stderr
+    srv = start_server(state, "--lane", str(lane), "--checkpoints", "off",
+                       "--verify-artifact", "full")
+    try:
+        r = httpx.post(srv.api_url + "/responses", timeout=300,
+                       headers={"Authorization": f"Bearer {srv.key}"},
+                       json={"model": "tiny", "input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    from lanes.models import write_pin
+
+    def refused() -> str:
+        bad = start_server(state, "--lane", str(lane), "--checkpoints", "off",
+                           "--verify-artifact", "full", wait_ready=False)
+        assert bad.proc.wait(timeout=300) == 3
+        return "".join(bad.log)
+
+    # the pin names other bytes: refused, naming what it expected
+    write_pin(state, {**pin, "artifact_sha256": "0" * 64})
+    assert "0" * 64 in refused()
+    # the pin stands, a byte of the artifact changed: refused
+    write_pin(state, pin)
+    art = state / "models" / "pinned-tiny.ninfer"
+    data = bytearray(art.read_bytes())
+    data[len(data) // 2] ^= 1
+    art.write_bytes(bytes(data))
+    assert "model failed to load" in refused()
