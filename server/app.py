@@ -20,7 +20,7 @@ from engine.runtime.sampling import SamplingParams
 from server import chains, chat_completions, routes_extra
 from server.checkpoints import http as ckpt_http
 from server.auth import KeyRing
-from server.store import InvalidCursor, ResponseStore
+from server.response_store import InvalidCursor, ResponseStore
 from server.errors import APIError, invalid, not_found, unauthorized
 from server.observability import Metrics, Observability, RequestTrace
 from server.request_model import ResponseRequest, json_body, parse_response_request

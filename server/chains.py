@@ -19,7 +19,7 @@ from server.errors import invalid
 from server.output_items import split_token_ids
 from server.request_model import ResponseRequest, items_to_messages, reasoning_text
 from server.response_objects import ResponseState
-from server.store import ResponseRecord, ResponseStore, item_content_hash
+from server.response_store import ResponseRecord, ResponseStore, item_content_hash
 
 END_OF_TURN = "<|im_end|>\n"
 

@@ -203,7 +203,7 @@ def cmd_serve(args) -> int:
     from server.app import Runtime, create_app
     from server.observability import Metrics, Observability, RequestLog, engine_stats
 
-    from server.store import ResponseStore
+    from server.response_store import ResponseStore
 
     rt = Runtime(keys=ReloadingKeyRing(key_file, keys), max_output_tokens=profile.max_output_tokens,
                  context_tokens=profile.context_tokens,

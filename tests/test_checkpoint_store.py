@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from server.checkpoints import quota
+from server.checkpoints.checkpoint_store import STEPS, CheckpointStore, SaveInput, StoreBusy
 from server.checkpoints.files import Faults
-from server.checkpoints.store import STEPS, CheckpointStore, SaveInput, StoreBusy
 from server.checkpoints.tags import manifest_tag, principal_key, session_namespace
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,7 +93,7 @@ _CHILD = r"""
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from server.checkpoints.store import CheckpointStore
+from server.checkpoints.checkpoint_store import CheckpointStore
 from tests.test_checkpoint_store import FP_A, make_input
 store = CheckpointStore(Path({root!r}), quota_bytes=1 << 30)
 if {step!r} == "setup":
@@ -396,8 +396,8 @@ _CHILD_MID_PAGES = r"""
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from server.checkpoints import files, store as store_mod
-from server.checkpoints.store import CheckpointStore
+from server.checkpoints import checkpoint_store as store_mod, files
+from server.checkpoints.checkpoint_store import CheckpointStore
 from tests.test_checkpoint_store import FP_A, make_input
 store = CheckpointStore(Path({root!r}), quota_bytes=1 << 30, io_threads=4)
 if {setup!r}:

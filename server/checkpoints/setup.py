@@ -34,7 +34,7 @@ def open_store(rt, args) -> None:
     if getattr(args, "checkpoints", "on") == "off":
         return
     from server.checkpoints.files import Faults
-    from server.checkpoints.store import CheckpointStore, StoreBusy
+    from server.checkpoints.checkpoint_store import CheckpointStore, StoreBusy
 
     try:
         rt.extra["checkpoint_store"] = CheckpointStore(
