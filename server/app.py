@@ -19,36 +19,16 @@ from engine.io.loader import LoadedModel
 from engine.runtime.sampling import SamplingParams
 from server import chains, chat_completions, routes_extra
 from server.checkpoints import http as ckpt_http
-from server.auth import KeyRing
-from server.response_store import InvalidCursor, ResponseStore
+from server.response_store import InvalidCursor
 from server.errors import APIError, invalid, not_found, unauthorized
-from server.observability import Metrics, Observability, RequestTrace
+from server.observability import Observability, RequestTrace
 from server.request_model import ResponseRequest, json_body, parse_response_request
 from server.output_items import OutputAssembler
-from server.reasoning_seal import ReasoningSeal
 from server.response_objects import EventStream, ResponseState, new_id
+from server.runtime import Runtime
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 PUBLIC_ROUTES = {"/health"}
-
-
-@dataclass
-class Runtime:
-    """What the routes need; `engine` and `model` stay None while the model loads."""
-    keys: KeyRing
-    max_output_tokens: int
-    context_tokens: int
-    store: ResponseStore | None = None
-    engine: Engine | None = None
-    model: LoadedModel | None = None
-    load_error: str | None = None
-    extra: dict = field(default_factory=dict)
-    obs: Observability = field(default_factory=lambda: Observability(Metrics()))
-    inflight: dict = field(default_factory=dict)  # response id -> _InFlight
-    constraints: object | None = None  # engine.constrain.ConstraintCompiler, built at load
-    # (max responses per principal, max age in seconds): applied at start and then hourly
-    retention: tuple = (None, None)
-    seal: ReasoningSeal = field(default_factory=lambda: ReasoningSeal(secrets.token_bytes(32)))
 
 
 @dataclass
@@ -102,7 +82,7 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
 
     @app.before_server_start
     async def start_retention(app_, _loop):
-        if rt.store is not None and any(rt.retention):
+        if rt.response_store is not None and any(rt.retention):
             app_.add_task(_retention_loop(rt), name="ninfer-retention")
 
     @app.get("/health")
@@ -146,7 +126,7 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
                             f"'{m.model_id}'.", code="model_not_found")
         principal = request.ctx.principal
         req = chains.unseal_reasoning(req, rt.seal, principal, m.tokenizer)
-        prompt = await chains.build_prompt(rt.store, m, req, principal)
+        prompt = await chains.build_prompt(rt.response_store, m, req, principal)
         trace.checkpoint = await ckpt_http.restore(rt, principal, req.prompt_cache_key, prompt)
         run = await _Run.begin(rt, m, req, trace, principal, prompt)
         state = run.state
@@ -154,7 +134,7 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
         async def persist():  # before the terminal event: a client may chain on it at once
             if req.store and state.status in ("completed", "incomplete", "cancelled"):
                 rec = chains.record_for(state, req, principal, prompt, m.tokenizer)
-                await asyncio.to_thread(rt.store.put_response, rec)
+                await asyncio.to_thread(rt.response_store.put_response, rec)
                 await ckpt_http.response_stored(rt, principal, rec)
 
         try:
@@ -168,7 +148,7 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
 
     @app.get("/v1/responses/<response_id:str>")
     async def get_response(request: Request, response_id: str):
-        rec = await asyncio.to_thread(rt.store.get, request.ctx.principal, response_id)
+        rec = await asyncio.to_thread(rt.response_store.get, request.ctx.principal, response_id)
         if rec is None:
             raise not_found(f"No response found with id '{response_id}'.")
         return response.json(chains.response_from_record(rec))
@@ -176,9 +156,10 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
     @app.delete("/v1/responses/<response_id:str>")
     async def delete_response(request: Request, response_id: str):
         principal = request.ctx.principal
-        rec = await asyncio.to_thread(rt.store.get, principal, response_id)
-        seq = await asyncio.to_thread(rt.store.token_sequence, principal, response_id)
-        if rec is None or not await asyncio.to_thread(rt.store.delete, principal, response_id):
+        store = rt.response_store
+        rec = await asyncio.to_thread(store.get, principal, response_id)
+        seq = await asyncio.to_thread(store.token_sequence, principal, response_id)
+        if rec is None or not await asyncio.to_thread(store.delete, principal, response_id):
             raise not_found(f"No response found with id '{response_id}'.")
         if seq is not None and rt.engine is not None:  # its model state goes too
             rt.engine.forget(principal, chains.fed_tokens(rec.status, seq))
@@ -199,7 +180,7 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
             except asyncio.TimeoutError:
                 pass
             return response.json(flight.state.to_dict())
-        rec = await asyncio.to_thread(rt.store.get, principal, response_id)
+        rec = await asyncio.to_thread(rt.response_store.get, principal, response_id)
         if rec is None:
             raise not_found(f"No response found with id '{response_id}'.")
         return response.json(chains.response_from_record(rec))
@@ -213,7 +194,7 @@ def create_app(rt: Runtime, name: str = "ninfer") -> Sanic:
             raise invalid("'limit' must be an integer between 1 and 100", param="limit")
         try:
             page = await asyncio.to_thread(
-                rt.store.list_input_items, request.ctx.principal, response_id,
+                rt.response_store.list_input_items, request.ctx.principal, response_id,
                 args.get("after"), limit, args.get("order", "desc"))
         except InvalidCursor:
             raise invalid(f"No input item with id '{args.get('after')}'.", param="after")
@@ -233,7 +214,7 @@ async def _retention_loop(rt: Runtime) -> None:
     """The store's retention limits, applied at start and then every hour (off the loop)."""
     max_responses, max_age_s = rt.retention
     while True:
-        n = await asyncio.to_thread(rt.store.prune, max_responses, max_age_s)
+        n = await asyncio.to_thread(rt.response_store.prune, max_responses, max_age_s)
         if n:
             print(f"ninfer: retention removed {n} stored responses", file=sys.stderr,
                   flush=True)
@@ -436,7 +417,7 @@ class _Run:
                     prompt) -> "_Run":
         """Check the context budget, submit, and wait for the first event: a request rejected
         before its first token gets a plain HTTP error."""
-        if rt.extra.get("draining"):  # `ninfer ctl drain` or a graceful stop under way
+        if rt.draining:  # `ninfer ctl drain` or a graceful stop under way
             raise APIError(503, "The server is draining for a stop or restart; retry shortly.",
                            type="server_error", code="server_draining",
                            headers={"Retry-After": "5"})

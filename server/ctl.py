@@ -38,7 +38,7 @@ class Lifecycle:
         return len(eng.sched.running), len(eng.sched.waiting) + eng._pending
 
     def drain(self, timeout: float = 30.0) -> dict:
-        self.rt.extra["draining"] = True
+        self.rt.draining = True
         deadline = time.monotonic() + timeout
         running, waiting = self.busy()
         while (running or waiting) and time.monotonic() < deadline:
@@ -52,7 +52,7 @@ class Lifecycle:
             if self._report is not None:
                 return self._report
             drained = self.drain(min(timeout, 30.0))["drained"]
-            ck = self.rt.extra.get("checkpoints")
+            ck = self.rt.checkpointer
             if ck is None:
                 report = {"saved": [], "already_saved": [], "nothing_to_save": [],
                           "refused": [], "seconds": 0.0, "checkpoints": "off"}
@@ -97,19 +97,18 @@ def _servicer(life: Lifecycle):
     class Control(pbg.ControlServicer):
         def Status(self, request, context):
             rt = life.rt
-            ck = rt.extra.get("checkpoints")
+            ck = rt.checkpointer
             st = ck.status() if ck is not None else {}
             store = st.get("store", {})
             running, waiting = life.busy()
-            profile = rt.extra.get("profile")
+            profile = rt.profile
             state = ("stopping" if life._report is not None else "draining"
-                     if rt.extra.get("draining") else "loading" if rt.engine is None
-                     else "serving")
+                     if rt.draining else "loading" if rt.engine is None else "serving")
             return pb.StatusReply(
                 state=state, pid=os.getpid(),
                 model_sha256=rt.model.sha256 if rt.model is not None else "",
                 profile_sha256=profile.canonical_hash() if profile is not None else "",
-                fingerprint_sha256=rt.extra.get("fingerprint_sha256", ""),
+                fingerprint_sha256=rt.fingerprint_sha256,
                 running=running, waiting=waiting,
                 checkpoint_bytes=store.get("bytes_used", 0),
                 checkpoint_quota_bytes=store.get("quota_bytes", 0),
@@ -119,7 +118,7 @@ def _servicer(life: Lifecycle):
                 restores=st.get("restored", 0))
 
         def Save(self, request, context):
-            ck = life.rt.extra.get("checkpoints")
+            ck = life.rt.checkpointer
             rows = ck.save_all() if ck is not None and ck.engine is not None else []
             return pb.SaveReply(results=_session_results(rows))
 

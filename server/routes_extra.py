@@ -29,7 +29,7 @@ def register(app: Sanic, rt) -> None:
 
     @app.get("/v1/ninfer/status")
     async def status(request: Request):
-        m, profile = rt.model, rt.extra.get("profile")
+        m, profile = rt.model, rt.profile
         if m is None or rt.engine is None:
             raise APIError(503, "the model is still loading; retry shortly", type="server_error",
                            code="model_loading", headers={"Retry-After": "2"})
@@ -58,14 +58,14 @@ def register(app: Sanic, rt) -> None:
         if m is None:
             raise APIError(503, "the model is still loading; retry shortly", type="server_error",
                            code="model_loading", headers={"Retry-After": "2"})
-        prompt = await chains.build_prompt(rt.store, m, req, request.ctx.principal)
+        prompt = await chains.build_prompt(rt.response_store, m, req, request.ctx.principal)
         return response.json({"object": "response.input_tokens",
                               "input_tokens": len(prompt.ids)})
 
     @app.delete("/v1/ninfer/sessions/<key:str>")
     async def purge_session(request: Request, key: str):
         principal = request.ctx.principal
-        n = await asyncio.to_thread(rt.store.purge_session, principal, key)
+        n = await asyncio.to_thread(rt.response_store.purge_session, principal, key)
         if rt.engine is not None:
             rt.engine.forget_session(principal, key)
         await ckpt_http.session_purged(rt, principal, key)

@@ -1,7 +1,7 @@
 """The HTTP side of checkpoints: `POST /v1/ninfer/checkpoints`, the drain gate, and the small
 hooks the Responses routes call (restore before submit, save after persist, deletions).
 
-Every hook is a no-op when the server runs without a checkpointer (`rt.extra["checkpoints"]`).
+Every hook is a no-op when the server runs without a checkpointer (`Runtime.checkpointer`).
 """
 from __future__ import annotations
 
@@ -14,22 +14,17 @@ from server import chains
 from server.errors import APIError, invalid
 
 
-def _ckpt(rt):
-    return rt.extra.get("checkpoints")
-
-
 def register(app: Sanic, rt) -> None:
     @app.on_request
     async def refuse_while_draining(request: Request):
-        if rt.extra.get("draining") and request.method == "POST" \
-                and request.path == "/v1/responses":
+        if rt.draining and request.method == "POST" and request.path == "/v1/responses":
             raise APIError(503, "the server is draining for a stop; retry after it restarts",
                            type="server_error", code="server_draining",
                            headers={"Retry-After": "5"})
 
     @app.post("/v1/ninfer/checkpoints")
     async def save_checkpoints(request: Request):
-        ck = _ckpt(rt)
+        ck = rt.checkpointer
         if ck is None or ck.engine is None:
             raise APIError(503, "checkpoints are not available", type="server_error",
                            code="checkpoints_unavailable")
@@ -49,11 +44,11 @@ def register(app: Sanic, rt) -> None:
 async def restore(rt, principal: str, session: str | None, prompt) -> str | None:
     """Before submitting: restore the session's checkpoint if its state is not resident.
     A request without a prompt_cache_key is in its parent's session."""
-    ck = _ckpt(rt)
+    ck = rt.checkpointer
     if ck is None:
         return None
     if session is None and prompt.parent_id is not None:
-        rec = await asyncio.to_thread(rt.store.get, principal, prompt.parent_id)
+        rec = await asyncio.to_thread(rt.response_store.get, principal, prompt.parent_id)
         session = rec.prompt_cache_key if rec is not None else None
     if session is None:
         return None
@@ -65,22 +60,22 @@ async def restore(rt, principal: str, session: str | None, prompt) -> str | None
 
 async def response_stored(rt, principal: str, rec) -> None:
     """After a response was stored: its state is the session head; queue a save."""
-    ck = _ckpt(rt)
+    ck = rt.checkpointer
     if ck is None or rec.prompt_cache_key is None:
         return
-    seq = await asyncio.to_thread(rt.store.token_sequence, principal, rec.id)
+    seq = await asyncio.to_thread(rt.response_store.token_sequence, principal, rec.id)
     if seq is not None:
         ck.after_response(principal, rec.prompt_cache_key, rec.id,
                           chains.fed_tokens(rec.status, seq))
 
 
 async def response_deleted(rt, principal: str, rec) -> None:
-    ck = _ckpt(rt)
+    ck = rt.checkpointer
     if ck is not None and rec is not None:
         await asyncio.to_thread(ck.response_deleted, principal, rec.prompt_cache_key, rec.id)
 
 
 async def session_purged(rt, principal: str, session: str) -> None:
-    ck = _ckpt(rt)
+    ck = rt.checkpointer
     if ck is not None:
         await asyncio.to_thread(ck.purge, principal, session)

@@ -37,7 +37,7 @@ def open_store(rt, args) -> None:
     from server.checkpoints.checkpoint_store import CheckpointStore, StoreBusy
 
     try:
-        rt.extra["checkpoint_store"] = CheckpointStore(
+        rt.checkpoint_store = CheckpointStore(
             Path(args.state_dir) / "checkpoints", quota_bytes=parse_size(args.checkpoint_quota),
             faults=Faults(os.environ.get("NINFER_CHECKPOINT_FAULTS", "")))
     except StoreBusy as e:  # another server on this state dir: serve without checkpoints
@@ -48,7 +48,7 @@ def open_store(rt, args) -> None:
 
 def attach(rt, model, profile, engine, args) -> None:
     """Build the checkpointer for the loaded runtime (before the engine starts)."""
-    store = rt.extra.get("checkpoint_store")
+    store = rt.checkpoint_store
     if store is None:
         return
     from server.checkpoints.fingerprint import fingerprint_digest, runtime_fingerprint
@@ -58,8 +58,8 @@ def attach(rt, model, profile, engine, args) -> None:
     ck = Checkpointer(store, fp, log=rt.obs.on_event,
                       autosave=getattr(args, "checkpoint_autosave", "on") == "on")
     ck.attach(engine)
-    rt.extra["fingerprint_sha256"] = fingerprint_digest(fp)
-    rt.extra["checkpoints"] = ck
+    rt.fingerprint_sha256 = fingerprint_digest(fp)
+    rt.checkpointer = ck
 
 
 def serve_control(rt, app, state_dir):
@@ -81,7 +81,7 @@ def serve_control(rt, app, state_dir):
 
     life = Lifecycle(rt, Path(state_dir), request_stop)
     try:
-        rt.extra["ctl_server"] = start_ctl_server(life)
+        rt.ctl_server = start_ctl_server(life)
     except Exception as e:  # the API still serves; only `ninfer ctl` is unavailable
         print(f"ninfer: control socket unavailable: {type(e).__name__}: {e}", file=sys.stderr)
     return life
