@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from lanes.profile import LaneProfile
     from server.checkpoints.checkpoint_store import CheckpointStore
     from server.checkpoints.manager import Checkpointer
-    from server.app import _InFlight as InFlight
+    from server.generation import InFlight
     from server.response_store import ResponseStore
 
 
