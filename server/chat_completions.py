@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 
 from server.errors import invalid
-from server.request_model import (Reasoning, ResponseRequest, _EFFORTS, _number,
-                                  _text_format, _tool_choice, _tools, common_fields,
-                                  content_text, parallel_calls)
+from server.input_items import content_text
+from server.request_fields import (EFFORTS, common_fields, parallel_calls, parse_number,
+                                   parse_seed, parse_text_format, parse_tool_choice,
+                                   parse_tools)
+from server.request_model import Reasoning, ResponseRequest
 
 _KNOWN = {"model", "messages", "stream", "stream_options", "max_tokens",
           "max_completion_tokens", "temperature", "top_p", "n", "tools", "tool_choice",
@@ -84,7 +86,7 @@ def parse_chat_request(body) -> ResponseRequest:
         tools_body = [dict(t.get("function") or {}, type=t.get("type"))
                       if isinstance(t, dict) and isinstance(t.get("function"), dict) else t
                       for t in tools_body]
-    tools = _tools({"tools": tools_body})
+    tools = parse_tools({"tools": tools_body})
     tc = body.get("tool_choice")
     if isinstance(tc, dict) and isinstance(tc.get("function"), dict):
         tc = {"type": "function", "name": tc["function"].get("name")}
@@ -93,19 +95,17 @@ def parse_chat_request(body) -> ResponseRequest:
             rf.get("json_schema"), dict):
         rf = {"type": "json_schema", **rf["json_schema"]}
     effort = body.get("reasoning_effort")
-    if effort is not None and effort not in _EFFORTS:
-        raise invalid(f"'reasoning_effort' must be one of {list(_EFFORTS)}",
+    if effort is not None and effort not in EFFORTS:
+        raise invalid(f"'reasoning_effort' must be one of {list(EFFORTS)}",
                       param="reasoning_effort")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise invalid("'seed' must be an integer", param="seed")
+    seed = parse_seed(body)
     return ResponseRequest(
         model=model, messages=tuple(_messages(body)), stream=stream, max_output_tokens=mt,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, store=False,
+        temperature=parse_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=parse_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, store=False,
         previous_response_id=None, prompt_cache_key=None, tools=tools,
-        tool_choice=_tool_choice({"tool_choice": tc}, tools),
-        text_format=_text_format({"text": {"format": rf}} if rf is not None else {}),
+        tool_choice=parse_tool_choice({"tool_choice": tc}, tools),
+        text_format=parse_text_format({"text": {"format": rf}} if rf is not None else {}),
         reasoning=Reasoning(effort=effort), seed=seed,
         parallel_tool_calls=parallel_calls(body))
 
