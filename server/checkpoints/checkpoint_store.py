@@ -7,15 +7,16 @@
     <root>/sessions/<ns>/.staging-<gen>/        a generation being written
     <root>/quarantine/<ns16>-<gen>-<reason>/    generations that failed verification
 
-Publish: new pages (each new-file, fsync, rename; then each page directory fsync'd once) and
-the staging directory's payloads, manifest (last: it lists every file's size and sha256), its
-tag, a directory fsync, one rename into `generations/`, and an atomic replace of `current`. A
-crash at any point leaves the previous generation current and whole; a generation directory is
-never partial.
+Publish (`publish.py`): new pages (each new-file, fsync, rename; then each page directory
+fsync'd once) and the staging directory's payloads, manifest (last: it lists every file's size
+and sha256), its tag, a directory fsync, one rename into `generations/`, and an atomic replace of
+`current`. A crash at any point leaves the previous generation current and whole; a generation
+directory is never partial.
 
-Throughput: hashing, page writes and fsyncs, and a load's reads and verification run on a
-thread pool (sha256, read, write and fsync release the GIL); a load reads every page into one
-preallocated buffer (no per-page bytes objects) and verifies all of them before returning any.
+Throughput: hashing, page writes and fsyncs, and a load's reads and verification (`verify.py`)
+run on a thread pool (sha256, read, write and fsync release the GIL); a load reads every page
+into one preallocated buffer (no per-page bytes objects) and verifies all of them before
+returning any.
 
 Single writer: the store holds an exclusive flock on <root>/lock while open, and one in-process
 lock serialises saves, loads, deletions and page collection (so a collected page is never one a
@@ -25,97 +26,30 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
-import hashlib
-import json
 import os
 import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from server.checkpoints import quota
-from server.checkpoints.files import (Faults, as_parts, fsync_dir, mkdir_synced, mkdirs_synced,
-                                      nbytes, publish_file, publish_files, read_file, read_into,
-                                      wait_all, write_new)
-from server.checkpoints.fingerprint import SCHEMA, differing_fields, fingerprint_digest
-from server.checkpoints.tags import (load_master_secret, manifest_tag, principal_digest,
-                                     principal_key, session_namespace, tag_ok)
-
-STEPS = ("staging_created", "pages_written", "payload_written", "manifest_written",
-         "mac_written", "staging_synced", "renamed", "current_replaced", "pruned")
-LOAD_STATES = ("available", "missing", "incompatible", "corrupt")
+from server.checkpoints.files import Faults, fsync_dir, nbytes, wait_all
+from server.checkpoints.fingerprint import differing_fields, fingerprint_digest
+from server.checkpoints.publish import (SaveInput, SaveResult, manifest_bytes,
+                                        publish_generation, sha256_parts)
+from server.checkpoints.tags import load_master_secret, principal_key, session_namespace
+from server.checkpoints.verify import Corrupt, LoadResult, read_generation
 
 
 class StoreBusy(RuntimeError):
     """Another process holds this checkpoint root."""
 
 
-@dataclass
-class SaveInput:
-    """One state to save. `pages[i]` is None when `digests[i]` names a page already on disk;
-    on success the store fills in every digest (in place). Pages and the state are buffers
-    (bytes, memoryview, C-contiguous arrays); the state may be a sequence of buffers (conv,
-    rec), written back to back without being joined."""
-    tokens: np.ndarray            # int32 [n]
-    page_size: int
-    pages: list
-    digests: list
-    state: object                 # the recurrent-state image: conv bytes then rec bytes
-    head_response_id: str | None = None
-
-
-@dataclass
-class SaveResult:
-    status: str                   # saved | refused
-    reason: str | None = None
-    generation: str | None = None
-    bytes_written: int = 0
-    pages_written: int = 0
-    pages_reused: int = 0
-    evicted: list = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class LoadResult:
-    state: str                    # one of LOAD_STATES
-    reason: str
-    generation: str | None = None
-    tokens: np.ndarray | None = None
-    pages: list | None = None     # memoryviews into one buffer, every one verified
-    page_digests: list | None = None
-    state_bytes: memoryview | None = None
-    head_response_id: str | None = None
-    bytes_read: int = 0
-    staged: object = None         # the page_layout handle the pages were read into, if any
-    timings: dict | None = None   # the load's stages, seconds
-    differs: list | None = None   # incompatible: the fingerprint fields that differ
-
-
-class _Corrupt(Exception):
-    def __init__(self, reason: str, bad_page: str | None = None, bad_pages=()):
-        super().__init__(reason)
-        self.reason = reason
-        self.bad_pages = ([bad_page] if bad_page else []) + [p for p in bad_pages
-                                                            if p != bad_page]
-
-
 def default_io_threads() -> int:
     return min(32, (os.cpu_count() or 1) + 4)
-
-
-def _sha256(data) -> str:
-    h = hashlib.sha256()
-    for v in as_parts(data):
-        h.update(v)
-    return h.hexdigest()
 
 
 class CheckpointStore:
@@ -139,15 +73,15 @@ class CheckpointStore:
         self.faults = faults or Faults()
         self._lock = threading.RLock()
         self._last_ms = 0
-        self._pool = ThreadPoolExecutor(io_threads or default_io_threads(),
-                                        thread_name_prefix="ninfer-ckio")
+        self.io_pool = ThreadPoolExecutor(io_threads or default_io_threads(),
+                                          thread_name_prefix="ninfer-ckio")
         self.last_timings: dict[str, float] = {}  # the last save's or load's stages, seconds
         with self._lock:
             quota.remove_staging(self)  # no save is in progress: leftovers are abandoned
 
     def close(self) -> None:
         self._lockf.close()
-        self._pool.shutdown(wait=True)
+        self.io_pool.shutdown(wait=True)
 
     # ---- names ---------------------------------------------------------------------------
     def session_dir(self, principal: str, session: str) -> Path:
@@ -155,6 +89,10 @@ class CheckpointStore:
 
     def page_path(self, digest: str) -> Path:
         return self.pages_dir / digest[:2] / digest
+
+    def tag_key(self, principal: str) -> bytes:
+        """The key of `principal`'s manifest tags (derived from the master secret)."""
+        return principal_key(self._master, principal)
 
     def _new_generation_name(self) -> str:
         self._last_ms = max(int(time.time() * 1000), self._last_ms + 1)
@@ -167,17 +105,17 @@ class CheckpointStore:
         quota, a disk error or a page it was told is on disk but is not."""
         step = on_step or (lambda name: None)
         ns = session_namespace(principal, session)
-        t = _Timer()
+        t = StageTimer()
         digests = list(inp.digests)
         new_pages: dict[str, object] = {}
         tokens = np.ascontiguousarray(inp.tokens, dtype="<i4").tobytes()
         state_len = nbytes(inp.state)
         todo = [i for i, data in enumerate(inp.pages) if data is not None]
-        hashed = wait_all([self._pool.submit(_sha256, inp.pages[i]) for i in todo]
-                          + [self._pool.submit(_sha256, inp.state)])
+        hashed = wait_all([self.io_pool.submit(sha256_parts, inp.pages[i]) for i in todo]
+                          + [self.io_pool.submit(sha256_parts, inp.state)])
         for i, d in zip(todo, hashed):
             digests[i] = d
-        file_sha = {"tokens.bin": _sha256(tokens), "state.bin": hashed[-1]}
+        file_sha = {"tokens.bin": sha256_parts(tokens), "state.bin": hashed[-1]}
         t.lap("hash")
         with self._lock:
             sizes = []
@@ -201,11 +139,11 @@ class CheckpointStore:
             gen = self._new_generation_name()
             staging = self.sessions_dir / ns / f".staging-{gen}"
             try:
-                manifest = self._manifest(principal, ns, gen, fingerprint, inp, tokens,
+                manifest = manifest_bytes(principal, ns, gen, fingerprint, inp, tokens,
                                           digests, sizes, new_bytes, len(new_pages), file_sha,
                                           state_len)
-                self._publish(principal, staging, gen, new_pages, tokens, inp.state, manifest,
-                              step, t)
+                publish_generation(self, principal, staging, gen, new_pages, tokens,
+                                   inp.state, manifest, step, t)
             except OSError as e:
                 shutil.rmtree(staging, ignore_errors=True)
                 return SaveResult("refused", errno.errorcode.get(e.errno, "io_error").lower())
@@ -217,66 +155,6 @@ class CheckpointStore:
             written = new_bytes + len(tokens) + state_len
             return SaveResult("saved", None, gen, written, len(new_pages),
                               len(digests) - len(new_pages), evicted)
-
-    def _publish(self, principal, staging: Path, gen: str, new_pages: dict, tokens: bytes,
-                 state, manifest: bytes, step, t=None) -> None:
-        """The publish protocol (module docstring); `step(name)` after each step. The new
-        pages and the staging payloads are written concurrently on the pool (each file fsync'd
-        before it is renamed or referenced); the manifest is written only after every one of
-        them (and every page directory) is durable."""
-        t = t or _Timer()
-        sdir = staging.parent
-        mkdir_synced(sdir / "generations")
-        staging.mkdir(mode=0o700)
-        fsync_dir(sdir)
-        step("staging_created")
-        mkdirs_synced({self.page_path(d).parent for d in new_pages}, self._pool)
-        payload = [self._pool.submit(write_new, staging / "tokens.bin", tokens, self.faults),
-                   self._pool.submit(write_new, staging / "state.bin", state, self.faults)]
-        try:
-            publish_files([(self.page_path(d), data) for d, data in new_pages.items()],
-                          self.faults, self._pool)
-        except BaseException:
-            for f in payload:  # no task may still be writing when the caller cleans up
-                f.exception()
-            raise
-        t.lap("pages")
-        step("pages_written")
-        wait_all(payload)
-        t.lap("payload")
-        step("payload_written")
-        write_new(staging / "manifest.json", manifest, self.faults)
-        step("manifest_written")
-        tag = manifest_tag(principal_key(self._master, principal), manifest)
-        write_new(staging / "manifest.mac", (tag + "\n").encode(), self.faults)
-        step("mac_written")
-        fsync_dir(staging)
-        step("staging_synced")
-        os.rename(staging, sdir / "generations" / gen)
-        fsync_dir(sdir / "generations")
-        step("renamed")
-        publish_file(sdir / "current", (gen + "\n").encode())
-        step("current_replaced")
-        t.lap("manifest_and_publish")
-
-    def _manifest(self, principal, ns, gen, fingerprint, inp, tokens, digests, sizes,
-                  new_bytes, new_count, file_sha, state_len) -> bytes:
-        files = [{"path": "tokens.bin", "bytes": len(tokens), "sha256": file_sha["tokens.bin"]},
-                 {"path": "state.bin", "bytes": state_len, "sha256": file_sha["state.bin"]}]
-        body = {
-            "type": "ninfer.checkpoint", "schema": SCHEMA,
-            "principal": principal_digest(principal), "session": ns, "generation": gen,
-            "created_at": round(time.time(), 3),
-            "fingerprint": fingerprint, "fingerprint_sha256": fingerprint_digest(fingerprint),
-            "head_response_id": inp.head_response_id,
-            "frontier_tokens": int(len(tokens) // 4), "page_size": inp.page_size,
-            "files": files,
-            "pages": [{"sha256": d, "bytes": s} for d, s in zip(digests, sizes)],
-            "payload_bytes": sum(f["bytes"] for f in files) + sum(sizes),
-            "bytes_written": new_bytes + len(tokens) + state_len,
-            "pages_written": new_count,
-        }
-        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     # ---- load ----------------------------------------------------------------------------
     def load(self, principal: str, session: str, fingerprint: dict,
@@ -303,9 +181,10 @@ class CheckpointStore:
             differs = None  # of the newest generation of another fingerprint
             for gen in order:
                 gdir = sdir / "generations" / gen
+                t = StageTimer()
                 try:
-                    res = self._load_generation(principal, ns, gdir, fp, prompt, page_layout)
-                except _Corrupt as c:
+                    res = read_generation(self, principal, ns, gdir, fp, prompt, page_layout, t)
+                except Corrupt as c:
                     self.quarantine(sdir, gen, c.reason, bad_pages=c.bad_pages)
                     return LoadResult("corrupt", c.reason, gen)
                 if isinstance(res, tuple):  # ("incompatible", its fingerprint)
@@ -315,89 +194,13 @@ class CheckpointStore:
                 elif res == "not_prefix":
                     not_prefix = True
                 else:
+                    self.last_timings = t.done()
+                    res.timings = dict(self.last_timings)
                     os.utime(gdir)  # last use, for the quota's eviction order
                     return res
             if seen_other_fp and not not_prefix:
                 return LoadResult("incompatible", "fingerprint_mismatch", differs=differs)
             return LoadResult("missing", "not_prefix" if not_prefix else "no_checkpoint")
-
-    def _load_generation(self, principal, ns, gdir: Path, fp: str, prompt, page_layout=None):
-        t = _Timer()
-        try:
-            mbytes = read_file(gdir / "manifest.json")
-            tag = read_file(gdir / "manifest.mac").decode("ascii", "replace")
-        except FileNotFoundError:
-            raise _Corrupt("manifest_missing") from None
-        if not tag_ok(principal_key(self._master, principal), mbytes, tag):
-            raise _Corrupt("tag_invalid")
-        try:
-            m = json.loads(mbytes)
-            if (m["type"] != "ninfer.checkpoint" or m["principal"] != principal_digest(principal)
-                    or m["session"] != ns or m["generation"] != gdir.name):
-                raise _Corrupt("owner_mismatch")
-            if m["fingerprint_sha256"] != fp:
-                return ("incompatible", m.get("fingerprint") or {})
-            files = {f["path"]: f for f in m["files"]}
-            tokens_b = self._verified(gdir / "tokens.bin", files["tokens.bin"])
-            tokens = np.frombuffer(tokens_b, "<i4").astype(np.int32)
-            n = tokens.shape[0]
-            if n != m["frontier_tokens"] or len(m["pages"]) != -(-n // m["page_size"]):
-                raise _Corrupt("manifest_inconsistent")
-            if prompt is not None and not (n < prompt.shape[0]
-                                           and np.array_equal(prompt[:n], tokens)):
-                return "not_prefix"
-            t.lap("manifest_and_tokens")
-            entries = [files["state.bin"]] + list(m["pages"])
-            paths = [gdir / "state.bin"] + [self.page_path(p["sha256"]) for p in m["pages"]]
-            sizes = [int(e["bytes"]) for e in entries]
-            digests = [str(e["sha256"]) for e in entries]
-            if min(sizes) < 0:
-                raise _Corrupt("manifest_invalid")
-        except (KeyError, TypeError, ValueError):
-            raise _Corrupt("manifest_invalid") from None
-        # every page and the image, read into preallocated buffers and verified on the pool:
-        # nothing is returned (or installed) unless all of them match the manifest
-        staged = None
-        laid = None
-        if page_layout is not None and len(sizes) > 1 and len(set(sizes[1:])) == 1:
-            laid = page_layout(len(sizes) - 1, sizes[1])
-        if laid is not None:
-            staged, page_views = laid
-            views = [memoryview(np.empty(sizes[0], np.uint8)).cast("B")] + list(page_views)
-        else:
-            buf = memoryview(np.empty(sum(sizes), np.uint8)).cast("B")
-            views, off = [], 0
-            for size in sizes:
-                views.append(buf[off:off + size])
-                off += size
-        t.lap("alloc")
-        # a handle that takes page reports (StagedPages.page_ready) hears of each page as soon
-        # as it verified: its host-to-device transfers start while later pages are read
-        ready = getattr(staged, "page_ready", None)
-        done = [None] + [None if ready is None else functools.partial(ready, i)
-                         for i in range(len(paths) - 1)]
-        checks = wait_all([self._pool.submit(_read_verify, path, view, digest, then)
-                           for path, view, digest, then in zip(paths, views, digests, done)])
-        t.lap("read_verify")
-        bad = [i for i, c in enumerate(checks) if c is not None]
-        if bad:
-            i = bad[0]  # the first failure in file order names the reason
-            wrong = [digests[j] for j in bad if j > 0 and checks[j] == "hash_mismatch"]
-            raise _Corrupt(f"{checks[i]}:{paths[i].name[:16]}", bad_pages=wrong)
-        self.last_timings = t.done()
-        return LoadResult("available", "restored", gdir.name, tokens, views[1:],
-                          digests[1:], views[0], m["head_response_id"],
-                          len(tokens_b) + sum(sizes), staged, dict(self.last_timings))
-
-    @staticmethod
-    def _verified(path: Path, entry: dict, bad_page: str | None = None) -> bytes:
-        try:
-            data = read_file(path)
-        except FileNotFoundError:
-            raise _Corrupt(f"missing:{path.name[:16]}", None) from None
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise _Corrupt(f"hash_mismatch:{path.name[:16]}", bad_page)
-        return data
 
     def quarantine(self, sdir: Path, gen: str, reason: str, bad_page: str | None = None,
                    bad_pages=()) -> None:
@@ -455,27 +258,7 @@ class CheckpointStore:
             return quota.usage_stats(self)
 
 
-def _read_verify(path: Path, view, digest: str, then=None) -> str | None:
-    """Read `path` into `view` (a buffer, or a list of buffers filled in order) and check its
-    sha256: None, "missing" or "hash_mismatch". `then()` runs after a match."""
-    views = view if isinstance(view, list) else [view]
-    try:
-        ok = read_into(path, views)
-    except FileNotFoundError:
-        return "missing"
-    if not ok:
-        return "hash_mismatch"
-    h = hashlib.sha256()
-    for v in views:
-        h.update(v)
-    if h.hexdigest() != digest:
-        return "hash_mismatch"
-    if then is not None:
-        then()
-    return None
-
-
-class _Timer:
+class StageTimer:
     """Stage durations of one save or load (CheckpointStore.last_timings)."""
 
     def __init__(self):
