@@ -19,6 +19,8 @@ import time
 from concurrent import futures
 from pathlib import Path
 
+from server.checkpoints.status import SAVE_OUTCOMES, SessionStatus
+
 SOCKET_NAME = "ctl.sock"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,8 +56,8 @@ class Lifecycle:
             drained = self.drain(min(timeout, 30.0))["drained"]
             ck = self.rt.checkpointer
             if ck is None:
-                report = {"saved": [], "already_saved": [], "nothing_to_save": [],
-                          "refused": [], "seconds": 0.0, "checkpoints": "off"}
+                report = {**{s.value: [] for s in SAVE_OUTCOMES}, "seconds": 0.0,
+                          "checkpoints": "off"}
             else:
                 report = ck.shutdown(timeout=timeout)
             report["drained"] = drained
@@ -66,9 +68,8 @@ class Lifecycle:
     def _publish(self, report: dict) -> None:
         from server.checkpoints.files import publish_file
 
-        counts = {k: len(report[k]) for k in ("saved", "already_saved", "nothing_to_save",
-                                              "refused")}
-        reasons = sorted({r.get("reason") or "?" for r in report["refused"]})
+        counts = {s.value: len(report[s]) for s in SAVE_OUTCOMES}
+        reasons = sorted({r.get("reason") or "?" for r in report[SessionStatus.REFUSED]})
         try:
             publish_file(self.state_dir / "stop_report.json",
                          json.dumps(report, indent=1, sort_keys=True).encode())
@@ -76,9 +77,9 @@ class Lifecycle:
             print(f"ninfer: could not write the stop report: {e}", file=sys.stderr)
         self.rt.obs.on_event("server_stop", pid=os.getpid(), drained=report["drained"],
                              refused_reasons=",".join(reasons) or None, **counts)
-        print(f"ninfer: stop report: saved {counts['saved']}, already saved "
-              f"{counts['already_saved']}, nothing to save {counts['nothing_to_save']}, "
-              f"refused {counts['refused']}" + (f" ({', '.join(reasons)})" if reasons else ""),
+        saved, already, nothing, refused = (counts[s] for s in SAVE_OUTCOMES)
+        print(f"ninfer: stop report: saved {saved}, already saved {already}, nothing to save "
+              f"{nothing}, refused {refused}" + (f" ({', '.join(reasons)})" if reasons else ""),
               file=sys.stderr, flush=True)
 
 
@@ -114,8 +115,9 @@ def _servicer(life: Lifecycle):
                 checkpoint_quota_bytes=store.get("quota_bytes", 0),
                 checkpoint_sessions=store.get("sessions", 0),
                 live_sessions=st.get("sessions", 0), unsaved_sessions=st.get("unsaved", 0),
-                saves=st.get("saved", 0), refused_saves=st.get("refused", 0),
-                restores=st.get("restored", 0))
+                saves=st.get(SessionStatus.SAVED, 0),
+                refused_saves=st.get(SessionStatus.REFUSED, 0),
+                restores=st.get(SessionStatus.RESTORED, 0))
 
         def Save(self, request, context):
             ck = life.rt.checkpointer
@@ -130,10 +132,8 @@ def _servicer(life: Lifecycle):
             if life.request_stop is not None:  # after this reply has gone out
                 threading.Timer(0.2, life.request_stop).start()
             return pb.StopReply(report=pb.StopReport(
-                drained=r["drained"], saved=_session_results(r["saved"]),
-                already_saved=_session_results(r["already_saved"]),
-                nothing_to_save=_session_results(r["nothing_to_save"]),
-                refused=_session_results(r["refused"]), seconds=r["seconds"]))
+                drained=r["drained"], seconds=r["seconds"],  # its groups: the save statuses
+                **{s.value: _session_results(r[s]) for s in SAVE_OUTCOMES}))
 
     return Control()
 

@@ -40,6 +40,7 @@ from server.checkpoints.files import Faults, fsync_dir, nbytes, wait_all
 from server.checkpoints.fingerprint import differing_fields, fingerprint_digest
 from server.checkpoints.publish import (SaveInput, SaveResult, manifest_bytes,
                                         publish_generation, sha256_parts)
+from server.checkpoints.status import SessionStatus
 from server.checkpoints.tags import load_master_secret, principal_key, session_namespace
 from server.checkpoints.verify import Corrupt, LoadResult, read_generation
 
@@ -125,7 +126,7 @@ class CheckpointStore:
                     if d not in new_pages and not self.page_path(d).exists():
                         new_pages[d] = inp.pages[i]
                 elif d is None or not self.page_path(d).exists():
-                    return SaveResult("refused", "page_missing")
+                    return SaveResult(SessionStatus.REFUSED, "page_missing")
                 else:
                     sizes.append(self.page_path(d).stat().st_size)
             new_bytes = sum(nbytes(b) for b in new_pages.values())
@@ -134,7 +135,7 @@ class CheckpointStore:
                 evicted = quota.make_room(self, need, keep=ns, live=live,
                                           fp_digest=fingerprint_digest(fingerprint))
             except quota.QuotaExceeded:
-                return SaveResult("refused", "quota")
+                return SaveResult(SessionStatus.REFUSED, "quota")
             t.lap("quota")
             gen = self._new_generation_name()
             staging = self.sessions_dir / ns / f".staging-{gen}"
@@ -146,14 +147,15 @@ class CheckpointStore:
                                    inp.state, manifest, step, t)
             except OSError as e:
                 shutil.rmtree(staging, ignore_errors=True)
-                return SaveResult("refused", errno.errorcode.get(e.errno, "io_error").lower())
+                reason = errno.errorcode.get(e.errno, "io_error").lower()
+                return SaveResult(SessionStatus.REFUSED, reason)
             quota.prune_superseded(self, ns, gen)
             step("pruned")
             t.lap("prune")
             self.last_timings = t.done()
             inp.digests[:] = digests
             written = new_bytes + len(tokens) + state_len
-            return SaveResult("saved", None, gen, written, len(new_pages),
+            return SaveResult(SessionStatus.SAVED, None, gen, written, len(new_pages),
                               len(digests) - len(new_pages), evicted)
 
     # ---- load ----------------------------------------------------------------------------
@@ -161,13 +163,13 @@ class CheckpointStore:
              prompt_ids=None, page_layout=None) -> LoadResult:
         """The newest generation of (principal, session) made by this runtime whose tokens
         are a strict prefix of `prompt_ids` (any, if None), verified end to end. A generation
-        failing verification is quarantined and reported `corrupt`.
+        failing verification is quarantined and reported CORRUPT.
 
         `page_layout(n_pages, page_bytes)`, when given, returns (handle, views) where views[i]
         are the writable buffers page i's bytes go to, in order (so a page is read straight
         into the engine's staging layout), or None for the default. The result then carries
         the handle as `staged` and `pages` are those per-page view lists. Either way a view is
-        filled from the file and verified before the result says `available`; after a
+        filled from the file and verified before the result says AVAILABLE; after a
         failure its contents mean nothing."""
         ns = session_namespace(principal, session)
         sdir = self.sessions_dir / ns
@@ -176,7 +178,7 @@ class CheckpointStore:
         with self._lock:
             order = quota.generations_newest_first(sdir)
             if not order:
-                return LoadResult("missing", "no_checkpoint")
+                return LoadResult(SessionStatus.MISSING, "no_checkpoint")
             seen_other_fp = not_prefix = False
             differs = None  # of the newest generation of another fingerprint
             for gen in order:
@@ -186,8 +188,8 @@ class CheckpointStore:
                     res = read_generation(self, principal, ns, gdir, fp, prompt, page_layout, t)
                 except Corrupt as c:
                     self.quarantine(sdir, gen, c.reason, bad_pages=c.bad_pages)
-                    return LoadResult("corrupt", c.reason, gen)
-                if isinstance(res, tuple):  # ("incompatible", its fingerprint)
+                    return LoadResult(SessionStatus.CORRUPT, c.reason, gen)
+                if isinstance(res, tuple):  # (INCOMPATIBLE, its fingerprint)
                     seen_other_fp = True
                     if differs is None:
                         differs = differing_fields(res[1], fingerprint)
@@ -199,8 +201,10 @@ class CheckpointStore:
                     os.utime(gdir)  # last use, for the quota's eviction order
                     return res
             if seen_other_fp and not not_prefix:
-                return LoadResult("incompatible", "fingerprint_mismatch", differs=differs)
-            return LoadResult("missing", "not_prefix" if not_prefix else "no_checkpoint")
+                return LoadResult(SessionStatus.INCOMPATIBLE, "fingerprint_mismatch",
+                                  differs=differs)
+            return LoadResult(SessionStatus.MISSING,
+                              "not_prefix" if not_prefix else "no_checkpoint")
 
     def quarantine(self, sdir: Path, gen: str, reason: str, bad_page: str | None = None,
                    bad_pages=()) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from server.checkpoints.files import (as_parts, fsync_dir, mkdir_synced, mkdirs_synced,
                                       publish_file, publish_files, wait_all, write_new)
 from server.checkpoints.fingerprint import SCHEMA, fingerprint_digest
+from server.checkpoints.status import SessionStatus
 from server.checkpoints.tags import manifest_tag, principal_digest
 
 # The publish protocol's steps, in order (`on_step` hears each name as it completes).
@@ -40,7 +41,7 @@ class SaveInput:
 
 @dataclass
 class SaveResult:
-    status: str                   # saved | refused
+    status: SessionStatus         # SAVED | REFUSED
     reason: str | None = None
     generation: str | None = None
     bytes_written: int = 0

@@ -13,12 +13,13 @@ from pathlib import Path
 import numpy as np
 
 from server.checkpoints.files import read_file, read_into, wait_all
+from server.checkpoints.status import SessionStatus
 from server.checkpoints.tags import principal_digest, tag_ok
 
 
 @dataclass
 class LoadResult:
-    state: str                    # available | missing | incompatible | corrupt
+    state: SessionStatus          # one of LOAD_STATES
     reason: str
     generation: str | None = None
     tokens: np.ndarray | None = None
@@ -43,8 +44,8 @@ class Corrupt(Exception):
 
 
 def read_generation(store, principal, ns, gdir: Path, fp: str, prompt, page_layout, t):
-    """The generation at `gdir`, verified: a LoadResult (`available`, its `timings` left to
-    the caller), ("incompatible", its fingerprint), or "not_prefix" when its tokens are not a
+    """The generation at `gdir`, verified: a LoadResult (AVAILABLE, its `timings` left to the
+    caller), (INCOMPATIBLE, its fingerprint), or "not_prefix" when its tokens are not a
     strict prefix of `prompt`. Raises Corrupt. `t.lap(stage)` after each stage."""
     try:
         mbytes = read_file(gdir / "manifest.json")
@@ -59,7 +60,7 @@ def read_generation(store, principal, ns, gdir: Path, fp: str, prompt, page_layo
                 or m["session"] != ns or m["generation"] != gdir.name):
             raise Corrupt("owner_mismatch")
         if m["fingerprint_sha256"] != fp:
-            return ("incompatible", m.get("fingerprint") or {})
+            return (SessionStatus.INCOMPATIBLE, m.get("fingerprint") or {})
         files = {f["path"]: f for f in m["files"]}
         tokens_b = _verified(gdir / "tokens.bin", files["tokens.bin"])
         tokens = np.frombuffer(tokens_b, "<i4").astype(np.int32)
@@ -107,8 +108,9 @@ def read_generation(store, principal, ns, gdir: Path, fp: str, prompt, page_layo
         i = bad[0]  # the first failure in file order names the reason
         wrong = [digests[j] for j in bad if j > 0 and checks[j] == "hash_mismatch"]
         raise Corrupt(f"{checks[i]}:{paths[i].name[:16]}", bad_pages=wrong)
-    return LoadResult("available", "restored", gdir.name, tokens, views[1:], digests[1:],
-                      views[0], m["head_response_id"], len(tokens_b) + sum(sizes), staged)
+    return LoadResult(SessionStatus.AVAILABLE, SessionStatus.RESTORED, gdir.name, tokens,
+                      views[1:], digests[1:], views[0], m["head_response_id"],
+                      len(tokens_b) + sum(sizes), staged)
 
 
 def _verified(path: Path, entry: dict, bad_page: str | None = None) -> bytes:
