@@ -83,7 +83,8 @@ def store_io(directory: Path, n_tokens: int, page_bytes: int = 64 * 2048,
              state_bytes: int = 116736) -> dict:
     """The store alone, tiny-model sizes: the first save of an n-token state (every page new),
     a load with full verification, then a turn adding 64 tokens."""
-    from server.checkpoints.store import CheckpointStore, SaveInput
+    from server.checkpoints.checkpoint_store import CheckpointStore
+    from server.checkpoints.publish import SaveInput
 
     root = directory / f"store-{n_tokens}"
     shutil.rmtree(root, ignore_errors=True)

@@ -173,7 +173,8 @@ def _split(spec, data):
 
 def one_config(base: Path, name: str, page_bytes: int, n_pages: int, state_bytes: int,
                reps: int, threads: int | None) -> dict:
-    from server.checkpoints.store import CheckpointStore, SaveInput
+    from server.checkpoints.checkpoint_store import CheckpointStore
+    from server.checkpoints.publish import SaveInput
 
     ps = 64
     n_tokens = n_pages * ps

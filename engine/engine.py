@@ -104,6 +104,10 @@ class Engine:
         """Requests submitted and not yet admitted (or expired)."""
         return self.inbox.pending
 
+    def memory_stats(self) -> dict:
+        """The memory's gauges (`Memory.stats`: pages, state images, evictions)."""
+        return self.mem.stats()
+
     def stats(self) -> dict:
         """The memory's gauges (`Memory.stats`: pages, state images, evictions) with the
         sequences running and waiting (submitted, not yet admitted)."""

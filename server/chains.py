@@ -17,9 +17,10 @@ from engine.io.loader import LoadedModel
 from engine.text.chat import ChatTemplateError, render_chat
 from server.errors import invalid
 from server.output_items import split_token_ids
-from server.request_model import ResponseRequest, items_to_messages, reasoning_text
+from server.input_items import items_to_messages, reasoning_text
+from server.request_model import ResponseRequest
 from server.response_objects import ResponseState
-from server.store import ResponseRecord, ResponseStore, item_content_hash
+from server.response_store import ResponseRecord, ResponseStore, item_content_hash
 
 END_OF_TURN = "<|im_end|>\n"
 

@@ -1,4 +1,6 @@
-"""`POST /v1/chat/completions`: the stateless chat API, for generic OpenAI clients.
+"""The wire format of `POST /v1/chat/completions` (the route: server/routes/chat.py): the
+stateless chat API, for generic OpenAI clients. Request parsing and a completion's message,
+finish reason and usage.
 
 Nothing is stored: every request carries its whole conversation. The engine still reuses the
 principal's cached states (the shared system prefix, or an earlier turn's state when the client
@@ -9,15 +11,13 @@ chat-completions shape, thinking as `reasoning_content` (the field the Qwen ecos
 from __future__ import annotations
 
 import json
-import time
 
-from sanic import Request, response
-
-from server.errors import APIError, invalid
-from server.request_model import (Reasoning, ResponseRequest, _EFFORTS, _number,
-                                  _text_format, _tool_choice, _tools, common_fields,
-                                  content_text, json_body, parallel_calls)
-from server.response_objects import new_id
+from server.errors import invalid
+from server.input_items import content_text
+from server.request_fields import (EFFORTS, common_fields, parallel_calls, parse_number,
+                                   parse_seed, parse_text_format, parse_tool_choice,
+                                   parse_tools)
+from server.request_model import Reasoning, ResponseRequest
 
 _KNOWN = {"model", "messages", "stream", "stream_options", "max_tokens",
           "max_completion_tokens", "temperature", "top_p", "n", "tools", "tool_choice",
@@ -86,7 +86,7 @@ def parse_chat_request(body) -> ResponseRequest:
         tools_body = [dict(t.get("function") or {}, type=t.get("type"))
                       if isinstance(t, dict) and isinstance(t.get("function"), dict) else t
                       for t in tools_body]
-    tools = _tools({"tools": tools_body})
+    tools = parse_tools({"tools": tools_body})
     tc = body.get("tool_choice")
     if isinstance(tc, dict) and isinstance(tc.get("function"), dict):
         tc = {"type": "function", "name": tc["function"].get("name")}
@@ -95,116 +95,49 @@ def parse_chat_request(body) -> ResponseRequest:
             rf.get("json_schema"), dict):
         rf = {"type": "json_schema", **rf["json_schema"]}
     effort = body.get("reasoning_effort")
-    if effort is not None and effort not in _EFFORTS:
-        raise invalid(f"'reasoning_effort' must be one of {list(_EFFORTS)}",
+    if effort is not None and effort not in EFFORTS:
+        raise invalid(f"'reasoning_effort' must be one of {list(EFFORTS)}",
                       param="reasoning_effort")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise invalid("'seed' must be an integer", param="seed")
+    seed = parse_seed(body)
     return ResponseRequest(
         model=model, messages=tuple(_messages(body)), stream=stream, max_output_tokens=mt,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, store=False,
+        temperature=parse_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=parse_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, store=False,
         previous_response_id=None, prompt_cache_key=None, tools=tools,
-        tool_choice=_tool_choice({"tool_choice": tc}, tools),
-        text_format=_text_format({"text": {"format": rf}} if rf is not None else {}),
+        tool_choice=parse_tool_choice({"tool_choice": tc}, tools),
+        text_format=parse_text_format({"text": {"format": rf}} if rf is not None else {}),
         reasoning=Reasoning(effort=effort), seed=seed,
         parallel_tool_calls=parallel_calls(body))
 
 
-def _chat_tool_calls(items: list[dict]) -> list[dict]:
+def _tool_calls(items: list[dict]) -> list[dict]:
     return [{"index": k, "id": it["call_id"], "type": "function",
              "function": {"name": it["name"], "arguments": it["arguments"]}}
             for k, it in enumerate(x for x in items if x["type"] == "function_call")]
 
 
-def _finish_reason(state) -> str:
+def completion_message(state) -> dict:
+    """The assistant message of a finished completion: its text, thinking and tool calls."""
+    message = {"role": "assistant", "content": state.text or None}
+    reasoning = "".join(i["content"][0]["text"] for i in state.items
+                        if i["type"] == "reasoning" and i["content"])
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    calls = _tool_calls(state.items)
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    return message
+
+
+def finish_reason(state) -> str:
     if state.status == "completed":
         return "tool_calls" if any(i["type"] == "function_call" for i in state.items) \
             else "stop"
     return "length"
 
 
-def _usage(state) -> dict:
+def completion_usage(state) -> dict:
     return {"prompt_tokens": state.input_tokens, "completion_tokens": state.output_tokens,
             "total_tokens": state.input_tokens + state.output_tokens,
             "prompt_tokens_details": {"cached_tokens": state.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": state.reasoning_tokens}}
-
-
-def register(app, rt, generate) -> None:
-    """`generate(request, req)` puts a parsed request on the engine and returns its run
-    (server/app.py `_Run`: `.state`, `await .complete(send)`, `.close()`)."""
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = json_body(request.body)
-        req = parse_chat_request(body)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        cid, created = new_id("chatcmpl"), int(time.time())
-
-        def chunk(delta: dict, finish=None, usage=None) -> str:
-            c = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                 "model": req.model,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                              "logprobs": None}] if delta is not None else []}
-            if usage is not None:
-                c["usage"] = usage
-            return f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
-
-        run = await generate(request, req)
-        state = run.state
-        if not req.stream:
-            try:
-                await run.complete(None)
-            finally:
-                run.close()
-            message = {"role": "assistant", "content": state.text or None}
-            reasoning = "".join(i["content"][0]["text"] for i in state.items
-                                if i["type"] == "reasoning" and i["content"])
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            calls = _chat_tool_calls(state.items)
-            if calls:
-                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"}
-                                         for c in calls]
-            return response.json({
-                "id": cid, "object": "chat.completion", "created": created,
-                "model": req.model, "choices": [{"index": 0, "message": message,
-                                                 "finish_reason": _finish_reason(state),
-                                                 "logprobs": None}],
-                "usage": _usage(state)})
-
-        resp = await request.respond(content_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        ncalls = 0
-
-        async def send(ops):
-            nonlocal ncalls
-            for op in ops:
-                item = state.items[op.index]
-                if op.kind == "text_delta" and op.text:
-                    await resp.send(chunk({"content": op.text}))
-                elif op.kind == "reasoning_delta" and op.text:
-                    await resp.send(chunk({"reasoning_content": op.text}))
-                elif op.kind == "done" and item["type"] == "function_call":
-                    await resp.send(chunk({"tool_calls": [{
-                        "index": ncalls, "id": item["call_id"], "type": "function",
-                        "function": {"name": item["name"], "arguments": item["arguments"]}}]}))
-                    ncalls += 1
-
-        try:
-            await resp.send(chunk({"role": "assistant", "content": ""}))
-            try:
-                await run.complete(send)
-            except APIError as e:
-                await resp.send(f"data: {json.dumps({'error': e.body()['error']})}\n\n")
-            else:
-                await resp.send(chunk({}, finish=_finish_reason(state)))
-                if include_usage:
-                    await resp.send(chunk(None, usage=_usage(state)))
-            await resp.send("data: [DONE]\n\n")
-        finally:
-            run.close()
-        await resp.eof()
-        return resp

@@ -132,7 +132,7 @@ def _load_in_background(rt, profile, args, t_start: float) -> None:
         phases["checkpoints_attach_s"] = round(time.monotonic() - t, 3)
         engine.start()
         rt.model, rt.engine = model, engine
-        if rt.extra.get("checkpoints") is not None:
+        if rt.checkpointer is not None:
             threading.Thread(target=_prepare_restore, args=(engine,), daemon=True,
                              name="ninfer-prepare-restore").start()
         rt.obs.on_server_start(lane=profile.name, host=args.host_bound, port=args.port_bound,
@@ -231,15 +231,14 @@ def cmd_serve(args) -> int:
     # again, and reported, by that first call.
     threading.Thread(target=_start_backend, name="ninfer-backend", daemon=True).start()
 
-    from server.app import Runtime, create_app
+    from server.app import create_app
     from server.observability import Metrics, Observability, RequestLog, engine_stats
-
-    from server.store import ResponseStore
+    from server.response_store import ResponseStore
+    from server.runtime import Runtime
 
     rt = Runtime(keys=ReloadingKeyRing(key_file, keys), max_output_tokens=profile.max_output_tokens,
                  context_tokens=profile.context_tokens,
-                 store=ResponseStore(args.state_dir / "responses.db"))
-    rt.extra["profile"] = profile
+                 response_store=ResponseStore(args.state_dir / "responses.db"), profile=profile)
     rt.retention = (args.retain_responses or None,
                     args.retain_days * 86400.0 if args.retain_days else None)
     from server.reasoning_seal import ReasoningSeal

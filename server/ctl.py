@@ -19,6 +19,8 @@ import time
 from concurrent import futures
 from pathlib import Path
 
+from server.checkpoints.status import SAVE_OUTCOMES, SessionStatus
+
 SOCKET_NAME = "ctl.sock"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,10 +37,11 @@ class Lifecycle:
         eng = self.rt.engine
         if eng is None:
             return 0, 0
-        return len(eng.sched.running), len(eng.sched.waiting) + eng._pending
+        st = eng.stats()
+        return st["running"], st["waiting"]
 
     def drain(self, timeout: float = 30.0) -> dict:
-        self.rt.extra["draining"] = True
+        self.rt.draining = True
         deadline = time.monotonic() + timeout
         running, waiting = self.busy()
         while (running or waiting) and time.monotonic() < deadline:
@@ -52,10 +55,10 @@ class Lifecycle:
             if self._report is not None:
                 return self._report
             drained = self.drain(min(timeout, 30.0))["drained"]
-            ck = self.rt.extra.get("checkpoints")
+            ck = self.rt.checkpointer
             if ck is None:
-                report = {"saved": [], "already_saved": [], "nothing_to_save": [],
-                          "refused": [], "seconds": 0.0, "checkpoints": "off"}
+                report = {**{s.value: [] for s in SAVE_OUTCOMES}, "seconds": 0.0,
+                          "checkpoints": "off"}
             else:
                 report = ck.shutdown(timeout=timeout)
             report["drained"] = drained
@@ -66,9 +69,8 @@ class Lifecycle:
     def _publish(self, report: dict) -> None:
         from server.checkpoints.files import publish_file
 
-        counts = {k: len(report[k]) for k in ("saved", "already_saved", "nothing_to_save",
-                                              "refused")}
-        reasons = sorted({r.get("reason") or "?" for r in report["refused"]})
+        counts = {s.value: len(report[s]) for s in SAVE_OUTCOMES}
+        reasons = sorted({r.get("reason") or "?" for r in report[SessionStatus.REFUSED]})
         try:
             publish_file(self.state_dir / "stop_report.json",
                          json.dumps(report, indent=1, sort_keys=True).encode())
@@ -76,9 +78,9 @@ class Lifecycle:
             print(f"ninfer: could not write the stop report: {e}", file=sys.stderr)
         self.rt.obs.on_event("server_stop", pid=os.getpid(), drained=report["drained"],
                              refused_reasons=",".join(reasons) or None, **counts)
-        print(f"ninfer: stop report: saved {counts['saved']}, already saved "
-              f"{counts['already_saved']}, nothing to save {counts['nothing_to_save']}, "
-              f"refused {counts['refused']}" + (f" ({', '.join(reasons)})" if reasons else ""),
+        saved, already, nothing, refused = (counts[s] for s in SAVE_OUTCOMES)
+        print(f"ninfer: stop report: saved {saved}, already saved {already}, nothing to save "
+              f"{nothing}, refused {refused}" + (f" ({', '.join(reasons)})" if reasons else ""),
               file=sys.stderr, flush=True)
 
 
@@ -97,29 +99,29 @@ def _servicer(life: Lifecycle):
     class Control(pbg.ControlServicer):
         def Status(self, request, context):
             rt = life.rt
-            ck = rt.extra.get("checkpoints")
+            ck = rt.checkpointer
             st = ck.status() if ck is not None else {}
             store = st.get("store", {})
             running, waiting = life.busy()
-            profile = rt.extra.get("profile")
+            profile = rt.profile
             state = ("stopping" if life._report is not None else "draining"
-                     if rt.extra.get("draining") else "loading" if rt.engine is None
-                     else "serving")
+                     if rt.draining else "loading" if rt.engine is None else "serving")
             return pb.StatusReply(
                 state=state, pid=os.getpid(),
                 model_sha256=rt.model.sha256 if rt.model is not None else "",
                 profile_sha256=profile.canonical_hash() if profile is not None else "",
-                fingerprint_sha256=rt.extra.get("fingerprint_sha256", ""),
+                fingerprint_sha256=rt.fingerprint_sha256,
                 running=running, waiting=waiting,
                 checkpoint_bytes=store.get("bytes_used", 0),
                 checkpoint_quota_bytes=store.get("quota_bytes", 0),
                 checkpoint_sessions=store.get("sessions", 0),
                 live_sessions=st.get("sessions", 0), unsaved_sessions=st.get("unsaved", 0),
-                saves=st.get("saved", 0), refused_saves=st.get("refused", 0),
-                restores=st.get("restored", 0))
+                saves=st.get(SessionStatus.SAVED, 0),
+                refused_saves=st.get(SessionStatus.REFUSED, 0),
+                restores=st.get(SessionStatus.RESTORED, 0))
 
         def Save(self, request, context):
-            ck = life.rt.extra.get("checkpoints")
+            ck = life.rt.checkpointer
             rows = ck.save_all() if ck is not None and ck.engine is not None else []
             return pb.SaveReply(results=_session_results(rows))
 
@@ -131,10 +133,8 @@ def _servicer(life: Lifecycle):
             if life.request_stop is not None:  # after this reply has gone out
                 threading.Timer(0.2, life.request_stop).start()
             return pb.StopReply(report=pb.StopReport(
-                drained=r["drained"], saved=_session_results(r["saved"]),
-                already_saved=_session_results(r["already_saved"]),
-                nothing_to_save=_session_results(r["nothing_to_save"]),
-                refused=_session_results(r["refused"]), seconds=r["seconds"]))
+                drained=r["drained"], seconds=r["seconds"],  # its groups: the save statuses
+                **{s.value: _session_results(r[s]) for s in SAVE_OUTCOMES}))
 
     return Control()
 

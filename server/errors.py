@@ -36,3 +36,8 @@ def unauthorized() -> APIError:
 
 def not_found(message: str, code: str = "not_found") -> APIError:
     return APIError(404, message, code=code)
+
+
+def model_loading() -> APIError:
+    return APIError(503, "the model is still loading; retry shortly", type="server_error",
+                    code="model_loading", headers={"Retry-After": "2"})

@@ -20,6 +20,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from server.checkpoints.status import RESTORE_OUTCOMES, SessionStatus
 from server.request_log import (EVENTS, RequestLog, principal_digest, session_digest,
                                 session_digest_of)
 
@@ -158,9 +159,9 @@ class Metrics:
         self.ckpt_restore_seconds = Histogram(f"{ns}_checkpoint_restore_seconds",
                                               "Duration of a restore (read, verify, install).",
                                               buckets=io_buckets, registry=r)
-        for o in ("saved", "refused"):
+        for o in (SessionStatus.SAVED, SessionStatus.REFUSED):
             self.ckpt_saves.labels(o)
-        for o in ("restored", "no_room", "missing", "incompatible", "corrupt"):
+        for o in RESTORE_OUTCOMES:
             self.ckpt_restores.labels(o)
         if stats is not None:
             r.register(_PoolCollector(stats, ns))
@@ -168,18 +169,19 @@ class Metrics:
     def checkpoint_event(self, event: str, fields: dict) -> None:
         """Count a checkpoint manager event (server/checkpoints/manager.py)."""
         if event == "checkpoint_saved":
-            self.ckpt_saves.labels("saved").inc()
+            self.ckpt_saves.labels(SessionStatus.SAVED).inc()
             self.ckpt_save_bytes.inc(int(fields.get("written_bytes") or 0))
             if fields.get("seconds") is not None:
                 self.ckpt_save_seconds.observe(float(fields["seconds"]))
         elif event == "checkpoint_refused":
-            self.ckpt_saves.labels("refused").inc()
+            self.ckpt_saves.labels(SessionStatus.REFUSED).inc()
         elif event == "checkpoint_restore":
             state, reason = fields.get("state"), fields.get("reason")
-            outcome = reason if state == "available" else state
-            if outcome in ("restored", "no_room", "missing", "incompatible", "corrupt"):
+            available = state == SessionStatus.AVAILABLE
+            outcome = reason if available else state
+            if outcome in RESTORE_OUTCOMES:
                 self.ckpt_restores.labels(outcome).inc()
-            if state == "available" and reason == "restored":
+            if available and reason == SessionStatus.RESTORED:
                 self.ckpt_restore_bytes.inc(int(fields.get("read_bytes") or 0))
                 if fields.get("seconds") is not None:
                     self.ckpt_restore_seconds.observe(float(fields["seconds"]))
@@ -191,12 +193,8 @@ class Metrics:
 
 
 def engine_stats(engine) -> dict | None:
-    """The stats callback for a live `Engine` (None while loading). Reads the engine's private
-    pending count: an `Engine.stats()` would be the better home for this."""
-    if engine is None:
-        return None
-    return {**engine.mem.stats(), "running": len(engine.sched.running),
-            "waiting": getattr(engine, "_pending", len(engine.sched.waiting))}
+    """The stats callback for a live `Engine` (None while loading)."""
+    return None if engine is None else engine.stats()
 
 
 # ---- what the app calls -----------------------------------------------------------------------

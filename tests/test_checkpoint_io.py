@@ -85,7 +85,7 @@ def test_eviction_saves_an_unsaved_session_head_and_restore_installs_it(tiny_mod
     import time
 
     from server.checkpoints.manager import Checkpointer
-    from server.checkpoints.store import CheckpointStore
+    from server.checkpoints.checkpoint_store import CheckpointStore
 
     store = CheckpointStore(tmp_path / "ck", quota_bytes=1 << 30)
     fp = {"test": 1}

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from server.checkpoints import quota
+from server.checkpoints.checkpoint_store import CheckpointStore, StoreBusy
 from server.checkpoints.files import Faults
-from server.checkpoints.store import STEPS, CheckpointStore, SaveInput, StoreBusy
+from server.checkpoints.publish import STEPS, SaveInput
 from server.checkpoints.tags import manifest_tag, principal_key, session_namespace
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,7 +94,7 @@ _CHILD = r"""
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from server.checkpoints.store import CheckpointStore
+from server.checkpoints.checkpoint_store import CheckpointStore
 from tests.test_checkpoint_store import FP_A, make_input
 store = CheckpointStore(Path({root!r}), quota_bytes=1 << 30)
 if {step!r} == "setup":
@@ -396,8 +397,8 @@ _CHILD_MID_PAGES = r"""
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from server.checkpoints import files, store as store_mod
-from server.checkpoints.store import CheckpointStore
+from server.checkpoints import files, publish
+from server.checkpoints.checkpoint_store import CheckpointStore
 from tests.test_checkpoint_store import FP_A, make_input
 store = CheckpointStore(Path({root!r}), quota_bytes=1 << 30, io_threads=4)
 if {setup!r}:
@@ -409,7 +410,7 @@ def write_new(path, data, faults=None):
     if n[0] == {kill_at!r}:  # other page writes are in flight on the pool
         os.kill(os.getpid(), signal.SIGKILL)
     return real(path, data, faults)
-files.write_new = store_mod.write_new = write_new  # page files, then tokens/state too
+files.write_new = publish.write_new = write_new  # page files, then tokens/state too
 store.save("alice", "s", make_input(2000, seed=2), FP_A)
 sys.exit(5)
 """

@@ -1,4 +1,5 @@
-"""engine/'s import graph: acyclic, and the kernels never import the rooms that use them.
+"""The import graphs of engine/ and server/: acyclic; the kernels never import the rooms that use
+them, and the server's route modules are imported by the app alone.
 
 Every `import` and `from ... import` in a module counts, wherever it is (inside functions too:
 a lazy import still ties the modules together), except those under `if TYPE_CHECKING:`.
@@ -146,11 +147,29 @@ def _cycle_report(graph, sccs) -> str:
     return "\n".join(lines)
 
 
-def test_engine_imports_are_acyclic():
-    graph = import_graph(ROOT, "engine")
+def _assert_acyclic(package: str) -> None:
+    graph = import_graph(ROOT, package)
     assert len(graph) > 20  # the walk found the package
     sccs = strongly_connected(graph)
-    assert not sccs, "import cycles in engine/:\n" + _cycle_report(graph, sccs)
+    assert not sccs, f"import cycles in {package}/:\n" + _cycle_report(graph, sccs)
+
+
+def test_engine_imports_are_acyclic():
+    _assert_acyclic("engine")
+
+
+def test_server_imports_are_acyclic():
+    _assert_acyclic("server")
+
+
+def test_server_routes_are_imported_by_the_app_alone():
+    graph = import_graph(ROOT, "server")
+    routes = {m for m in graph if m.startswith("server.routes.")}
+    assert routes
+    bad = [(m, d) for m in sorted(graph) for d in sorted(graph[m] & routes)
+           if m not in ("server.app", "server.routes") and not m.startswith("server.routes.")]
+    assert not bad, "route modules imported beside the app:\n" + "\n".join(
+        f"  {m} -> {d}" for m, d in bad)
 
 
 def test_kernels_import_no_model_room():

@@ -176,7 +176,7 @@ def test_a_checkpoint_written_under_another_plan_is_refused_naming_the_plan(tiny
     from engine.engine import Engine
     from lanes.profile import load_profile
     from server.checkpoints.fingerprint import runtime_fingerprint
-    from server.checkpoints.store import CheckpointStore
+    from server.checkpoints.checkpoint_store import CheckpointStore
     from tests.test_checkpoint_store import make_input, prompt_after
 
     profile = load_profile("cpu")

@@ -42,8 +42,9 @@ def test_the_document_is_valid_json_schema():
 
 
 def test_every_served_route_is_documented_and_nothing_else():
-    from server.app import Runtime, create_app
+    from server.app import create_app
     from server.auth import KeyRing
+    from server.runtime import Runtime
 
     app = create_app(Runtime(keys=KeyRing(()), max_output_tokens=1, context_tokens=2),
                      name="openapi_contract")

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.checkpoints.store import CheckpointStore, SaveInput, SaveResult
+from server.checkpoints.checkpoint_store import CheckpointStore
+from server.checkpoints.publish import SaveInput, SaveResult
 from server.checkpoints.tags import session_namespace
 
 EXPORT_TIMEOUT_S = 120.0

@@ -35,10 +35,10 @@ def open_store(rt, args) -> None:
     if getattr(args, "checkpoints", "on") == "off":
         return
     from server.checkpoints.files import Faults
-    from server.checkpoints.store import CheckpointStore, StoreBusy
+    from server.checkpoints.checkpoint_store import CheckpointStore, StoreBusy
 
     try:
-        rt.extra["checkpoint_store"] = CheckpointStore(
+        rt.checkpoint_store = CheckpointStore(
             Path(args.state_dir) / "checkpoints", quota_bytes=parse_size(args.checkpoint_quota),
             faults=Faults(os.environ.get("NINFER_CHECKPOINT_FAULTS", "")))
     except StoreBusy as e:  # another server on this state dir: serve without checkpoints
@@ -50,7 +50,7 @@ def open_store(rt, args) -> None:
 def checkpointer(rt, args):
     """The checkpointer, built before the engine (`Engine(hooks=ck.engine_hooks())`); None
     without a store."""
-    store = rt.extra.get("checkpoint_store")
+    store = rt.checkpoint_store
     if store is None:
         return None
     from server.checkpoints.manager import Checkpointer
@@ -68,8 +68,8 @@ def attach(rt, ck, model, profile, engine) -> None:
 
     fp = runtime_fingerprint(model, profile, engine)
     ck.attach(engine, fp)
-    rt.extra["fingerprint_sha256"] = fingerprint_digest(fp)
-    rt.extra["checkpoints"] = ck
+    rt.fingerprint_sha256 = fingerprint_digest(fp)
+    rt.checkpointer = ck
 
 
 def serve_control(rt, app, state_dir):
@@ -91,7 +91,7 @@ def serve_control(rt, app, state_dir):
 
     life = Lifecycle(rt, Path(state_dir), request_stop)
     try:
-        rt.extra["ctl_server"] = start_ctl_server(life)
+        rt.ctl_server = start_ctl_server(life)
     except Exception as e:  # the API still serves; only `ninfer ctl` is unavailable
         print(f"ninfer: control socket unavailable: {type(e).__name__}: {e}", file=sys.stderr)
     return life

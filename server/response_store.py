@@ -1,5 +1,5 @@
 """The durable response store: stored responses, their lineage, and the exact token ids of every
-output item, in one SQLite file (settings and their reasons: `server/store_schema.py`).
+output item, in one SQLite file (settings and their reasons: `server/response_store_schema.py`).
 
 What a stored response holds: its principal and session, `previous_response_id`, the request's
 own input items (not the chain's), its output items each with the token ids the model produced,
@@ -36,9 +36,10 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from server.store_items import (HistoryEntry, ResponseRecord, compact_json, input_item_ids,
-                                item_content_hash, pack_token_ids, unpack_token_ids)
-from server.store_schema import StoreError, connect
+from server.response_store_items import (HistoryEntry, ResponseRecord, compact_json,
+                                         input_item_ids, item_content_hash, pack_token_ids,
+                                         unpack_token_ids)
+from server.response_store_schema import StoreError, connect
 
 __all__ = ["ResponseStore", "ResponseRecord", "HistoryEntry", "StoreError", "InvalidCursor",
            "item_content_hash", "pack_token_ids", "unpack_token_ids"]

@@ -1,6 +1,6 @@
-"""The durable response store (server/store.py): chains across restarts and a SIGKILL, principal
-and session isolation, forks and rollback, non-cascading delete, input-item paging against a
-model, exact token ids, and deleted content gone from the file's bytes."""
+"""The durable response store (server/response_store.py): chains across restarts and a SIGKILL,
+principal and session isolation, forks and rollback, non-cascading delete, input-item paging
+against a model, exact token ids, and deleted content gone from the file's bytes."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,9 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.store import (InvalidCursor, ResponseRecord, ResponseStore, StoreError,
-                          item_content_hash, pack_token_ids)
-from server.store_schema import MIGRATIONS, SCHEMA_VERSION, connect
+from server.response_store import (InvalidCursor, ResponseRecord, ResponseStore, StoreError,
+                                   item_content_hash, pack_token_ids)
+from server.response_store_schema import MIGRATIONS, SCHEMA_VERSION, connect
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,8 +100,8 @@ def crash_record(i: int) -> ResponseRecord:
 CRASH_WRITER = """
 import sys
 sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
-from server.store import ResponseStore
-from test_store import crash_record
+from server.response_store import ResponseStore
+from test_response_store import crash_record
 store = ResponseStore(sys.argv[1])
 for i in range(int(sys.argv[3]), 10**6):
     store.put_response(crash_record(i))

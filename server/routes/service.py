@@ -1,0 +1,58 @@
+"""The server itself: `GET /health` (no key), `/metrics`, `/v1/models` and
+`/v1/ninfer/status` (the runtime's identity: model, lane, kernel plan, memory)."""
+from __future__ import annotations
+
+from sanic import Request, Sanic, response
+
+from server.generation import require_model
+from server.runtime import Runtime
+
+ENGINE_VERSION = "0.1.0"
+
+
+def _plan_report(plan) -> dict:
+    """The engine's effective kernel plan: its preset (or null for a variant), digest and
+    fields, and the CUDA ops' library where the plan runs them."""
+    out = plan.describe()
+    if plan.uses_cuda:
+        from engine.kernels.cuda_ops import library_digest
+
+        out["cuda_library"] = library_digest(plan)
+    return out
+
+
+def register(app: Sanic, rt: Runtime) -> None:
+    @app.get("/health")
+    async def health(request):
+        if rt.engine is None:
+            return response.json({"status": "loading"}, status=503)
+        return response.json({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request):
+        body, ctype = rt.obs.metrics.render()
+        return response.raw(body, content_type=ctype)
+
+    @app.get("/v1/models")
+    async def models(request):
+        m = require_model(rt)
+        return response.json({"object": "list", "data": [
+            {"id": m.model_id, "object": "model", "created": 0, "owned_by": "ninfer"}]})
+
+    @app.get("/v1/ninfer/status")
+    async def status(request: Request):
+        m, profile = require_model(rt), rt.profile
+        body = {
+            "object": "ninfer.status", "engine_version": ENGINE_VERSION,
+            "model": {"id": m.model_id, "artifact_sha256": m.sha256,
+                      "config_hash": m.cfg.canonical_hash()},
+            "lane": None if profile is None else {
+                "name": profile.name, "profile_sha256": profile.canonical_hash(),
+                "kv_dtype": profile.kv_dtype, "kv_capacity_tokens": profile.kv_capacity_tokens,
+                "context_tokens": profile.context_tokens,
+                "max_concurrency": profile.max_concurrency,
+                "prefill_chunk": profile.prefill_chunk},
+            "plan": _plan_report(rt.engine.plan),
+            "memory": rt.engine.memory_stats(),
+        }
+        return response.json(body)
