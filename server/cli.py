@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import ipaddress
-import json
 import os
 import socket
 import sys
@@ -48,113 +46,10 @@ def bind_loopback(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _load_in_background(rt, profile, args, t_start: float) -> None:
-    from engine.engine import Engine
-    from engine.io.loader import ensure_embedded, start_load
-
-    phases = {"boot_s": round(time.monotonic() - t_start, 3)}  # start -> this thread
-    try:
-        _check_plan_device(profile)
-    except RuntimeError as e:  # fail closed: the lane's plan, or nothing
-        rt.load_error = str(e)
-        print(f"ninfer: refused: {e}", file=sys.stderr, flush=True)
-        os._exit(2)
-    try:
-        from server.artifact_stamps import ArtifactStamps
-
-        stamps = ArtifactStamps(args.state_dir)  # a loose key mode fails closed, like the others
-        mode = args.verify_artifact
-        model_arg = args.model or profile.model
-        if model_arg.startswith("embedded:"):
-            path = ensure_embedded(args.state_dir, model_arg.split(":", 1)[1],
-                                   profile.model_sha256, stamps=stamps, verify=mode)
-            expected = profile.model_sha256
-        else:
-            # The lane's own artifact must be the one its profile pins (fail closed); an
-            # artifact named on the command line is the operator's choice and is only hashed.
-            if args.model is None:  # the lane's artifact, pinned by its profile or here
-                from lanes.models import artifact_path, pinned_sha256
-
-                path, expected = (artifact_path(profile, args.state_dir),
-                                  pinned_sha256(profile, args.state_dir))
-                if expected is None:
-                    raise RuntimeError(f"lane {profile.name}'s model is not pinned on this "
-                                        f"installation (./ninfer convert --lane {profile.name})")
-            else:
-                path, expected = Path(model_arg), None
-        # The engine (its device allocations first, on an idle machine) and its compile need
-        # only the params' shapes: the compile runs while the weights are copied and verified
-        # on the loader's threads (which release the GIL), and so do the constraint tables;
-        # the decode step then runs once the model is on the device.
-        load = {}
-        t = time.monotonic()
-        loading = start_load(path, compute_dtype=profile.compute_dtype,
-                             kv_dtype=profile.kv_dtype, expected_sha256=expected, timings=load,
-                             stamps=stamps, verify=mode)
-        phases["load_start_s"] = round(time.monotonic() - t, 3)
-        from server.checkpoints import setup as checkpoint_setup
-
-        ck = checkpoint_setup.checkpointer(rt, args)  # the engine takes its hooks
-        t = time.monotonic()
-        engine = Engine(loading.abstract, context_tokens=profile.context_tokens,
-                        prefill_chunk=profile.prefill_chunk,
-                        max_concurrency=profile.max_concurrency, max_queue=profile.max_queue,
-                        queue_timeout_s=profile.queue_timeout_s,
-                        capacity_tokens=profile.kv_capacity_tokens,
-                        state_slots=profile.state_slots,
-                        host_state_bytes=profile.host_state_bytes,
-                        hooks=None if ck is None else ck.engine_hooks(), plan=profile.plan,
-                        keep_warm=_keep_warm(profile))
-        phases["engine_init_s"] = round(time.monotonic() - t, 3)
-        loading.start()
-        # Token tables (~1-2 s, mostly Python) on a thread of their own, beside the compile
-        # (loading stored executables is native work) and the copy (which releases the GIL).
-        tables_pool = concurrent.futures.ThreadPoolExecutor(1, "ninfer-tables")
-        tables = tables_pool.submit(_constraint_tables, loading.abstract.tokenizer)
-        compile_s = engine.compile(store=_exec_store(args.state_dir, rt))
-        phases["compile_s"] = round(compile_s, 3)
-        phases.update({f"exec_{k}": v for k, v in engine.exec_counts.items()})
-        t = time.monotonic()
-        rt.constraints, phases["constraints_s"] = tables.result()
-        tables_pool.shutdown()
-        phases["constraints_wait_s"] = round(time.monotonic() - t, 3)  # left after compile
-        t = time.monotonic()
-        model = loading.result()  # raises if any byte differs: fail closed
-        phases["load_wait_s"] = round(time.monotonic() - t, 3)  # left after compile, tables
-        phases["load_s"] = load.pop("ready_s")  # the load itself, beside the compile
-        phases.update({f"load_{k}": v for k, v in load.items()})
-        engine.attach(model)
-        warm_s = engine.warm_run()
-        phases["warm_run_s"] = round(warm_s, 3)
-        compile_s += warm_s
-        t = time.monotonic()
-        checkpoint_setup.attach(rt, ck, model, profile, engine)
-        phases["checkpoints_attach_s"] = round(time.monotonic() - t, 3)
-        engine.start()
-        rt.model, rt.engine = model, engine
-        if rt.checkpointer is not None:
-            threading.Thread(target=_prepare_restore, args=(engine,), daemon=True,
-                             name="ninfer-prepare-restore").start()
-        rt.obs.on_server_start(lane=profile.name, host=args.host_bound, port=args.port_bound,
-                               model=model.model_id, model_sha256=model.sha256,
-                               compile_s=round(compile_s, 3),
-                               ready_s=round(time.monotonic() - t_start, 3),
-                               plan=profile.plan.preset_name() or profile.plan.digest()[:16],
-                               startup_phases=phases)
-        print(f"ninfer: startup phases: {json.dumps(phases)}", file=sys.stderr, flush=True)
-        print(f"ninfer: ready: model {model.model_id} sha256 {model.sha256[:16]}... "
-              f"(compile {compile_s:.1f}s, ready {time.monotonic() - t_start:.1f}s after start)",
-              file=sys.stderr, flush=True)
-    except Exception as e:  # fail closed: say why and stop, never serve without the model
-        rt.load_error = f"{type(e).__name__}: {e}"
-        print(f"ninfer: model failed to load: {rt.load_error}", file=sys.stderr, flush=True)
-        os._exit(3)
-
-
 def _check_plan_early(profile) -> None:
     """Before anything starts: the lane's kernel plan's process settings (XLA's flags, which
     JAX reads when its backend starts) and what can be told without a device: a plan with the
-    CUDA ops needs nvcc. The device itself is checked by the loader (`_check_plan_device`)."""
+    CUDA ops needs nvcc. The device itself is checked by the load (server/model_load.py)."""
     from engine.plan import PlanError, apply_process_settings
 
     try:
@@ -167,26 +62,6 @@ def _check_plan_early(profile) -> None:
         if _nvcc() is None:
             raise SystemExit(f"ninfer: lane {profile.name}: its kernel plan runs the CUDA ops, "
                              "and no nvcc was found (NVCC, PATH, /usr/local/cuda/bin/nvcc)")
-
-
-def _keep_warm(profile):
-    """The lane's [keep_warm] table as the engine's config (off when the table is absent)."""
-    from engine.runtime.keep_warm import KeepWarmConfig
-
-    return KeepWarmConfig(**profile.table("keep_warm"))
-
-
-def _check_plan_device(profile) -> None:
-    """The lane's kernel plan against this machine's JAX backend: a plan it cannot run is
-    refused (never served by other kernels)."""
-    import jax
-
-    from engine.plan import machine_problems
-
-    problems = machine_problems(profile.plan, jax.default_backend())
-    if problems:
-        raise RuntimeError(f"lane {profile.name}: its kernel plan cannot run here: "
-                           + "; ".join(problems))
 
 
 def cmd_serve(args) -> int:
@@ -206,7 +81,7 @@ def cmd_serve(args) -> int:
 
     problems = preflight(profile, state_dir=args.state_dir,
                          checkpoints=getattr(args, "checkpoints", "on") == "on",
-                         model_override=args.model)
+                         synthetic=args.synthetic_weights, model_override=args.model)
     if problems:  # before the state directory is made or anything is bound
         print(refuse(profile, problems), file=sys.stderr, flush=True)
         return EX_CONFIG
@@ -238,7 +113,8 @@ def cmd_serve(args) -> int:
 
     rt = Runtime(keys=ReloadingKeyRing(key_file, keys), max_output_tokens=profile.max_output_tokens,
                  context_tokens=profile.context_tokens,
-                 response_store=ResponseStore(args.state_dir / "responses.db"), profile=profile)
+                 response_store=ResponseStore(args.state_dir / "responses.db"), profile=profile,
+                 synthetic_weights=args.synthetic_weights)
     rt.retention = (args.retain_responses or None,
                     args.retain_days * 86400.0 if args.retain_days else None)
     from server.reasoning_seal import ReasoningSeal
@@ -256,50 +132,15 @@ def cmd_serve(args) -> int:
     args.host_bound, args.port_bound = host, actual_port
     print(f"ninfer: lane {profile.name} listening on http://{host}:{actual_port}",
           file=sys.stderr, flush=True)
-    threading.Thread(target=_load_in_background, args=(rt, profile, args, t_start),
+    from server.model_load import load_in_background
+
+    threading.Thread(target=load_in_background, args=(rt, profile, args, t_start),
                      daemon=True, name="ninfer-loader").start()
     life = checkpoint_setup.serve_control(rt, app, args.state_dir)
     app.run(sock=sock, single_process=True, access_log=False, motd=False)
     # SIGTERM, SIGINT or `ninfer ctl stop`: the listener is closed; save, report, exit.
     life.stop_report()
     return 0
-
-
-def _prepare_restore(engine) -> None:
-    """Once serving: compile what the first checkpoint restore would compile on its way to
-    the first token (engine/runtime/checkpoint_io.py prepare_restore), off the request path."""
-    t = time.monotonic()
-    try:
-        n = engine.checkpoint.prepare_restore()
-    except Exception as e:  # noqa: BLE001 - a restore then compiles them itself
-        print(f"ninfer: restore path not prepared: {type(e).__name__}", file=sys.stderr,
-              flush=True)
-        return
-    print(f"ninfer: restore path prepared ({n} executables, {time.monotonic() - t:.2f}s)",
-          file=sys.stderr, flush=True)
-
-
-def _constraint_tables(tokenizer):
-    """(the ConstraintCompiler of `tokenizer`, seconds it took)."""
-    from engine.constrain.compiler import ConstraintCompiler
-
-    t = time.monotonic()
-    compiler = ConstraintCompiler(tokenizer)
-    return compiler, round(time.monotonic() - t, 3)
-
-
-def _exec_store(state_dir, rt):
-    """The compiled forwards kept between restarts (engine/runtime/exec_store.py), in
-    <state-dir>/executables, tagged under <state-dir>/secrets/executable.key (0600, created
-    once); NINFER_EXEC_STORE=off: none (every start traces and lowers, then asks JAX's
-    persistent cache)."""
-    if os.environ.get("NINFER_EXEC_STORE", "on") == "off":
-        return None
-    from engine.runtime.exec_store import ExecStore
-    from server.checkpoints.tags import state_secret
-
-    return ExecStore(Path(state_dir) / "executables",
-                     state_secret(state_dir, "executable.key"), log=rt.obs.on_event)
 
 
 def _configure_jax_cache(state_dir: Path) -> None:
@@ -371,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--retain-responses", type=int, default=200_000,
                    help="keep at most this many responses per principal, the newest "
                         "(default 200000; 0 = no limit)")
+    s.add_argument("--synthetic-weights", action="store_true",
+                   help="serve the lane's model shapes with random weights (generated once into "
+                        "the state dir); the status route and every receipt say so")
     s.add_argument("--verify-artifact", choices=("full", "stamp"), default="stamp",
                    help="stamp (default): skip re-hashing an artifact whose verified-artifact "
                         "stamp in the state dir matches the file exactly; full: always re-hash")

@@ -35,6 +35,8 @@ class Runtime:
     load_error: str | None = None  # why the model failed to load, once it did
     # the lane's serving profile (`/v1/ninfer/status`, `ninfer ctl status`); None in tests
     profile: LaneProfile | None = None
+    # serving random weights (`serve --synthetic-weights`): every status and receipt says so
+    synthetic_weights: bool = False
     # `ninfer ctl drain` or a graceful stop under way: new responses are refused with a 503
     draining: bool = False
     # `<state-dir>/checkpoints`, opened before the model loads (server/checkpoints/setup.py)

@@ -208,10 +208,9 @@ def test_pool_gauges_from_a_real_memory():
                  kv_dtype=jnp.float32, conv_dtype=jnp.float32, state_slots=1,
                  host_state_bytes=0)
 
-    class FakeEngine:  # what engine_stats reads from an Engine
-        def __init__(self):
-            self.mem, self._pending = mem, 2
-            self.sched = type("S", (), {"running": [], "waiting": []})()
+    class FakeEngine:  # what engine_stats reads from an Engine: its stats()
+        def stats(self):
+            return {**mem.stats(), "running": 0, "waiting": 2}
 
     s = scrape(Metrics(stats=lambda: engine_stats(FakeEngine())))
     kv = mem.stats()["kv"]

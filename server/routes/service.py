@@ -45,7 +45,8 @@ def register(app: Sanic, rt: Runtime) -> None:
         body = {
             "object": "ninfer.status", "engine_version": ENGINE_VERSION,
             "model": {"id": m.model_id, "artifact_sha256": m.sha256,
-                      "config_hash": m.cfg.canonical_hash()},
+                      "config_hash": m.cfg.canonical_hash(),
+                      "synthetic_weights": rt.synthetic_weights},
             "lane": None if profile is None else {
                 "name": profile.name, "profile_sha256": profile.canonical_hash(),
                 "kv_dtype": profile.kv_dtype, "kv_capacity_tokens": profile.kv_capacity_tokens,
@@ -54,5 +55,22 @@ def register(app: Sanic, rt: Runtime) -> None:
                 "prefill_chunk": profile.prefill_chunk},
             "plan": _plan_report(rt.engine.plan),
             "memory": rt.engine.memory_stats(),
+            "device_memory": _device_memory(profile),
         }
         return response.json(body)
+
+
+def _device_memory(profile) -> dict | None:
+    """The planner's device figure beside what the device reports (a GPU lane), or None."""
+    if profile is None or not profile.gpu:
+        return None
+    import jax
+
+    from lanes.planner import plan_lane
+
+    stats = jax.devices()[0].memory_stats() or {}
+    plan = plan_lane(profile)
+    return {"planned_bytes": plan.total("device"), "budget_bytes": plan.device_budget,
+            "bytes_in_use": stats.get("bytes_in_use"),
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+            "bytes_limit": stats.get("bytes_limit")}
