@@ -155,3 +155,40 @@ def test_convert_for_a_lane_pins_the_artifact_and_serve_holds_it(tmp_path):
     data[len(data) // 2] ^= 1
     art.write_bytes(bytes(data))
     assert "model failed to load" in refused()
+
+
+def test_synthetic_weights_serve_a_lane_without_its_model_and_say_so(tmp_path):
+    """A lane whose model was never converted serves its shapes with random weights under
+    --synthetic-weights: preflight lets it through, and the status route and the request log
+    say synthetic_weights."""
+    import json
+    import re
+
+    import httpx
+
+    from tests.serverproc import start_server
+
+    text = (ROOT / "lanes" / "profiles" / "cpu.toml").read_text()
+    for key, value in (("name", '"synth"'), ("model", '"models/never-converted.ninfer"'),
+                       ("model_sha256", '"PENDING"'), ("prefill_chunk", "1"),
+                       ("context_tokens", "512")):
+        text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert n == 1
+    lane = tmp_path / "synth.toml"
+    lane.write_text(text + 'model_preset = "tiny"\nweights = "bf16"\n')
+    state = tmp_path / "state"
+    srv = start_server(state, "--lane", str(lane), "--checkpoints", "off", "--synthetic-weights")
+    try:
+        h = {"Authorization": f"Bearer {srv.key}"}
+        st = httpx.get(srv.api_url + "/ninfer/status", headers=h, timeout=60).json()
+        assert st["model"]["synthetic_weights"] is True
+        assert st["device_memory"] is None  # the cpu lane: no device figures
+        r = httpx.post(srv.api_url + "/responses", headers=h, timeout=300,
+                       json={"model": st["model"]["id"], "input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    assert (state / "models" / "synthetic-tiny-bf16.ninfer").exists()
+    log = [json.loads(x) for x in (state / "logs" / "requests.jsonl").read_text().splitlines()]
+    start = next(x for x in log if x["event"] == "server_start")
+    assert start["synthetic_weights"] is True
