@@ -1,0 +1,82 @@
+"""Which product modules one chained `POST /v1/responses` runs code in (docs/ARCHITECTURE.md's
+count): the real server in this process on the cpu lane, a first turn, then a profile hook on
+every thread while the second turn (previous_response_id, streamed) runs; prints each module
+under engine/, server/ and lanes/ that had a function called, with its call count.
+
+    .venv/bin/python bench/lab/chained_request_modules.py [--state-dir /tmp/crm]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--state-dir", default="/tmp/ninfer-chained-modules")
+    a = ap.parse_args()
+    import httpx
+
+    from tests.serverproc import start_server
+
+    shutil.rmtree(a.state_dir, ignore_errors=True)
+    srv = start_server(Path(a.state_dir), "--checkpoints", "off")
+    srv.stop()  # the state dir (keys, compiled code) is made; now run the server in-process
+    import server.cli as cli
+
+    port = 18999
+    key = srv.key
+    calls: collections.Counter = collections.Counter()
+    roots = tuple(str(REPO / d) for d in ("engine", "server", "lanes"))
+    on = threading.Event()
+
+    def prof(frame, event, arg):
+        if event == "call" and on.is_set():
+            f = frame.f_code.co_filename
+            if f.startswith(roots):
+                calls[str(Path(f).relative_to(REPO))] += 1
+
+    def client():
+        import os
+
+        base = f"http://127.0.0.1:{port}/v1"
+        h = {"Authorization": f"Bearer {key}"}
+        for _ in range(1200):
+            try:
+                if httpx.get(base + "/models", headers=h, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        first = httpx.post(base + "/responses", headers=h, timeout=300,
+                           json={"model": "tiny", "input": "hello",
+                                 "max_output_tokens": 8}).json()
+        on.set()
+        with httpx.stream("POST", base + "/responses", headers=h, timeout=300,
+                          json={"model": "tiny", "input": "and then?", "max_output_tokens": 8,
+                                "previous_response_id": first["id"], "stream": True}) as r:
+            for _ in r.iter_lines():
+                pass
+        on.clear()
+        for mod, n in sorted(calls.items()):
+            print(f"{n:>7}  {mod}", flush=True)
+        print(f"{len(calls)} modules", flush=True)
+        os._exit(0)
+
+    threading.setprofile(prof)
+    sys.setprofile(prof)
+    threading.Thread(target=client, daemon=True).start()
+    cli.main(["serve", "--state-dir", a.state_dir, "--port", str(port), "--checkpoints", "off"])
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
