@@ -71,8 +71,9 @@ def cmd_serve(args) -> int:
 
     try:
         profile = load_profile(args.lane)
-    except ProfileError as e:
-        raise SystemExit(f"ninfer: {e}") from None
+    except ProfileError as e:  # before anything starts: EX_CONFIG, naming the file and key
+        print(f"ninfer: {e}", file=sys.stderr, flush=True)
+        return 78
     _check_plan_early(profile)
     host = args.host or profile.host
     port = profile.port if args.port is None else args.port

@@ -192,3 +192,19 @@ def test_synthetic_weights_serve_a_lane_without_its_model_and_say_so(tmp_path):
     log = [json.loads(x) for x in (state / "logs" / "requests.jsonl").read_text().splitlines()]
     start = next(x for x in log if x["event"] == "server_start")
     assert start["synthetic_weights"] is True
+
+
+def test_serve_refuses_a_bad_or_unknown_profile_with_78_before_anything(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text((ROOT / "lanes" / "profiles" / "cpu.toml").read_text().replace(
+        "prefill_chunk = 256\n", ""))
+    for lane, says in ((str(bad), "missing fields ['prefill_chunk']"),
+                       ("nope", "known lanes"),
+                       (str(tmp_path / "x.toml"), "no lane profile")):
+        out = _serve("--lane", lane, "--state-dir", str(tmp_path / "state"))
+        assert out.returncode == 78 and says in out.stderr, out.stderr
+        assert not (tmp_path / "state").exists()
+    broken = tmp_path / "broken.toml"
+    broken.write_text("name = \n")
+    out = _serve("--lane", str(broken), "--state-dir", str(tmp_path / "state"))
+    assert out.returncode == 78 and "broken.toml" in out.stderr and "not valid TOML" in out.stderr
