@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The H200 issue's runs, one device call each (carry .whl; results under $OUT):
+#
+#   bash bench/h200_runs.sh 0     # the GPU suite: pytest -m gpu, all of it
+#   bash bench/h200_runs.sh 1     # plans: ./ninfer bench h200 (C1/C2 1K/32K/128K, prefill
+#                                 # 8K/32K/128K through the engine, 5 reps, the copy roofline,
+#                                 # and the transformers + flash-linear-attention peer after it)
+#   bash bench/h200_runs.sh 2     # lane and planner: serve --lane h200 --synthetic-weights
+#                                 # through the preflight; planned vs measured device memory
+#   bash bench/h200_runs.sh 4     # restore and restart, cold disk and page cache, 128K
+#   bash bench/h200_runs.sh 5     # keep-warm: TTFT after 10/30/60 s idle, on and off
+#
+# Runs 3 (speculative verify cost) and 7 (the lane's receipt) wait for their code.
+set -uo pipefail
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
+  | tee "$OUT/gpu.txt"
+git log -1 --format=%H >> "$OUT/gpu.txt" 2>/dev/null
+case "${1:-}" in
+  0) timeout 560 python3 -m pytest -m gpu -v -p no:cacheprovider --durations=15 2>&1 \
+       | tee "$OUT/gpu_tests.log" ;;
+  1) timeout 575 python3 bench/suites.py h200 --out "$OUT/bench_h200.json" 2>&1 \
+       | tee "$OUT/bench_h200.log" ;;
+  2) timeout 570 python3 bench/lane_server.py memory --lane h200 --tokens 8192 \
+       --out "$OUT/lane_memory.json" 2>&1 | tee "$OUT/lane_memory.log" ;;
+  4) timeout 570 python3 bench/restore_27b.py --work-dir /tmp/r27 --budget-s 540 \
+       --out "$OUT/restore_27b.json" 2>&1 | tee "$OUT/restore_27b.log" ;;
+  5) timeout 570 python3 bench/lane_server.py keepwarm --lane h200 --idle 10,30,60 \
+       --out "$OUT/keep_warm.json" 2>&1 | tee "$OUT/keep_warm.log" ;;
+  *) echo "usage: bash bench/h200_runs.sh 0|1|2|4|5" >&2; exit 2 ;;
+esac
