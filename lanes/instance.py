@@ -79,7 +79,7 @@ def _tree_facts() -> tuple[int, dict[str, str]]:
     """The running tree's response-store schema version and lane profiles' hashes."""
     from lanes.cli import known_lanes
     from lanes.profile import ProfileError, load_profile
-    from server.store_schema import SCHEMA_VERSION
+    from server.response_store_schema import SCHEMA_VERSION
 
     try:
         profiles = {n: load_profile(n).canonical_hash() for n in known_lanes()}

@@ -238,7 +238,12 @@ def model_config(profile: LaneProfile):
 
     name = profile.model_preset
     if name is None and profile.model.startswith("embedded:"):
-        name = profile.model.split(":", 1)[1]
+        from engine.io.tiny import EMBEDDED
+
+        embedded = profile.model.split(":", 1)[1]
+        if embedded in EMBEDDED:
+            return EMBEDDED[embedded]
+        name = embedded
     if name is None:
         raise ProfileError(f"lane profile {profile.name!r}: model_preset is required when the "
                            f"model is an artifact path")

@@ -1,4 +1,4 @@
-"""Upgrades against the response store's schema (server/store_schema.py).
+"""Upgrades against the response store's schema (server/response_store_schema.py).
 
 An instance opens a store whose schema version is at most its own SCHEMA_VERSION (it migrates
 an older one forward) and refuses a newer one: `_migrate` raises StoreError when the store's
@@ -6,7 +6,7 @@ version is above the newest migration it knows, whatever the newer migration cha
 is no backward readability: once an instance with a higher SCHEMA_VERSION has started on the
 shared state directory, an instance with a lower one cannot serve it. The manifest records
 each instance's SCHEMA_VERSION; `opens_up_to` is the rule above, pinned by
-tests/test_lane_lifecycle.py against server/store_schema.py itself."""
+tests/test_lane_lifecycle.py against server/response_store_schema.py itself."""
 from __future__ import annotations
 
 import sqlite3
@@ -25,7 +25,7 @@ def store_version(db: Path) -> int | None:
     """The schema version of the response store at `db` (None: there is none yet)."""
     if not db.is_file():
         return None
-    from server.store_schema import schema_version
+    from server.response_store_schema import schema_version
 
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5.0)
     try:
@@ -54,7 +54,7 @@ def check_install(root, new: Source, current: Source | None, allow_no_rollback: 
         return []
     why = (f"instance {new.id[:16]} migrates the response store to schema version {v} when it "
            f"starts; the instance it replaces ({current.id[:16]}, the rollback target) opens "
-           f"versions up to {opens_up_to(current.manifest)} only (server/store_schema.py "
+           f"versions up to {opens_up_to(current.manifest)} only (server/response_store_schema.py "
            f"refuses a newer store), so after the upgrade `./ninfer lane rollback` could not "
            f"serve {root.state}")
     if not allow_no_rollback:

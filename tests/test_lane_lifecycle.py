@@ -62,7 +62,7 @@ def packs(tmp_path_factory):
     edits = {"B": ("server/errors.py", lambda t: t + "\n# lane test: instance B\n"),
              "C": ("lanes/profiles/cpu.toml", lambda t: t.replace("max_queue = 16",
                                                                   "max_queue = 15")),
-             "D": ("server/store_schema.py", lambda t: t.replace(
+             "D": ("server/response_store_schema.py", lambda t: t.replace(
                  "((1, _V1), (2, _V2))",
                  '((1, _V1), (2, _V2), (3, ("CREATE TABLE lane_test (x INTEGER)",)))'))}
     got = {"A": pack(REPO, out), "A2": pack(REPO, out)}
@@ -81,7 +81,7 @@ def test_pack_is_reproducible_read_only_and_holds_only_the_product(packs):
     import hashlib
 
     from lanes.profile import load_profile
-    from server.store_schema import SCHEMA_VERSION
+    from server.response_store_schema import SCHEMA_VERSION
 
     a = packs.A
     assert packs.A2.id == a.id and a.path.name == a.id
@@ -101,7 +101,7 @@ def test_pack_is_reproducible_read_only_and_holds_only_the_product(packs):
     assert not verify(a.path, Source.from_instance(a.path))
     # one product file changed: another id, the manifest differs in that file only
     for name, path in (("B", "server/errors.py"), ("C", "lanes/profiles/cpu.toml"),
-                       ("D", "server/store_schema.py")):
+                       ("D", "server/response_store_schema.py")):
         theirs = {f["path"]: f for f in manifest(getattr(packs, name))["files"]}
         ours = {f["path"]: f for f in m["files"]}
         diff = {p for p in theirs.keys() | ours.keys() if theirs.get(p) != ours.get(p)}
@@ -112,10 +112,10 @@ def test_pack_is_reproducible_read_only_and_holds_only_the_product(packs):
 
 
 def test_the_store_schema_is_not_backward_readable(tmp_path):
-    """What lanes/schema.py's `opens_up_to` assumes, pinned against server/store_schema.py: a
+    """What lanes/schema.py's `opens_up_to` assumes, pinned against server/response_store_schema.py: a
     store migrated by a newer SCHEMA_VERSION is refused by this one, whatever it added."""
     from lanes.schema import opens_up_to, store_version
-    from server.store_schema import MIGRATIONS, SCHEMA_VERSION, StoreError, connect
+    from server.response_store_schema import MIGRATIONS, SCHEMA_VERSION, StoreError, connect
 
     db = tmp_path / "responses.db"
     connect(db).close()
@@ -256,7 +256,7 @@ def test_an_install_killed_after_each_journal_step_is_repaired(packs, tmp_path):
 # ---- the store schema ------------------------------------------------------------------------
 
 def test_a_schema_upgrade_needs_allow_no_rollback_and_then_blocks_rollback(packs, tmp_path):
-    from server.store_schema import MIGRATIONS, SCHEMA_VERSION, connect
+    from server.response_store_schema import MIGRATIONS, SCHEMA_VERSION, connect
 
     root = tmp_path / "root"
     ok("install", "--root", root, "--from", packs.A.path)
