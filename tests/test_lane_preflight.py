@@ -88,12 +88,26 @@ def test_the_cpu_lane_passes_here(tmp_path):
     assert MiB == 1 << 20
 
 
+def _pending_lane(tmp_path, name: str, model: str, extra: str = "") -> Path:
+    """The cpu lane as a lane whose model is an artifact never pinned in its profile (tiny
+    shapes, one-token prefill pieces and a 512-token context: a quick start)."""
+    import re
+
+    text = (ROOT / "lanes" / "profiles" / "cpu.toml").read_text()
+    for key, value in (("name", f'"{name}"'), ("model", f'"{model}"'),
+                       ("model_sha256", '"PENDING"'), ("prefill_chunk", "1"),
+                       ("context_tokens", "512")):
+        text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert n == 1
+    lane = tmp_path / f"{name}.toml"
+    lane.write_text(text + f'model_preset = "tiny"\n{extra}\n')
+    return lane
+
+
 def test_convert_for_a_lane_pins_the_artifact_and_serve_holds_it(tmp_path):
     """A lane whose model is PENDING: `./ninfer convert --lane` writes it into the state
     directory and pins its sha256; serve then starts on it, and refuses it once a byte
     changes. A second convert is refused while the pin stands."""
-    import re
-
     import httpx
 
     from engine.model.config import TINY
@@ -107,14 +121,7 @@ def test_convert_for_a_lane_pins_the_artifact_and_serve_holds_it(tmp_path):
     build_hf(TINY, seed=4, weight_scale=1.0).save_pretrained(src)
     (src / "tokenizer.json").write_text(build_qwen35_tokenizer_json(), encoding="utf-8")
     (src / "chat_template.jinja").write_text(default_chat_template(), encoding="utf-8")
-    text = (ROOT / "lanes" / "profiles" / "cpu.toml").read_text()
-    for key, value in (("name", '"pinned"'), ("model", '"models/pinned-tiny.ninfer"'),
-                       ("model_sha256", '"PENDING"'), ("prefill_chunk", "1"),
-                       ("context_tokens", "512")):
-        text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
-        assert n == 1
-    lane = tmp_path / "pinned.toml"
-    lane.write_text(text + 'model_preset = "tiny"\n')
+    lane = _pending_lane(tmp_path, "pinned", "models/pinned-tiny.ninfer")
     state = tmp_path / "state"
     out = _serve("--lane", str(lane), "--state-dir", str(state))
     assert out.returncode == 78 and "has not been converted" in out.stderr
@@ -162,20 +169,12 @@ def test_synthetic_weights_serve_a_lane_without_its_model_and_say_so(tmp_path):
     --synthetic-weights: preflight lets it through, and the status route and the request log
     say synthetic_weights."""
     import json
-    import re
 
     import httpx
 
     from tests.serverproc import start_server
 
-    text = (ROOT / "lanes" / "profiles" / "cpu.toml").read_text()
-    for key, value in (("name", '"synth"'), ("model", '"models/never-converted.ninfer"'),
-                       ("model_sha256", '"PENDING"'), ("prefill_chunk", "1"),
-                       ("context_tokens", "512")):
-        text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
-        assert n == 1
-    lane = tmp_path / "synth.toml"
-    lane.write_text(text + 'model_preset = "tiny"\nweights = "bf16"\n')
+    lane = _pending_lane(tmp_path, "synth", "models/never-converted.ninfer", 'weights = "bf16"')
     state = tmp_path / "state"
     srv = start_server(state, "--lane", str(lane), "--checkpoints", "off", "--synthetic-weights")
     try:
