@@ -15,6 +15,7 @@ accepted until it is fixed.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import secrets
@@ -109,8 +110,8 @@ def ensure_key_file(path: Path) -> tuple[KeyRing, bool]:
 
 
 class ReloadingKeyRing:
-    """A KeyRing that follows its file: checked at most once per `interval_s` (one stat call),
-    reread when its identity, size or modification time changed."""
+    """A KeyRing that follows its file: checked at most once per `interval_s`, reread when its
+    identity, mode or content changed."""
 
     def __init__(self, path: Path, ring: KeyRing, interval_s: float = 1.0):
         self.path = Path(path)
@@ -121,11 +122,14 @@ class ReloadingKeyRing:
         self._lock = threading.Lock()
 
     def _signature(self):
+        """The file's identity, mode and content digest: a key swapped in place that keeps the
+        size and the modification time is still noticed (the file is a few lines)."""
         try:
             st = self.path.stat()
+            digest = hashlib.sha256(self.path.read_bytes()).digest()
         except OSError:
             return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+        return (st.st_ino, st.st_mode, digest)
 
     def _refresh(self) -> None:
         now = time.monotonic()

@@ -78,6 +78,9 @@ def cmd_serve(args) -> int:
     host = args.host or profile.host
     port = profile.port if args.port is None else args.port
     args.state_dir = Path(args.state_dir or default_state_dir())
+    # every file and directory this process creates (state, checkpoints, logs, the compilation
+    # cache JAX writes) is its owner's alone: 0600 / 0700
+    os.umask(0o077)
     from lanes.preflight import EX_CONFIG, preflight, refuse
 
     problems = preflight(profile, state_dir=args.state_dir,

@@ -2,6 +2,8 @@
 gate, and the error handlers that answer any failure in the API's error format."""
 from __future__ import annotations
 
+import ipaddress
+
 from sanic import Request, Sanic
 
 from server.errors import APIError, unauthorized
@@ -16,7 +18,35 @@ def _trace(request: Request, obs: Observability) -> RequestTrace:
     return trace or obs.new_request(getattr(request.ctx, "principal", None))
 
 
+def loopback_host(host: str) -> bool:
+    """Whether a Host header names this machine's loopback: localhost, 127.0.0.0/8 or ::1,
+    with or without a port. Anything else is a name that resolved here from outside (DNS
+    rebinding: a web page's script reaching a loopback server) and is refused."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1]:port
+        name = host[1:host.find("]")] if "]" in host else host
+    elif host.count(":") == 1:
+        name = host.split(":", 1)[0]
+    else:
+        name = host
+    if name in ("localhost", "localhost.", "::1"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def register(app: Sanic, rt: Runtime) -> None:
+    @app.on_request
+    async def loopback_names_only(request: Request):
+        if not loopback_host(request.headers.get("host", "")):
+            rt.obs.on_request_rejected(rt.obs.new_request(None), 400, "host_not_allowed")
+            return APIError(400, "the Host header must name this machine's loopback "
+                                 "(localhost, 127.0.0.1 or [::1]); this server is not reachable "
+                                 "by other names", code="host_not_allowed").to_response()
+        return None
+
     @app.on_request
     async def authenticate(request: Request):
         if request.path in PUBLIC_ROUTES:

@@ -1,0 +1,96 @@
+"""Holes closed, against one real server: Host headers that are not loopback names (DNS
+rebinding), files and directories other users could read, and a key swapped in place that keeps
+the file's size and modification time."""
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import httpx
+import pytest
+
+from server.routes.gate import loopback_host
+from tests.serverproc import start_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("hardening") / "state")
+    yield srv
+    srv.stop()
+
+
+def _get(srv, path: str, host: str | None = None, key: str | None = None):
+    headers = {"Authorization": f"Bearer {key or srv.key}"}
+    if host is not None:
+        headers["Host"] = host
+    return httpx.get(srv.base_url + path, headers=headers, timeout=30)
+
+
+def test_loopback_names():
+    for ok in ("localhost", "localhost:18089", "127.0.0.1", "127.0.0.1:80", "127.9.9.9:1",
+               "[::1]", "[::1]:18089", "::1", "LOCALHOST:5"):
+        assert loopback_host(ok), ok
+    for bad in ("", "evil.example", "evil.example:18089", "10.0.0.1:18089", "192.168.1.2",
+                "[2001:db8::1]:80", "localhost.evil.example", "127.0.0.1.nip.io:18089"):
+        assert not loopback_host(bad), bad
+
+
+def test_a_host_that_is_not_loopback_is_refused_on_every_route(server):
+    port = server.base_url.rsplit(":", 1)[1]
+    for path in ("/health", "/v1/models"):
+        r = _get(server, path, host=f"rebind.example:{port}")
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "host_not_allowed"
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+            assert _get(server, path, host=host).status_code == 200
+
+
+def test_everything_in_the_state_directory_is_the_owners_alone(server):
+    h = {"Authorization": f"Bearer {server.key}"}
+    first = httpx.post(server.api_url + "/responses", headers=h, timeout=300, json={
+        "model": "tiny", "input": "hello", "max_output_tokens": 4,
+        "prompt_cache_key": "perm-test"}).json()
+    httpx.post(server.api_url + "/responses", headers=h, timeout=300, json={
+        "model": "tiny", "input": "again", "max_output_tokens": 4,
+        "previous_response_id": first["id"], "prompt_cache_key": "perm-test"})
+    saved = httpx.post(server.api_url + "/ninfer/checkpoints", headers=h, timeout=300,
+                       json={"prompt_cache_key": "perm-test"})
+    assert saved.status_code == 200, saved.text
+    wrong = []
+    for root, dirs, files in os.walk(server.state_dir):
+        for d in dirs:
+            mode = stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode)
+            if mode & 0o077:
+                wrong.append((os.path.join(root, d), oct(mode)))
+        for f in files:
+            st = os.lstat(os.path.join(root, f))
+            if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o077:
+                wrong.append((os.path.join(root, f), oct(stat.S_IMODE(st.st_mode))))
+    assert not wrong, wrong[:10]
+    assert any("sessions" in root for root, _, _ in os.walk(server.state_dir))
+
+
+def test_a_key_swapped_in_place_is_noticed_by_content(server):
+    keys = server.state_dir / "keys"
+    text = keys.read_text()
+    old = server.key
+    new = old[:-4] + ("abcd" if old[-4:] != "abcd" else "wxyz")
+    st = keys.stat()
+    keys.write_text(text.replace(old, new))
+    os.utime(keys, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime
+    assert keys.stat().st_size == st.st_size and keys.stat().st_mtime_ns == st.st_mtime_ns
+    try:
+        deadline = time.monotonic() + 10
+        while _get(server, "/v1/models", key=old).status_code != 401:
+            assert time.monotonic() < deadline, "the old key is still accepted"
+            time.sleep(0.3)
+        assert _get(server, "/v1/models", key=new).status_code == 200
+    finally:
+        keys.write_text(text)
+        os.utime(keys, ns=(st.st_atime_ns, st.st_mtime_ns))
+        deadline = time.monotonic() + 10
+        while _get(server, "/v1/models", key=old).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
