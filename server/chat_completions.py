@@ -24,7 +24,8 @@ _KNOWN = {"model", "messages", "stream", "stream_options", "max_tokens",
           "response_format", "reasoning_effort", "seed", "user", "metadata", "store",
           "parallel_tool_calls", "prompt_cache_key", "service_tier", "stop", "logprobs",
           "top_logprobs", "frequency_penalty", "presence_penalty"}
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# tuples, not sets: `x in` them is a plain test for any JSON value (a list too)
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _messages(body: dict) -> list[dict]:

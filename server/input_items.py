@@ -13,8 +13,9 @@ import json
 
 from server.errors import invalid
 
-_ROLES = {"user", "system", "developer", "assistant"}
-_TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
+# tuples, not sets: `x in` them is a plain test for any JSON value (a list too)
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 MAX_ITEM_CHARS = 4 * 1024 * 1024
 
 

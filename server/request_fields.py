@@ -107,12 +107,46 @@ def parse_text_format(body: dict) -> dict:
     return {"type": fmt["type"]}
 
 
+MAX_DEPTH = 64  # nesting of a request body's arrays and objects
+
+
 def json_body(raw: bytes | None):
-    """The request body as JSON; a 400 in the API's format when it is not."""
+    """The request body as JSON; a 400 in the API's format when it is not, when it nests
+    deeper than MAX_DEPTH, or when a string holds a lone UTF-16 surrogate (JSON's "\\ud800"
+    escapes decode to text no UTF-8 encoder, tokenizer or database accepts)."""
     try:
-        return json.loads(raw or b"null")
+        body = json.loads(raw or b"null")
+    except RecursionError:
+        raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError):
         raise invalid("the request body is not valid JSON") from None
+    _check_values(body)
+    return body
+
+
+def _check_values(body) -> None:
+    stack = [(body, 0, "")]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            _check_text(v, where)
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise invalid(f"the request body nests deeper than {MAX_DEPTH} levels")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                path = f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]"
+                if isinstance(k, str):
+                    _check_text(k, path)
+                stack.append((x, depth + 1, path))
+
+
+def _check_text(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(f"'{where.lstrip('.') or 'body'}' holds a lone UTF-16 surrogate, which is "
+                      f"not text", param=where.lstrip(".") or None) from None
 
 
 def common_fields(body, known: set) -> tuple[str, bool]:
@@ -137,6 +171,8 @@ def parse_seed(body: dict) -> int | None:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise invalid("'seed' must be an integer", param="seed")
+    if seed is not None and not -(2 ** 63) <= seed < 2 ** 63:
+        raise invalid("'seed' must fit in 64 bits", param="seed")
     return seed
 
 

@@ -22,7 +22,8 @@ _IGNORED = {"metadata", "user", "service_tier", "truncation",
 _KNOWN = _IGNORED | {"model", "input", "instructions", "stream", "max_output_tokens",
                      "temperature", "top_p", "previous_response_id", "tools", "tool_choice",
                      "text", "reasoning", "include", "seed", "parallel_tool_calls"}
-_INCLUDES = {"reasoning.encrypted_content", "message.output_text.logprobs"}
+# tuples, not sets: `x in` them is a plain test for any JSON value (a list too)
+_INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
 
 # Size limits (the body as a whole is capped by the HTTP layer at MAX_BODY_BYTES).
 MAX_ITEMS = 10_000

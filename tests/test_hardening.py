@@ -94,3 +94,34 @@ def test_a_key_swapped_in_place_is_noticed_by_content(server):
         while _get(server, "/v1/models", key=old).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.3)
+
+
+def _deep(n: int) -> str:
+    return '{"model": "tiny", "input": ' + "[" * n + "]" * n + "}"
+
+
+@pytest.mark.parametrize("path, raw, says", [
+    ("/v1/responses", _deep(1000), "nests deeper than 64"),
+    ("/v1/chat/completions", _deep(1000), "nests deeper than 64"),
+    ("/v1/ninfer/checkpoints", '{"a": ' + "[" * 1000 + "]" * 1000 + "}", "nests deeper"),
+    ("/v1/responses", '{"model": "tiny", "input": "hi \\ud800 there"}', "lone UTF-16 surrogate"),
+    ("/v1/responses", '{"model": "tiny", "input": "hi", "stream": true, '
+                      '"instructions": "\\udfff"}', "lone UTF-16 surrogate"),
+    ("/v1/responses", '{"model": "tiny", "input": [{"role": ["user"], "content": "x"}]}',
+     "role"),
+    ("/v1/responses", '{"model": "tiny", "input": [{"role": {"a": 1}, "content": "x"}]}',
+     "role"),
+    ("/v1/responses", '{"model": "tiny", "input": "x", "include": [{}]}', "include"),
+    ("/v1/responses", '{"model": "tiny", "input": "x", "seed": 1267650600228229401496703205376}',
+     "64 bits"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": ["user"], "content": '
+                             '"x"}]}', "role"),
+])
+def test_bodies_that_gave_500s_get_a_400_in_the_api_format(server, path, raw, says):
+    r = httpx.post(server.base_url + path, content=raw.encode(), timeout=60,
+                   headers={"Authorization": f"Bearer {server.key}",
+                            "Content-Type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and says in err["message"], err
+    assert _get(server, "/health").status_code == 200  # the server lives on

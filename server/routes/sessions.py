@@ -3,12 +3,12 @@ engine's states and its checkpoints) and `POST /v1/ninfer/checkpoints` (save now
 from __future__ import annotations
 
 import asyncio
-import json
 
 from sanic import Request, Sanic, response
 
 from server.checkpoints import hooks as checkpoint_hooks
 from server.errors import APIError, invalid, not_found
+from server.request_fields import json_body
 from server.runtime import Runtime
 
 
@@ -30,10 +30,7 @@ def register(app: Sanic, rt: Runtime) -> None:
         if ck is None or ck.engine is None:
             raise APIError(503, "checkpoints are not available", type="server_error",
                            code="checkpoints_unavailable")
-        try:
-            body = json.loads(request.body or b"{}")
-        except (ValueError, UnicodeDecodeError):
-            raise invalid("the request body is not valid JSON")
+        body = json_body(request.body or b"{}")
         if not isinstance(body, dict):
             raise invalid("the request body must be a JSON object")
         session = body.get("prompt_cache_key")
