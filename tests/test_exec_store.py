@@ -148,10 +148,12 @@ def test_engine_loads_every_width_without_tracing_and_generates_the_same(tiny_mo
             eng.exec_saving.join()
         counts.append(dict(eng.exec_counts))
 
-    first, _ = greedy_tokens(tiny_model, ids, 8, before_start=compile_with)
-    second, _ = greedy_tokens(tiny_model, ids, 8,
-                              before_start=lambda e: compile_with(e, forbid_lowering=True))
-    plain, _ = greedy_tokens(tiny_model, ids, 8)
+    first, d1 = greedy_tokens(tiny_model, ids, 8, before_start=compile_with)
+    second, d2 = greedy_tokens(tiny_model, ids, 8,
+                               before_start=lambda e: compile_with(e, forbid_lowering=True))
+    plain, d3 = greedy_tokens(tiny_model, ids, 8)
+    for d in (d1, d2, d3):  # an engine error says which (the engine logs its traceback)
+        assert d.finish_reason == "length" and d.error is None, (d.finish_reason, d.error)
     assert counts == [{"loaded": 0, "compiled": len(widths)},
                       {"loaded": len(widths), "compiled": 0}]
     assert first == second == plain and len(first) == 8

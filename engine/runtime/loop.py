@@ -11,6 +11,7 @@ the next and reads it.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,8 @@ import numpy as np
 from engine.runtime.chain import DecodeChain, InFlight
 from engine.runtime.request import DoneEvent, GenerationRequest, TokenEvent
 from engine.runtime.scheduler import QueueFull, SeqStatus, Sequence
+
+log = logging.getLogger("ninfer.engine")
 
 
 class Inbox:
@@ -108,6 +111,7 @@ class StepLoop:
             try:
                 self.run_step(step)
             except Exception as e:  # the engine thread must survive a failed step
+                log.exception("a %s step failed; its requests end with an error", step.kind)
                 for seq in step.seqs:
                     self._finish(seq, "error", error=type(e).__name__)
 
@@ -186,6 +190,7 @@ class StepLoop:
                 self.chain.settle_log(nxt)
             self._inflight = nxt
         except Exception as e:  # the engine thread must survive a failed step
+            log.exception("a chained decode step failed; its requests end with an error")
             for seq in inf.seqs:
                 if seq.status is not SeqStatus.FINISHED:
                     self._finish(seq, "error", error=type(e).__name__)
