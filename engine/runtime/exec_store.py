@@ -132,19 +132,6 @@ def describe(call: dict, runtime: dict | None = None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-_CPU_LOAD = threading.Lock()
-
-
-def _cpu_load_lock():
-    """On XLA:CPU, executables are loaded one at a time: loaded concurrently (compile()'s
-    thread pool), one of them sometimes failed at its first dispatch with "Function
-    wrapped_iota not found" (a kernel symbol of another executable's object code). On a GPU
-    they still load in parallel."""
-    import contextlib
-
-    return _CPU_LOAD if jax.default_backend() == "cpu" else contextlib.nullcontext()
-
-
 class ExecStore:
     """Compiled executables under `root`, tagged with `secret` (32 bytes)."""
 
@@ -192,8 +179,7 @@ class ExecStore:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(body)
-            with _cpu_load_lock():
-                compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except Exception as e:  # noqa: BLE001 - authentic but not loadable here: compile anew
             self._count("failed")
             self.log_event("executable_unloadable", exec_id=key[:16], error=type(e).__name__)

@@ -134,7 +134,7 @@ class ModelRunner:
             return describe({**call, "fn": "forward_rows", "rows": n, "width": w}, runtime)
         keys = ({sw: describe_shape(*sw) for sw in shapes} if store is not None else {})
 
-        to_save, from_cache = [], []  # (key, compiled), (key, lowered): for the store
+        from_cache: list = []  # (key, lowered): compiled afresh and stored in the background
 
         def compile_shape(sw):
             n, w = sw
@@ -146,10 +146,13 @@ class ModelRunner:
                 lowered = self._lower(params, i32((n, w)), cache, i32((n,)))
             else:
                 lowered = self._lower_rows(params, i32((n, w)), cache, i32((n,)), i32((n,)))
-            compiled, cached = compile_noting_cache(lowered)
+            compiled, _ = compile_noting_cache(lowered)
             if store is not None:
-                (from_cache if cached else to_save).append(
-                    (keys[sw], lowered if cached else compiled))
+                # stored only as compiled afresh in the background (fresh_options): an
+                # executable JAX handed back from one of its caches, persistent or in this
+                # process (no cache-hit event then), lacks kernels when loaded from the store
+                # ("Function wrapped_iota not found" at its first dispatch)
+                from_cache.append((keys[sw], lowered))
             return sw, compiled, "compiled"
         with concurrent.futures.ThreadPoolExecutor(threads, "ninfer-compile") as pool:
             for sw, compiled, how in pool.map(compile_shape, shapes):
@@ -157,8 +160,8 @@ class ModelRunner:
                 self.exec_counts[how] += 1
         if store is not None:
             store.keep(keys.values())
-            if to_save or from_cache:  # serialized, written and fsynced off the start's path
-                self.exec_saving = store.save_in_background(to_save, from_cache)
+            if from_cache:  # compiled, serialized, written and fsynced off the start's path
+                self.exec_saving = store.save_in_background([], from_cache)
         return time.monotonic() - t0
 
     def attach(self, model: LoadedModel) -> None:
