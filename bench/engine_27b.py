@@ -48,6 +48,7 @@ from engine.engine import Engine, GenerationRequest, TokenEvent  # noqa: E402
 from engine.io.loader import LoadedModel  # noqa: E402
 from engine.model.config import QWEN38_27B, preset  # noqa: E402
 from engine.ops.paged_kv import kv_bytes_per_token  # noqa: E402
+from engine.runtime.states import state_image_bytes  # noqa: E402
 from engine.runtime.sampling import SamplingParams  # noqa: E402
 from engine.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -137,7 +138,7 @@ def trace_run(rows: Rows, a, mode: bool, sampling: str, conc: int, variant: str 
     return path
 
 
-def add_roofline(res: dict, summary: list, cfg, params, kv) -> None:
+def add_roofline(res: dict, summary: list, cfg, params, kv, dt) -> None:
     """The copy ceiling (read + write, as torch's device copy measures it; the higher of
     torch's and JAX's), measured after the engines have stopped, and each summary row's
     roofline: the bytes one step reads (every decode weight, each row's KV over its context,
@@ -145,8 +146,7 @@ def add_roofline(res: dict, summary: list, cfg, params, kv) -> None:
     pk = ceilings()
     wbytes = decode_weight_bytes(params)
     kv_tok = kv_bytes_per_token(cfg, kv)
-    state = 2 * cfg.num_blocks * cfg.gdn_per_block * cfg.linear_num_value_heads * \
-        cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    state = state_image_bytes(cfg, jnp.dtype(dt).itemsize)  # conv in dt, fp32 state
     res["ceilings"] = pk
     res["step_bytes"] = {"weights": wbytes, "kv_per_token": kv_tok, "state_per_row": state}
     for s in summary:
@@ -334,7 +334,7 @@ def main() -> None:
                                         "steady_tokens_per_s_median": float(np.median(
                                             [d["steady_tokens_per_s"] for d in got]))})
     if a.roofline and jax.default_backend() == "gpu":
-        add_roofline(res, summary, cfg, params, kv)
+        add_roofline(res, summary, cfg, params, kv, dt)
     res["summary"] = summary
     save()
     print(f"{'variant':>8} {'B':>2} {'narrow':>6} {'ctx':>7} {'C':>2} {'sampling':>9} {'overlap':>7} "

@@ -150,6 +150,15 @@ def post_stream(srv, key: str, body: dict, timeout: float) -> dict:
             "client_stream_s": None if first is None else round(t_last - first, 3)}
 
 
+def continue_session(srv, model_id: str, previous_id: str, max_tokens: int,
+                     timeout: float) -> dict:
+    """The owner's next streamed, greedy turn of the session after `previous_id`."""
+    return post_stream(srv, OWNER, {"model": model_id, "input": TURN,
+                                    "previous_response_id": previous_id,
+                                    "max_output_tokens": max_tokens, "temperature": 0,
+                                    "prompt_cache_key": SESSION}, timeout)
+
+
 def post_json(srv, key: str, path: str, body: dict, timeout: float) -> dict:
     r = httpx.post(srv.api_url + path, json=body, timeout=timeout,
                    headers={"Authorization": f"Bearer {key}"})
@@ -445,10 +454,7 @@ def main(argv=None) -> int:
 
         # (e) continue the session: restored from disk
         n_before = len(records(state))
-        second = post_stream(srv, OWNER, {"model": model_id, "input": TURN,
-                                          "previous_response_id": r1["id"],
-                                          "max_output_tokens": a.max_output, "temperature": 0,
-                                          "prompt_cache_key": SESSION}, left())
+        second = continue_session(srv, model_id, r1["id"], a.max_output, left())
         r2 = second["response"]
         d2 = done_record(state, r2["id"])
         restores = [r for r in records(state)[n_before:] if r["event"] == "checkpoint_restore"]
@@ -458,11 +464,7 @@ def main(argv=None) -> int:
         # (e2) decode as a client sees it: one more turn of the session, streamed, greedy
         decode = None
         if a.decode_tokens:
-            third = post_stream(srv, OWNER, {"model": model_id, "input": TURN,
-                                             "previous_response_id": r2["id"],
-                                             "max_output_tokens": a.decode_tokens,
-                                             "temperature": 0, "prompt_cache_key": SESSION},
-                                left())
+            third = continue_session(srv, model_id, r2["id"], a.decode_tokens, left())
             d3 = done_record(state, third["response"]["id"])
             n_out = third["response"]["usage"]["output_tokens"]
             decode = {"output_tokens": n_out, "finish_reason": d3.get("finish_reason"),
@@ -505,11 +507,7 @@ def main(argv=None) -> int:
             log("server 3: starting (everything in the page cache)")
             srv, s3 = start_and_probe(state, extra, left(), model_id)
             n_before = len(records(state))
-            fourth = post_stream(srv, OWNER, {"model": model_id, "input": TURN,
-                                              "previous_response_id": last["id"],
-                                              "max_output_tokens": a.max_output,
-                                              "temperature": 0, "prompt_cache_key": SESSION},
-                                 left())
+            fourth = continue_session(srv, model_id, last["id"], a.max_output, left())
             d4 = done_record(state, fourth["response"]["id"])
             rs3 = next((x for x in records(state)[n_before:]
                         if x["event"] == "checkpoint_restore" and x.get("state") == "available"),

@@ -207,3 +207,17 @@ def allocator_fraction(profile) -> float | None:
     card = profile.table("card")
     total = card["memory_mib"] * MiB
     return (total - profile.admission_headroom_bytes) / total
+
+
+def apply_process_settings(profile) -> None:
+    """What a lane sets in this process before JAX starts its backend (JAX reads both from
+    the environment then): its kernel plan's XLA flags (engine/plan.py) and, on a GPU lane,
+    the allocator's share of the card (the lane's, over any inherited value)."""
+    import os
+
+    from engine.plan import apply_process_settings as apply_plan
+
+    apply_plan(profile.plan)
+    fraction = allocator_fraction(profile)
+    if fraction is not None:
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.4f}"

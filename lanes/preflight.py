@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.io.host import free_disk, meminfo
 from lanes.planner import MiB, plan_lane
 
 EX_CONFIG = 78
@@ -45,33 +46,16 @@ def probe_gpus() -> list[Gpu] | str:
     return gpus or "nvidia-smi lists no GPU"
 
 
-def host_ram() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _version(v: str) -> tuple:
     return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))
 
 
-def _free_disk(path: Path) -> int:
-    p = path
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
 def preflight(profile, *, state_dir: Path, checkpoints: bool, synthetic: bool = False,
-              model_override: str | None = None, gpus=probe_gpus, ram=host_ram,
-              free_disk=_free_disk) -> list[str]:
+              model_override: str | None = None, gpus=probe_gpus, ram=None,
+              free_disk=free_disk) -> list[str]:
     """What stops `profile` from serving on this machine (empty: nothing)."""
     problems: list[str] = []
-    plan = plan_lane(profile, host_ram=ram())
+    plan = plan_lane(profile, host_ram=ram() if ram else meminfo("MemTotal"))
     for p in plan.problems:
         problems.append(f"memory plan: {p} (./ninfer plan --lane {profile.name} shows each part)")
     if profile.gpu:

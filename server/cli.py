@@ -47,13 +47,15 @@ def bind_loopback(host: str, port: int) -> socket.socket:
 
 
 def _check_plan_early(profile) -> None:
-    """Before anything starts: the lane's kernel plan's process settings (XLA's flags, which
-    JAX reads when its backend starts) and what can be told without a device: a plan with the
-    CUDA ops needs nvcc. The device itself is checked by the load (server/model_load.py)."""
-    from engine.plan import PlanError, apply_process_settings
+    """Before anything starts: the lane's process settings (its plan's XLA flags, a GPU lane's
+    allocator share: JAX reads both when its backend starts) and what can be told without a
+    device: a plan with the CUDA ops needs nvcc. The device itself is checked by the load
+    (server/model_load.py)."""
+    from engine.plan import PlanError
+    from lanes.planner import apply_process_settings
 
     try:
-        apply_process_settings(profile.plan)
+        apply_process_settings(profile)
     except PlanError as e:
         raise SystemExit(f"ninfer: lane {profile.name}: {e}") from None
     if profile.plan.uses_cuda:
@@ -89,11 +91,6 @@ def cmd_serve(args) -> int:
     if problems:  # before the state directory is made or anything is bound
         print(refuse(profile, problems), file=sys.stderr, flush=True)
         return EX_CONFIG
-    from lanes.planner import allocator_fraction
-
-    fraction = allocator_fraction(profile)
-    if fraction is not None:  # read by JAX when its backend starts, below
-        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.4f}"
     args.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     key_file = Path(args.key_file or args.state_dir / "keys")
     sock = bind_loopback(host, port)

@@ -142,6 +142,8 @@ def _check_values(body) -> None:
 
 
 def _check_text(s: str, where: str) -> None:
+    if s.isascii():  # most strings: no surrogate possible, nothing to encode
+        return
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:

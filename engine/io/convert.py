@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -30,6 +29,7 @@ import numpy as np
 from engine.io.artifact import ArtifactError, write_artifact
 from engine.io.hf_checkpoint import CheckpointError, HFCheckpoint
 from engine.io.hf_config import model_config_from_hf
+from engine.io.host import existing_parent, free_disk, meminfo
 from engine.model.config import ConfigError, ModelConfig
 from engine.ops.quant import (DTYPES, FP8_ROW, INT4_G64, INT8_ROW, QuantError, part_layout,
                               quantize)
@@ -257,11 +257,9 @@ def resource_problems(cfg: ModelConfig, recipe: str, out: Path, *, ram_available
                       disk_free=None) -> list[str]:
     """What keeps this machine from converting: too little available RAM or free disk."""
     need = resources_needed(cfg, recipe)
-    ram = ram_available() if ram_available else _mem_available()
-    parent = Path(out).resolve().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    disk = disk_free(parent) if disk_free else shutil.disk_usage(parent).free
+    ram = ram_available() if ram_available else meminfo("MemAvailable")
+    parent = existing_parent(Path(out).resolve().parent)
+    disk = (disk_free or free_disk)(parent)
     problems = []
     if ram is not None and ram < need["ram"]:
         problems.append(f"converting {cfg.name} with recipe {recipe} needs about "
@@ -272,16 +270,6 @@ def resource_problems(cfg: ModelConfig, recipe: str, out: Path, *, ram_available
         problems.append(f"the artifact needs {need['disk'] / 2**30:.1f} GiB under {parent}; "
                         f"{disk / 2**30:.1f} GiB is free: free disk or choose another --out")
     return problems
-
-
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # ---- entry points ---------------------------------------------------------------------------

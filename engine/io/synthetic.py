@@ -80,16 +80,10 @@ def synth_tensors(cfg: ModelConfig, fmt: str, seed: int = 0):
 
 
 def expected_bytes(cfg: ModelConfig, fmt: str) -> int:
-    total = 0
-    for name, shape in cfg.tensor_specs().items():
-        n = int(np.prod(shape))
-        if len(shape) == 1 or name.endswith("conv1d"):
-            total += 4 * n
-        elif name == "embed_tokens" or fmt == "bf16":
-            total += 2 * n
-        else:
-            total += n // 2 + 4 * (n // GROUP)
-    return total
+    """The weights' bytes in format `fmt`: what the converter stores for its recipe."""
+    from engine.io.convert import stored_bytes
+
+    return stored_bytes(cfg, {v: k for k, v in RECIPE_FORMAT.items()}[fmt])
 
 
 def write_parallel(path, cfg: ModelConfig, tensors, *, tokenizer_json, chat_template, source,

@@ -2,6 +2,8 @@
 `/v1/ninfer/status` (the runtime's identity: model, lane, kernel plan, memory)."""
 from __future__ import annotations
 
+import functools
+
 from sanic import Request, Sanic, response
 
 from server.generation import require_model
@@ -66,11 +68,18 @@ def _device_memory(profile) -> dict | None:
         return None
     import jax
 
-    from lanes.planner import plan_lane
-
     stats = jax.devices()[0].memory_stats() or {}
-    plan = plan_lane(profile)
-    return {"planned_bytes": plan.total("device"), "budget_bytes": plan.device_budget,
+    planned, budget = _planned(profile)
+    return {"planned_bytes": planned, "budget_bytes": budget,
             "bytes_in_use": stats.get("bytes_in_use"),
             "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
             "bytes_limit": stats.get("bytes_limit")}
+
+
+@functools.cache
+def _planned(profile) -> tuple[int, int | None]:
+    """(device bytes, device budget) of the lane's memory plan: computed once per profile."""
+    from lanes.planner import plan_lane
+
+    plan = plan_lane(profile)
+    return plan.total("device"), plan.device_budget
