@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -135,9 +134,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     res = measure([x for x in a.lanes.split(",") if x], a.tokens, a.chunk)
-    res.update({"command": "bench/quant_error.py " + " ".join(argv or sys.argv[1:]),
-                "date": time.strftime("%Y-%m-%d"), "machine": platform.node(),
-                "jax": jax.__version__, "backend": jax.default_backend()})
+    from bench.suites import commit, machine
+    from lanes.profile import load_profile
+
+    res.update({"command": ".venv/bin/python bench/quant_error.py " +
+                " ".join(argv if argv is not None else sys.argv[1:]),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine": machine(), "commit": commit(),
+                "jax": jax.__version__, "backend": jax.default_backend(),
+                "plans": {n: load_profile(n).plan.describe()
+                          for n in a.lanes.split(",") if n}})
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
