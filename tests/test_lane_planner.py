@@ -144,18 +144,17 @@ def _rss(pid: int) -> int:
 
 
 def test_cpu_lane_memory_difference_matches_the_plan(tmp_path, monkeypatch):
-    """Two real servers on the CPU lane, KV capacity N and 4N: the difference in their resident
+    """Two real servers on the CPU lane, KV capacity N and 8N: the difference in their resident
     memory, once each has answered a request, is within 10% of the planner's prediction. Both
-    start alike: each compiles afresh into a compilation cache of its own. With the test run's
-    shared cache, where other tests leave the cpu lane's usual capacity N, one full run
-    measured 890 MB against 805: most likely N loaded from that cache while 4N compiled, the
-    compiler's own memory counted in the difference."""
+    start alike: each compiles afresh into a compilation cache of its own. What is not the pool
+    (compiler, allocator arenas) varies by about 80 MB between runs of the same server; at 4N
+    (805 MB predicted) that was 10.3% once, so the step is 8N (1.88 GB), where it is about 4%."""
     from tests.serverproc import start_server
 
     base = (PROFILE_DIR / "cpu.toml").read_text()
     n = 131_072
     rss, predicted = {}, {}
-    for cap in (n, 4 * n):
+    for cap in (n, 8 * n):
         lane = tmp_path / f"cpu-{cap}.toml"
         lane.write_text(base.replace(f"kv_capacity_tokens = {n}", f"kv_capacity_tokens = {cap}"))
         predicted[cap] = plan_lane(load_profile(str(lane))).total("host")
@@ -170,8 +169,8 @@ def test_cpu_lane_memory_difference_matches_the_plan(tmp_path, monkeypatch):
             rss[cap] = _rss(srv.proc.pid)
         finally:
             srv.stop()
-    want = predicted[4 * n] - predicted[n]
-    got = rss[4 * n] - rss[n]
-    assert want == 3 * n * kv_bytes_per_token(TINY, "float32")  # only the pool differs
+    want = predicted[8 * n] - predicted[n]
+    got = rss[8 * n] - rss[n]
+    assert want == 7 * n * kv_bytes_per_token(TINY, "float32")  # only the pool differs
     assert abs(got - want) <= 0.10 * want, (got, want, rss)
     assert np.isfinite(got)
