@@ -178,7 +178,8 @@ def worker_count(requested: int | None, rest: list[str]) -> int:
 def cmd_test(args, rest: list[str]) -> int:
     import pytest
 
-    argv = ["-q", "-p", "no:cacheprovider"] + (["--slow"] if args.slow else [])
+    argv = (["-q", "-p", "no:cacheprovider"] + (["--slow"] if args.slow else [])
+            + (["--release"] if args.release else []))
     workers = worker_count(args.workers, rest)
     if workers > 1:
         # Whole files to a worker: a module's shared server and engine fixtures stay in one
@@ -224,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_arguments(s)
     t = sub.add_parser("test", help="run the test suite")
     t.add_argument("--slow", action="store_true", help="include the slow tier")
+    t.add_argument("--release", action="store_true",
+                   help="run the release tier instead: build the release twice, verify, run it")
     t.add_argument("--workers", type=int, default=None,
                    help="test processes (pytest-xdist); default: one a core, at most 2")
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to .ninfer",
@@ -235,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("ctl", help="control a running server: status | save | drain | stop",
                    add_help=False)
     sub.add_parser("lane", help="install, start, stop, upgrade and roll back a lane",
+                   add_help=False)
+    sub.add_parser("lock", help="regenerate the hash-locked requirements (one lock a platform)",
+                   add_help=False)
+    sub.add_parser("release", help="build or verify a release: build | verify DIR",
                    add_help=False)
     return p
 
@@ -255,6 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         from lanes.lifecycle import main as lane_main
 
         return lane_main(argv[1:])
+    if argv[:1] == ["lock"]:
+        from release.lock import main as lock_main
+
+        return lock_main(argv[1:])
+    if argv[:1] == ["release"]:
+        from release.cli import main as release_main
+
+        return release_main(argv[1:])
     if argv[:1] == ["omp-config"]:
         from server.omp_config import main as omp_config_main
 

@@ -12,6 +12,8 @@ import pytest  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False, help="also run slow tests")
+    parser.addoption("--release", action="store_true", default=False,
+                     help="run the release tier (only the tests marked release)")
 
 
 def pytest_configure(config):
@@ -25,6 +27,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The release tier is a tier of its own: --release runs its tests and nothing else, and
+    # the other tiers never run them.
+    release = config.getoption("--release")
+    keep = [item for item in items if ("release" in item.keywords) == release]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
     if config.getoption("--slow"):
         return
     skip_slow = pytest.mark.skip(reason="slow tier: run with ./ninfer test --slow")
