@@ -31,9 +31,11 @@ from release.lockfile import normalize
 
 ROOT = Path(__file__).resolve().parent.parent
 UV_VERSION = "0.13.9"  # pinned in requirements-dev.in / requirements-dev.lock
-# uv's --python-platform for a cross-platform lock; the CPU locks are resolved for the machine
-# that runs `./ninfer lock` (Linux x86_64)
-CROSS_PLATFORM = "x86_64-manylinux_2_28"
+# uv's --python-platform for the GPU lock, resolved from wheels only (the GPU host installs
+# offline, without compilers): glibc 2.31 is the least the pinned wheels allow (llguidance
+# 1.9.1 ships manylinux_2_31 x86_64 wheels only). The CPU locks are resolved for the machine
+# that runs `./ninfer lock` (Linux x86_64).
+CROSS_PLATFORM = "x86_64-manylinux_2_31"
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Target:
     title: str
     base: str = ""  # a lock whose pins constrain this one (less the names `source` pins)
     base_in: str = ""  # an .in whose requirements this lock must pin too (by name)
-    platform: str = ""  # uv's --python-platform; "" resolves for this machine
+    platform: str = ""  # uv's --python-platform (wheels only); "" resolves for this machine
 
 
 TARGETS = (
@@ -224,7 +226,7 @@ def _header(target: Target, body: str, uv_version: str) -> str:
         m = _REQ.match(line)
         if m and m.group(4):
             locked[normalize(m.group(1))] = m.group(4)
-    plat = f" ({target.platform.split('-', 1)[1]})" if target.platform else ""
+    plat = f" ({target.platform.split('-', 1)[1]}, wheels only)" if target.platform else ""
     what = f"Python {target.python}, Linux x86_64{plat}, {target.title}"
     cuda = locked.get("nvidia-cuda-runtime")
     if cuda:
@@ -278,7 +280,7 @@ def compile_lock(target: Target, root: Path, work: Path, uv: str, mirrors: list[
            "--strip-extras", "--python-version", target.python, "--no-progress", *mirrors,
            "-o", target.lock, target.source]
     if target.platform:
-        cmd += ["--python-platform", target.platform]
+        cmd += ["--python-platform", target.platform, "--only-binary", ":all:"]
     # the base lock's pins constrain this one, less the packages this target's .in pins itself
     own = {k for k, r in in_requirements(work / target.source).items()
            if any(s.operator in ("==", "===") for s in r.specifier)}
@@ -360,3 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         print("locks ok: " + ", ".join(t.lock for t in TARGETS))
     return 1 if problems else 0
 
+
+
+def wheel_platform(lock: str) -> str | None:
+    """The pip platform tag a lock was resolved for (release.wheels.fetch's `platform`), or
+    None for a lock resolved for this machine."""
+    t = _BY_LOCK.get(Path(lock).name)
+    if not t or not t.platform:
+        return None
+    arch, plat = t.platform.split("-", 1)
+    return f"{plat}_{arch}"
