@@ -3,16 +3,19 @@
     requirements.lock      requirements.in      Python 3.11, Linux x86_64, CPU JAX
     requirements-dev.lock  requirements-dev.in  the same plus tests and release tools
                                                 (the .in constrains it by requirements.lock)
-    requirements-gpu.lock  requirements-gpu.in  Python 3.12, Linux x86_64, JAX with CUDA 13;
-                                                every package it shares with requirements.lock
-                                                (all but those the .in pins) keeps that pin
+    requirements-gpu.lock  requirements-gpu.in  Python 3.12, manylinux_2_31 x86_64 wheels,
+                                                JAX with CUDA 13; every package it shares with
+                                                requirements.lock (all but those the .in pins)
+                                                keeps that pin
 
 uv does not read pip's configuration, so the machine's mirrors (`pip config list`:
 index-url, extra-index-url, find-links) are handed to uv on its command line; no lock ever
 names them. Each compile runs in a scratch directory holding copies of the .in files and the
-committed lock (uv keeps the pins of the lock it writes over), so `--check` re-resolves without
-touching the tree. `check(path)` is the static check: no index or find-links option, no local
-path or file: URL, a sha256 hash on every distribution, and every requirement of the .in pinned.
+committed lock, whose pins uv keeps (the GPU lock's pins are kept as constraints instead), so
+`./ninfer lock --check` re-resolves without touching the tree and reports a stale lock;
+`--check --static` skips the re-resolution (offline). `check(path)` is the static check: no
+index or find-links option, no local path or file: URL, a sha256 hash on every distribution,
+and every requirement of the .in pinned.
 """
 from __future__ import annotations
 
@@ -361,7 +364,6 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:
         print("locks ok: " + ", ".join(t.lock for t in TARGETS))
     return 1 if problems else 0
-
 
 
 def wheel_platform(lock: str) -> str | None:

@@ -39,8 +39,8 @@ def sha256(path: Path) -> str:
 
 
 def _platforms(platform: str) -> list[str]:
-    """The platform tags a `manylinux_2_N_arch` target accepts: every older manylinux and the
-    legacy aliases, as pip expands --platform."""
+    """The platform tags a `manylinux_2_N_arch` target accepts: it and every older manylinux
+    tag with the legacy aliases (pip takes each --platform literally, so all are named)."""
     m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", platform)
     if not m:
         return [platform]

@@ -211,3 +211,28 @@ def test_fetch_names_a_distribution_without_a_wheel(tmp_path):
     assert "idna" not in str(e.value)
     got = fetch(small, tmp_path / "w", platform="manylinux_2_31_x86_64")
     assert "manylinux_2_31_x86_64" in got["llguidance"].name
+
+
+@pytest.mark.release
+def test_lock_check_re_resolves_without_writing(tmp_path):
+    """`./ninfer lock --check`: the committed locks are what uv resolves now (pins kept), and
+    a requirement added to requirements.in makes the locks stale or dirty, naming it, with
+    nothing written."""
+    for name in LOCKS + [t.source for t in lock.TARGETS]:
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    cmd = [sys.executable, "-c", "import sys; from release.lock import main; "
+           "sys.exit(main(sys.argv[1:]))", "--check", "--root", str(tmp_path)]
+    ok = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    before = {n: (tmp_path / n).read_bytes() for n in LOCKS}
+    with open(tmp_path / "requirements.in", "a") as f:
+        f.write("six\n")
+    bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 1
+    err = bad.stderr
+    assert "requirements.lock: stale (./ninfer lock would rewrite it): six - -> 1.17.0" in err
+    assert "requirements.lock: dirty: six (from requirements.in) is not pinned" in err
+    # the dev lock pins six already (python-dateutil needs it): only its annotation changes
+    assert "requirements-dev.lock: stale (./ninfer lock would rewrite it)\n" in err
+    assert "requirements-gpu.lock: dirty: six (from requirements.in) is not pinned" in err
+    assert {n: (tmp_path / n).read_bytes() for n in LOCKS} == before
