@@ -90,9 +90,10 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
                                   epoch=epoch, cache=cache)
     log(f"lane {name}: OCI image in {time.monotonic() - t0:.1f} s")
 
-    files = [FileEntry(path=(rel / "engine-bundle.tar").as_posix(), sha256=bundle["sha256"],
+    # paths relative to the lane's directory; a CUDA op library by its path inside the bundle
+    files = [FileEntry(path="engine-bundle.tar", sha256=bundle["sha256"],
                        sha1=M.sha1_file(out / "engine-bundle.tar"), kind="engine-bundle")]
-    files += [FileEntry(path=f"engine-bundle.tar!/{f['path']}", sha256=f["sha256"],
+    files += [FileEntry(path=f"engine-bundle.tar/{f['path']}", sha256=f["sha256"],
                         sha1=f["sha1"], kind="cuda-op") for f in bundle.get("cuda_ops", [])]
     p = resolved["profile"]
     model = ModelIdentity(name=p["model"], preset=p.get("model_preset"), weights=p["weights"],
@@ -101,7 +102,7 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
     created = datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).strftime(
         "%Y-%m-%dT%H:%M:%SZ")
     inv = inventory_for_lane(name, lock, files, model, created, version,
-                             package_lock=tree / "tests" / "omp" / "package-lock.json")
+                             package_lock_path=tree / "tests" / "omp" / "package-lock.json")
     _write(out / "sbom.spdx.json", spdx_document(inv))
     _write(out / "sbom.cdx.json", cyclonedx_document(inv))
 
@@ -166,9 +167,16 @@ def build(out: Path, *, tree: Path = REPO, version: str = VERSION, lanes: list[s
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
+        from release.lock import check as check_lock
+
         entries, compat = {}, {}
         for lock in (CPU_LOCK, GPU_LOCK):
             if (tree / lock).exists():
+                # a dirty lock (an index or local path, an unhashed or unpinned package)
+                # stops the build, naming the package
+                problems = check_lock(tree / lock)
+                if problems:
+                    raise BuildError(f"{lock}: " + "; ".join(problems))
                 _write(stage / "locks" / lock, (tree / lock).read_bytes())
         for name in lanes:
             part = build_lane(stage, tree, name, epoch=epoch, version=version, cache=cache,
