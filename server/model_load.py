@@ -78,7 +78,10 @@ def load_in_background(rt, profile, args, t_start: float) -> None:
         # (loading stored executables is native work) and the copy (which releases the GIL).
         tables_pool = concurrent.futures.ThreadPoolExecutor(1, "ninfer-tables")
         tables = tables_pool.submit(_constraint_tables, loading.abstract.tokenizer)
-        compile_s = engine.compile(store=_exec_store(args.state_dir, rt))
+        if getattr(args, "bundle_forwards", None) is not None:
+            compile_s = _load_bundle_forwards(engine, args)
+        else:
+            compile_s = engine.compile(store=_exec_store(args.state_dir, rt))
         phases["compile_s"] = round(compile_s, 3)
         phases.update({f"exec_{k}": v for k, v in engine.exec_counts.items()})
         t = time.monotonic()
@@ -117,6 +120,50 @@ def load_in_background(rt, profile, args, t_start: float) -> None:
         rt.load_error = f"{type(e).__name__}: {e}"
         print(f"ninfer: model failed to load: {rt.load_error}", file=sys.stderr, flush=True)
         os._exit(3)
+
+
+def open_for_serving(path, lane: str | None):
+    """(lane, forwards, refusal) of `serve --bundle PATH [--lane L]`: the bundle verified
+    (release/bundle.py), its lane (L must be it), and its forwards for its platform; refusal is
+    None, or why this process cannot serve from it (a bundle that fails verification, another
+    lane, JAX version, plan or platform than this tree's)."""
+    import jax
+
+    from lanes.profile import ProfileError, load_profile
+    from release.bundle import BundleError, lane_platform, open_bundle
+
+    try:
+        bundle = open_bundle(path, expect_lane=lane)
+        profile = load_profile(bundle.lane)
+    except (BundleError, ProfileError) as e:
+        return lane, None, str(e)
+    m = bundle.manifest
+    if m.get("jax") != jax.__version__:
+        return bundle.lane, None, (f"{path}: the bundle was exported with jax {m.get('jax')}; "
+                                   f"this process runs jax {jax.__version__}")
+    if m.get("plan_digest") != profile.plan.digest():
+        return bundle.lane, None, (f"{path}: the bundle's kernel plan differs from lane "
+                                   f"{bundle.lane}'s plan in this tree")
+    if bundle.platform != lane_platform(profile):
+        return bundle.lane, None, (f"{path}: the bundle is for platform {bundle.platform!r}; "
+                                   f"lane {bundle.lane} runs on {lane_platform(profile)!r}")
+    return bundle.lane, (str(path), bundle.forwards(bundle.platform)), None
+
+
+def _load_bundle_forwards(engine, args) -> float:
+    """The engine's forwards from the bundle (Engine.load_exported) instead of compiling them;
+    a bundle not made for this engine or machine is refused: exit 78, never a compile."""
+    from engine.runtime.exported import ExportMismatch
+
+    path, blobs = args.bundle_forwards
+    try:
+        seconds = engine.load_exported(blobs)
+    except ExportMismatch as e:
+        print(f"ninfer: refused: {path}: {e}", file=sys.stderr, flush=True)
+        os._exit(78)
+    print(f"ninfer: {len(blobs)} forwards loaded from bundle {path} ({seconds:.1f}s)",
+          file=sys.stderr, flush=True)
+    return seconds
 
 
 def _check_plan_device(profile) -> None:
