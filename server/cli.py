@@ -79,8 +79,9 @@ def cmd_serve(args) -> int:
         if refusal:
             print(f"ninfer: refused: {refusal}", file=sys.stderr, flush=True)
             return 78
+    args.lane = args.lane or "cpu"
     try:
-        profile = load_profile(args.lane or "cpu")
+        profile = load_profile(args.lane)
     except ProfileError as e:  # before anything starts: EX_CONFIG, naming the file and key
         print(f"ninfer: {e}", file=sys.stderr, flush=True)
         return 78

@@ -138,16 +138,42 @@ def open_for_serving(path, lane: str | None):
     except (BundleError, ProfileError) as e:
         return lane, None, str(e)
     m = bundle.manifest
-    if m.get("jax") != jax.__version__:
-        return bundle.lane, None, (f"{path}: the bundle was exported with jax {m.get('jax')}; "
-                                   f"this process runs jax {jax.__version__}")
+    import jaxlib
+
+    ran = (m.get("jax"), m.get("jaxlib"))
+    if ran != (jax.__version__, jaxlib.__version__):
+        return bundle.lane, None, (f"{path}: the bundle was exported with jax {ran[0]} "
+                                   f"(jaxlib {ran[1]}); this process runs jax {jax.__version__} "
+                                   f"(jaxlib {jaxlib.__version__})")
     if m.get("plan_digest") != profile.plan.digest():
         return bundle.lane, None, (f"{path}: the bundle's kernel plan differs from lane "
                                    f"{bundle.lane}'s plan in this tree")
     if bundle.platform != lane_platform(profile):
         return bundle.lane, None, (f"{path}: the bundle is for platform {bundle.platform!r}; "
                                    f"lane {bundle.lane} runs on {lane_platform(profile)!r}")
+    _install_cuda_libraries(bundle)
     return bundle.lane, (str(path), bundle.forwards(bundle.platform)), None
+
+
+def _install_cuda_libraries(bundle) -> None:
+    """The bundle's CUDA ops into the CUDA cache under their own names (a digest of source,
+    headers, nvcc, arch and flags): a start whose build would have that name uses them
+    instead of running nvcc; any other start builds its own."""
+    libs = bundle.cuda_libraries()
+    if not libs:
+        return
+    from engine.kernels.cuda_build import cache_dir
+
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name, data in sorted(libs.items()):
+        dest = d / name
+        if dest.is_file():
+            continue
+        tmp = d / f".{name}.{os.getpid()}"
+        tmp.write_bytes(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, dest)
 
 
 def _load_bundle_forwards(engine, args) -> float:

@@ -206,3 +206,92 @@ def test_serve_refuses_a_bundle_of_another_jax(cpu_bundle, tmp_path):
         assert r.returncode == 78, r.stderr[-2000:]
         assert says in r.stderr
     assert not (tmp_path / "state").exists()
+
+
+# ---- release tier -------------------------------------------------------------------------
+@pytest.mark.release
+def test_cpu_lane_bundle_forwards_give_the_live_tokens(cpu_bundle, tiny_model):
+    """An engine at the CPU lane's real shapes (2 rows, 256-token pieces, its KV pool) whose
+    forwards come from the lane's bundle generates the live-jitted engine's greedy tokens."""
+    from lanes.profile import load_profile
+    from release.bundle import open_bundle
+
+    d, _, _ = cpu_bundle
+    p = load_profile("cpu")
+    kw = dict(context_tokens=p.context_tokens, prefill_chunk=p.prefill_chunk,
+              max_concurrency=p.max_concurrency, capacity_tokens=p.kv_capacity_tokens,
+              plan=p.plan, max_queue=2)
+    ids = tiny_model.tokenizer.encode(PROMPT * 3)[:300]  # pieces of 256 and 64 (44 padded)
+    blobs = open_bundle(d / "a.tar", expect_lane="cpu").forwards("cpu")
+    live, _ = greedy_tokens(tiny_model, ids, 33, **kw)
+
+    def load(engine):
+        engine.load_exported(blobs)
+        _no_tracing(engine)
+    got, _ = greedy_tokens(tiny_model, ids, 33, before_start=load, **kw)
+    assert got == live and len(got) == 33
+
+
+@pytest.mark.release
+def test_serve_from_the_cpu_lane_bundle(cpu_bundle, embedded_models_dir, tmp_path):
+    """`serve --bundle` (no --lane): the bundle's lane, every forward from the bundle, nothing
+    compiled, and a request served."""
+    import httpx
+
+    from tests.serverproc import start_server
+
+    d, _, _ = cpu_bundle
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "models").symlink_to(embedded_models_dir)
+    srv = start_server(state, "--bundle", str(d / "a.tar"))
+    try:
+        log = "".join(srv.log)
+        assert f"4 forwards loaded from bundle {d / 'a.tar'}" in log
+        assert "lane cpu listening" in log
+        phases = srv.startup_phases()
+        assert phases["exec_exported"] == 4 and phases["exec_compiled"] == 0
+        r = httpx.post(srv.api_url + "/responses", timeout=120,
+                       headers={"Authorization": f"Bearer {srv.key}"},
+                       json={"model": "tiny", "input": "Hello", "max_output_tokens": 8,
+                             "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["output_tokens"] == 8
+    finally:
+        srv.stop()
+
+
+@pytest.mark.release
+@pytest.mark.parametrize("lane", ["rtx5090", "h200"])
+def test_gpu_lane_bundle_built_on_this_cpu_machine(lane, tmp_path):
+    """A GPU lane's bundle: its forwards exported for CUDA at the lane's 27B shapes from
+    abstract params (no weights, no GPU), the Triton kernels in compiled form, and (h200) the
+    CUDA ops built for the card's arch and called by the forwards. Prints size and time."""
+    from jax import export
+
+    from engine.runtime.exported import read_header
+    from lanes.profile import load_profile
+    from release.bundle import build_bundle, open_bundle
+
+    t = time.monotonic()
+    info = build_bundle(lane, tmp_path / f"{lane}.tar", epoch=0)
+    print(f"{lane} bundle: {info}, build {time.monotonic() - t:.1f}s")
+    b = open_bundle(tmp_path / f"{lane}.tar", expect_lane=lane)
+    p = load_profile(lane)
+    assert b.platform == "cuda" and b.manifest["plan_digest"] == p.plan.digest()
+    fw = b.forwards("cuda")
+    assert len(fw) == len(b.manifest["shapes"]) == 1 + len(
+        [s for s in b.manifest["shapes"] if s[0] == 1 and s[1] > 1])
+    header, body = read_header(fw[(p.max_concurrency, 1)])
+    assert header["platform"] == "cuda"
+    exp = export.deserialize(bytearray(body))
+    assert exp.platforms == ("cuda",)
+    text = exp.mlir_module()
+    assert "__gpu$xla.gpu.triton" in text  # compiled Pallas kernels, not the interpreter
+    libs = b.cuda_libraries()
+    if p.plan.uses_cuda:
+        assert len(libs) == 1 and "ninfer_int4" in text
+        (lib,) = libs.values()
+        assert lib[:4] == b"\x7fELF"
+    else:
+        assert libs == {} and "ninfer_int4" not in text

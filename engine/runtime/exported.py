@@ -50,8 +50,14 @@ def _register_serialization() -> None:
     from engine.ops.paged_kv import KVPool, PagedKV
     from engine.ops.quant import QTensor
 
+    def once(register, *args, **kwargs):
+        try:
+            register(*args, **kwargs)
+        except ValueError:  # registered already (this module imported again)
+            pass
     for cls in (Cache, PagedCache, StackedStates, KVPool, PagedKV):
-        export.register_namedtuple_serialization(cls, serialized_name=f"ninfer.{cls.__name__}")
+        once(export.register_namedtuple_serialization, cls,
+             serialized_name=f"ninfer.{cls.__name__}")
 
     def aux_out(aux) -> bytes:
         fmt, shape = aux
@@ -60,9 +66,8 @@ def _register_serialization() -> None:
     def aux_in(data: bytes):
         fmt, shape = json.loads(data)
         return fmt, tuple(shape)
-    export.register_pytree_node_serialization(QTensor, serialized_name="ninfer.QTensor",
-                                              serialize_auxdata=aux_out,
-                                              deserialize_auxdata=aux_in)
+    once(export.register_pytree_node_serialization, QTensor, serialized_name="ninfer.QTensor",
+         serialize_auxdata=aux_out, deserialize_auxdata=aux_in)
 
 
 class ExportMismatch(ValueError):
@@ -102,14 +107,16 @@ def backend_platform() -> str:
 @contextlib.contextmanager
 def _tracing_for(platform: str):
     """Tracing as on `platform`: source locations left out of the module (reproducible bytes),
-    and for "cuda" JAX's default backend read as "gpu", so the kernels take their compiled
-    (not interpreted) form on a machine without a GPU."""
+    and JAX's default backend read as the platform's ("gpu" for "cuda"), so the kernels take
+    the form they run in there (compiled on a GPU, interpreted on a CPU) whatever this machine
+    has."""
     with _TRACE_LOCK:
         limit = jax.config.jax_traceback_in_locations_limit
         real = jax.default_backend
         jax.config.update("jax_traceback_in_locations_limit", 0)
-        if platform == "cuda" and real() != "gpu":
-            jax.default_backend = lambda: "gpu"
+        backend = {"cpu": "cpu", "cuda": "gpu"}[platform]
+        if real() != backend:
+            jax.default_backend = lambda: backend
         try:
             yield
         finally:
@@ -213,6 +220,7 @@ def load_forwards(runner, blobs: dict, cache, threads: int | None = None) -> flo
         from engine.kernels import cuda_build
 
         cuda_build.require(runner.plan)
+
     def compile_one(item):
         (rows, width), blob = item
         exp = export.deserialize(bytearray(read_header(blob)[1]))
