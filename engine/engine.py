@@ -178,6 +178,15 @@ class Engine:
         the weights are copied, and attach() gives it the loaded model afterwards."""
         return self.runner.compile(self.mem.cache, threads, store)
 
+    def load_exported(self, blobs: dict) -> float:
+        """Take the forward of every shape from `blobs` ({(rows, width): an exported forward},
+        engine/runtime/exported.py) instead of compile(): checked against this engine (platform,
+        plan, shapes, model and cache; ExportMismatch says what differs), then compiled without
+        tracing the model; returns seconds."""
+        from engine.runtime.exported import load_forwards
+
+        return load_forwards(self.runner, blobs, self.mem.cache)
+
     def attach(self, model: LoadedModel) -> None:
         """Give an engine built on a ModelLoad's abstract model the loaded one (same config,
         shapes and dtypes: the compiled executables stay valid). Before start() only."""

@@ -71,6 +71,15 @@ def cmd_serve(args) -> int:
     from lanes.profile import ProfileError, load_profile
     from server.auth import KeyFileError, ReloadingKeyRing, ensure_key_file
 
+    args.bundle_forwards = None
+    if getattr(args, "bundle", None):  # the lane and its forwards from an engine bundle
+        from server.model_load import open_for_serving
+
+        args.lane, args.bundle_forwards, refusal = open_for_serving(args.bundle, args.lane)
+        if refusal:
+            print(f"ninfer: refused: {refusal}", file=sys.stderr, flush=True)
+            return 78
+    args.lane = args.lane or "cpu"
     try:
         profile = load_profile(args.lane)
     except ProfileError as e:  # before anything starts: EX_CONFIG, naming the file and key
@@ -202,7 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ninfer", description="Local Qwen3.8 inference appliance")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the Responses API server")
-    s.add_argument("--lane", default="cpu", help="lane profile name or TOML path (default cpu)")
+    s.add_argument("--lane", default=None,
+                   help="lane profile name or TOML path (default cpu, or the bundle's lane)")
+    s.add_argument("--bundle", help="an engine bundle (release/bundle.py): serve its lane with "
+                   "its exported forwards instead of compiling them")
     s.add_argument("--model", help="a .ninfer artifact, or embedded:<name> (default: the lane's)")
     s.add_argument("--host", help="loopback address to bind (default: the lane's, 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default: the lane's, 18089; 0 = any free)")

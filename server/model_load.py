@@ -78,7 +78,10 @@ def load_in_background(rt, profile, args, t_start: float) -> None:
         # (loading stored executables is native work) and the copy (which releases the GIL).
         tables_pool = concurrent.futures.ThreadPoolExecutor(1, "ninfer-tables")
         tables = tables_pool.submit(_constraint_tables, loading.abstract.tokenizer)
-        compile_s = engine.compile(store=_exec_store(args.state_dir, rt))
+        if getattr(args, "bundle_forwards", None) is not None:
+            compile_s = _load_bundle_forwards(engine, args)
+        else:
+            compile_s = engine.compile(store=_exec_store(args.state_dir, rt))
         phases["compile_s"] = round(compile_s, 3)
         phases.update({f"exec_{k}": v for k, v in engine.exec_counts.items()})
         t = time.monotonic()
@@ -117,6 +120,76 @@ def load_in_background(rt, profile, args, t_start: float) -> None:
         rt.load_error = f"{type(e).__name__}: {e}"
         print(f"ninfer: model failed to load: {rt.load_error}", file=sys.stderr, flush=True)
         os._exit(3)
+
+
+def open_for_serving(path, lane: str | None):
+    """(lane, forwards, refusal) of `serve --bundle PATH [--lane L]`: the bundle verified
+    (release/bundle.py), its lane (L must be it), and its forwards for its platform; refusal is
+    None, or why this process cannot serve from it (a bundle that fails verification, another
+    lane, JAX version, plan or platform than this tree's)."""
+    import jax
+
+    from lanes.profile import ProfileError, load_profile
+    from release.bundle import BundleError, lane_platform, open_bundle
+
+    try:
+        bundle = open_bundle(path, expect_lane=lane)
+        profile = load_profile(bundle.lane)
+    except (BundleError, ProfileError) as e:
+        return lane, None, str(e)
+    m = bundle.manifest
+    import jaxlib
+
+    ran = (m.get("jax"), m.get("jaxlib"))
+    if ran != (jax.__version__, jaxlib.__version__):
+        return bundle.lane, None, (f"{path}: the bundle was exported with jax {ran[0]} "
+                                   f"(jaxlib {ran[1]}); this process runs jax {jax.__version__} "
+                                   f"(jaxlib {jaxlib.__version__})")
+    if m.get("plan_digest") != profile.plan.digest():
+        return bundle.lane, None, (f"{path}: the bundle's kernel plan differs from lane "
+                                   f"{bundle.lane}'s plan in this tree")
+    if bundle.platform != lane_platform(profile):
+        return bundle.lane, None, (f"{path}: the bundle is for platform {bundle.platform!r}; "
+                                   f"lane {bundle.lane} runs on {lane_platform(profile)!r}")
+    _install_cuda_libraries(bundle)
+    return bundle.lane, (str(path), bundle.forwards(bundle.platform)), None
+
+
+def _install_cuda_libraries(bundle) -> None:
+    """The bundle's CUDA ops into the CUDA cache under their own names (a digest of source,
+    headers, nvcc, arch and flags): a start whose build would have that name uses them
+    instead of running nvcc; any other start builds its own."""
+    libs = bundle.cuda_libraries()
+    if not libs:
+        return
+    from engine.kernels.cuda_build import cache_dir
+
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name, data in sorted(libs.items()):
+        dest = d / name
+        if dest.is_file():
+            continue
+        tmp = d / f".{name}.{os.getpid()}"
+        tmp.write_bytes(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, dest)
+
+
+def _load_bundle_forwards(engine, args) -> float:
+    """The engine's forwards from the bundle (Engine.load_exported) instead of compiling them;
+    a bundle not made for this engine or machine is refused: exit 78, never a compile."""
+    from engine.runtime.exported import ExportMismatch
+
+    path, blobs = args.bundle_forwards
+    try:
+        seconds = engine.load_exported(blobs)
+    except ExportMismatch as e:
+        print(f"ninfer: refused: {path}: {e}", file=sys.stderr, flush=True)
+        os._exit(78)
+    print(f"ninfer: {len(blobs)} forwards loaded from bundle {path} ({seconds:.1f}s)",
+          file=sys.stderr, flush=True)
+    return seconds
 
 
 def _check_plan_device(profile) -> None:
