@@ -62,7 +62,7 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
     """One lane's profile, bundle, image and SBOMs under stage/lanes/<name>; its manifest
     entry."""
     from lanes.profile import load_profile
-    from release.bundle import build_bundle
+    from release.bundle import build_bundle, open_bundle
     from release import image
     from sbom.cyclonedx import cyclonedx_document
     from sbom.inventory import FileEntry, ModelIdentity, inventory_for_lane
@@ -81,6 +81,13 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
     t0 = time.monotonic()
     bundle = build_bundle(name, out / "engine-bundle.tar", tree=tree, epoch=epoch)
     log(f"lane {name}: engine bundle {bundle['size']:,} bytes in {time.monotonic() - t0:.1f} s")
+    opened = open_bundle(out / "engine-bundle.tar", expect_lane=name)
+    bundle.update(platform=opened.platform, jax=opened.manifest["jax"],
+                  cuda_ops=[{"path": f"cuda/{n}", "sha256": M.sha256_bytes(b),
+                             "sha1": M.sha1_bytes(b)}
+                            for n, b in sorted(opened.cuda_libraries().items())])
+    cuda_libs = sorted(opened.cuda_libraries())
+    del opened
     t0 = time.monotonic()
     if profile.gpu:
         digests = image.gpu_image(out / "oci", tree=tree, lock=lock, profile_name=name,
@@ -106,7 +113,7 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
     _write(out / "sbom.spdx.json", spdx_document(inv))
     _write(out / "sbom.cdx.json", cyclonedx_document(inv))
 
-    cuda = bundle.get("cuda_ops_id")
+    cuda = cuda_libs[0] if cuda_libs else None  # the library name the fingerprint records
     fp = M.checkpoint_fingerprint(profile, bundle["jax"], bundle["platform"], cuda)
     entry = {
         "profile": {"path": (rel / "profile.json").as_posix(),

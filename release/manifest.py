@@ -29,6 +29,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha1_bytes(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()
+
+
 def sha1_file(path: Path) -> str:
     h = hashlib.sha1()
     with open(path, "rb") as f:
