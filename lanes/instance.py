@@ -1,6 +1,6 @@
 """Immutable instances: the product files of a tree, named by the sha256 of their manifest.
 
-An instance holds engine/, server/, lanes/, the `ninfer` script and requirements*.lock (never
+An instance holds engine/, server/, lanes/, release/, sbom/, the `ninfer` script and requirements*.lock (never
 tests/, bench/, docs/, a .venv, __pycache__, .pyc or dot files) and `manifest.json`: canonical
 JSON (sorted keys, no spaces) of every file's relative path, mode (0444, or 0555 for a file with
 any execute bit in the tree) and sha256, the response store's SCHEMA_VERSION and every lane
@@ -27,7 +27,7 @@ from server.checkpoints.files import fsync_dir, read_file, write_new
 REPO = Path(__file__).resolve().parent.parent
 FORMAT = "ninfer-instance/1"
 MANIFEST = "manifest.json"
-PRODUCT_DIRS = ("engine", "server", "lanes")
+PRODUCT_DIRS = ("engine", "server", "lanes", "release", "sbom")
 IGNORED_DIRS = (".venv", "__pycache__")  # what `./ninfer` and Python may add to an instance
 
 

@@ -30,15 +30,15 @@ from tests.lane_runs import (PROMPT, PY, REPO, ask, chain_intact, fed, last_rest
                              saved_up_to, serving, start_through_the_script, status, turn,
                              wait_gone)
 
-PRODUCT_TOP = {"engine", "server", "lanes", "ninfer", "requirements.lock",
-               "requirements-dev.lock", MANIFEST}
+PRODUCT_TOP = {"engine", "server", "lanes", "release", "sbom", "ninfer", "requirements.lock",
+               "requirements-dev.lock", "requirements-gpu.lock", MANIFEST}
 
 
 def tree_copy(dst: Path, path: str, edit) -> Path:
     """A copy of this tree's product files with `path`'s text replaced by `edit(text)`."""
     dst.mkdir()
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("engine", "server", "lanes"):
+    for name in ("engine", "server", "lanes", "release", "sbom"):
         shutil.copytree(REPO / name, dst / name, ignore=skip)
     for name in ["ninfer"] + [p.name for p in REPO.glob("requirements*.lock")]:
         shutil.copy2(REPO / name, dst / name)
