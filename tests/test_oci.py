@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import tarfile
 import time
@@ -242,3 +241,83 @@ def test_gpu_image_without_dependencies(tmp_path):
     cfg = json.loads(_blob(tmp_path / "h200", d["config"]).read_bytes())
     assert cfg["config"]["Labels"]["org.ninfer.dependencies"] == "not-built"
     assert cfg["config"]["Entrypoint"][cfg["config"]["Entrypoint"].index("--lane") + 1] == "h200"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+# In new mount and PID namespaces (same network namespace): /proc and /dev mounted into the
+# rootfs, then the entrypoint run chrooted there with the config's Env and WorkingDir. The
+# mounts live only in the mount namespace, so they go when its last process exits.
+_CHROOT = ('mount -t proc proc "$0/proc" && mount --rbind /dev "$0/dev" && '
+           'exec unshare --root="$0" --wd="$1" "${@:2}"')
+
+
+@pytest.mark.release
+def test_cpu_image_entrypoint_serves_health_in_a_chroot(cpu_images, tmp_path):
+    a, d, _ = cpu_images[0]
+    bundle = tmp_path / "bundle"
+    subprocess.run(["umoci", "unpack", "--image", f"{a}:cpu", str(bundle)], check=True,
+                   capture_output=True)
+    rootfs = bundle / "rootfs"
+    (rootfs / "proc").mkdir()
+    (rootfs / "dev").mkdir()
+    cfg = json.loads(_blob(a, d["config"]).read_bytes())["config"]
+    port = _free_port()
+    argv = cfg["Entrypoint"] + ["--port", str(port)]  # argparse: the last --port wins
+    env = dict(e.split("=", 1) for e in cfg["Env"])
+    log = open(tmp_path / "server.log", "wb")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--pid",
+                             "--fork", "--kill-child", "bash", "-c", _CHROOT, str(rootfs),
+                             cfg["WorkingDir"], *argv], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        status, deadline = 0, t0 + 600
+        while status != 200 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(1)
+            status = _get(f"http://127.0.0.1:{port}/health")
+        t_health = time.monotonic() - t0
+        assert status == 200, (tmp_path / "server.log").read_text()[-3000:]
+        print(f"\nCPU image in a chroot: /health 200 after {t_health:.1f}s")
+        # stop: SIGTERM to the server (PID 1 of its namespace); unshare exits after it
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1
+        os.kill(int(children[0]), 15)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # --kill-child: the namespace's processes go with it
+            proc.wait()
+        log.close()
+    text = (tmp_path / "server.log").read_text()
+    assert "ninfer: stop report" in text, text[-3000:]
+    print(f"server exit status {proc.returncode}")
+    assert str(rootfs) not in Path("/proc/self/mountinfo").read_text()
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _root_of(p) == rootfs]
+    assert left == []
+
+
+def _root_of(proc_dir: Path) -> Path | None:
+    try:
+        return Path(os.readlink(proc_dir / "root"))
+    except OSError:
+        return None
