@@ -291,6 +291,36 @@ def gpu_image(out_dir: Path, *, tree: Path, lock: Path, profile_name: str, epoch
                       with_dependencies=with_dependencies, **kw)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["pin"]:
-    for pin in pin_base_packages():
-        print(pin.package, pin.version)
+def main(argv=None) -> int:
+    """`python -m release.image pin` rewrites the base pins; `python -m release.image build
+    OUT --lane cpu --epoch N [--lock requirements.lock] [--with-dependencies]` builds an image
+    from this checkout (a GPU lane's deps layer only with --with-dependencies)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m release.image")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("pin", help="rewrite release/base_debian.lock from the apt sources")
+    b = sub.add_parser("build", help="build a lane's OCI image layout")
+    b.add_argument("out")
+    b.add_argument("--lane", default="cpu")
+    b.add_argument("--epoch", type=int, required=True, help="the layers' mtime (seconds)")
+    b.add_argument("--lock", default=None, help="default: the checkout's requirements.lock")
+    b.add_argument("--with-dependencies", action="store_true")
+    args = p.parse_args(argv)
+    if args.cmd == "pin":
+        for pin in pin_base_packages():
+            print(pin.package, pin.version)
+        return 0
+    tree = LOCK_PATH.parent.parent
+    lock = Path(args.lock) if args.lock else tree / "requirements.lock"
+    build = cpu_image if args.lane == "cpu" else gpu_image
+    kw = {} if args.lane == "cpu" else {"with_dependencies": args.with_dependencies}
+    digests = build(Path(args.out), tree=tree, lock=lock, profile_name=args.lane,
+                    epoch=args.epoch, **kw)
+    print(json.dumps(digests, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
