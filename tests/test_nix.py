@@ -178,7 +178,8 @@ def test_serve_cpu_answers_health(nix, tmp_path):
                              "--state-dir", str(state)], cwd=tree, env=run.env,
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline, status = time.monotonic() + READY_TIMEOUT_S, None
+        t0 = time.monotonic()
+        deadline, status = t0 + READY_TIMEOUT_S, None
         while time.monotonic() < deadline and proc.poll() is None:
             status = _health(port)
             if status == 200:
@@ -186,6 +187,7 @@ def test_serve_cpu_answers_health(nix, tmp_path):
             time.sleep(1)
         text = (tmp_path / "serve.log").read_text()
         assert status == 200, f"health {status}, exit {proc.poll()}:\n{text[-3000:]}"
+        print(f"\nnix run .#serve-cpu: /health 200 after {time.monotonic() - t0:.1f} s")
         assert f"lane cpu listening on http://127.0.0.1:{port}" in text
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
         assert cmdline[:5] == [b"/usr/bin/python3.11", b"-P", b"-S", b"-m", b"server.cli"]
@@ -199,6 +201,7 @@ def test_serve_cpu_answers_health(nix, tmp_path):
             proc.wait()
         log.close()
     text = (tmp_path / "serve.log").read_text()
+    print(f"nix run .#serve-cpu: exit status {proc.returncode} after SIGTERM")
     assert "ninfer: stop report:" in text, text[-3000:]  # SIGTERM took the server's stop path
     # 0, or SIGABRT after the stop report: the server (under .venv/bin/python too, outside Nix)
     # can abort at interpreter exit with "terminate called ... FATAL: exception not rethrown"
