@@ -89,12 +89,14 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
     cuda_libs = sorted(opened.cuda_libraries())
     del opened
     t0 = time.monotonic()
+    # every image carries its lane's bundle; the CPU image serves from it (a GPU lane's
+    # forwards are exported with this machine's JAX, which its CUDA JAX does not take yet)
+    common = dict(tree=tree, lock=lock, profile_name=name, epoch=epoch, cache_dir=cache,
+                  bundle=out / "engine-bundle.tar")
     if profile.gpu:
-        digests = image.gpu_image(out / "oci", tree=tree, lock=lock, profile_name=name,
-                                  epoch=epoch, cache=cache, with_dependencies=gpu_layers)
+        digests = image.gpu_image(out / "oci", with_dependencies=gpu_layers, **common)
     else:
-        digests = image.cpu_image(out / "oci", tree=tree, lock=lock, profile_name=name,
-                                  epoch=epoch, cache=cache)
+        digests = image.cpu_image(out / "oci", serve_bundle=True, **common)
     log(f"lane {name}: OCI image in {time.monotonic() - t0:.1f} s")
 
     # paths relative to the lane's directory; a CUDA op library by its path inside the bundle
@@ -122,10 +124,10 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
         "bundle": {"path": (rel / "engine-bundle.tar").as_posix(), "sha256": bundle["sha256"],
                    "size": bundle["size"], "platform": bundle["platform"],
                    "jax": bundle["jax"]},
-        "oci": {"path": (rel / "oci").as_posix(), "ref": digests["ref"],
+        "oci": {"path": (rel / "oci").as_posix(), "ref": name,
                 "index": digests["index"], "manifest": digests["manifest"],
                 "config": digests["config"], "layers": digests["layers"],
-                "dependency_layer": digests.get("dependency_layer", "built")},
+                "dependency_layer": "built" if not profile.gpu or gpu_layers else "not-built"},
         "sboms": {"spdx": (rel / "sbom.spdx.json").as_posix(),
                   "cyclonedx": (rel / "sbom.cdx.json").as_posix()},
         "model": {"name": p["model"], "preset": p.get("model_preset"), "weights": p["weights"],

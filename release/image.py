@@ -217,13 +217,19 @@ def deps_layer(staging: Path, requirements: Path, cache: Path) -> Layer:
     return Layer.from_tree(root)
 
 
-def app_layer(tree: Path, profile_name: str) -> Layer:
+BUNDLE = "opt/ninfer/engine-bundle.tar"
+
+
+def app_layer(tree: Path, profile_name: str, bundle: Path | None = None) -> Layer:
+    """The product files, the lane's name and, given one, its engine bundle (BUNDLE)."""
     from lanes.instance import product_files
 
     tree = Path(tree)
     items = [(f"{APP}/{rel}", tree / rel, (tree / rel).stat().st_mode)
              for rel in product_files(tree)]
     items += [("opt/ninfer/lane", f"{profile_name}\n".encode(), 0o644), (STATE, None, 0o755)]
+    if bundle is not None:
+        items.append((BUNDLE, Path(bundle), 0o644))
     return Layer.from_items(items)
 
 
@@ -234,11 +240,14 @@ def lane_port(tree: Path, profile_name: str) -> int:
     return int(tomllib.loads(path.read_text()).get("port", 18089))
 
 
-def image_config(profile_name: str, port: int, labels: dict) -> dict:
+def image_config(profile_name: str, port: int, labels: dict, bundle: bool = False) -> dict:
+    """The entrypoint serves the lane on loopback; from the image's engine bundle (its
+    exported forwards) when it has one."""
+    serve = [PYTHON, "-m", "server.cli", "serve", "--lane", profile_name]
+    serve += ["--bundle", f"/{BUNDLE}"] if bundle else []
     return {"architecture": "amd64", "os": "linux",
-            "config": {"Entrypoint": [PYTHON, "-m", "server.cli", "serve", "--lane",
-                                      profile_name, "--host", "127.0.0.1", "--port", str(port),
-                                      "--state-dir", f"/{STATE}"],
+            "config": {"Entrypoint": serve + ["--host", "127.0.0.1", "--port", str(port),
+                                              "--state-dir", f"/{STATE}"],
                        "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
                                f"PYTHONPATH=/{APP}:/{SITE}", "LANG=C.UTF-8"],
                        "WorkingDir": f"/{APP}", "Labels": labels}}
@@ -246,7 +255,8 @@ def image_config(profile_name: str, port: int, labels: dict) -> dict:
 
 def lane_image(out_dir: Path, *, tree: Path, lock: Path, profile_name: str, epoch: int,
                with_dependencies: bool = True, cache_dir: Path | None = None,
-               base_lock: Path = LOCK_PATH, level: int = GZIP_LEVEL) -> dict:
+               base_lock: Path = LOCK_PATH, level: int = GZIP_LEVEL,
+               bundle: Path | None = None, serve_bundle: bool = False) -> dict:
     """Build one lane's image layout at `out_dir` (ref name: the lane); returns write_layout's
     digests plus `timings_s` {base, deps, app, total} (staging and writing each layer)."""
     cache = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "ninfer-release"
@@ -267,9 +277,9 @@ def lane_image(out_dir: Path, *, tree: Path, lock: Path, profile_name: str, epoc
             t1 = time.monotonic()
             layers.append(deps_layer(staging, lock, cache))
             times["fetch_deps"] = round(time.monotonic() - t1, 2)
-        layers.append(app_layer(tree, profile_name))
-        digests = write_layout(out_dir, layers, image_config(profile_name, port, labels),
-                               profile_name, epoch=epoch, level=level)
+        layers.append(app_layer(tree, profile_name, bundle))
+        config = image_config(profile_name, port, labels, bundle is not None and serve_bundle)
+        digests = write_layout(out_dir, layers, config, profile_name, epoch=epoch, level=level)
     times["total"] = round(time.monotonic() - t0, 2)
     digests["timings_s"].update(times)
     return digests
