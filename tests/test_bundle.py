@@ -262,21 +262,23 @@ def test_serve_from_the_cpu_lane_bundle(cpu_bundle, embedded_models_dir, tmp_pat
 
 
 @pytest.mark.release
-@pytest.mark.parametrize("lane", ["rtx5090", "h200"])
-def test_gpu_lane_bundle_built_on_this_cpu_machine(lane, tmp_path):
-    """A GPU lane's bundle: its forwards exported for CUDA at the lane's 27B shapes from
-    abstract params (no weights, no GPU), the Triton kernels in compiled form, and (h200) the
-    CUDA ops built for the card's arch and called by the forwards. Prints size and time."""
+@pytest.mark.parametrize("lane", ["h200", "rtx3090", "rtx4090", "rtx5090"])
+def test_gpu_lane_bundle_built_on_this_cpu_machine(lane, tmp_path_factory):
+    """A GPU lane's bundle in the release tier's release (tests/release_build.py): its
+    forwards exported for CUDA at the lane's 27B shapes from abstract params (no weights, no
+    GPU), the Triton kernels in compiled form, and (h200) the CUDA ops built for the card's
+    arch and called by the forwards."""
     from jax import export
 
     from engine.runtime.exported import read_header
     from lanes.profile import load_profile
-    from release.bundle import build_bundle, open_bundle
+    from release.bundle import open_bundle
+    from tests.release_build import shared_release
 
-    t = time.monotonic()
-    info = build_bundle(lane, tmp_path / f"{lane}.tar", epoch=0)
-    print(f"{lane} bundle: {info}, build {time.monotonic() - t:.1f}s")
-    b = open_bundle(tmp_path / f"{lane}.tar", expect_lane=lane)
+    release, _, _ = shared_release(tmp_path_factory)
+    path = release / "lanes" / lane / "engine-bundle.tar"
+    print(f"{lane} bundle: {path.stat().st_size:,} bytes")
+    b = open_bundle(path, expect_lane=lane)
     p = load_profile(lane)
     assert b.platform == "cuda" and b.manifest["plan_digest"] == p.plan.digest()
     fw = b.forwards("cuda")

@@ -184,42 +184,35 @@ def test_base_debs_are_checked_against_their_pins(tmp_path):
 
 # ---- release tier: the real CPU image -------------------------------------------------------
 
-IMAGE_EPOCH = 1_764_547_200  # 2025-12-01
-
-
 @pytest.fixture(scope="module")
 def cpu_images(tmp_path_factory):
-    """The CPU image built twice (the second build warm: debs and wheels cached)."""
-    from release.image import cpu_image
+    """The release tier's CPU image, from both builds of the release (tests/release_build.py):
+    (layout dir, its digests as the release manifest binds them)."""
+    from tests.release_build import shared_release
 
-    base = tmp_path_factory.mktemp("oci")
+    a, b, _ = shared_release(tmp_path_factory)
     out = []
-    for name in ("a", "b"):
-        t0 = time.monotonic()
-        d = cpu_image(base / name, tree=ROOT, lock=ROOT / "requirements.lock",
-                      profile_name="cpu", epoch=IMAGE_EPOCH)
-        out.append((base / name, d, time.monotonic() - t0))
-    print(f"\nCPU image: layer sizes {out[0][1]['sizes']['layers']}, build "
-          f"{out[0][2]:.1f}s then {out[1][2]:.1f}s (warm), timings {out[1][1]['timings_s']}")
+    for d in (a, b):
+        lane = json.loads((d / "manifest.json").read_text())["lanes"]["cpu"]["oci"]
+        out.append((d / lane["path"], lane))
     return out
 
 
 @pytest.mark.release
 def test_cpu_image_is_byte_identical_and_verifies(cpu_images):
-    (a, da, _), (b, db, _) = cpu_images
-    assert _files(a) == _files(b)
-    assert {k: v for k, v in da.items() if k != "timings_s"} == \
-        {k: v for k, v in db.items() if k != "timings_s"}
+    (a, da), (b, db) = cpu_images
+    assert _files(a) == _files(b) and da == db
     assert verify_layout(a) == []
     assert len(da["layers"]) == 3
     cfg = json.loads(_blob(a, da["config"]).read_bytes())
     assert cfg["config"]["Entrypoint"][:4] == ["/usr/bin/python3.11", "-m", "server.cli", "serve"]
+    assert "--bundle" in cfg["config"]["Entrypoint"]  # it serves the bundle's forwards
     assert cfg["config"]["Labels"]["org.ninfer.dependencies"] == "built"
 
 
 @pytest.mark.release
 def test_skopeo_and_umoci_read_the_cpu_image(cpu_images, tmp_path):
-    a, d, _ = cpu_images[0]
+    a, d = cpu_images[0]
     info = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{a}:cpu"], check=True,
                                      capture_output=True, text=True).stdout)
     assert info["Digest"] == d["manifest"] and info["Layers"] == d["layers"]
@@ -229,18 +222,19 @@ def test_skopeo_and_umoci_read_the_cpu_image(cpu_images, tmp_path):
     assert (rootfs / "usr/bin/python3.11").is_file()
     assert (rootfs / "opt/ninfer/app/server/cli.py").is_file()
     assert (rootfs / "opt/ninfer/lane").read_text() == "cpu\n"
+    assert (rootfs / "opt/ninfer/engine-bundle.tar").is_file()
 
 
 @pytest.mark.release
-def test_gpu_image_without_dependencies(tmp_path):
-    from release.image import gpu_image
-
-    d = gpu_image(tmp_path / "h200", tree=ROOT, lock=ROOT / "requirements.lock",
-                  profile_name="h200", epoch=IMAGE_EPOCH)
-    assert verify_layout(tmp_path / "h200") == [] and len(d["layers"]) == 2
-    cfg = json.loads(_blob(tmp_path / "h200", d["config"]).read_bytes())
-    assert cfg["config"]["Labels"]["org.ninfer.dependencies"] == "not-built"
-    assert cfg["config"]["Entrypoint"][cfg["config"]["Entrypoint"].index("--lane") + 1] == "h200"
+def test_gpu_images_without_dependencies(cpu_images):
+    release = cpu_images[0][0].parents[2]
+    for lane in ("h200", "rtx3090", "rtx4090", "rtx5090"):
+        d = json.loads((release / "manifest.json").read_text())["lanes"][lane]["oci"]
+        layout = release / d["path"]
+        assert verify_layout(layout) == [] and len(d["layers"]) == 2
+        cfg = json.loads(_blob(layout, d["config"]).read_bytes())["config"]
+        assert cfg["Labels"]["org.ninfer.dependencies"] == "not-built"
+        assert cfg["Entrypoint"][cfg["Entrypoint"].index("--lane") + 1] == lane
 
 
 def _free_port() -> int:
@@ -273,7 +267,7 @@ _CHROOT = ('mount -t proc proc "$0/proc" && mount --rbind /dev "$0/dev" && '
 
 @pytest.mark.release
 def test_cpu_image_entrypoint_serves_health_in_a_chroot(cpu_images, tmp_path):
-    a, d, _ = cpu_images[0]
+    a, d = cpu_images[0]
     bundle = tmp_path / "bundle"
     subprocess.run(["umoci", "unpack", "--image", f"{a}:cpu", str(bundle)], check=True,
                    capture_output=True)
