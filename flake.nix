@@ -35,7 +35,7 @@
         (map (w: "@WHEELS@/${w.file} --hash=sha256:${w.sha256}") locked.wheels) + "\n";
 
       # The product source: the packages and the entry point, nothing else of the checkout.
-      keep = [ "engine" "server" "lanes" "release" "ninfer" "requirements.lock" "requirements-dev.lock" ];
+      keep = [ "engine" "server" "lanes" "release" "sbom" "ninfer" "requirements.lock" "requirements-dev.lock" ];
       src = builtins.path {
         name = "ninfer-src-${version}";
         path = ./.;
@@ -97,6 +97,28 @@
           "$python" -P -S -m server.cli plan --lane cpu > "$out/plan-cpu.txt"
           grep -q . "$out/plan-cpu.txt"
         '');
+        # The release verifier and its SBOM validators, from the package: the cpu lane's SBOMs
+        # built and validated (spdx-tools, the CycloneDX schema), and `release verify` on a
+        # directory that is no release fails naming it.
+        verifier = derivation {
+          name = "ninfer-check-verifier";
+          inherit system python ninfer;
+          omplock = ./tests/omp/package-lock.json;
+          builder = "/bin/sh";
+          PATH = "/usr/bin:/bin";
+          SOURCE_DATE_EPOCH = epoch;
+          args = [ "-eu" "-c" (pyenv + ''
+            mkdir -p "$out"
+            "$python" -P -S -m sbom build --lane cpu --version 0.16.0 \
+              --lock "$ninfer/src/requirements.lock" --created 2026-01-01T00:00:00Z \
+              --model embedded:tiny,tiny,fp32,-,embedded --npm-lock "$omplock" --out "$out/sbom"
+            "$python" -P -S -m sbom validate "$out/sbom/sbom.spdx.json" "$out/sbom/sbom.cdx.json"
+            rc=0
+            "$python" -P -S -m release verify "$TMPDIR/absent" > "$out/verify.txt" || rc=$?
+            test "$rc" = 1
+            grep -q "FAIL" "$out/verify.txt"
+          '') ];
+        };
         # A GPU lane on a machine without its card: serve must refuse with EX_CONFIG (78).
         refuse-rtx5090 = check "refuse-rtx5090" (pyenv + ''
           mkdir -p "$out"
