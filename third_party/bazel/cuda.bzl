@@ -1,0 +1,47 @@
+"""`cuda_ops`: a CUDA shared library built with the host's nvcc, byte-reproducibly.
+
+The command is the one engine/kernels/cuda_build.py `build` runs at run time (the same flags,
+`--shared -Xcompiler -fPIC`, one `-gencode` for the architecture, the XLA FFI headers of the
+lock's jaxlib), with nvcc's intermediate files kept under fixed names in a directory of the
+target's own (`--keep --keep-dir`): nvcc otherwise names them after its process id and embeds
+those names in the library. Paths are relative to the execution root, so no absolute path of
+the build machine enters the output. The host's nvcc (NVCC_PATH) is an impure input, like the
+host's Python.
+"""
+
+NVCC_PATH = "/usr/local/cuda/bin/nvcc"
+
+# engine/plan.py KernelPlan.cuda_flags' default: what the engine builds the ops with
+DEFAULT_FLAGS = ["-O3", "-std=c++17"]
+
+def cuda_ops(
+        name,
+        srcs,
+        arch,
+        out,
+        flags = DEFAULT_FLAGS,
+        hdrs = ["@pypi//:headers"],
+        includes = ["external/pypi/site/jaxlib/include"],
+        nvcc = NVCC_PATH,
+        **kwargs):
+    """Compile and link `srcs` for sm_`arch` into the shared library `out`."""
+    keep = "$(@D)/_nvcc_keep_%s" % name
+    cmd = " ".join([
+        "rm -rf %s && mkdir -p %s &&" % (keep, keep),
+        nvcc,
+        " ".join(flags),
+        "--shared -Xcompiler -fPIC",
+        "--keep --keep-dir %s" % keep,
+        "-gencode=arch=compute_%s,code=sm_%s" % (arch, arch),
+        " ".join(["-I" + inc for inc in includes]),
+        " ".join(["$(location %s)" % src for src in srcs]),
+        "-o $@ && chmod 0755 $@ && rm -rf %s" % keep,
+    ])
+    native.genrule(
+        name = name,
+        srcs = srcs + hdrs,
+        outs = [out],
+        cmd = cmd,
+        message = "nvcc sm_%s %s" % (arch, out),
+        **kwargs
+    )
