@@ -10,6 +10,7 @@ alone. The times and sizes the
 tests measure are printed (run with -s to see them)."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import shutil
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.release
 REPO = Path(__file__).resolve().parent.parent
 ARCHS = ("86", "89", "90", "120")
 OPS = [f"engine/cuda_ops/int4_gemv-sm{a}.so" for a in ARCHS]
+# the XLA FFI handlers engine/kernels/cuda_build.py registers from the library
+FFI_HANDLERS = ("NinferInt4Gemv", "NinferInt4GemvMma", "NinferInt4GemvWide", "NinferInt4Mlp")
 MEASURED: dict[str, object] = {}
 
 
@@ -104,6 +107,15 @@ def test_smoke_passes_under_bazel_test(bazel):
                     pypi_site_mib=round(site_bytes / 2**20, 1))
 
 
+def test_ninfer_binary_plans_the_cpu_lane(bazel):
+    res, took = bazel("run", "//:ninfer", "--", "plan", "--lane", "cpu", "--json")
+    assert res.returncode == 0, res.stderr[-4000:]
+    (plan,) = json.loads(res.stdout)
+    assert plan["lane"] == "cpu" and plan["fits"] is True
+    assert plan["host_total"] == sum(p["bytes"] for p in plan["parts"] if p["where"] == "host")
+    MEASURED.update(ninfer_run_s=round(took, 1))
+
+
 def test_cuda_ops_build_for_each_card_byte_identically_twice(bazels):
     """Two clean builds, in workspaces at different paths with output roots of their own, give
     the same bytes."""
@@ -115,6 +127,8 @@ def test_cuda_ops_build_for_each_card_byte_identically_twice(bazels):
     for arch, name in zip(ARCHS, OPS):
         # each library holds compiled code for its lane card's architecture and nothing else
         assert fatbin_archs(out / name) == {"sm": {int(arch)}, "ptx": set()}, name
+        lib = ctypes.CDLL(str(out / name))  # loads without a GPU; exports what the engine calls
+        assert all(getattr(lib, sym, None) for sym in FFI_HANDLERS), name
     sizes = {Path(n).name: (out / n).stat().st_size for n in OPS}
 
     res, cached = first_ws("build", "//engine:cuda_ops")
