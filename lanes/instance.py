@@ -40,7 +40,9 @@ class LaneError(Exception):
 
 
 def _skipped(name: str) -> bool:
-    return name.startswith(".") or name == "__pycache__" or name.endswith((".pyc", ".pyo"))
+    # BUILD.bazel: Bazel's build description of a package, not what an instance runs
+    return (name.startswith(".") or name in ("__pycache__", "BUILD.bazel")
+            or name.endswith((".pyc", ".pyo")))
 
 
 def product_files(tree: Path) -> list[str]:

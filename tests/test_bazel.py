@@ -13,8 +13,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -69,6 +71,12 @@ def _copy_worktree(dest: Path) -> Path:
         if src.is_file() and not src.is_symlink():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
+    # a checkout, as a user's clone is: the release takes its commit and epoch from git
+    env = {**os.environ, "GIT_AUTHOR_DATE": "2026-12-01T00:00:00Z",
+           "GIT_COMMITTER_DATE": "2026-12-01T00:00:00Z"}
+    for cmd in (["init", "-q"], ["add", "-A"],
+                ["-c", "user.name=ci", "-c", "user.email=ci@localhost", "commit", "-qm", "copy"]):
+        subprocess.run(["git", *cmd], cwd=dest, env=env, check=True, capture_output=True)
     return dest
 
 
@@ -158,6 +166,16 @@ def test_release_target_writes_the_release_into_the_workspace(bazel):
     for line in sums:
         digest, name = line.split("  ", 1)
         assert _sha(dist / name) == digest, name
+    # the README's next command: the release verifies, and is a candidate until each lane's
+    # qualification receipt exists
+    verify = [sys.executable, "-m", "release", "verify", str(dist)]
+    out = subprocess.run(verify, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = subprocess.run(verify + ["--require-ready"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 1
+    for lane in ("cpu", "h200", "rtx3090", "rtx4090", "rtx5090"):
+        assert f"lane {lane}: no qualification receipt" in out.stdout
     MEASURED.update(release_run_s=round(took, 1),
                     release_mib=round(sum(f.stat().st_size for f in dist.rglob("*")
                                           if f.is_file()) / 2**20, 1))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `bazel run //release:v0_16_0`: writes the release to <workspace>/dist/v<VERSION>/ with
 # `python3 -m release build`, run by the host Python 3.11 (@host_python) from this target's
-# runfiles: the workspace's packages and the lock's site-packages (@pypi) on PYTHONPATH, and the
-# CUDA ops built for every lane card (//engine:cuda_ops) copied into one directory.
+# runfiles: the workspace's packages and the lock's site-packages (@pypi) on PYTHONPATH. The
+# bundles carry the CUDA ops as engine/kernels/cuda_build.py builds them (the name the runtime
+# and the checkpoint fingerprint know them by); //engine:cuda_ops builds the same sources with
+# Bazel for every lane card, byte-identical wherever the workspace is.
 #   usage: run_release.sh VERSION [extra `release build` arguments]
 set -euo pipefail
 
@@ -19,11 +21,7 @@ python="$(head -n1 "$runfiles/host_python/interpreter.txt")"
 site="$runfiles/pypi/site"
 src="$runfiles/ninfer"
 
-ops="$(mktemp -d)"
-trap 'rm -rf "$ops"' EXIT
-cp -L "$src"/engine/cuda_ops/*.so "$ops/"
-
 out="$BUILD_WORKSPACE_DIRECTORY/dist/v$version"
 cd "$src"
 PYTHONPATH="$src:$site" PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 \
-  "$python" -m release build --out "$out" --version "$version" --cuda-ops-dir "$ops" "$@"
+  "$python" -m release build --out "$out" --version "$version" "$@"
