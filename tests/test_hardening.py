@@ -125,3 +125,46 @@ def test_bodies_that_gave_500s_get_a_400_in_the_api_format(server, path, raw, sa
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and says in err["message"], err
     assert _get(server, "/health").status_code == 200  # the server lives on
+
+
+SESSION_KEYS = ["a/b", "with space", "ünïcode ☃", "*", "%41", "a?b=c", "a#frag", "..", ".",
+                "tab\there", "semi;colon", "plus+sign", "back\\slash", "quote\"s"]
+
+
+def test_every_session_key_can_be_purged(server):
+    """DELETE /v1/ninfer/sessions/{key} decodes the percent-encoded key: keys with '/', spaces,
+    unicode, '*', '%', '?', '#' and dot segments (encoded as %2E) all purge their session."""
+    from urllib.parse import quote
+
+    auth = {"Authorization": f"Bearer {server.key}"}
+    for key in SESSION_KEYS:
+        r = httpx.post(server.api_url + "/responses", headers=auth, timeout=120,
+                       json={"model": "tiny", "input": "hi", "max_output_tokens": 1,
+                             "prompt_cache_key": key})
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        encoded = quote(key, safe="").replace(".", "%2E")
+        d = httpx.delete(server.api_url + "/ninfer/sessions/" + encoded, headers=auth,
+                         timeout=60)
+        assert d.status_code == 200, (key, d.status_code, d.text)
+        assert d.json()["responses"] == 1, key
+        assert httpx.get(server.api_url + f"/responses/{rid}", headers=auth,
+                         timeout=30).status_code == 404, key
+    bad = httpx.delete(server.api_url + "/ninfer/sessions/%FF%FE", headers=auth, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+
+
+def test_long_urls_get_414_and_long_keys_400(server):
+    auth = {"Authorization": f"Bearer {server.key}"}
+    for n in (5_000, 7_900):
+        r = httpx.delete(server.api_url + "/ninfer/sessions/" + "k" * n, headers=auth,
+                         timeout=30)
+        assert r.status_code == 414, (n, r.status_code, r.text[:200])
+        assert r.json()["error"]["code"] == "uri_too_long"
+    r = httpx.post(server.api_url + "/responses", headers=auth, timeout=60,
+                   json={"model": "tiny", "input": "hi", "prompt_cache_key": "k" * 513})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key"
+    r = httpx.post(server.api_url + "/responses", headers=auth, timeout=60,
+                   json={"model": "tiny", "input": "hi", "previous_response_id": "r" * 129})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    assert _get(server, "/health").status_code == 200
