@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 from engine.io.loader import LoadedModel
 from engine.text.chat import ChatTemplateError, render_chat
+from engine.text.guard import ContentGuard
 from server.errors import invalid
 from server.output_items import split_token_ids
 from server.input_items import items_to_messages, reasoning_text
@@ -39,13 +41,31 @@ def not_found(prev: str):
                    param="previous_response_id", code="previous_response_not_found")
 
 
+_guards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def guard(m: LoadedModel) -> ContentGuard:
+    """The model's content guard (engine/text/guard.py): special-token text in a request stays
+    text; only the template's structure makes control tokens."""
+    g = _guards.get(m.tokenizer)
+    if g is None:
+        g = _guards[m.tokenizer] = ContentGuard(m.tokenizer)
+    return g
+
+
+def encode(m: LoadedModel, rendered: str) -> list[int]:
+    return guard(m).encode(rendered)
+
+
 def _render(m: LoadedModel, messages: list[dict], req: ResponseRequest, *,
             tools: bool = True, generation: bool = True) -> str:
+    """The conversation rendered from shielded values: encode it with `encode`."""
     # preserve_thinking: every assistant turn renders its think block, as it was generated, so
     # a re-rendered history is the token sequence the model saw.
+    g = guard(m)
     try:
-        return render_chat(m.chat_template, messages,
-                           tools=req.template_tools if tools else None,
+        return render_chat(m.chat_template, g.shield(list(messages)),
+                           tools=g.shield(req.template_tools) if tools else None,
                            add_generation_prompt=generation,
                            enable_thinking=req.reasoning.thinking, preserve_thinking=True)
     except ChatTemplateError as e:
@@ -54,7 +74,7 @@ def _render(m: LoadedModel, messages: list[dict], req: ResponseRequest, *,
 
 def render_full(m: LoadedModel, messages: list[dict], req: ResponseRequest) -> Prompt:
     """Render and tokenize a whole conversation; find where its system turn ends."""
-    ids = m.tokenizer.encode(_render(m, messages, req))
+    ids = encode(m, _render(m, messages, req))
     boundary = 0
     if messages and messages[0]["role"] == "system" and len(messages) > 1:
         head_msgs = messages[:1]
@@ -63,7 +83,7 @@ def render_full(m: LoadedModel, messages: list[dict], req: ResponseRequest) -> P
     else:
         head_msgs = None
     if head_msgs is not None:
-        head = m.tokenizer.encode(_render(m, head_msgs, req, generation=False))
+        head = encode(m, _render(m, head_msgs, req, generation=False))
         if len(head) < len(ids) and ids[:len(head)] == head:
             boundary = len(head)
     return Prompt(ids, boundary)
@@ -120,7 +140,7 @@ async def _extend(store, m: LoadedModel, principal: str, parent_id: str, new_mes
     if seq is None:
         return None
     new = _render(m, list(new_messages), req, tools=False)
-    return Prompt(seq + m.tokenizer.encode(END_OF_TURN + new), 0, len(seq), parent_id,
+    return Prompt(seq + encode(m, END_OF_TURN + new), 0, len(seq), parent_id,
                   new_items_from)
 
 

@@ -77,6 +77,11 @@ def parse_chat_request(body) -> ResponseRequest:
                                     for x in neutral):
             raise invalid(f"'{name}' is not supported by this server (only its default)",
                           param=name, code="unsupported_parameter")
+    so = body.get("stream_options")
+    if so is not None and (not isinstance(so, dict) or not isinstance(
+            so.get("include_usage", False), bool)):
+        raise invalid("'stream_options' must be an object whose include_usage is a boolean",
+                      param="stream_options")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
         raise invalid("'max_completion_tokens' must be a positive integer",

@@ -150,7 +150,24 @@ def cmd_serve(args) -> int:
     app.run(sock=sock, single_process=True, access_log=False, motd=False)
     # SIGTERM, SIGINT or `ninfer ctl stop`: the listener is closed; save, report, exit.
     life.stop_report()
-    return 0
+    _exit_after_stop(rt)
+
+
+def _exit_after_stop(rt) -> None:
+    """Close what holds data (the response store, its WAL checkpointed into the database;
+    the request log), flush, and leave without the interpreter's finalization. Daemon threads
+    may still be inside XLA (a background compile, an executable being serialized): at
+    finalization they are unwound from C++ code that cannot be, and the process aborted
+    ("FATAL: exception not rethrown", SIGABRT) after a clean stop. Nothing they do is state
+    that must survive: a background save writes a new file and renames it last."""
+    for close in (rt.response_store.close, rt.obs.log.close):
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 (reported; the stop is still clean)
+            print(f"ninfer: at stop: {type(e).__name__}: {e}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _configure_jax_cache(state_dir: Path) -> None:

@@ -55,7 +55,7 @@ async def _constraint(rt: Runtime, m: LoadedModel, req: ResponseRequest, max_tok
     thinking = req.reasoning.thinking
     needs = (thinking or req.tool_choice != "auto" or req.text_format.get("type") != "text"
              or (not req.parallel_tool_calls and req.tools))
-    if not needs:
+    if not needs and not req.tools:
         return None
     if rt.constraints is None:  # a runtime built without the loader (tests): build it once
         async with _compiler_lock:
@@ -64,6 +64,14 @@ async def _constraint(rt: Runtime, m: LoadedModel, req: ResponseRequest, max_tok
 
                 rt.constraints = await asyncio.to_thread(ConstraintCompiler, m.tokenizer)
     from engine.constrain.compiler import ConstraintError
+
+    if req.tools:  # every tool's schema is checked at admission, called or not
+        try:
+            await asyncio.to_thread(rt.constraints.check_tools, list(req.tools))
+        except ConstraintError as e:
+            raise invalid(f"a tool's parameters cannot be used: {e}", param="tools") from None
+    if not needs:
+        return None
 
     budget = None
     if thinking:  # leave at least a quarter of the output budget for the answer

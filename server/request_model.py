@@ -27,6 +27,10 @@ _INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
 
 # Size limits (the body as a whole is capped by the HTTP layer at MAX_BODY_BYTES).
 MAX_ITEMS = 10_000
+# A session key names a session in URLs (DELETE /v1/ninfer/sessions/{key}, percent-encoded)
+# and in the checkpoint store; an id is ours ("resp_" + 32 hex) or a client's mistake.
+MAX_SESSION_KEY_BYTES = 512
+MAX_ID_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -108,9 +112,15 @@ def parse_response_request(body) -> ResponseRequest:
     prev = body.get("previous_response_id")
     if prev is not None and not isinstance(prev, str):
         raise invalid("'previous_response_id' must be a string", param="previous_response_id")
+    if prev is not None and len(prev) > MAX_ID_CHARS:
+        raise invalid(f"'previous_response_id' is longer than {MAX_ID_CHARS} characters",
+                      param="previous_response_id")
     pck = body.get("prompt_cache_key")
     if pck is not None and not isinstance(pck, str):
         raise invalid("'prompt_cache_key' must be a string", param="prompt_cache_key")
+    if pck is not None and len(pck.encode("utf-8", "surrogatepass")) > MAX_SESSION_KEY_BYTES:
+        raise invalid(f"'prompt_cache_key' is longer than {MAX_SESSION_KEY_BYTES} bytes of UTF-8",
+                      param="prompt_cache_key")
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise invalid("'metadata' must be an object", param="metadata")

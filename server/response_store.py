@@ -3,29 +3,26 @@ output item, in one SQLite file (settings and their reasons: `server/response_st
 
 What a stored response holds: its principal and session, `previous_response_id`, the request's
 own input items (not the chain's), its output items each with the token ids the model produced,
-instructions, request parameters (tools, reasoning, tool_choice, sampling ...), usage and the
-prompt token count. `history(id)` rebuilds a conversation by walking `previous_response_id`:
-each ancestor's input items then its output items, oldest first. Instructions are never part of
-the history: the current request's apply.
+instructions, request parameters (tools, reasoning, tool_choice, sampling ...), usage, prompt
+token count. `history(id)` walks `previous_response_id`: each ancestor's input then output
+items, oldest first, never instructions (the current request's apply).
 
-Delete semantics (no cascade). `delete` turns a response into a tombstone at once: `get`,
-`history`, `list_input_items`, `continuation` and the replay lookups treat it as absent, and its
-instructions, parameters and usage are erased. Its input and output items stay in the file only
+Delete semantics (no cascade). `delete` makes a response a tombstone at once: `get`, `history`,
+`list_input_items`, `continuation` and replay treat it as absent; its instructions, parameters
+and usage are erased. Its input and output items stay in the file only
 while a live descendant's history runs through it (the descendant's conversation contains them,
 so "descendants still continue" requires them); when no live descendant is left they are
-deleted with the row, overwritten (secure_delete) and the WAL is truncated. Prune and purge
-follow the same rules; a session purge removes every response of the session outright
-(descendants always live in their parent's session).
+deleted with the row, overwritten (secure_delete), the WAL truncated. Prune follows the same
+rules; a session purge removes all of the session's responses (descendants share it).
 
 Sessions. A request with `prompt_cache_key` K belongs to session (principal, K). A request
 without a key continuing a response joins that response's session; a new chain without a key is
 its own session, named by its root response id. A request that names a key other than its
 parent's session key is refused like an absent parent (`continuation` returns None).
 
-Threading rule. One connection guarded by one lock; every public method holds the lock for its
-whole (short) duration, so any thread may call any method. Reads take well under a millisecond;
-writes commit with an fsync, so the asyncio loop should call `put_response`, `delete`,
-`purge_session` and `prune` through `asyncio.to_thread` rather than wait on the disk itself.
+Threading rule. One connection guarded by one lock, held by every public method for its whole
+(short) duration: any thread may call any method. Writes commit with an fsync, so the asyncio loop
+calls `put_response`, `delete`, `purge_session` and `prune` through `asyncio.to_thread`.
 """
 from __future__ import annotations
 
@@ -33,7 +30,7 @@ import json
 import sqlite3
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Iterator
 
 from server.response_store_items import (HistoryEntry, ResponseRecord, compact_json,
@@ -81,7 +78,10 @@ class ResponseStore:
         self._lock = threading.RLock()
 
     def close(self) -> None:
+        """The WAL checkpointed into the database (else replayed at the next open); closed."""
         with self._lock:
+            with suppress(sqlite3.Error):
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
             self._conn.close()
 
     @contextmanager

@@ -116,6 +116,30 @@ def _deep(n: int) -> str:
      "64 bits"),
     ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": ["user"], "content": '
                              '"x"}]}', "role"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x"}],'
+                             ' "stream": true, "stream_options": 5}', "stream_options"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x"}],'
+                             ' "stream_options": [1]}', "stream_options"),
+    ("/v1/responses", '{"model": "tiny", "input": "x", "tools": [{"type": "function", "name": '
+                      '"f", "parameters": {"type": "object", "required": 5}}]}',
+     "parameters cannot be used"),
+    ("/v1/responses", '{"model": "tiny", "input": "x", "tools": [{"type": "function", "name": '
+                      '"f", "parameters": {"type": "object", "required": [{}]}}]}',
+     "parameters cannot be used"),
+    ("/v1/responses", '{"model": "tiny", "input": "x", "text": {"format": {"type": '
+                      '"json_schema", "name": "a", "schema": {"x-guidance": 1}}}}',
+     "cannot be compiled"),
+    ("/v1/responses", '{"model": "tiny", "input": "x", "text": {"format": {"type": '
+                      '"json_schema", "name": "a", "schema": {"$ref": "#"}}}}',
+     "cannot be generated"),
+    ("/v1/responses", '{"model": "tiny", "input": "x", "text": {"format": {"type": '
+                      '"json_schema", "name": "a", "schema": {"$defs": {"a": {"$ref": '
+                      '"#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}}',
+     "cannot be generated"),
+    ("/v1/responses", '{"model": "tiny", "input": "x", "tool_choice": {"type": "function", '
+                      '"name": "f"}, "tools": [{"type": "function", "name": "f", "parameters": '
+                      '{"type": "object", "properties": {"a": {"type": "string", "maxLength": '
+                      '1000000000}}, "required": ["a"]}}]}', "cannot be generated"),
 ])
 def test_bodies_that_gave_500s_get_a_400_in_the_api_format(server, path, raw, says):
     r = httpx.post(server.base_url + path, content=raw.encode(), timeout=60,
@@ -125,3 +149,90 @@ def test_bodies_that_gave_500s_get_a_400_in_the_api_format(server, path, raw, sa
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and says in err["message"], err
     assert _get(server, "/health").status_code == 200  # the server lives on
+
+
+SESSION_KEYS = ["a/b", "with space", "ünïcode ☃", "*", "%41", "a?b=c", "a#frag", "..", ".",
+                "tab\there", "semi;colon", "plus+sign", "back\\slash", "quote\"s"]
+
+
+def test_every_session_key_can_be_purged(server):
+    """DELETE /v1/ninfer/sessions/{key} decodes the percent-encoded key: keys with '/', spaces,
+    unicode, '*', '%', '?', '#' and dot segments (encoded as %2E) all purge their session."""
+    from urllib.parse import quote
+
+    auth = {"Authorization": f"Bearer {server.key}"}
+    for key in SESSION_KEYS:
+        r = httpx.post(server.api_url + "/responses", headers=auth, timeout=120,
+                       json={"model": "tiny", "input": "hi", "max_output_tokens": 1,
+                             "prompt_cache_key": key})
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        encoded = quote(key, safe="").replace(".", "%2E")
+        d = httpx.delete(server.api_url + "/ninfer/sessions/" + encoded, headers=auth,
+                         timeout=60)
+        assert d.status_code == 200, (key, d.status_code, d.text)
+        assert d.json()["responses"] == 1, key
+        assert httpx.get(server.api_url + f"/responses/{rid}", headers=auth,
+                         timeout=30).status_code == 404, key
+    bad = httpx.delete(server.api_url + "/ninfer/sessions/%FF%FE", headers=auth, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+
+
+def test_long_urls_get_414_and_long_keys_400(server):
+    auth = {"Authorization": f"Bearer {server.key}"}
+    for n in (5_000, 7_900):
+        r = httpx.delete(server.api_url + "/ninfer/sessions/" + "k" * n, headers=auth,
+                         timeout=30)
+        assert r.status_code == 414, (n, r.status_code, r.text[:200])
+        assert r.json()["error"]["code"] == "uri_too_long"
+    r = httpx.post(server.api_url + "/responses", headers=auth, timeout=60,
+                   json={"model": "tiny", "input": "hi", "prompt_cache_key": "k" * 513})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key"
+    r = httpx.post(server.api_url + "/responses", headers=auth, timeout=60,
+                   json={"model": "tiny", "input": "hi", "previous_response_id": "r" * 129})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    assert _get(server, "/health").status_code == 200
+
+
+def test_a_bounded_string_under_a_forced_call_generates(server):
+    """A raw string parameter with maxLength 100 under a forced call answered 500 once the
+    budget steering had walked it (the lexer's fuel); it now generates a call."""
+    r = httpx.post(server.api_url + "/responses", timeout=120,
+                   headers={"Authorization": f"Bearer {server.key}"},
+                   json={"model": "tiny", "input": "x", "max_output_tokens": 64,
+                         "tool_choice": {"type": "function", "name": "f"},
+                         "tools": [{"type": "function", "name": "f", "parameters": {
+                             "type": "object", "properties": {
+                                 "a": {"type": "string", "maxLength": 100}},
+                             "required": ["a"]}}]})
+    assert r.status_code == 200, r.text[:300]
+    out = r.json()["output"]
+    calls = [x for x in out if x["type"] == "function_call"]
+    assert r.json()["status"] == "incomplete" or (calls and calls[0]["name"] == "f")
+
+
+def test_a_graceful_stop_exits_0_with_the_wal_checkpointed(tmp_path):
+    """SIGTERM: the stop report, then exit status 0 (not an abort from threads still inside
+    XLA at interpreter finalization), and responses.db holds everything: its WAL is empty."""
+    import sqlite3
+
+    state = tmp_path / "state"
+    srv = start_server(state, "--checkpoints", "off")
+    try:
+        r = httpx.post(srv.api_url + "/responses", timeout=120,
+                       headers={"Authorization": f"Bearer {srv.key}"},
+                       json={"model": "tiny", "input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+    finally:
+        code = srv.stop()
+    log = "".join(srv.log)
+    assert code == 0, log[-2000:]
+    assert "stop report" in log and "FATAL" not in log
+    wal = state / "responses.db-wal"
+    assert not wal.exists() or wal.stat().st_size == 0
+    db = sqlite3.connect(f"file:{state / 'responses.db'}?mode=ro", uri=True)
+    try:
+        assert db.execute("SELECT COUNT(*) FROM responses WHERE id = ?", (rid,)).fetchone()[0]
+    finally:
+        db.close()

@@ -7,6 +7,8 @@ called per request (2 ms for a JSON schema or a few tools, 16 ms for 12 tools) a
 """
 from __future__ import annotations
 
+import json
+
 import llguidance as llg
 import numpy as np
 
@@ -97,6 +99,7 @@ def _pack(allowed: np.ndarray) -> np.ndarray:
 class ConstraintCompiler:
     def __init__(self, tokenizer: Tokenizer):
         self.vocab = Vocab(tokenizer)
+        self._checked_tools: set[str] = set()  # tools whose grammar compiled and probed
 
     @property
     def mask_words(self) -> int:
@@ -116,7 +119,7 @@ class ConstraintCompiler:
         thinking: the prompt ends inside `<think>\\n`; thinking_budget: thinking tokens after
         which `</think>` is forced (None: no limit). Raises ConstraintError for a request that
         cannot be constrained (unknown tool named, no tools with "required", bad schema)."""
-        body = self.body_grammar(tools, tool_choice, text_format, parallel_tool_calls)
+        body = _checked(self.body_grammar, tools, tool_choice, text_format, parallel_tool_calls)
         if thinking_budget is not None and (not isinstance(thinking_budget, int)
                                             or thinking_budget < 0):
             raise ConstraintError(f"thinking budget must be an integer >= 0, "
@@ -159,12 +162,75 @@ class ConstraintCompiler:
             return G.calls_grammar(fns, parallel=parallel_tool_calls, json_alternative=json_ref)
         return G.json_grammar(json_ref)
 
+    def check_tools(self, tools: list[dict]) -> None:
+        """Admission: every function tool's parameters compile to a grammar that can be
+        generated (the grammar a forced call would use), or ConstraintError says why."""
+        if not tools:
+            return
+        key = json.dumps(tools, sort_keys=True, separators=(",", ":"))
+        if key in self._checked_tools:
+            return
+        fns = _checked(G.normalize_tools, tools)
+        if fns:
+            self._matcher(_checked(G.calls_grammar, fns, parallel=True))
+        if len(self._checked_tools) >= 64:
+            self._checked_tools.clear()
+        self._checked_tools.add(key)
+
     def _matcher(self, lark: str):
-        matcher = llg.LLMatcher(self.vocab.ll, llg.LLMatcher.grammar_from_lark(lark),
-                                log_level=0)
+        try:
+            matcher = llg.LLMatcher(self.vocab.ll, llg.LLMatcher.grammar_from_lark(lark),
+                                    log_level=0, limits=llg.LLParserLimits(**LIMITS))
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ConstraintError(f"cannot compile the constraint: {e}") from None
         if matcher.is_error():
             raise ConstraintError(f"cannot compile the constraint: {matcher.get_error()}")
+        _probe(matcher, self.vocab)
         return matcher
+
+
+PROBE_STEPS = 16
+# llguidance's limits, its defaults but for the lexer's fuel a mask step may use: a raw string
+# parameter with maxLength (a bounded regex intersected with "no </parameter>") needs more than
+# the default 200,000 once the budget steering has walked it; 10M serves maxLength up to a few
+# thousand, and a larger bound is refused at admission (_probe) instead of failing mid-answer.
+LIMITS = {"step_lexer_fuel": 10_000_000, "verbose_errors": False}
+
+
+def _probe(matcher, vocab) -> None:
+    """Admission check of a compiled grammar: some schemas compile and fail only once
+    generation reaches them (a string of maxLength 1e9: the lexer gives up once the budget
+    steering has walked it; a `$ref` cycle with no base case: nothing can follow). Take the
+    close-out walk generation takes, then walk a copy a few steps (the lowest allowed token
+    each step), and refuse a grammar that errs there."""
+    plan_close_out(matcher, vocab)
+    m = matcher.deep_copy()
+    row = np.zeros(vocab.words, np.int32)
+    for _ in range(PROBE_STEPS):
+        m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if m.is_error():
+            break
+        if m.is_stopped() or m.is_accepting():
+            return
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits)
+        if allowed.size == 0 or not m.consume_token(int(allowed[0])):
+            break
+    if m.is_error():
+        reason = (m.get_error() or "").split("\n", 1)[0]
+        raise ConstraintError(f"the schema cannot be generated ({reason})")
+
+
+def _checked(fn, *args, **kwargs):
+    """fn(...), with what a malformed schema makes the grammar builders raise (a TypeError on
+    `{"x-guidance": 1}`, a KeyError, ...) turned into ConstraintError."""
+    try:
+        return fn(*args, **kwargs)
+    except ConstraintError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise ConstraintError(f"the schema cannot be compiled ({type(e).__name__}: {e})"
+                              ) from None
 
 
 def _format_ref(text_format: dict | None) -> str | None:

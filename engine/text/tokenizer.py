@@ -206,6 +206,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
+    def added_tokens(self) -> list[str]:
+        """The strings of the added tokens (control tokens and the model's markup tokens)."""
+        return list(self._added.values())
+
     @property
     def special_ids(self) -> frozenset[int]:
         return self._special_ids

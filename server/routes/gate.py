@@ -11,6 +11,9 @@ from server.observability import Observability, RequestTrace
 from server.runtime import Runtime
 
 PUBLIC_ROUTES = {"/health"}
+# The longest request target (path and query) served; no route needs more than a session key
+# (512 bytes, up to three times that percent-encoded) after its prefix.
+MAX_URL_BYTES = 4096
 
 
 def _trace(request: Request, obs: Observability) -> RequestTrace:
@@ -38,6 +41,14 @@ def loopback_host(host: str) -> bool:
 
 
 def register(app: Sanic, rt: Runtime) -> None:
+    @app.on_request
+    async def url_length(request: Request):
+        if len(request.raw_url) > MAX_URL_BYTES:
+            rt.obs.on_request_rejected(rt.obs.new_request(None), 414, "uri_too_long")
+            return APIError(414, f"the request URL is longer than {MAX_URL_BYTES} bytes",
+                            code="uri_too_long").to_response()
+        return None
+
     @app.on_request
     async def loopback_names_only(request: Request):
         if not loopback_host(request.headers.get("host", "")):

@@ -3,18 +3,32 @@ engine's states and its checkpoints) and `POST /v1/ninfer/checkpoints` (save now
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import unquote
 
 from sanic import Request, Sanic, response
 
 from server.checkpoints import hooks as checkpoint_hooks
 from server.errors import APIError, invalid, not_found
 from server.request_fields import json_body
+from server.request_model import MAX_SESSION_KEY_BYTES
 from server.runtime import Runtime
 
 
 def register(app: Sanic, rt: Runtime) -> None:
-    @app.delete("/v1/ninfer/sessions/<key:str>")
+    @app.delete("/v1/ninfer/sessions/<key:path>")
     async def purge_session(request: Request, key: str):
+        # the key as the client wrote it in the body's prompt_cache_key, percent-encoded in
+        # the path: decoded here from the raw path (any byte, '/' included, may be encoded)
+        raw = request.raw_url.decode("latin-1").split("?", 1)[0]
+        key = raw[len("/v1/ninfer/sessions/"):]
+        try:
+            key = unquote(key, errors="strict")
+        except UnicodeDecodeError:
+            raise invalid("the session key is not percent-encoded UTF-8",
+                          param="prompt_cache_key") from None
+        if not key or len(key.encode()) > MAX_SESSION_KEY_BYTES:
+            raise invalid(f"a session key is 1 to {MAX_SESSION_KEY_BYTES} bytes of UTF-8",
+                          param="prompt_cache_key")
         principal = request.ctx.principal
         n = await asyncio.to_thread(rt.response_store.purge_session, principal, key)
         if rt.engine is not None:
