@@ -141,11 +141,9 @@ def read_pins(path: Path = LOCK_PATH) -> list[Pin]:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    from release.manifest import sha256_file
+
+    return sha256_file(path)
 
 
 def fetch_debs(pins: list[Pin], cache: Path) -> list[Path]:

@@ -21,12 +21,18 @@ def dumps(doc) -> bytes:
     return (json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+def file_digest(path: Path, algo: str = "sha256") -> str:
+    """The hex digest of a file (hashlib reads it in blocks)."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, algo).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    return file_digest(path, "sha256")
+
+
+def sha1_file(path: Path) -> str:
+    return file_digest(path, "sha1")
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -35,14 +41,6 @@ def sha256_bytes(data: bytes) -> str:
 
 def sha1_bytes(data: bytes) -> str:
     return hashlib.sha1(data).hexdigest()
-
-
-def sha1_file(path: Path) -> str:
-    h = hashlib.sha1()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def is_loopback(host: str) -> bool:

@@ -8,7 +8,6 @@ Nix take the lock's wheels from here.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 import shutil
 import subprocess
@@ -31,11 +30,9 @@ class WheelError(RuntimeError):
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    from release.manifest import sha256_file
+
+    return sha256_file(path)
 
 
 def _platforms(platform: str) -> list[str]:

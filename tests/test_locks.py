@@ -94,7 +94,7 @@ def test_file_url_anywhere_fails(tmp_path):
 def test_local_path_in_a_comment_fails(tmp_path):
     text = GOOD.replace("# via -r requirements.in", "# via -r /work/x/requirements.in")
     problems = lock.check(_write(tmp_path, text))
-    assert problems == [f"requirements.lock:5: local path: # via -r /work/x/requirements.in"]
+    assert problems == ["requirements.lock:5: local path: # via -r /work/x/requirements.in"]
 
 
 def test_unhashed_requirement_fails(tmp_path):
