@@ -34,6 +34,7 @@ def _no_tracing(engine):
     engine.runner._jit_fwd = engine.runner._jit_rows = refuse
 
 
+@pytest.mark.release  # ~1 minute of compiling: the release tier's, beside the lane-shape one
 def test_exported_forwards_give_the_live_engines_greedy_tokens(tiny_model):
     from engine.engine import Engine
     from engine.runtime.exported import export_forwards
