@@ -141,7 +141,8 @@ def test_cpu_bundle_contents(cpu_bundle):
     assert m["format"] == FORMAT and m["lane"] == "cpu" and m["platform"] == "cpu"
     assert m["plan_digest"] == profile.plan.digest() and m["batch"] == profile.max_concurrency
     assert "code/engine/runtime/exported.py" in b.files and "code/ninfer" in b.files
-    assert not any(n.startswith(("code/tests/", "code/release/")) for n in b.files)
+    assert "code/release/bundle.py" in b.files  # serve --bundle reads bundles with it
+    assert not any(n.startswith(("code/tests/", "code/bench/")) for n in b.files)
     fw = b.forwards("cpu")
     assert sorted(fw) == sorted(tuple(s) for s in m["shapes"])
     assert all(read_header(x)[0]["platform"] == "cpu" for x in fw.values())
