@@ -18,6 +18,7 @@ from engine.io.loader import LoadedModel
 from engine.text.chat import ChatTemplateError, render_chat
 from engine.text.guard import ContentGuard
 from server.errors import invalid
+from server.generation import context_exceeded
 from server.output_items import split_token_ids
 from server.input_items import items_to_messages, reasoning_text
 from server.request_model import ResponseRequest
@@ -135,39 +136,60 @@ def _find_replayed(store: ResponseStore, req: ResponseRequest, principal: str):
 
 
 async def _extend(store, m: LoadedModel, principal: str, parent_id: str, new_messages,
-                  req: ResponseRequest, new_items_from: int = 0):
+                  req: ResponseRequest, new_items_from: int = 0, limit: int | None = None):
     seq = await asyncio.to_thread(store.token_sequence, principal, parent_id)
     if seq is None:
         return None
-    new = _render(m, list(new_messages), req, tools=False)
-    return Prompt(seq + encode(m, END_OF_TURN + new), 0, len(seq), parent_id,
-                  new_items_from)
+
+    def extended():  # on a worker thread: rendering, tokenizing, the context check
+        new = encode(m, END_OF_TURN + _render(m, list(new_messages), req, tools=False))
+        n = len(seq) + len(new)
+        if limit is not None and n >= limit:
+            del new  # millions of ids are freed here, not on the event loop
+            raise context_exceeded(limit, n)
+        return Prompt(seq + new, 0, len(seq), parent_id, new_items_from)
+    return await asyncio.to_thread(extended)
+
+
+def render_within(m: LoadedModel, messages: list[dict], req: ResponseRequest,
+                  limit: int | None) -> Prompt:
+    """render_full, and the context check (`limit`: the context's tokens) on the same worker
+    thread: a prompt of millions of ids that is refused is freed there, not on the event loop
+    (the error's traceback holds no frame that still refers to it)."""
+    prompt = render_full(m, messages, req)
+    n = len(prompt.ids)
+    if limit is not None and n >= limit:
+        del prompt
+        raise context_exceeded(limit, n)
+    return prompt
 
 
 async def build_prompt(store: ResponseStore, m: LoadedModel, req: ResponseRequest,
-                       principal: str) -> Prompt:
+                       principal: str, limit: int | None = None) -> Prompt:
     prev = req.previous_response_id
     if prev is None:
         found = await asyncio.to_thread(_find_replayed, store, req, principal)
         if found is not None:
             rec, start = found
             new = items_to_messages(list(req.input_items[start:]))
-            prompt = await _extend(store, m, principal, rec.id, new, req, start)
+            prompt = await _extend(store, m, principal, rec.id, new, req, start, limit)
             if prompt is not None:
                 return prompt
-        return render_full(m, list(req.messages), req)
+        return await asyncio.to_thread(render_within, m, list(req.messages), req, limit)
     parent = await asyncio.to_thread(store.continuation, principal, prev, req.prompt_cache_key)
     if parent is None:
         raise not_found(prev)
     if _same_setup(parent, req):
-        prompt = await _extend(store, m, principal, prev, req.input_messages, req)
+        prompt = await _extend(store, m, principal, prev, req.input_messages, req, limit=limit)
         if prompt is not None:
             return prompt
     entries = await asyncio.to_thread(store.history_entries, principal, prev)
     if entries is None:
         raise not_found(prev)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return render_full(m, system + _history_messages(entries) + list(req.input_messages), req)
+    return await asyncio.to_thread(
+        render_within, m, system + _history_messages(entries) + list(req.input_messages), req,
+        limit)
 
 
 def unseal_reasoning(req: ResponseRequest, seal, principal: str, tokenizer) -> ResponseRequest:

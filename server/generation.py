@@ -195,6 +195,12 @@ async def _generate(state: ResponseState, events, m: LoadedModel, asm: OutputAss
             await send(ops)
 
 
+def context_exceeded(context_tokens: int, n: int) -> APIError:
+    return invalid(f"This model's maximum context length is {context_tokens} tokens; the "
+                   f"input is {n} tokens (context_length_exceeded).", param="input",
+                   code="context_length_exceeded")
+
+
 class Run:
     """One request on the engine: its response state, output assembler and event source."""
 
@@ -241,9 +247,7 @@ class Run:
                            headers={"Retry-After": "5"})
         budget = rt.context_tokens - len(prompt.ids)
         if budget < 1:
-            raise invalid(f"This model's maximum context length is {rt.context_tokens} tokens; "
-                          f"the input is {len(prompt.ids)} tokens (context_length_exceeded).",
-                          param="input", code="context_length_exceeded")
+            raise context_exceeded(rt.context_tokens, len(prompt.ids))
         max_tokens = min(req.max_output_tokens or rt.max_output_tokens, budget)
         constraint = await _constraint(rt, m, req, max_tokens)
         run = cls(rt, m, req, trace, principal, prompt, max_tokens, constraint)

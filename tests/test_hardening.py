@@ -236,3 +236,50 @@ def test_a_graceful_stop_exits_0_with_the_wal_checkpointed(tmp_path):
         assert db.execute("SELECT COUNT(*) FROM responses WHERE id = ?", (rid,)).fetchone()[0]
     finally:
         db.close()
+
+
+_PROBE = r"""
+import json, sys, time, urllib.request
+url, n = sys.argv[1], int(sys.argv[2])
+out = []
+for _ in range(n):
+    t = time.monotonic()
+    with urllib.request.urlopen(url, timeout=30) as r:
+        r.read()
+    out.append(time.monotonic() - t)
+    time.sleep(0.1)
+print(json.dumps(out))
+"""
+
+
+def test_health_answers_within_100ms_while_a_32mb_body_is_processed(server):
+    """A 32 MB chat message is parsed, rendered and tokenized off the event loop: /health,
+    probed 50 times from another process meanwhile, answers each within 100 ms; the message
+    itself gets context_length_exceeded."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    text = "word " * (32_000_000 // 5)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": text}],
+                       "max_tokens": 4}).encode()
+    result = {}
+
+    def post():
+        result["r"] = httpx.post(server.api_url + "/chat/completions", content=body,
+                                 timeout=600, headers={"Authorization": f"Bearer {server.key}",
+                                                       "Content-Type": "application/json"})
+    t = threading.Thread(target=post)
+    t.start()
+    time.sleep(2.0)  # the body is on the server
+    probe = subprocess.run([sys.executable, "-c", _PROBE, server.base_url + "/health", "50"],
+                           capture_output=True, text=True, timeout=300)
+    busy = t.is_alive()
+    t.join(600)
+    latencies = json.loads(probe.stdout)
+    assert busy, "the large request finished before the probes ended: nothing was measured"
+    print("health latencies, slowest:", sorted(latencies)[-6:])
+    assert len(latencies) == 50 and max(latencies) < 0.1, sorted(latencies)[-5:]
+    r = result["r"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

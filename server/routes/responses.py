@@ -8,7 +8,7 @@ import sys
 
 from sanic import Request, Sanic, response
 
-from server import chains
+from server import chains, offload
 from server.checkpoints import hooks as checkpoint_hooks
 from server.errors import APIError, invalid, model_loading, not_found
 from server.generation import Run, require_model
@@ -19,6 +19,13 @@ from server.response_store import InvalidCursor
 from server.runtime import Runtime
 
 RETENTION_INTERVAL_S = 3600.0
+
+
+def _parse(raw: bytes | None, count_only: bool = False):
+    body = json_body(raw)
+    if count_only and isinstance(body, dict):
+        body = {"stream": False, **body}
+    return parse_response_request(body)
 
 
 async def _retention_loop(rt: Runtime) -> None:
@@ -63,12 +70,13 @@ def register(app: Sanic, rt: Runtime) -> None:
     @app.post("/v1/responses")
     async def create_response(request: Request):
         trace = request.ctx.trace = rt.obs.new_request(request.ctx.principal, new_id("resp"))
-        body = json_body(request.body)
-        req = parse_response_request(body)
-        m = require_model(rt, req.model)
         principal = request.ctx.principal
-        req = chains.unseal_reasoning(req, rt.seal, principal, m.tokenizer)
-        prompt = await chains.build_prompt(rt.response_store, m, req, principal)
+        async with offload.slot(principal):  # parsing, rendering, tokenizing: off the loop
+            req = await offload.run(_parse, request.body, size=len(request.body or b""))
+            m = require_model(rt, req.model)
+            req = chains.unseal_reasoning(req, rt.seal, principal, m.tokenizer)
+            prompt = await chains.build_prompt(rt.response_store, m, req, principal,
+                                               rt.context_tokens)
         trace.checkpoint = await checkpoint_hooks.restore(rt, principal, req.prompt_cache_key,
                                                           prompt)
         run = await Run.begin(rt, m, req, trace, principal, prompt)
@@ -91,14 +99,13 @@ def register(app: Sanic, rt: Runtime) -> None:
 
     @app.post("/v1/responses/input_tokens")
     async def input_tokens(request: Request):
-        body = json_body(request.body)
-        if isinstance(body, dict):
-            body = {"stream": False, **body}
-        req = parse_response_request(body)
-        m = rt.model
-        if m is None:
-            raise model_loading()
-        prompt = await chains.build_prompt(rt.response_store, m, req, request.ctx.principal)
+        async with offload.slot(request.ctx.principal):
+            req = await offload.run(_parse, request.body, True, size=len(request.body or b""))
+            m = rt.model
+            if m is None:
+                raise model_loading()
+            prompt = await chains.build_prompt(rt.response_store, m, req,
+                                               request.ctx.principal)
         return response.json({"object": "response.input_tokens",
                               "input_tokens": len(prompt.ids)})
 
