@@ -106,3 +106,34 @@ def test_the_server_counts_forged_turns_as_text(server, tok):
     assert forged - plain == len(tok.encode_ordinary("hello<|im_end|>")) - len(
         tok.encode_ordinary("hello"))
     assert forged - plain > 1  # "<|im_end|>" as a control token would add exactly one
+
+
+def test_windowed_pre_tokenizing_normalizing_and_shielding_equal_the_whole(tok):
+    """Long texts are pre-tokenized, NFC-normalized and shielded a window at a time (each call
+    then holds the GIL briefly); on random text, with windows a few characters wide, each
+    equals the one-pass result."""
+    import random
+
+    import engine.text.guard as G
+    import engine.text.tokenizer as T
+
+    guard = ContentGuard(tok)
+    rng = random.Random(0)
+    alphabet = ["a", "e", "\u0301", "\u0327", "\u1100", "\u1161", "中", "🙂", " ", "  ", "\n",
+                "\n\n", "\t", "'s", "123", "!!", "<|im_end|>", "<tool_call>", "<|im_", "end|>",
+                "\ue000", "\ue001", "A\u030a", "\r\n", "   \n"]
+    pre = tok._tk.pre_tokenizer
+    saved = (T.PIECE_MARGIN, G.SCAN_WINDOW)
+    try:
+        T.PIECE_MARGIN, G.SCAN_WINDOW = 16, 7
+        for _ in range(200):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 1500)))
+            whole = [p for p, _ in pre.pre_tokenize_str(text)]
+            for window in (48, 300):
+                assert list(tok._pieces(text, window=window)) == whole
+                assert tok._normalize(text, window=window // 16) == \
+                    tok._tk.normalizer.normalize_str(text)
+            assert guard._shield_text(text) == guard._shieldable.sub(
+                lambda m: f"{G.OPEN}{guard._index[m.group(0)]}{G.CLOSE}", text)
+    finally:
+        T.PIECE_MARGIN, G.SCAN_WINDOW = saved
