@@ -128,8 +128,7 @@ class ConstraintCompiler:
             return None
         matcher, body_min, may_be_empty = None, 0, True
         if body is not None:
-            matcher = self._matcher(body)
-            plan = plan_close_out(matcher, self.vocab)
+            matcher, plan = self._matcher(body)
             body_min = len(plan) if plan is not None else 0
             may_be_empty = matcher.is_accepting()
         return Constraint(self.vocab, matcher, thinking=thinking,
@@ -178,6 +177,7 @@ class ConstraintCompiler:
         self._checked_tools.add(key)
 
     def _matcher(self, lark: str):
+        """The compiled, probed grammar and its close-out plan (`plan_close_out`)."""
         try:
             matcher = llg.LLMatcher(self.vocab.ll, llg.LLMatcher.grammar_from_lark(lark),
                                     log_level=0, limits=llg.LLParserLimits(**LIMITS))
@@ -185,8 +185,7 @@ class ConstraintCompiler:
             raise ConstraintError(f"cannot compile the constraint: {e}") from None
         if matcher.is_error():
             raise ConstraintError(f"cannot compile the constraint: {matcher.get_error()}")
-        _probe(matcher, self.vocab)
-        return matcher
+        return matcher, _probe(matcher, self.vocab)
 
 
 PROBE_STEPS = 16
@@ -197,13 +196,13 @@ PROBE_STEPS = 16
 LIMITS = {"step_lexer_fuel": 10_000_000, "verbose_errors": False}
 
 
-def _probe(matcher, vocab) -> None:
+def _probe(matcher, vocab) -> list[int] | None:
     """Admission check of a compiled grammar: some schemas compile and fail only once
     generation reaches them (a string of maxLength 1e9: the lexer gives up once the budget
     steering has walked it; a `$ref` cycle with no base case: nothing can follow). Take the
     close-out walk generation takes, then walk a copy a few steps (the lowest allowed token
-    each step), and refuse a grammar that errs there."""
-    plan_close_out(matcher, vocab)
+    each step), and refuse a grammar that errs there. Returns the close-out plan."""
+    plan = plan_close_out(matcher, vocab)
     m = matcher.deep_copy()
     row = np.zeros(vocab.words, np.int32)
     for _ in range(PROBE_STEPS):
@@ -211,7 +210,7 @@ def _probe(matcher, vocab) -> None:
         if m.is_error():
             break
         if m.is_stopped() or m.is_accepting():
-            return
+            return plan
         bits = np.unpackbits(row.view(np.uint8), bitorder="little")
         allowed = np.flatnonzero(bits)
         if allowed.size == 0 or not m.consume_token(int(allowed[0])):
@@ -219,6 +218,7 @@ def _probe(matcher, vocab) -> None:
     if m.is_error():
         reason = (m.get_error() or "").split("\n", 1)[0]
         raise ConstraintError(f"the schema cannot be generated ({reason})")
+    return plan
 
 
 def _checked(fn, *args, **kwargs):
