@@ -2,9 +2,12 @@
 
 Key file format, one entry per line (blank lines and `#` comments ignored):
 
-    <principal> <key>
+    <principal> <key> [admin]
 
-A line with a single token is a key for the principal `default`. On first run, when no key file
+A line with a single token is a key for the principal `default`. `admin` after the key lets
+that principal see the whole server's figures in `/metrics` and `/v1/ninfer/status` (every
+principal's activity, the engine's pools, checkpoints, storage faults); any other principal
+sees only its own. A file with one principal needs no mark: the server's figures are its own. On first run, when no key file
 exists, one is created with a fresh 256-bit key for `default`.
 
 Rotation: edit the file (replace a principal's key, or list a new key beside the old one for a
@@ -34,6 +37,14 @@ class KeyFileError(RuntimeError):
 @dataclass(frozen=True)
 class KeyRing:
     entries: tuple[tuple[str, bytes], ...]  # (principal, key bytes)
+    admins: frozenset[str] = frozenset()    # principals marked `admin`
+
+    def sees_all(self, principal: str | None) -> bool:
+        """Whether `principal` may see the whole server's figures: marked admin, or the only
+        principal there is."""
+        if principal is None:
+            return False
+        return principal in self.admins or {p for p, _ in self.entries} == {principal}
 
     def principal_for(self, presented: str | None) -> str | None:
         """The principal owning `presented`, comparing every key in constant time."""
@@ -74,7 +85,7 @@ def load_key_file(path: Path) -> KeyRing:
     if st.st_mode & 0o077:
         raise KeyFileError(f"key file {path} is readable or writable by group/others "
                            f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")
-    entries = []
+    entries, admins = [], set()
     for n, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -82,10 +93,13 @@ def load_key_file(path: Path) -> KeyRing:
         parts = line.split()
         if len(parts) == 1:
             principal, key = "default", parts[0]
-        elif len(parts) == 2:
-            principal, key = parts
+        elif len(parts) == 2 or (len(parts) == 3 and parts[2] == "admin"):
+            principal, key = parts[:2]
+            if len(parts) == 3:
+                admins.add(principal)
         else:
-            raise KeyFileError(f"key file {path}, line {n}: expected '<principal> <key>'")
+            raise KeyFileError(f"key file {path}, line {n}: expected '<principal> <key>' or "
+                               "'<principal> <key> admin'")
         if len(key) < 16:
             raise KeyFileError(f"key file {path}, line {n}: key shorter than 16 characters")
         entries.append((principal, key.encode()))
@@ -94,7 +108,7 @@ def load_key_file(path: Path) -> KeyRing:
     keys = [k for _, k in entries]
     if len(set(keys)) != len(keys):
         raise KeyFileError(f"key file {path}: the same key is listed twice")
-    return KeyRing(tuple(entries))
+    return KeyRing(tuple(entries), frozenset(admins))
 
 
 def ensure_key_file(path: Path) -> tuple[KeyRing, bool]:
@@ -159,3 +173,8 @@ class ReloadingKeyRing:
         self._refresh()
         ring = self._ring
         return None if ring is None else ring.principal_for(presented)
+
+    def sees_all(self, principal: str | None) -> bool:
+        self._refresh()
+        ring = self._ring
+        return ring is not None and ring.sees_all(principal)

@@ -118,12 +118,15 @@ def cmd_serve(args) -> int:
 
     from server.app import create_app
     from server.observability import Metrics, Observability, RequestLog, engine_stats
-    from server.response_store import ResponseStore
+    from server.response_store import ResponseStore, StoreError
     from server.runtime import Runtime
 
+    try:  # a damaged file is refused here, with what to do, before anything is served
+        store = ResponseStore(args.state_dir / "responses.db")
+    except StoreError as e:
+        raise SystemExit(f"ninfer: storage fault: {e}") from None
     rt = Runtime(keys=ReloadingKeyRing(key_file, keys), max_output_tokens=profile.max_output_tokens,
-                 context_tokens=profile.context_tokens,
-                 response_store=ResponseStore(args.state_dir / "responses.db"), profile=profile,
+                 context_tokens=profile.context_tokens, response_store=store, profile=profile,
                  synthetic_weights=args.synthetic_weights)
     rt.retention = (args.retain_responses or None,
                     args.retain_days * 86400.0 if args.retain_days else None)

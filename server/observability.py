@@ -2,8 +2,8 @@
 
 Three pieces, composed by `Observability` (what the app calls):
 
-- `Metrics`: counters and histograms on a private `CollectorRegistry` (several servers or tests in
-  one process never collide), plus pool gauges read at scrape time from a stats callback.
+- `Metrics` (server/metrics.py): counters and histograms on private registries, the whole
+  server's and each principal's own, plus pool gauges read at scrape time.
 - `RequestLog` (server/request_log.py): JSONL, append-only, 0600, rotated by size; never prompt
   or output text, never a key, identities as digests.
 - `RequestTrace`: one request's identity and clock; it finishes exactly once, so a catch-all
@@ -13,183 +13,20 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from server.checkpoints.status import RESTORE_OUTCOMES, SessionStatus
+from server.checkpoints.status import SessionStatus
+from server.metrics import OUTCOMES, PATHS, Metrics
 from server.request_log import (EVENTS, RequestLog, principal_digest, session_digest,
                                 session_digest_of)
 
 __all__ = ["EVENTS", "OUTCOMES", "PATHS", "Metrics", "Observability", "RequestLog",
            "RequestTrace", "engine_stats", "principal_digest", "session_digest"]
 
-OUTCOMES = ("completed", "incomplete", "cancelled", "rejected_overloaded",
-            "rejected_queue_timeout", "rejected_loading", "error", "bad_request", "unauthorized")
-PATHS = ("root", "continuation", "fork", "shared-prefix", "host-restored", "disk-restored")
 _FINISH_OUTCOME = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled",
                    "queue_timeout": "rejected_queue_timeout", "error": "error"}
-
-StatsFn = Callable[[], "dict | None"]
-
-
-# ---- metrics ----------------------------------------------------------------------------------
-class _PoolCollector:
-    """Gauges computed from `stats()` at scrape time (the engine's pools change between scrapes)."""
-
-    def __init__(self, stats: StatsFn, ns: str):
-        self.stats, self.ns = stats, ns
-
-    def _read(self) -> dict | None:
-        # The engine thread mutates the pools while we read them: a dict may change size under
-        # iteration. Retry a little; a scrape without pool gauges beats a failed scrape.
-        for _ in range(3):
-            try:
-                return self.stats()
-            except RuntimeError:
-                continue
-        return None
-
-    def collect(self):
-        s = self._read()
-        try:
-            families = list(self._families(s)) if s else []
-        except (KeyError, TypeError, AttributeError):
-            families = []  # a stats dict of an unexpected shape: no pool gauges, scrape still works
-        yield from families
-
-    def _families(self, s: dict):
-        ns, kv, st = self.ns, s.get("kv", {}), s.get("states", {})
-
-        def gauge(name, doc, value, labels=None):
-            g = GaugeMetricFamily(f"{ns}_{name}", doc, labels=labels)
-            for label_values, v in (value if labels else [((), value)]):
-                g.add_metric(list(label_values), v)
-            return g
-
-        def tiers(device_key, host_key):
-            return [(("device",), st[device_key]), (("host",), st[host_key])]
-
-        if kv:
-            yield gauge("kv_capacity_bytes", "KV pool size in bytes.", kv["kv_bytes_total"])
-            yield gauge("kv_used_bytes", "KV bytes in pages held by any table.",
-                        kv["kv_bytes_used"])
-            yield gauge("kv_pages", "KV pages by state (shared: refcount > 1).",
-                        [((k,), kv[f"pages_{k}"]) for k in ("used", "free", "shared")], ["state"])
-        if st:
-            yield gauge("state_images", "Recurrent-state images by tier.",
-                        tiers("device_images", "host_images"), ["tier"])
-            yield gauge("state_bytes", "Bytes held by recurrent-state images by tier.",
-                        tiers("device_bytes", "host_bytes"), ["tier"])
-            yield gauge("state_capacity_bytes", "Recurrent-state capacity by tier.",
-                        tiers("device_reserved_bytes", "host_bytes_limit"), ["tier"])
-            yield gauge("state_pinned_images", "Images pinned for a restore.", st["pinned_images"])
-            moves = CounterMetricFamily(f"{ns}_state_moves", "State pool operations.",
-                                        labels=["op"])
-            for op in ("stores", "restores", "spills", "fetches", "evictions", "drops"):
-                if op in st:
-                    moves.add_metric([op], st[op])
-            yield moves
-        if "snapshots" in s:
-            yield gauge("snapshots", "Stored prefix/response states.", s["snapshots"])
-        if "evictions" in s:
-            ev = CounterMetricFamily(f"{ns}_snapshot_evictions", "Stored states evicted.")
-            ev.add_metric([], s["evictions"])
-            yield ev
-        seqs = [((k,), s[k]) for k in ("running", "waiting") if k in s]
-        if seqs:
-            yield gauge("sequences", "Sequences by scheduler state.", seqs, ["state"])
-
-
-class Metrics:
-    """Prometheus metrics of one server. `stats` returns `Memory.stats()` plus optional
-    "running"/"waiting" counts, or None while the model loads (no pool gauges then)."""
-
-    def __init__(self, stats: StatsFn | None = None, namespace: str = "ninfer"):
-        self.registry = CollectorRegistry(auto_describe=False)
-        ns, r = namespace, self.registry
-        self.requests = Counter(f"{ns}_requests", "Requests by outcome.", ["outcome"], registry=r)
-        for o in OUTCOMES:
-            self.requests.labels(o)  # every series exists from the start, at 0
-        self.prompt_tokens = Counter(f"{ns}_prompt_tokens", "Prompt tokens.", registry=r)
-        self.cached_tokens = Counter(f"{ns}_cached_tokens",
-                                     "Prompt tokens served from a stored state.", registry=r)
-        self.computed_tokens = Counter(f"{ns}_computed_prompt_tokens",
-                                       "Prompt tokens prefilled.", registry=r)
-        self.output_tokens = Counter(f"{ns}_output_tokens", "Generated tokens.", registry=r)
-        self.by_path = Counter(f"{ns}_requests_by_path", "Admitted requests by reuse path.",
-                               ["path"], registry=r)
-        for p in PATHS:
-            self.by_path.labels(p)
-        self.log_errors = Counter(f"{ns}_log_write_errors", "Request log lines lost to I/O "
-                                  "errors.", registry=r)
-        self.queue_wait = Histogram(f"{ns}_queue_wait_seconds", "Time waiting for admission.",
-                                    buckets=(.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10,
-                                             30, 60, 120), registry=r)
-        ttft_buckets = (.01, .025, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64, 128)
-        self.ttft = Histogram(f"{ns}_ttft_seconds", "Request arrival to first token.",
-                              buckets=ttft_buckets, registry=r)
-        self.prefill = Histogram(f"{ns}_prefill_seconds", "Admission to first token.",
-                                 buckets=ttft_buckets, registry=r)
-        self.decode_per_token = Histogram(
-            f"{ns}_decode_seconds_per_token", "Decode time per generated token, per request.",
-            buckets=(.001, .0025, .005, .01, .015, .02, .03, .05, .075, .1, .25, .5, 1),
-            registry=r)
-        self.request_seconds = Histogram(
-            f"{ns}_request_seconds", "Request arrival to its end.",
-            buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=r)
-        # Durable checkpoints (server/checkpoints): fed by the manager's events (on_event).
-        self.ckpt_saves = Counter(f"{ns}_checkpoint_saves", "Checkpoint saves by outcome.",
-                                  ["outcome"], registry=r)
-        self.ckpt_save_bytes = Counter(f"{ns}_checkpoint_save_bytes",
-                                       "Bytes written by checkpoint saves.", registry=r)
-        self.ckpt_restores = Counter(f"{ns}_checkpoint_restores",
-                                     "Checkpoint restore attempts by outcome (restored, "
-                                     "no_room, missing, incompatible, corrupt).", ["outcome"],
-                                     registry=r)
-        self.ckpt_restore_bytes = Counter(f"{ns}_checkpoint_restore_bytes",
-                                          "Bytes read and verified by restores.", registry=r)
-        io_buckets = (.01, .025, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64)
-        self.ckpt_save_seconds = Histogram(f"{ns}_checkpoint_save_seconds",
-                                           "Duration of a checkpoint save (hash, write, "
-                                           "publish).", buckets=io_buckets, registry=r)
-        self.ckpt_restore_seconds = Histogram(f"{ns}_checkpoint_restore_seconds",
-                                              "Duration of a restore (read, verify, install).",
-                                              buckets=io_buckets, registry=r)
-        for o in (SessionStatus.SAVED, SessionStatus.REFUSED):
-            self.ckpt_saves.labels(o)
-        for o in RESTORE_OUTCOMES:
-            self.ckpt_restores.labels(o)
-        if stats is not None:
-            r.register(_PoolCollector(stats, ns))
-
-    def checkpoint_event(self, event: str, fields: dict) -> None:
-        """Count a checkpoint manager event (server/checkpoints/manager.py)."""
-        if event == "checkpoint_saved":
-            self.ckpt_saves.labels(SessionStatus.SAVED).inc()
-            self.ckpt_save_bytes.inc(int(fields.get("written_bytes") or 0))
-            if fields.get("seconds") is not None:
-                self.ckpt_save_seconds.observe(float(fields["seconds"]))
-        elif event == "checkpoint_refused":
-            self.ckpt_saves.labels(SessionStatus.REFUSED).inc()
-        elif event == "checkpoint_restore":
-            state, reason = fields.get("state"), fields.get("reason")
-            available = state == SessionStatus.AVAILABLE
-            outcome = reason if available else state
-            if outcome in RESTORE_OUTCOMES:
-                self.ckpt_restores.labels(outcome).inc()
-            if available and reason == SessionStatus.RESTORED:
-                self.ckpt_restore_bytes.inc(int(fields.get("read_bytes") or 0))
-                if fields.get("seconds") is not None:
-                    self.ckpt_restore_seconds.observe(float(fields["seconds"]))
-
-    def render(self) -> tuple[bytes, str]:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 def engine_stats(engine) -> dict | None:
@@ -217,6 +54,16 @@ class RequestTrace:
     @property
     def finished(self) -> bool:
         return self.outcome is not None
+
+
+def _checkpoint_fault(event: str, fields: dict) -> str | None:
+    """The storage fault a checkpoint event reports: a corrupt generation found by a restore,
+    or a save refused by the disk (not by the quota)."""
+    if event == "checkpoint_restore" and fields.get("state") == SessionStatus.CORRUPT:
+        return "corrupt"
+    if event == "checkpoint_refused" and fields.get("reason") not in ("quota", "page_missing"):
+        return "full" if fields.get("reason") in ("enospc", "edquot") else "io"
+    return None
 
 
 def _rejected_outcome(status: int, code: str | None) -> str:
@@ -267,7 +114,16 @@ class Observability:
         ids, digests, counts and reasons only."""
         if event.startswith("checkpoint_"):
             self.metrics.checkpoint_event(event, fields)
+            kind = _checkpoint_fault(event, fields)
+            if kind is not None:
+                self.on_storage_fault("checkpoints", kind, f"{event}: {fields.get('reason')}")
         self._write(event, None, **fields)
+
+    def on_storage_fault(self, store: str, kind: str, what: str) -> None:
+        """A disk error or corruption in a store: on stderr (an operator must see it, not only
+        the request log) and in `ninfer_storage_errors_total`. `what`: no prompt text."""
+        self.metrics.storage_errors.labels(store, kind).inc()
+        print(f"ninfer: storage fault: {store}: {kind}: {what}", file=sys.stderr, flush=True)
 
     def new_request(self, principal: str | None, request_id: str | None = None) -> RequestTrace:
         """Start the clock; logs nothing (a request rejected before validation never 'starts')."""
@@ -304,7 +160,7 @@ class Observability:
         outcome = _FINISH_OUTCOME.get(done.finish_reason, "error")
         if not self._finish(trace, outcome):
             return False
-        m = self.metrics
+        m = self.metrics.views(trace.principal)
         now = time.monotonic()
         total_s = now - trace.t0 if total_s is None else total_s
         if ttft_s is None and trace.first_token_at is not None:
@@ -357,7 +213,7 @@ class Observability:
             return False
         now = time.monotonic()
         ttft = None if trace.first_token_at is None else trace.first_token_at - trace.t0
-        self.metrics.request_seconds.observe(now - trace.t0)
+        self.metrics.views(trace.principal).request_seconds.observe(now - trace.t0)
         self._write("request_done", trace, outcome="cancelled", finish_reason="disconnected",
                     output_tokens=output_tokens, ttft_s=_r(ttft), total_s=_r(now - trace.t0),
                     speculative=None)
@@ -378,5 +234,5 @@ class Observability:
         if trace.finished:
             return False
         trace.outcome = outcome
-        self.metrics.requests.labels(outcome).inc()
+        self.metrics.views(trace.principal).requests.labels(outcome).inc()
         return True

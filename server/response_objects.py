@@ -181,11 +181,11 @@ class EventStream:
             s.status, "response.incomplete")
         return self.frame(kind, response=s.to_dict())
 
-    def failed(self, message: str) -> str:
+    def failed(self, message: str, code: str = "server_error") -> str:
         s = self.state
         s.status = "failed"
         body = s.to_dict()
-        body["error"] = {"code": "server_error", "message": message}
+        body["error"] = {"code": code, "message": message}
         return self.frame("response.failed", response=body)
 
 

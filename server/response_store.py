@@ -33,13 +33,15 @@ import time
 from contextlib import contextmanager, suppress
 from typing import Iterator
 
+from server.response_store_integrity import StoreCorrupt, check, rehash
 from server.response_store_items import (HistoryEntry, ResponseRecord, compact_json,
                                          input_item_ids, item_content_hash, pack_token_ids,
                                          unpack_token_ids)
+from server.response_store_replay import ReplayReads
 from server.response_store_schema import StoreError, connect
 
-__all__ = ["ResponseStore", "ResponseRecord", "HistoryEntry", "StoreError", "InvalidCursor",
-           "item_content_hash", "pack_token_ids", "unpack_token_ids"]
+__all__ = ["ResponseStore", "ResponseRecord", "HistoryEntry", "StoreError", "StoreCorrupt",
+           "InvalidCursor", "item_content_hash", "pack_token_ids", "unpack_token_ids"]
 
 MAX_HISTORY_DEPTH = 1_000_000  # a guard against a lineage cycle, which ids make impossible
 
@@ -68,7 +70,13 @@ def _listed(item_id: str, item: dict) -> dict:
     return {"id": item_id, **{k: v for k, v in item.items() if k != "id"}}
 
 
-class ResponseStore:
+def _checked(table: str, rows) -> list:
+    for row in rows:
+        check(table, row)
+    return rows
+
+
+class ResponseStore(ReplayReads):
     """Durable responses for the Responses API. See the module docstring for the rules."""
 
     def __init__(self, path):
@@ -136,10 +144,13 @@ class ResponseStore:
                 c.execute("UPDATE responses SET prompt_token_ids = ?, extends_parent = ? "
                           "WHERE id = ?", (pack_token_ids(rec.prompt_token_ids),
                                            int(rec.extends_parent), rec.id))
-            c.executemany("INSERT INTO input_items VALUES (?, ?, ?, ?)",
+            c.executemany("INSERT INTO input_items VALUES (?, ?, ?, ?, NULL)",
                           [(rec.id, *row) for row in inputs])
-            c.executemany("INSERT INTO output_items VALUES (?, ?, ?, ?, ?, ?)",
+            c.executemany("INSERT INTO output_items VALUES (?, ?, ?, ?, ?, ?, NULL)",
                           [(rec.id, *row) for row in outputs])
+            rehash(c, "responses", "id = ?", (rec.id,))  # as stored, after type affinity
+            rehash(c, "input_items", "response_id = ?", (rec.id,))
+            rehash(c, "output_items", "response_id = ?", (rec.id,))
 
     @staticmethod
     def _session_for(c, pid: int, rec: ResponseRecord, now: float) -> int:
@@ -191,6 +202,7 @@ class ResponseStore:
             if row is None:
                 return False
             c.execute(_ERASE + " WHERE id = ?", (time.time(), response_id))
+            rehash(c, "responses", "id = ?", (response_id,))
             self._collect(c, [row["session_id"]])
         self._scrub()
         return True
@@ -230,6 +242,8 @@ class ResponseStore:
                                "OVER (PARTITION BY principal_id ORDER BY created_at DESC, "
                                "rowid DESC) AS rank FROM responses WHERE deleted_at IS NULL) "
                                "WHERE rank > ?)", (now, max_responses_per_principal)).rowcount
+            if n:
+                rehash(c, "responses", "deleted_at = ?", (now,))
             self._collect(c)
         if n:
             self._scrub()
@@ -242,16 +256,20 @@ class ResponseStore:
             row = c.execute(_LIVE_OWNED, (response_id, principal)).fetchone()
             if row is None:
                 return None
-            inputs = c.execute("SELECT item FROM input_items WHERE response_id = ? "
-                               "ORDER BY position", (response_id,)).fetchall()
-            outputs = c.execute("SELECT item, token_ids FROM output_items WHERE "
-                                "response_id = ? ORDER BY position", (response_id,)).fetchall()
+            check("responses", row)
+            inputs = _checked("input_items", c.execute(
+                "SELECT * FROM input_items WHERE response_id = ? ORDER BY position",
+                (response_id,)).fetchall())
+            outputs = _checked("output_items", c.execute(
+                "SELECT * FROM output_items WHERE response_id = ? ORDER BY position",
+                (response_id,)).fetchall())
         r = row
         return ResponseRecord(
             id=r["id"], principal=principal, model=r["model"], status=r["status"],
-            input_items=[json.loads(x[0]) for x in inputs],
-            output_items=[json.loads(x[0]) for x in outputs],
-            output_token_ids=[None if x[1] is None else unpack_token_ids(x[1]) for x in outputs],
+            input_items=[json.loads(x["item"]) for x in inputs],
+            output_items=[json.loads(x["item"]) for x in outputs],
+            output_token_ids=[None if x["token_ids"] is None else unpack_token_ids(x["token_ids"])
+                              for x in outputs],
             created_at=r["created_at"], previous_response_id=r["previous_response_id"],
             prompt_cache_key=r["cache_key"], instructions=r["instructions"],
             params=json.loads(r["params"]),
@@ -280,17 +298,18 @@ class ResponseStore:
                 return None
             rid, depth = response_id, 0
             while rid is not None and depth < MAX_HISTORY_DEPTH:
-                row = c.execute("SELECT previous_response_id, prompt_token_ids, extends_parent "
-                                "FROM responses WHERE id = ?", (rid,)).fetchone()
-                if row is None or row[1] is None:
+                row = c.execute("SELECT * FROM responses WHERE id = ?", (rid,)).fetchone()
+                if row is None or row["prompt_token_ids"] is None:
                     return None
-                outs = c.execute("SELECT token_ids FROM output_items WHERE response_id = ? "
-                                 "ORDER BY position", (rid,)).fetchall()
-                if any(o[0] is None for o in outs):
+                check("responses", row)
+                outs = _checked("output_items", c.execute(
+                    "SELECT * FROM output_items WHERE response_id = ? ORDER BY position",
+                    (rid,)).fetchall())
+                if any(o["token_ids"] is None for o in outs):
                     return None
-                output = [t for o in outs for t in unpack_token_ids(o[0])]
-                parts.append(unpack_token_ids(row[1]) + output)  # newest response first
-                rid = row[0] if row[2] else None
+                output = [t for o in outs for t in unpack_token_ids(o["token_ids"])]
+                parts.append(unpack_token_ids(row["prompt_token_ids"]) + output)  # newest first
+                rid = row["previous_response_id"] if row["extends_parent"] else None
                 depth += 1
         return [t for part in reversed(parts) for t in part]
 
@@ -301,24 +320,25 @@ class ResponseStore:
         with self._tx("DEFERRED") as c:
             if c.execute(_LIVE_OWNED, (response_id, principal)).fetchone() is None:
                 return None
-            rows = c.execute(
-                """WITH RECURSIVE chain(id, prev, depth) AS (
-                    SELECT id, previous_response_id, 0 FROM responses WHERE id = ?
-                    UNION ALL
-                    SELECT r.id, r.previous_response_id, chain.depth + 1 FROM responses r
-                        JOIN chain ON r.id = chain.prev
-                        WHERE chain.depth < ? AND r.principal_id =
-                            (SELECT principal_id FROM responses WHERE id = ?))
-                SELECT chain.depth, 0 AS kind, i.position, chain.id, i.item, NULL
-                    FROM chain JOIN input_items i ON i.response_id = chain.id
-                UNION ALL
-                SELECT chain.depth, 1, o.position, chain.id, o.item, o.token_ids
-                    FROM chain JOIN output_items o ON o.response_id = chain.id
-                ORDER BY 1 DESC, 2, 3""",
-                (response_id, MAX_HISTORY_DEPTH, response_id)).fetchall()
-        return [HistoryEntry(rid, "output" if kind else "input", json.loads(item),
-                             None if blob is None else unpack_token_ids(blob))
-                for _, kind, _, rid, item, blob in rows]
+            chain, rid, owner = [], response_id, None
+            while rid is not None and len(chain) < MAX_HISTORY_DEPTH:
+                row = c.execute("SELECT * FROM responses WHERE id = ?", (rid,)).fetchone()
+                if row is None or owner not in (None, row["principal_id"]):
+                    break
+                check("responses", row)
+                owner = row["principal_id"]
+                chain.append(rid)
+                rid = row["previous_response_id"]
+            out = []
+            for rid in reversed(chain):  # oldest first: its input items, then its output items
+                for kind in ("input", "output"):
+                    for row in _checked(f"{kind}_items", c.execute(
+                            f"SELECT * FROM {kind}_items WHERE response_id = ? ORDER BY "
+                            "position", (rid,)).fetchall()):
+                        blob = row["token_ids"] if kind == "output" else None
+                        out.append(HistoryEntry(rid, kind, json.loads(row["item"]),
+                                                None if blob is None else unpack_token_ids(blob)))
+        return out
 
     def history(self, principal: str, response_id: str) -> list[dict] | None:
         """The items of `history_entries`, in conversation order."""
@@ -345,56 +365,12 @@ class ResponseStore:
                     raise InvalidCursor(f"'after': no input item '{after}' in this response")
                 start = row[0]
             cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-            rows = c.execute(f"SELECT item_id, item FROM input_items WHERE response_id = ? AND "
-                             f"position {cmp} ? ORDER BY position {direction} LIMIT ?",
-                             (response_id, start, limit + 1)).fetchall()
-        data = [_listed(iid, json.loads(item)) for iid, item in rows[:limit]]
+            rows = _checked("input_items", c.execute(
+                f"SELECT * FROM input_items WHERE response_id = ? AND position {cmp} ? "
+                f"ORDER BY position {direction} LIMIT ?",
+                (response_id, start, limit + 1)).fetchall())
+        data = [_listed(r["item_id"], json.loads(r["item"])) for r in rows[:limit]]
         return {"object": "list", "data": data,
                 "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None,
                 "has_more": len(rows) > limit}
-
-    def _stored_tokens(self, principal: str, where: str, args: tuple) -> list[int] | None:
-        """The newest live match's token ids among the principal's output items."""
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT o.token_ids FROM output_items o JOIN responses r ON r.id = o.response_id"
-                " JOIN principals p ON p.id = r.principal_id WHERE p.name = ? AND"
-                f" r.deleted_at IS NULL AND o.token_ids IS NOT NULL AND {where}"
-                " ORDER BY r.created_at DESC, r.rowid DESC LIMIT 1", (principal, *args)).fetchone()
-        return None if row is None else unpack_token_ids(row[0])
-
-    def responses_with_output(self, principal: str, item: dict, limit: int = 4) -> list[str]:
-        """Ids of the principal's live responses that produced an output item saying what
-        `item` says (by `item_content_hash`), newest first."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT r.id FROM output_items o JOIN responses r ON r.id = o.response_id"
-                " JOIN principals p ON p.id = r.principal_id WHERE p.name = ? AND"
-                " r.deleted_at IS NULL AND o.content_hash = ?"
-                " ORDER BY r.created_at DESC, r.rowid DESC LIMIT ?",
-                (principal, item_content_hash(item), limit)).fetchall()
-        return [r[0] for r in rows]
-
-    def token_ids_for_item(self, principal: str, *, item_id: str | None = None,
-                           content_hash: str | None = None) -> list[int] | None:
-        """Exact replay: the token ids stored for an output item of one of the principal's live
-        responses, found by item id or by `item_content_hash`; the newest match wins."""
-        if (item_id is None) == (content_hash is None):
-            raise ValueError("give exactly one of item_id and content_hash")
-        if item_id is not None:
-            return self._stored_tokens(principal, "o.item_id = ?", (item_id,))
-        return self._stored_tokens(principal, "o.content_hash = ?", (content_hash,))
-
-    def replay_token_ids(self, principal: str, item: dict) -> list[int] | None:
-        """The stored token ids for an output item a client echoed back: by its id when the
-        stored item under that id says the same thing, else by its content hash. None means
-        the item must be tokenized from its text."""
-        digest = item_content_hash(item)
-        own = item.get("id")
-        if isinstance(own, str):
-            ids = self._stored_tokens(principal, "o.item_id = ? AND o.content_hash = ?",
-                                      (own, digest))
-            if ids is not None:
-                return ids
-        return self._stored_tokens(principal, "o.content_hash = ?", (digest,))

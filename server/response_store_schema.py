@@ -13,6 +13,8 @@ Settings and why:
   deleted text is no longer in the database or WAL file (the filesystem may still hold old blocks).
 - `foreign_keys=ON`, `busy_timeout` 5 s (only matters if a second process, e.g. a maintenance
   command, opens the same file), `trusted_schema=OFF`.
+- At open, `PRAGMA quick_check`: a file whose pages or B-trees are damaged is refused with
+  what to do; each row's own bytes are checked when it is read (its hash, version 3).
 - The file is created 0600 (its WAL and shm files inherit the mode); an existing file readable or
   writable by group or others is refused, like the key file.
 """
@@ -23,6 +25,8 @@ import sqlite3
 import stat
 import time
 from pathlib import Path
+
+from server import response_store_integrity as integrity
 
 BUSY_TIMEOUT_S = 5.0
 JOURNAL_SIZE_LIMIT = 16 * 1024 * 1024  # the WAL is cut back to this after a checkpoint
@@ -98,8 +102,11 @@ _V2 = (
     "ALTER TABLE responses ADD COLUMN extends_parent INTEGER NOT NULL DEFAULT 0",
 )
 
+# Version 3: a hash of each row of responses, input_items and output_items, checked when the row
+# is read (server/response_store_integrity.py); the rows already stored are hashed as they are.
+
 # Migration hook: (version, statements). Append new versions; never edit a shipped one.
-MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = ((1, _V1), (2, _V2))
+MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = ((1, _V1), (2, _V2), (3, integrity.V3))
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
@@ -161,7 +168,15 @@ def connect(path: str | os.PathLike, migrations=MIGRATIONS) -> sqlite3.Connectio
     _check_private(path)
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                            check_same_thread=False)
+    integrity.register(conn)
     try:
+        problems = integrity.quick_check(conn)
+        if problems:
+            raise StoreError(
+                f"response store {path} is corrupt (quick_check: {'; '.join(problems[:3])}); "
+                f"refusing to start on it. Restore it from a backup, or move it aside "
+                f"(mv {path} {path}.corrupt, with its -wal and -shm files) to start with an "
+                f"empty store")
         # auto_vacuum only takes effect before the first table exists.
         conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -175,7 +190,10 @@ def connect(path: str | os.PathLike, migrations=MIGRATIONS) -> sqlite3.Connectio
         _migrate(conn, migrations)
     except sqlite3.DatabaseError as e:
         conn.close()
-        raise StoreError(f"response store {path} cannot be opened: {e}") from e
+        advice = ("; refusing to start on it. Restore it from a backup, or move it aside "
+                  "(with its -wal and -shm files) to start with an empty store"
+                  if integrity.fault_kind(e) == "corrupt" else "")
+        raise StoreError(f"response store {path} cannot be opened: {e}{advice}") from e
     except BaseException:
         conn.close()
         raise

@@ -45,7 +45,12 @@ async def response_deleted(rt: Runtime, principal: str, rec) -> None:
         await asyncio.to_thread(ck.response_deleted, principal, rec.prompt_cache_key, rec.id)
 
 
-async def session_purged(rt: Runtime, principal: str, session: str) -> None:
+async def session_purged(rt: Runtime, principal: str, session: str) -> int:
+    """Delete the session's checkpoints; the number of generations removed. Before the model
+    is loaded (no checkpointer yet) the store itself is purged. Raises OSError."""
     ck = rt.checkpointer
     if ck is not None:
-        await asyncio.to_thread(ck.purge, principal, session)
+        return await asyncio.to_thread(ck.purge, principal, session)
+    if rt.checkpoint_store is not None:
+        return await asyncio.to_thread(rt.checkpoint_store.purge, principal, session)
+    return 0

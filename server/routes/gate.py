@@ -9,6 +9,7 @@ from sanic import Request, Sanic
 from server.errors import APIError, unauthorized
 from server.observability import Observability, RequestTrace
 from server.runtime import Runtime
+from server.storage_faults import storage_error
 
 PUBLIC_ROUTES = {"/health"}
 # The longest request target (path and query) served; no route needs more than a session key
@@ -85,6 +86,11 @@ def register(app: Sanic, rt: Runtime) -> None:
 
     @app.exception(Exception)
     async def other_error(request, exc: Exception):
+        fault = storage_error(rt.obs, "responses", exc, "reading or writing the response store")
+        if fault is not None:  # named, on stderr and in the metrics: not an opaque 500
+            rt.obs.on_request_error(_trace(request, rt.obs), status=fault.status,
+                                    code=fault.code, error_type=type(exc).__name__)
+            return fault.to_response()
         status = getattr(exc, "status_code", 500) or 500
         message = str(exc) if status < 500 else "internal server error"
         kind = "invalid_request_error" if status < 500 else "server_error"

@@ -17,6 +17,7 @@ from server.request_model import parse_response_request
 from server.response_objects import EventStream, new_id
 from server.response_store import InvalidCursor
 from server.runtime import Runtime
+from server.storage_faults import storage_error
 
 RETENTION_INTERVAL_S = 3600.0
 
@@ -52,10 +53,14 @@ async def _stream(request: Request, run: Run, persist):
         await resp.send(frame)
     try:
         await run.complete(send)
-    except APIError as e:
-        await resp.send(es.failed(e.message))
-    else:
         await persist()
+    except APIError as e:  # generation failed, or the response could not be stored
+        await resp.send(es.failed(e.message, e.code or "server_error"))
+    except Exception as e:  # noqa: BLE001 (a stream always ends with its terminal event)
+        print(f"ninfer: stream {run.state.id} failed: {type(e).__name__}", file=sys.stderr,
+              flush=True)
+        await resp.send(es.failed("internal server error"))
+    else:
         await resp.send(es.terminal())
     await resp.eof()
     return resp
@@ -85,7 +90,16 @@ def register(app: Sanic, rt: Runtime) -> None:
         async def persist():  # before the terminal event: a client may chain on it at once
             if req.store and state.status in ("completed", "incomplete", "cancelled"):
                 rec = chains.record_for(state, req, principal, prompt, m.tokenizer)
-                await asyncio.to_thread(rt.response_store.put_response, rec)
+                try:
+                    await asyncio.to_thread(rt.response_store.put_response, rec)
+                except Exception as e:  # one transaction: nothing of it was stored
+                    fault = storage_error(
+                        rt.obs, "responses", e, "storing the response",
+                        f"The response {rec.id} was generated but not stored; nothing of it "
+                        "was kept. Retry the request once the store is fixed.")
+                    if fault is None:
+                        raise
+                    raise fault from None
                 await checkpoint_hooks.response_stored(rt, principal, rec)
 
         try:

@@ -1,5 +1,11 @@
 """The server itself: `GET /health` (no key), `/metrics`, `/v1/models` and
-`/v1/ninfer/status` (the runtime's identity: model, lane, kernel plan, memory)."""
+`/v1/ninfer/status` (the runtime's identity: model, lane, kernel plan, memory).
+
+Per-principal views: another principal's activity is nobody else's business (its request
+counts, tokens and timings, and through the shared pools when it runs). `/metrics` shows a
+principal its own request figures and `/v1/ninfer/status` its own requests in flight; the
+whole server's figures (every principal's, the engine's memory and pools, checkpoints, storage
+faults) only to a principal the key file marks `admin` (server/auth.py)."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +13,7 @@ import functools
 from sanic import Request, Sanic, response
 
 from server.generation import require_model
+from server.observability import principal_digest
 from server.runtime import Runtime
 
 ENGINE_VERSION = "0.1.0"
@@ -32,7 +39,9 @@ def register(app: Sanic, rt: Runtime) -> None:
 
     @app.get("/metrics")
     async def metrics(request):
-        body, ctype = rt.obs.metrics.render()
+        principal = request.ctx.principal
+        own = None if rt.keys.sees_all(principal) else principal_digest(principal)
+        body, ctype = rt.obs.metrics.render(own)
         return response.raw(body, content_type=ctype)
 
     @app.get("/v1/models")
@@ -56,10 +65,25 @@ def register(app: Sanic, rt: Runtime) -> None:
                 "max_concurrency": profile.max_concurrency,
                 "prefill_chunk": profile.prefill_chunk},
             "plan": _plan_report(rt.engine.plan),
-            "memory": rt.engine.memory_stats(),
-            "device_memory": _device_memory(profile),
+            "principal": _principal_view(rt, request.ctx.principal),
         }
+        if body["principal"]["sees_all"]:
+            body["memory"] = rt.engine.memory_stats()
+            body["device_memory"] = _device_memory(profile)
         return response.json(body)
+
+
+def _principal_view(rt: Runtime, principal: str) -> dict:
+    """What the status shows of the caller itself: its responses being generated and its
+    request counts by outcome (the whole server's only with `sees_all`)."""
+    sees_all = rt.keys.sees_all(principal)
+    mine = rt.obs.metrics.all if sees_all else rt.obs.metrics.view(principal_digest(principal))
+    counts = {s.labels["outcome"]: int(s.value) for f in mine.requests.collect()
+              for s in f.samples if s.name.endswith("_total")}
+    return {"name": principal, "sees_all": sees_all,
+            "in_flight": sum(1 for f in rt.inflight.values()
+                             if sees_all or f.principal == principal),
+            "requests": counts}
 
 
 def _device_memory(profile) -> dict | None:

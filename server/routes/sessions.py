@@ -12,6 +12,7 @@ from server.errors import APIError, invalid, not_found
 from server.request_fields import json_body
 from server.request_model import MAX_SESSION_KEY_BYTES
 from server.runtime import Runtime
+from server.storage_faults import storage_error
 
 
 def register(app: Sanic, rt: Runtime) -> None:
@@ -30,11 +31,19 @@ def register(app: Sanic, rt: Runtime) -> None:
             raise invalid(f"a session key is 1 to {MAX_SESSION_KEY_BYTES} bytes of UTF-8",
                           param="prompt_cache_key")
         principal = request.ctx.principal
-        n = await asyncio.to_thread(rt.response_store.purge_session, principal, key)
+        # Ordered so that a retry completes a purge a storage fault interrupted: the model
+        # states and the checkpoint files go first, the stored responses (what makes the
+        # session exist) last, in one transaction. A failure before that leaves the responses
+        # and answers 5xx; the retry finds the session and finishes.
         if rt.engine is not None:
             rt.engine.forget_session(principal, key)
-        await checkpoint_hooks.session_purged(rt, principal, key)
-        if n == 0:
+        try:
+            gens = await checkpoint_hooks.session_purged(rt, principal, key)
+        except OSError as e:
+            raise storage_error(rt.obs, "checkpoints", e, "purging the session's checkpoints",
+                                "Its stored responses were kept; retry the purge.") from None
+        n = await asyncio.to_thread(rt.response_store.purge_session, principal, key)
+        if n == 0 and not gens:
             raise not_found(f"No session '{key}'.")
         return response.json({"object": "ninfer.session", "deleted": True, "responses": n})
 
