@@ -49,15 +49,17 @@ class ServerProcess:
 def read_key(key_file: Path, principal: str = "default") -> str:
     for line in key_file.read_text().splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] == principal:
+        if len(parts) in (2, 3) and parts[0] == principal:  # `<principal> <key> [admin]`
             return parts[1]
     raise LookupError(principal)
 
 
 def start_server(state_dir: Path, *extra: str, timeout: float = 600.0,
-                 wait_ready: bool = True, principal: str | None = None) -> ServerProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0",
+                 wait_ready: bool = True, principal: str | None = None,
+                 wrap: tuple[str, ...] = (), env: dict | None = None) -> ServerProcess:
+    """`wrap`: a command prefix that execs the server (the process keeps its pid)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    cmd = [*wrap, sys.executable, "-m", "server.cli", "serve", "--port", "0",
            "--state-dir", str(state_dir), *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

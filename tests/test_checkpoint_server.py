@@ -57,7 +57,9 @@ def world(tmp_path_factory, embedded_models_dir):
     d = tmp_path_factory.mktemp("ckpt")
     (d / "models").symlink_to(embedded_models_dir)
     keys = d / "keys"
-    keys.write_text("".join(f"{p} {key_of(p)}\n" for p in PRINCIPALS))
+    # alice reads the whole server's checkpoint metrics: an admin (server/auth.py)
+    keys.write_text("".join(f"{p} {key_of(p)}{' admin' if p == 'alice' else ''}\n"
+                            for p in PRINCIPALS))
     keys.chmod(0o600)
     base = (PROFILE_DIR / "cpu.toml").read_text()
     small = (base.replace("context_tokens = 32768", "context_tokens = 4096")

@@ -15,7 +15,8 @@ def state_dir(tmp_path_factory, embedded_models_dir):
     d = tmp_path_factory.mktemp("chains")
     (d / "models").symlink_to(embedded_models_dir)  # reuse the generated model
     keys = d / "keys"
-    keys.write_text("alice nk-alice-0123456789abcdef\nbob nk-bob-0123456789abcdef00\n")
+    # alice is an admin: she reads the engine's memory in /v1/ninfer/status
+    keys.write_text("alice nk-alice-0123456789abcdef admin\nbob nk-bob-0123456789abcdef00\n")
     keys.chmod(0o600)
     return d
 
