@@ -203,6 +203,9 @@ def test_s2_true_cold_restore_corruption_and_graceful_stop(world):
             assert all(v >= 0 for v in st.values()) and st["total"] <= e["seconds"]
         assert 'ninfer_checkpoint_restores_total{outcome="restored"} 2.0' in metrics
         assert 'ninfer_checkpoint_restores_total{outcome="corrupt"} 1.0' in metrics
+        # a corrupt checkpoint is a storage fault: on stderr and in its counter too
+        assert 'ninfer_storage_errors_total{kind="corrupt",store="checkpoints"} 1.0' in metrics
+        assert "storage fault: checkpoints: corrupt" in "".join(srv.log)
         assert "ninfer_checkpoint_restore_bytes_total 0.0" not in metrics
     finally:
         kill(srv, signal.SIGTERM)
