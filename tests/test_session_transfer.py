@@ -1,14 +1,15 @@
-"""Sessions leave the machine, through real server processes on loopback:
+"""Sessions leave the machine, through real server processes on loopback (three starts):
 
-  T1  server A builds alice's session and exports it while serving; A, never stopped, then
-      continues it: the reference
-  T2  server B (another state dir, its own secrets, the same transfer key) imports the bundle
-      while running (control socket); `previous_response_id` continues there token-identically
-      from the restored checkpoint; another principal's and a wrong key's imports are refused
+  T1  server A builds alice's and bob's sessions, exports both while serving, then (never
+      stopped) continues each by two turns: the references
+  T2  server B (another state dir, its own secrets, the same transfer key) gets bob's bundle
+      while stopped and alice's while running (control socket); alice's `previous_response_id`
+      and bob's resent transcript with the same prompt_cache_key restore from the imported
+      checkpoints and continue token-identically; another principal's bundle and a wrong
+      transfer key are refused; B is backed up while it serves
   T3  with B stopped, every bad bundle is refused before any write, naming the file and entry
-  T4  state dir C imports while stopped, then a resent transcript with the same
-      prompt_cache_key restores from the checkpoint; C is backed up while serving, its whole
-      state dir removed, restored, and the next turn continues token-identically
+  T4  B's whole state dir is removed, restored from the backup, and both sessions continue
+      token-identically from their checkpoints
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -78,65 +78,117 @@ def world(tmp_path_factory, embedded_models_dir):
     lane.write_text(small)
     keys = "".join(f"{p} {key_of(p)}\n" for p in ("alice", "bob"))
     w = SimpleNamespace(root=root, r={}, ids={})
-    w.a, w.b, w.c = (state_dir(root, n, str(lane), keys) for n in "abc")
-    w.bundle = root / "alice.bundle"
+    w.a, w.b = (state_dir(root, n, str(lane), keys) for n in "ab")
+    w.bundle = {who: root / f"{who}.bundle" for who in ("alice", "bob")}
     yield w
-    for d in (w.a, w.b, w.c):  # a test that failed midway leaves its server running
+    for d in (w.a, w.b):  # a test that failed midway leaves its server running
         if getattr(d, "srv", None) is not None:
             d.srv.stop()
 
 
-def test_t1_export_while_serving_and_the_reference(world):
+SHORT = 24  # lines of the review prompt: ~370 tokens, six pages
+N = 32  # greedy tokens a turn
+
+
+def prompt(seed):
+    return "\n".join(big_prompt(seed).splitlines()[:SHORT])
+
+
+def test_t1_export_while_serving_and_the_references(world):
     w = world
     key = ninfer("checkpoints", "transfer-key", "--state-dir", w.a.dir).strip()
     assert key == str(w.a.dir / TRANSFER_KEY) and os.stat(key).st_mode & 0o777 == 0o600
-    for other in (w.b, w.c):  # the owner gives the key to both servers
-        (other.dir / "secrets").mkdir(mode=0o700)
-        shutil.copy2(key, other.dir / TRANSFER_KEY)
+    (w.b.dir / "secrets").mkdir(mode=0o700)  # the owner gives the key to the other server
+    shutil.copy2(key, w.b.dir / TRANSFER_KEY)
     w.a.srv = srv = start(w.a)
-    r1 = ask(srv, "alice", big_prompt(1), n=8)
-    r2 = ask(srv, "alice", TURNS[2], prev=r1)
-    assert all(x["status"] in ("saved", "already_saved") for x in save_now(srv, "alice"))
-    out = ninfer("checkpoints", "export", "--state-dir", w.a.dir, "--session", SESSION,
-                 "--principal", "alice", "--out", w.bundle)
-    assert out["frontier_tokens"] == fed(r2) and out["responses"] == 2
-    assert w.bundle.stat().st_mode & 0o777 == 0o600 and out["bytes"] == w.bundle.stat().st_size
-    with tarfile.open(w.bundle) as t:
+    try:
+        for who, seed in (("alice", 1), ("bob", 2)):
+            r1 = ask(srv, who, prompt(seed), n=8)
+            r2 = ask(srv, who, TURNS[2], prev=r1, n=N)
+            assert all(x["status"] in ("saved", "already_saved") for x in save_now(srv, who))
+            out = ninfer("checkpoints", "export", "--state-dir", w.a.dir, "--session", SESSION,
+                         "--principal", who, "--out", w.bundle[who])
+            assert out["frontier_tokens"] == fed(r2) and out["responses"] == 2
+            st = w.bundle[who].stat()
+            assert st.st_mode & 0o777 == 0o600 and out["bytes"] == st.st_size
+            r3 = ask(srv, who, TURNS[3], prev=r2, n=N)
+            r4 = ask(srv, who, TURNS[4], prev=r3, n=N)
+            w.r[who] = [r1, r2, r3, r4]
+    finally:
+        srv.stop()
+    with tarfile.open(w.bundle["alice"]) as t:
         names = t.getnames()
     assert names[0] == "bundle.json" and names[-1] == "bundle.mac"
     assert "responses.json" in names and any(n.startswith("pages/") for n in names)
-    r3 = ask(srv, "alice", TURNS[3], prev=r2)  # A never stopped: the reference
-    w.r.update(r1=r1, r2=r2, r3=r3)
-    w.ids["ref3"] = out_ids(w.a, r3["id"])
-    assert len(set(w.ids["ref3"])) >= 16
+    for who in ("alice", "bob"):
+        w.ids[who] = [out_ids(w.a, r["id"]) for r in w.r[who][2:]]
+        assert all(len(ids) == N and len(set(ids)) >= 8 for ids in w.ids[who])
+    assert w.ids["alice"][0] != w.ids["bob"][0]  # negative control: another history
 
 
-def test_t2_import_into_a_running_server_continues_exactly(world):
+def transcript(rs, turn):
+    """The conversation of responses `rs` resent as input items, plus a new user turn."""
+    items = []
+    for i, r in enumerate(rs):
+        items.append({"role": "user", "content": prompt(2) if i == 0 else TURNS[i + 1]})
+        items += r["output"]
+    return items + [{"role": "user", "content": turn}]
+
+
+def warm_caches(w):
+    """B starts with A's compiled executables and artifact stamps (caches keyed by the code
+    and the artifact, never session state: the checkpoint secret stays B's own), so that a
+    start loads its forwards instead of compiling them."""
+    for name in ("executables", "verified"):
+        if (w.a.dir / name).is_dir() and not (w.b.dir / name).exists():
+            shutil.copytree(w.a.dir / name, w.b.dir / name)
+    for name in ("executable.key", "artifact-stamp.key"):
+        if not (w.b.dir / "secrets" / name).exists():
+            shutil.copy2(w.a.dir / "secrets" / name, w.b.dir / "secrets" / name)
+
+
+def restored(w, r, cached):
+    rec = done_record(w, r["id"])
+    assert (rec["path"], rec["checkpoint"]) == ("disk-restored", "restored"), rec
+    assert r["usage"]["input_tokens_details"]["cached_tokens"] == cached
+    assert rec["computed_tokens"] == r["usage"]["input_tokens"] - cached
+
+
+def test_t2_stopped_and_running_imports_continue_exactly(world):
     w = world
+    got = ninfer("checkpoints", "import", w.bundle["bob"], "--state-dir", w.b.dir)
+    assert got["server"] == "stopped" and got["fingerprint_checked"] == "code_only"
+    warm_caches(w)
     w.b.srv = srv = start(w.b)
     try:
         bad_key = w.root / "wrong.key"
         ninfer("checkpoints", "transfer-key", "--out", bad_key)
-        msg = ninfer("checkpoints", "import", w.bundle, "--state-dir", w.b.dir,
+        msg = ninfer("checkpoints", "import", w.bundle["alice"], "--state-dir", w.b.dir,
                      "--transfer-key", bad_key, ok=False)
-        assert "bundle.mac does not verify" in msg and str(w.bundle) in msg
-        msg = ninfer("checkpoints", "import", w.bundle, "--state-dir", w.b.dir,
+        assert "bundle.mac does not verify" in msg and str(w.bundle["alice"]) in msg
+        msg = ninfer("checkpoints", "import", w.bundle["alice"], "--state-dir", w.b.dir,
                      "--principal", "bob", ok=False)
         assert "another principal" in msg
         before = tree(w.b.dir)
-        got = ninfer("checkpoints", "import", w.bundle, "--state-dir", w.b.dir,
+        got = ninfer("checkpoints", "import", w.bundle["alice"], "--state-dir", w.b.dir,
                      "--principal", "alice")
         assert got["server"] == "running" and got["responses"] == 2
-        assert got["frontier_tokens"] == fed(w.r["r2"])
         assert tree(w.b.dir)[1] == before[1] + 2
-        b3 = ask(srv, "alice", TURNS[3], prev=w.r["r2"])
-        rec = done_record(w.b, b3["id"])
-        assert (rec["path"], rec["checkpoint"]) == ("disk-restored", "restored")
-        assert b3["usage"]["input_tokens_details"]["cached_tokens"] == fed(w.r["r2"])
-        assert rec["computed_tokens"] == b3["usage"]["input_tokens"] - fed(w.r["r2"])
+        a1, a2 = w.r["alice"][:2]
+        b3 = ask(srv, "alice", TURNS[3], prev=a2, n=N)
+        restored(w.b, b3, fed(a2))
+        o1, o2 = w.r["bob"][:2]
+        c3 = ask(srv, "bob", transcript([o1, o2], TURNS[3]), n=N)
+        restored(w.b, c3, fed(o2))
+        for who in ("alice", "bob"):
+            assert all(x["status"] in ("saved", "already_saved") for x in save_now(srv, who))
+        bk = ninfer("backup", "--state-dir", w.b.dir, "--out", w.root / "b-backup")
+        assert bk["generations"] >= 2 and not bk["skipped"]
     finally:
         srv.stop()
-    assert out_ids(w.b, b3["id"]) == w.ids["ref3"]
+    assert out_ids(w.b, b3["id"]) == w.ids["alice"][0]
+    assert out_ids(w.b, c3["id"]) == w.ids["bob"][0]
+    w.r["b3"], w.r["c3"] = b3, c3
 
 
 def _rewrite(src, dst, edit):
@@ -150,10 +202,10 @@ def _rewrite(src, dst, edit):
 
 def _bad_bundles(w):
     key = read_transfer_key(w.a.dir / TRANSFER_KEY)
-    raw = w.bundle.read_bytes()
+    raw = w.bundle['alice'].read_bytes()
     bad = {}
     flipped = bytearray(raw)
-    with tarfile.open(w.bundle) as t:
+    with tarfile.open(w.bundle['alice']) as t:
         page = next(m for m in t.getmembers() if m.name.startswith("pages/"))
     flipped[page.offset_data + 100] ^= 0x01
     bad["flipped"] = (bytes(flipped), page.name)
@@ -177,10 +229,10 @@ def _bad_bundles(w):
                               ("absolute", "/tmp/escape", tarfile.REGTYPE),
                               ("symlink", "responses.json", tarfile.SYMTYPE)):
         p = w.root / f"{label}.bundle"
-        _rewrite(w.bundle, p, entry(name, kind))
+        _rewrite(w.bundle['alice'], p, entry(name, kind))
         bad[label] = (p.read_bytes(), name if label != "symlink" else "not a regular file")
     # a correctly signed bundle whose runtime differs: another KV capacity
-    with tarfile.open(w.bundle) as t:
+    with tarfile.open(w.bundle['alice']) as t:
         members = {m.name: t.extractfile(m).read() for m in t.getmembers()}
     head = json.loads(members.pop("bundle.json"))
     members.pop("bundle.mac")
@@ -195,53 +247,39 @@ def _bad_bundles(w):
     return bad
 
 
-def test_t3_bad_bundles_are_refused_before_any_write(world):
+def test_t3_bad_bundles_are_refused_before_any_write(world, capsys):
+    from server.cli import main
+
     w = world
     before = tree(w.b.dir)
     for label, (data, named) in _bad_bundles(w).items():
         p = w.root / f"bad-{label}.bundle"
         p.write_bytes(data)
-        msg = ninfer("checkpoints", "import", p, "--state-dir", w.b.dir, ok=False)
+        capsys.readouterr()
+        assert main(["checkpoints", "import", str(p), "--state-dir", str(w.b.dir)]) == 1
+        msg = capsys.readouterr().err
         assert str(p) in msg and named in msg, (label, msg)
         assert tree(w.b.dir) == before, label
     assert not list((w.b.dir / "checkpoints" / "sessions").rglob(".staging-*"))
 
 
-def test_t4_stopped_import_transcript_restore_then_backup_and_recovery(world):
+def test_t4_recovery_after_the_state_dir_is_lost(world):
     w = world
-    got = ninfer("checkpoints", "import", w.bundle, "--state-dir", w.c.dir)
-    assert got["server"] == "stopped" and got["fingerprint_checked"] == "code_only"
-    w.c.srv = srv = start(w.c)
+    shutil.rmtree(w.b.dir)
+    w.b.dir.mkdir(mode=0o700)
+    (w.b.dir / "models").symlink_to(w.root / "models")
+    got = ninfer("restore", "--state-dir", w.b.dir, w.root / "b-backup")
+    assert got["responses_db"] == "restored" and got["generations"] >= 2
+    assert (w.b.dir / "checkpoints" / "secret").read_bytes() != (
+        w.a.dir / "checkpoints" / "secret").read_bytes()
+    warm_caches(w)
+    w.b.srv = srv = start(w.b)
     try:
-        r1, r2 = w.r["r1"], w.r["r2"]
-        transcript = ([{"role": "user", "content": big_prompt(1)}] + r1["output"]
-                      + [{"role": "user", "content": TURNS[2]}] + r2["output"]
-                      + [{"role": "user", "content": TURNS[3]}])
-        c3 = ask(srv, "alice", transcript)
-        rec = done_record(w.c, c3["id"])
-        assert (rec["path"], rec["checkpoint"]) == ("disk-restored", "restored")
-        assert rec["cached_tokens"] == fed(r2)
-        assert all(x["status"] in ("saved", "already_saved") for x in save_now(srv, "alice"))
-        bk = ninfer("backup", "--state-dir", w.c.dir, "--out", w.root / "c-backup")
-        assert bk["generations"] >= 1 and not bk["skipped"]
+        b4 = ask(srv, "alice", TURNS[4], prev=w.r["b3"], n=N)
+        restored(w.b, b4, fed(w.r["b3"]))
+        c4 = ask(srv, "bob", TURNS[4], prev=w.r["c3"], n=N)
+        restored(w.b, c4, fed(w.r["c3"]))
     finally:
         srv.stop()
-    assert out_ids(w.c, c3["id"]) == w.ids["ref3"]
-    shutil.rmtree(w.c.dir)  # the whole state dir is lost
-    w.c.dir.mkdir(mode=0o700)
-    (w.c.dir / "models").symlink_to(w.root / "models")
-    got = ninfer("restore", "--state-dir", w.c.dir, w.root / "c-backup")
-    assert got["responses_db"] == "restored" and got["generations"] >= 1
-    a4 = ask(w.a.srv, "alice", TURNS[4], prev=w.r["r3"])  # the reference, on A
-    w.c.srv = srv = start(w.c)
-    w.c.srv = srv
-    try:
-        c4 = ask(srv, "alice", TURNS[4], prev=c3)
-        rec = done_record(w.c, c4["id"])
-        assert (rec["path"], rec["checkpoint"]) == ("disk-restored", "restored")
-        assert rec["cached_tokens"] == fed(c3)
-    finally:
-        srv.stop()
-        w.a.srv.proc.send_signal(signal.SIGTERM)
-        w.a.srv.proc.wait(timeout=60)
-    assert out_ids(w.c, c4["id"]) == out_ids(w.a, a4["id"])
+    assert out_ids(w.b, b4["id"]) == w.ids["alice"][1]
+    assert out_ids(w.b, c4["id"]) == w.ids["bob"][1]
