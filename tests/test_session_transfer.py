@@ -242,7 +242,7 @@ def _bad_bundles(w):
     head.update(fingerprint=fp, fingerprint_sha256=fingerprint_digest(fp))
     p = w.root / "other-runtime.bundle"
     write_bundle(p, key, {k: v for k, v in head.items() if k not in ("entries",)},
-                 list(members.items()))
+                 [(n, d, None) for n, d in members.items()])
     bad["fingerprint"] = (p.read_bytes(), "kv_capacity_tokens")
     return bad
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import io
 import json
 import os
 import re
 import secrets
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,36 +77,58 @@ def _mac(key: bytes, header: bytes) -> str:
     return hmac.new(key, _MAC_DOMAIN + header, hashlib.sha256).hexdigest()
 
 
-def write_bundle(out: Path, key: bytes, header: dict, entries: list[tuple[str, object]]) -> int:
+def _tar_member(name: str, size: int, mtime: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o600, mtime
+    return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_bundle(out: Path, key: bytes, header: dict, entries: list, pool=None) -> int:
     """Write the bundle atomically (a temporary file beside `out`, fsync, rename, fsync the
-    directory). `entries` are (name, buffer); `header` gains their sizes and digests. Returns
-    the bundle's size in bytes."""
+    directory). `entries` are (name, buffer, sha256 or None: hashed here, on `pool` when
+    given); `header` gains their sizes and digests. Each payload goes to the file in one
+    write, no copy. Returns the bundle's size in bytes."""
     out = Path(out)
-    listed = []
-    for name, data in entries:
+    for name, _, _ in entries:
         if not _ENTRY.fullmatch(name):
             raise ValueError(f"not a bundle entry name: {name!r}")
-        view = memoryview(data).cast("B")
-        listed.append({"path": name, "bytes": view.nbytes,
-                       "sha256": hashlib.sha256(view).hexdigest()})
+    views = [memoryview(data).cast("B") for _, data, _ in entries]
+    todo = [i for i, (_, _, sha) in enumerate(entries) if sha is None]
+    run = pool.map if pool is not None else map
+    hashed = dict(zip(todo, run(lambda i: hashlib.sha256(views[i]).hexdigest(), todo)))
+    listed = [{"path": name, "bytes": views[i].nbytes, "sha256": sha or hashed[i]}
+              for i, (name, _, sha) in enumerate(entries)]
     head = dict(header, type=BUNDLE_TYPE, schema=BUNDLE_SCHEMA, entries=listed)
     head_b = json.dumps(head, sort_keys=True, separators=(",", ":")).encode()
+    members = ([(HEADER, memoryview(head_b))] + [(e["path"], v) for e, v in zip(listed, views)]
+               + [(MAC, memoryview((_mac(key, head_b) + "\n").encode()))])
+    mtime = int(head["created_at"])
     tmp = out.with_name(f".tmp-{out.name}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w",
-                                                     format=tarfile.USTAR_FORMAT) as tar:
-            members = [(HEADER, head_b)] + entries + [(MAC, (_mac(key, head_b) + "\n").encode())]
-            for name, data in members:
-                info = tarfile.TarInfo(name)
-                view = memoryview(data).cast("B")
-                info.size, info.mode, info.mtime = view.nbytes, 0o600, int(head["created_at"])
-                tar.addfile(info, io.BytesIO(view))
-            tar.close()
-            f.flush()
-            os.fsync(f.fileno())
+        total = 0
+        for name, view in members:  # ustar: header block, data, zero padding to 512
+            pad = -view.nbytes % tarfile.BLOCKSIZE
+            _write_all(fd, _tar_member(name, view.nbytes, mtime))
+            _write_all(fd, view)
+            _write_all(fd, bytes(pad))
+            total += tarfile.BLOCKSIZE + view.nbytes + pad
+        end = 2 * tarfile.BLOCKSIZE  # two zero blocks, then up to a whole record
+        end += -(total + end) % tarfile.RECORDSIZE
+        _write_all(fd, bytes(end))
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
         os.replace(tmp, out)
     except BaseException:
+        if fd >= 0:
+            os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(out.parent)
@@ -178,12 +200,16 @@ def read_bundle(path: Path, key: bytes) -> Bundle:
             head[field]  # noqa: B018 - presence
     except (KeyError, TypeError, ValueError) as e:
         raise BundleError(f"{where}: {HEADER} is malformed ({e})") from None
-    for name in sorted(set(listed) | set(data)):
+    names = sorted(set(listed) | set(data))
+    for name in names:
         if name not in data:
             raise BundleError(f"{where}: entry {name} is missing (truncated bundle?)")
         if name not in listed:
             raise BundleError(f"{where}: entry {name} is not listed in {HEADER}")
-        body, e = data[name], listed[name]
-        if len(body) != e["bytes"] or hashlib.sha256(body).hexdigest() != e["sha256"]:
+    with ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4)) as pool:
+        sums = list(pool.map(lambda n: hashlib.sha256(data[n]).hexdigest(), names))
+    for name, sha in zip(names, sums):
+        e = listed[name]
+        if len(data[name]) != e["bytes"] or sha != e["sha256"]:
             raise BundleError(f"{where}: entry {name}: size or sha256 differs from {HEADER}")
     return Bundle(head, data)

@@ -86,20 +86,22 @@ def export_session(state_dir: Path, principal: str, session: str, out: Path,
     digests = list(res.page_digests)
     rows = response_rows.export_session(state_dir / "responses.db", principal, session)
     tokens = np.ascontiguousarray(res.tokens, "<i4").tobytes()
-    entries = [("checkpoint/tokens.bin", tokens), ("checkpoint/state.bin", res.state_bytes)]
+    state_sha = next(f["sha256"] for f in m["files"] if f["path"] == "state.bin")
+    entries = [("checkpoint/tokens.bin", tokens, None),  # verified: their digests are known
+               ("checkpoint/state.bin", res.state_bytes, state_sha)]
     seen = set()
     for d, view in zip(digests, res.pages):
         if d not in seen:
             seen.add(d)
-            entries.append((f"pages/{d}", view))
-    entries.append(("responses.json", response_rows.encode(rows)))
+            entries.append((f"pages/{d}", view, d))
+    entries.append(("responses.json", response_rows.encode(rows), None))
     header = {"principal": principal, "session": session, "created_at": round(time.time(), 3),
               "fingerprint": m["fingerprint"], "fingerprint_sha256": m["fingerprint_sha256"],
               "checkpoint": {"generation": res.generation,
                              "head_response_id": res.head_response_id,
                              "frontier_tokens": int(res.tokens.shape[0]),
                              "page_size": m["page_size"], "pages": digests}}
-    size = write_bundle(out, key, header, entries)
+    size = write_bundle(out, key, header, entries, pool)
     return {"bundle": str(out), "bytes": size, "generation": res.generation,
             "frontier_tokens": int(res.tokens.shape[0]), "pages": len(digests),
             "responses": len(rows["responses"])}
