@@ -268,6 +268,14 @@ def test_t4_recovery_after_the_state_dir_is_lost(world):
     shutil.rmtree(w.b.dir)
     w.b.dir.mkdir(mode=0o700)
     (w.b.dir / "models").symlink_to(w.root / "models")
+    bad = w.root / "b-backup-flipped"  # a damaged backup is refused before any write
+    shutil.copytree(w.root / "b-backup", bad)
+    page = next((bad / "checkpoints" / "pages").rglob("*/*"))
+    data = bytearray(page.read_bytes())
+    data[7] ^= 0x10
+    page.write_bytes(bytes(data))
+    msg = ninfer("restore", "--state-dir", w.b.dir, bad, ok=False)
+    assert str(page) in msg and sorted(os.listdir(w.b.dir)) == ["models"]
     got = ninfer("restore", "--state-dir", w.b.dir, w.root / "b-backup")
     assert got["responses_db"] == "restored" and got["generations"] >= 2
     assert (w.b.dir / "checkpoints" / "secret").read_bytes() != (
