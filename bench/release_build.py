@@ -13,7 +13,6 @@ import datetime
 import filecmp
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench.release_build")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "release.json")
     args = ap.parse_args(argv)
+    from bench.suites import machine
     from release.build import build
     from release.manifest import sha256_file
 
@@ -72,8 +72,7 @@ def main(argv=None) -> int:
         result = {
             "command": "python -m bench.release_build",
             "date": datetime.date.today().isoformat(),
-            "machine": {"cpu": platform.processor() or platform.machine(),
-                        "cores": len(os.sched_getaffinity(0)), "python": sys.version.split()[0]},
+            "machine": machine(),
             "commit": commit,
             "plan": {n: e["bundle"]["platform"] for n, e in doc["lanes"].items()},
             "build_seconds": dict(runs),

@@ -241,6 +241,8 @@ def run_h200(args) -> dict:
 
     from engine.plan import H200
 
+    if args.engine_json:
+        return _h200_composed(args)
     if jax.default_backend() != "gpu":
         raise SuiteUnavailable(f"the h200 suite needs a GPU; JAX's backend here is "
                                f"{jax.default_backend()!r}")
@@ -260,6 +262,20 @@ def run_h200(args) -> dict:
     figures, ratios = h200_figures(engine, peer)
     return record("h200", args.argv, H200, {**figures, "engine_27b": engine, "peer": peer},
                   ratios, engine_command=" ".join(cmd[1:]), peer_command=peer_cmd)
+
+
+def _h200_composed(args) -> dict:
+    """The record from parts measured in earlier device calls (bench/engine_27b.py's and
+    bench/peer_hf.py's own result files), for a run split across calls: the machine is the one
+    those files name, not this one."""
+    from engine.plan import H200
+
+    engine = json.loads(Path(args.engine_json).read_text())
+    peer = json.loads(Path(args.peer_json).read_text()) if args.peer_json else None
+    figures, ratios = h200_figures(engine, peer)
+    gpu = {"gpu": engine.get("device"), "jax": engine.get("jax"), "python": engine.get("python")}
+    return record("h200", args.argv, H200, {**figures, "engine_27b": engine, "peer": peer},
+                  ratios, machine=gpu, composed_from=[args.engine_json, args.peer_json])
 
 
 def _h200_peer(out: Path) -> tuple[dict, str]:
@@ -349,6 +365,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--chart", action="store_true", help="also draw the figures (PNG beside it)")
     ap.add_argument("--prompt-tokens", type=int, default=4600)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--engine-json", help="h200: compose the record from this engine_27b result "
+                    "(measured in an earlier call) instead of running it")
+    ap.add_argument("--peer-json", help="h200, with --engine-json: the peer_hf result beside it")
     ap.add_argument("--reps", type=int, default=None,
                     help="runs of each figure (default: cpu 2, h200 5; medians)")
     try:

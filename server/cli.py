@@ -269,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("ctl", help="control a running server: status | save | drain | stop",
                    add_help=False)
+    sub.add_parser("checkpoints", help="move a session: transfer-key | export | import",
+                   add_help=False)
+    sub.add_parser("backup", help="back up the whole state while the server runs",
+                   add_help=False)
+    sub.add_parser("restore", help="bring back lost state from a backup", add_help=False)
     sub.add_parser("lane", help="install, start, stop, upgrade and roll back a lane",
                    add_help=False)
     sub.add_parser("lock", help="regenerate the hash-locked requirements (one lock a platform)",
@@ -286,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
         from server.ctl import main as ctl_main
 
         return ctl_main(argv[1:], default_state_dir())
+    if argv[:1] == ["checkpoints"]:
+        from server.checkpoints_cli import main as checkpoints_main
+
+        return checkpoints_main(argv[1:], default_state_dir())
+    if argv[:1] in (["backup"], ["restore"]):
+        from server.backup import main as backup_main
+
+        return backup_main(argv, default_state_dir())
     if argv[:1] == ["plan"]:
         from lanes.cli import main as plan_main
 

@@ -136,7 +136,37 @@ def _servicer(life: Lifecycle):
                 drained=r["drained"], seconds=r["seconds"],  # its groups: the save statuses
                 **{s.value: _session_results(r[s]) for s in SAVE_OUTCOMES}))
 
+        def Import(self, request, context):
+            import grpc
+
+            from server.checkpoints.bundle import BundleError
+
+            try:
+                r = import_running(life.rt, Path(request.path),
+                                   Path(request.transfer_key_path), request.principal or None)
+            except BundleError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return pb.ImportReply(**r)
+
     return Control()
+
+
+def import_running(rt, path: Path, key_path: Path, principal: str | None) -> dict:
+    """`Import`: the bundle into this server's stores, checked against its exact runtime
+    fingerprint."""
+    from server.checkpoints.bundle import BundleError, read_transfer_key
+    from server.checkpoints.transfer import publish_verified, verify_for_import
+
+    ck = rt.checkpointer
+    if ck is None or ck.engine is None:
+        raise BundleError("this server has no checkpoint store, or has not loaded its model")
+    key = read_transfer_key(key_path)
+    b, rows = verify_for_import(path, key, ck.fingerprint, True, principal, rt.response_store)
+    if not ck.accept_import(b.principal, b.session):
+        raise BundleError(f"{path}: the session is live on this server; import refused")
+    r = publish_verified(b, rows, ck.store, rt.response_store, path)
+    return {k: r[k] for k in ("generation", "frontier_tokens", "pages", "pages_written",
+                              "responses", "head_response_id")}
 
 
 def start_ctl_server(life: Lifecycle):

@@ -54,6 +54,11 @@ class ControlStub:
                 request_serializer=server_dot_ctl__pb2.StopRequest.SerializeToString,
                 response_deserializer=server_dot_ctl__pb2.StopReply.FromString,
                 _registered_method=True)
+        self.Import = channel.unary_unary(
+                '/ninfer.ctl.v1.Control/Import',
+                request_serializer=server_dot_ctl__pb2.ImportRequest.SerializeToString,
+                response_deserializer=server_dot_ctl__pb2.ImportReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -86,6 +91,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Import(self, request, context):
+        """Import a session bundle (`./ninfer checkpoints import` while the server runs): verified
+        with the transfer key, published into this server's checkpoint and response stores.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=server_dot_ctl__pb2.StopRequest.FromString,
                     response_serializer=server_dot_ctl__pb2.StopReply.SerializeToString,
+            ),
+            'Import': grpc.unary_unary_rpc_method_handler(
+                    servicer.Import,
+                    request_deserializer=server_dot_ctl__pb2.ImportRequest.FromString,
+                    response_serializer=server_dot_ctl__pb2.ImportReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class Control:
             '/ninfer.ctl.v1.Control/Stop',
             server_dot_ctl__pb2.StopRequest.SerializeToString,
             server_dot_ctl__pb2.StopReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Import(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ninfer.ctl.v1.Control/Import',
+            server_dot_ctl__pb2.ImportRequest.SerializeToString,
+            server_dot_ctl__pb2.ImportReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -137,6 +137,17 @@ class Checkpointer:
         self._enqueue(("save_export", snap.principal, snap.session, head, exp))
 
     # ---- restore --------------------------------------------------------------------------
+    def accept_import(self, principal: str, session: str) -> bool:
+        """Before an import publishes (principal, session): False while this process holds
+        the session's state (its own turns would race the import); else forget an earlier
+        miss, so the next request loads what the import wrote."""
+        k = (principal, session)
+        with self._mu:
+            if k in self._heads:
+                return False
+            self._resident.discard(k)
+            return True
+
     def restore_for(self, principal: str, session: str | None, prompt_ids) -> str | None:
         """Before a request of (principal, session) is submitted: install its checkpoint if
         this process does not hold the session's state. Returns the reason logged with the

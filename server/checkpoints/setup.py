@@ -66,7 +66,13 @@ def attach(rt, ck, model, profile, engine) -> None:
         return
     from server.checkpoints.fingerprint import fingerprint_digest, runtime_fingerprint
 
+    from server.checkpoints.transfer import record_runtime
+
     fp = runtime_fingerprint(model, profile, engine)
+    try:  # a stopped-server import checks bundles against it
+        record_runtime(ck.store.root, fp)
+    except OSError as e:
+        print(f"ninfer: could not record the runtime fingerprint: {e}", file=sys.stderr)
     ck.attach(engine, fp)
     rt.fingerprint_sha256 = fingerprint_digest(fp)
     rt.checkpointer = ck

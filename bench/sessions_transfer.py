@@ -1,0 +1,174 @@
+r"""Session export/import throughput (`./ninfer checkpoints export|import`): no server, no model.
+
+    .venv/bin/python bench/sessions_transfer.py --dir /tmp/sxfer \
+        --out docs/benchmarks/sessions_transfer.json
+
+Builds one synthetic session in a state directory through the real stores (a
+`CheckpointStore.save` of random pages and a random recurrent-state image, and a chain of
+stored responses in the `ResponseStore`), then, --reps times: exports it (the store read and
+verified without its lock, the bundle hashed, written and fsync'd), verifies the bundle alone
+(`read_bundle`: every entry's sha256 and the tag), and imports it into a fresh state directory
+with the server stopped (the whole import: verification, publish through the store's save
+protocol, the responses' transaction). Each runs twice: warm (the files just written, in the
+page cache) and cold (the files read are dropped from the page cache first, with
+posix_fadvise(DONTNEED) on the clean, fsync'd files). MB/s are over the bundle's bytes.
+
+Default config: 4 MiB pages (qwen3.8-27b BF16: 64 tokens x 64 KiB) x 64 (a 4K-token session)
+plus the 27B's 153,944,064-byte state image; --pages scales it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PRINCIPAL, SESSION = "bench", "bench-session"
+
+
+def evict(root: Path) -> None:
+    """Drop `root`'s files (or the file itself) from the page cache."""
+    paths = [root] if root.is_file() else [Path(d) / n for d, _, ns in os.walk(root) for n in ns]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def build_source(state: Path, page_bytes: int, pages: int, state_bytes: int) -> dict:
+    from server.checkpoints.checkpoint_store import CheckpointStore
+    from server.checkpoints.publish import SaveInput
+    from server.checkpoints.transfer import expected_fingerprint, record_runtime
+    from server.response_store import ResponseRecord, ResponseStore
+
+    rng = np.random.default_rng(0)
+    store = CheckpointStore(state / "checkpoints", quota_bytes=1 << 40)
+    fp, _ = expected_fingerprint(store.root)
+    fp = dict(fp, page_size=64, plan={"bench": True})
+    record_runtime(store.root, fp)  # the importing side checks against the same runtime
+    tokens = rng.integers(0, 1000, pages * 64 - 7).astype(np.int32)
+    rs = ResponseStore(state / "responses.db")
+    prev = None
+    for i in range(4):
+        rid = f"resp_bench{i}"
+        rs.put_response(ResponseRecord(
+            id=rid, principal=PRINCIPAL, model="bench", status="completed",
+            input_items=[{"type": "message", "role": "user", "content": f"turn {i}"}],
+            output_items=[{"type": "message", "role": "assistant",
+                           "content": [{"type": "output_text", "text": "ok " * 50}]}],
+            output_token_ids=[list(range(100))], previous_response_id=prev,
+            prompt_cache_key=SESSION, prompt_tokens=len(tokens)))
+        prev = rid
+    rs.close()
+    inp = SaveInput(tokens=tokens, page_size=64,
+                    pages=[rng.integers(0, 255, page_bytes, np.uint8) for _ in range(pages)],
+                    digests=[None] * pages,
+                    state=rng.integers(0, 255, state_bytes, np.uint8), head_response_id=prev)
+    res = store.save(PRINCIPAL, SESSION, inp, fp)
+    store.close()
+    assert res.status == "saved", res
+    return fp
+
+
+def one_rep(work: Path, src: Path, key: bytes, cold: bool) -> dict:
+    from server.checkpoints.bundle import read_bundle
+    from server.checkpoints.checkpoint_store import CheckpointStore
+    from server.checkpoints.transfer import (expected_fingerprint, export_session,
+                                             import_session, record_runtime)
+    from server.response_store import ResponseStore
+
+    bundle = work / "session.bundle"
+    bundle.unlink(missing_ok=True)
+    if cold:
+        evict(src / "checkpoints")
+    with ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4)) as pool:
+        t = time.perf_counter()
+        export_session(src, PRINCIPAL, SESSION, bundle, key, pool)
+        t_export = time.perf_counter() - t
+    size = bundle.stat().st_size
+    if cold:
+        evict(bundle)
+    t = time.perf_counter()
+    read_bundle(bundle, key)
+    t_verify = time.perf_counter() - t
+    dst = work / "dst"
+    shutil.rmtree(dst, ignore_errors=True)
+    (dst / "checkpoints").mkdir(parents=True, mode=0o700)
+    fp = json.loads((src / "checkpoints" / "runtime.json").read_text())
+    record_runtime(dst / "checkpoints", fp)
+    if cold:
+        evict(bundle)
+    t = time.perf_counter()
+    store = CheckpointStore(dst / "checkpoints", quota_bytes=1 << 40)
+    rs = ResponseStore(dst / "responses.db")
+    expected, complete = expected_fingerprint(dst / "checkpoints")
+    r = import_session(bundle, key, store, rs, expected, complete)
+    rs.close()
+    store.close()
+    t_import = time.perf_counter() - t
+    assert r["responses"] == 4 and complete
+    mb = size / 1e6
+    return {"bundle_bytes": size, "export_s": t_export, "verify_s": t_verify,
+            "import_s": t_import, "export_mb_s": mb / t_export, "verify_mb_s": mb / t_verify,
+            "import_mb_s": mb / t_import}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", required=True, help="a scratch directory (removed first)")
+    p.add_argument("--out", help="write the results JSON here")
+    p.add_argument("--page-bytes", type=int, default=4 << 20)
+    p.add_argument("--pages", type=int, default=64)
+    p.add_argument("--state-bytes", type=int, default=153_944_064)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args(argv)
+    os.umask(0o077)
+    from bench.suites import commit, machine
+    from server.checkpoints.bundle import create_transfer_key
+
+    work = Path(args.dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    src = work / "src"
+    build_source(src, args.page_bytes, args.pages, args.state_bytes)
+    key = create_transfer_key(work / "transfer-key").read_bytes()
+    runs = {"warm": [], "cold": []}
+    for _ in range(args.reps):
+        for mode in ("warm", "cold"):
+            runs[mode].append(one_rep(work, src, key, mode == "cold"))
+            print(mode, json.dumps({k: round(v, 1) for k, v in runs[mode][-1].items()
+                                    if k.endswith("mb_s")}), flush=True)
+    summary = {mode: {k: {"best": round(max(r[k] for r in rs), 1),
+                          "median": round(statistics.median(r[k] for r in rs), 1)}
+                      for k in ("export_mb_s", "verify_mb_s", "import_mb_s")}
+               for mode, rs in runs.items()}
+    result = {"command": "bench/sessions_transfer.py " + " ".join(sys.argv[1:] if argv is None
+                                                                   else argv),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": machine(), "commit": commit(),
+              "load_average": os.getloadavg(),
+              "config": {"page_bytes": args.page_bytes, "pages": args.pages,
+                         "state_bytes": args.state_bytes, "responses": 4, "reps": args.reps},
+              "summary_mb_s": summary, "runs": runs}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(json.dumps(summary, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The session bundle: one session's checkpoint and stored responses in a file that can leave
+the machine (`./ninfer checkpoints export|import`, format: docs/checkpoints.md "Moving a
+session").
+
+A bundle is a plain (ustar) tar archive, so `tar tvf` lists it:
+
+    bundle.json          what the bundle holds: owner, fingerprint, the checkpoint's manifest
+                         fields and every other entry's path, size and sha256
+    checkpoint/tokens.bin, checkpoint/state.bin, pages/<sha256>, responses.json
+    bundle.mac           hex HMAC-SHA256 over "ninfer/session-bundle/v1\\0" + bundle.json,
+                         keyed by the transfer key
+
+Checkpoint tags are keyed by a secret of the state directory that wrote them, so another server
+cannot verify them; the transfer key (32 random bytes the owner creates once and gives to both
+servers) authenticates the bundle instead, and the importer tags what it publishes with its own
+state directory's secret. `read_bundle` checks everything (entry names and types, the tag, every
+entry's size and sha256, nothing missing or extra) before returning any of it: an importer
+that writes only after it returned never writes from a bundle that fails a check.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.checkpoints.files import fsync_dir
+from server.checkpoints.tags import load_master_secret
+
+BUNDLE_TYPE = "ninfer.session-bundle"
+BUNDLE_SCHEMA = 1
+HEADER, MAC = "bundle.json", "bundle.mac"
+_MAC_DOMAIN = b"ninfer/session-bundle/v1\0"
+# every name a bundle may hold: no directories, no "..", nothing absolute
+_ENTRY = re.compile(r"(checkpoint/(tokens|state)\.bin|pages/[0-9a-f]{64}|responses\.json)")
+TRANSFER_KEY_NAME = "transfer-key"
+
+
+class BundleError(ValueError):
+    """A bundle refused; the message names the file and the entry or field."""
+
+
+def default_transfer_key(state_dir: Path) -> Path:
+    return Path(state_dir) / "secrets" / TRANSFER_KEY_NAME
+
+
+def create_transfer_key(path: Path) -> Path:
+    """A new 32-byte transfer key at `path` (0600, its directory 0700); never overwrites."""
+    path = Path(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        raise FileExistsError(f"{path} exists; a transfer key is never overwritten")
+    load_master_secret(path)  # O_EXCL create, 0600, fsync'd
+    fsync_dir(path.parent)
+    return path
+
+
+def read_transfer_key(path: Path) -> bytes:
+    """The transfer key at `path`: it must exist, be 0600 and hold 32 bytes."""
+    path = Path(path)
+    if not path.is_file() or path.is_symlink():
+        raise BundleError(f"no transfer key at {path} (create one with "
+                          "`./ninfer checkpoints transfer-key`)")
+    try:
+        return load_master_secret(path)
+    except (PermissionError, ValueError) as e:
+        raise BundleError(f"transfer key: {e}") from None
+
+
+def _mac(key: bytes, header: bytes) -> str:
+    return hmac.new(key, _MAC_DOMAIN + header, hashlib.sha256).hexdigest()
+
+
+def _tar_member(name: str, size: int, mtime: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o600, mtime
+    return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_bundle(out: Path, key: bytes, header: dict, entries: list, pool=None) -> int:
+    """Write the bundle atomically (a temporary file beside `out`, fsync, rename, fsync the
+    directory). `entries` are (name, buffer, sha256 or None: hashed here, on `pool` when
+    given); `header` gains their sizes and digests. Each payload goes to the file in one
+    write, no copy. Returns the bundle's size in bytes."""
+    out = Path(out)
+    for name, _, _ in entries:
+        if not _ENTRY.fullmatch(name):
+            raise ValueError(f"not a bundle entry name: {name!r}")
+    views = [memoryview(data).cast("B") for _, data, _ in entries]
+    todo = [i for i, (_, _, sha) in enumerate(entries) if sha is None]
+    run = pool.map if pool is not None else map
+    hashed = dict(zip(todo, run(lambda i: hashlib.sha256(views[i]).hexdigest(), todo)))
+    listed = [{"path": name, "bytes": views[i].nbytes, "sha256": sha or hashed[i]}
+              for i, (name, _, sha) in enumerate(entries)]
+    head = dict(header, type=BUNDLE_TYPE, schema=BUNDLE_SCHEMA, entries=listed)
+    head_b = json.dumps(head, sort_keys=True, separators=(",", ":")).encode()
+    members = ([(HEADER, memoryview(head_b))] + [(e["path"], v) for e, v in zip(listed, views)]
+               + [(MAC, memoryview((_mac(key, head_b) + "\n").encode()))])
+    mtime = int(head["created_at"])
+    tmp = out.with_name(f".tmp-{out.name}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        total = 0
+        for name, view in members:  # ustar: header block, data, zero padding to 512
+            pad = -view.nbytes % tarfile.BLOCKSIZE
+            _write_all(fd, _tar_member(name, view.nbytes, mtime))
+            _write_all(fd, view)
+            _write_all(fd, bytes(pad))
+            total += tarfile.BLOCKSIZE + view.nbytes + pad
+        end = 2 * tarfile.BLOCKSIZE  # two zero blocks, then up to a whole record
+        end += -(total + end) % tarfile.RECORDSIZE
+        _write_all(fd, bytes(end))
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, out)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(out.parent)
+    return out.stat().st_size
+
+
+@dataclass
+class Bundle:
+    """A bundle that passed every check: its header and its entries' bytes."""
+    header: dict
+    data: dict[str, bytes]
+
+    @property
+    def principal(self) -> str:
+        return self.header["principal"]
+
+    @property
+    def session(self) -> str:
+        return self.header["session"]
+
+
+def read_bundle(path: Path, key: bytes) -> Bundle:
+    """Read and verify the bundle at `path` completely; raises BundleError naming the file and
+    the entry (or field) that failed."""
+    path = Path(path)
+    where = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise BundleError(f"{where}: no such file") from None
+    except OSError as e:
+        raise BundleError(f"{where}: cannot open: {e.strerror}") from None
+    data: dict[str, bytes] = {}
+    try:
+        with os.fdopen(fd, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            for m in tar:
+                name = m.name
+                if not m.isreg():
+                    raise BundleError(f"{where}: entry {name!r} is not a regular file "
+                                      "(links and directories are refused)")
+                if name.startswith("/") or ".." in name.split("/") or not (
+                        name in (HEADER, MAC) or _ENTRY.fullmatch(name)):
+                    raise BundleError(f"{where}: entry {name!r} is not a bundle entry name")
+                if name in data:
+                    raise BundleError(f"{where}: entry {name!r} appears twice")
+                body = tar.extractfile(m).read()
+                if len(body) != m.size:
+                    raise BundleError(f"{where}: entry {name!r} is truncated")
+                data[name] = body
+    except tarfile.TarError as e:
+        raise BundleError(f"{where}: not a complete bundle ({e})") from None
+    except (EOFError, OSError) as e:
+        raise BundleError(f"{where}: truncated or unreadable ({e})") from None
+    for name in (HEADER, MAC):
+        if name not in data:
+            raise BundleError(f"{where}: entry {name} is missing (truncated bundle?)")
+    head_b = data.pop(HEADER)
+    tag = data.pop(MAC).decode("ascii", "replace").strip()
+    if not hmac.compare_digest(_mac(key, head_b), tag):
+        raise BundleError(f"{where}: {MAC} does not verify {HEADER}: a wrong transfer key, "
+                          "or the bundle was altered")
+    try:
+        head = json.loads(head_b)
+        if head["type"] != BUNDLE_TYPE or head["schema"] != BUNDLE_SCHEMA:
+            raise BundleError(f"{where}: {HEADER}: type/schema {head['type']}/"
+                              f"{head['schema']} is not {BUNDLE_TYPE}/{BUNDLE_SCHEMA}")
+        listed = {e["path"]: e for e in head["entries"]}
+        for field in ("principal", "session", "fingerprint"):
+            head[field]  # noqa: B018 - presence
+    except (KeyError, TypeError, ValueError) as e:
+        raise BundleError(f"{where}: {HEADER} is malformed ({e})") from None
+    names = sorted(set(listed) | set(data))
+    for name in names:
+        if name not in data:
+            raise BundleError(f"{where}: entry {name} is missing (truncated bundle?)")
+        if name not in listed:
+            raise BundleError(f"{where}: entry {name} is not listed in {HEADER}")
+    with ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4)) as pool:
+        sums = list(pool.map(lambda n: hashlib.sha256(data[n]).hexdigest(), names))
+    for name, sha in zip(names, sums):
+        e = listed[name]
+        if len(data[name]) != e["bytes"] or sha != e["sha256"]:
+            raise BundleError(f"{where}: entry {name}: size or sha256 differs from {HEADER}")
+    return Bundle(head, data)
