@@ -16,8 +16,8 @@ import sqlite3
 
 HASH_FUNCTION = "ninfer_row_hash"
 
-# The hashed columns of each table, in hash order (everything but row_hash and, for
-# sessions/principals, tables that hold no payload).
+# The hashed columns of each table that holds what a client reads back, in hash order
+# (every column but row_hash; principals and sessions hold only names and times).
 COLUMNS = {
     "responses": ("id", "principal_id", "session_id", "previous_response_id", "created_at",
                   "status", "model", "instructions", "params", "usage", "prompt_tokens",
