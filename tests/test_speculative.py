@@ -9,6 +9,7 @@ page bytes, conv and rec), at one and two concurrent rows, with and without a gr
 from __future__ import annotations
 
 import queue
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from engine.runtime.drafters import PromptLookup, lookup
 from engine.runtime.prefix import token_key
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import SpecConfig, check_speculative
+from lanes.profile import ProfileError, load_profile
+from server.checkpoints.fingerprint import runtime_fingerprint
 
 MAX_TOKENS = 72  # a grammar's close-out steering may end it a few tokens early
 TEXTS = ["def fibonacci(n):\n    ", "class Stack:\n    def push(self, item):\n"]
@@ -138,3 +141,35 @@ def test_prompt_lookup_finds_the_longest_recent_match():
 def test_bad_speculative_settings_refused(method, k, needle):
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         check_speculative(method, k)
+
+
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "lanes" / "profiles"
+
+
+@pytest.mark.parametrize("method,k,match", [
+    ("medusa", 3, r"\[speculative\] method must be one of \['off', 'prompt_lookup'\]"),
+    ("mtp", 3, r"\[speculative\] method must be one of \['off', 'prompt_lookup'\]"),
+    ("prompt_lookup", 0, r"\[speculative\] draft_tokens must be an integer in 1\.\.8, got 0"),
+    ("prompt_lookup", 9, r"\[speculative\] draft_tokens must be an integer in 1\.\.8, got 9")])
+def test_profile_with_bad_speculative_table_is_refused(tmp_path, method, k, match):
+    text = (PROFILE_DIR / "rtx4090.toml").read_text()
+    text = text.replace('method = "off"', f'method = "{method}"').replace(
+        "draft_tokens = 0", f"draft_tokens = {k}")
+    (tmp_path / "bad.toml").write_text(text)
+    with pytest.raises(ProfileError, match=match):
+        load_profile(str(tmp_path / "bad.toml"))
+
+
+def test_profile_selects_the_drafter_and_the_fingerprint_names_it(tmp_path, tiny_model):
+    text = (PROFILE_DIR / "cpu.toml").read_text()
+    (tmp_path / "spec.toml").write_text(
+        text + '\n[speculative]\nmethod = "prompt_lookup"\ndraft_tokens = 4\n')
+    profile = load_profile(str(tmp_path / "spec.toml"))
+    spec = profile.speculative_config()
+    assert isinstance(spec.drafter, PromptLookup) and spec.k == 4
+    assert load_profile("cpu").speculative_config() is None
+    eng = Engine(tiny_model, context_tokens=256, prefill_chunk=16, speculative=spec)
+    fp = runtime_fingerprint(tiny_model, profile, eng)
+    assert fp["speculative"] == {"method": "prompt_lookup", "draft_tokens": 4}
+    off = Engine(tiny_model, context_tokens=256, prefill_chunk=16)
+    assert runtime_fingerprint(tiny_model, load_profile("cpu"), off)["speculative"] is None

@@ -37,18 +37,19 @@ MIN_DRAFT, MAX_DRAFT = 1, 8
 METHODS = ("off", "prompt_lookup")
 
 
-def check_speculative(method, draft_tokens, key: str = "speculative") -> None:
-    """Refuse a speculative configuration the engine cannot run, naming the key and the
-    allowed values (ValueError)."""
+def check_speculative(method, draft_tokens, where: str = "speculative.") -> None:
+    """Refuse a speculative configuration the engine cannot run, naming the key (`where`
+    + key: "speculative.method", or a profile's "[speculative] method") and the allowed
+    values (ValueError)."""
     if method not in METHODS:
-        raise ValueError(f"{key}.method must be one of {list(METHODS)}, got {method!r}")
+        raise ValueError(f"{where}method must be one of {list(METHODS)}, got {method!r}")
     if method != "off":
-        check_draft_tokens(draft_tokens, key)
+        check_draft_tokens(draft_tokens, where)
 
 
-def check_draft_tokens(k, key: str = "speculative") -> None:
+def check_draft_tokens(k, where: str = "speculative.") -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not MIN_DRAFT <= k <= MAX_DRAFT:
-        raise ValueError(f"{key}.draft_tokens must be an integer in {MIN_DRAFT}..{MAX_DRAFT}, "
+        raise ValueError(f"{where}draft_tokens must be an integer in {MIN_DRAFT}..{MAX_DRAFT}, "
                          f"got {k!r}")
 
 
