@@ -22,6 +22,7 @@ from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import SpecConfig, check_speculative
 from lanes.profile import ProfileError, load_profile
 from server.checkpoints.fingerprint import runtime_fingerprint
+from server.observability import Metrics, Observability, RequestLog
 
 MAX_TOKENS = 72  # a grammar's close-out steering may end it a few tokens early
 TEXTS = ["def fibonacci(n):\n    ", "class Stack:\n    def push(self, item):\n"]
@@ -88,7 +89,8 @@ def compiler(tiny_model):
 
 @pytest.mark.parametrize("concurrency", [1, 2], ids=["C1", "C2"])
 @pytest.mark.parametrize("masked", [False, True], ids=["free", "grammar"])
-def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, masked):
+def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, masked,
+                                            tmp_path):
     tok = tiny_model.tokenizer
     prompts = [tuple(tok.encode(t)) for t in TEXTS[:concurrency]]
     fmt = {"type": "json_schema", "name": "notes", "schema": NOTES, "strict": True}
@@ -121,6 +123,28 @@ def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, m
                 assert accepted == [0] and drafted[0] >= passes - 1
             elif name == "two of three":
                 assert accepted[2] == 0 and accepted[:2] == drafted[:2]
+        if name == "two of three":
+            _logged_and_counted(tmp_path, [done for _, done, _ in got])
+
+
+def _logged_and_counted(tmp_path, dones):
+    """The requests' speculative counts reach the request log and the Prometheus counters."""
+    from tests.test_observability import read_lines, scrape, value
+
+    metrics = Metrics()
+    with RequestLog(tmp_path / "requests.jsonl") as log:
+        obs = Observability(metrics, log, model="tiny")
+        for done in dones:
+            obs.on_request_done(obs.new_request("t"), done)
+    recs = read_lines(tmp_path / "requests.jsonl")
+    assert [r["speculative"] for r in recs] == [d.speculative for d in dones]
+    got = scrape(metrics)
+    assert value(got, "ninfer_speculative_verify_passes_total") == sum(
+        d.speculative["verify_passes"] for d in dones)
+    for i in range(3):
+        for kind in ("drafted", "accepted"):
+            assert value(got, f"ninfer_speculative_{kind}_tokens_total", position=str(i)) == sum(
+                d.speculative[kind][i] for d in dones)
 
 
 def test_prompt_lookup_finds_the_longest_recent_match():
