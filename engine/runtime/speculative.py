@@ -147,6 +147,17 @@ class SpecDecode:
                 if seq.finish_reason is not None:
                     break
 
+    def warm(self) -> None:
+        """Compile the verify pass and its commit by running them with every row's length 0
+        (nothing is written, no position moves)."""
+        loop = self.loop
+        zeros = np.zeros((loop.B,), np.int32)
+        (_, conv_all, rec_all), cache = loop.runner.verify(
+            jax.device_put(np.zeros((loop.B, self.k + 1), np.int32)), loop.mem.cache,
+            jax.device_put(zeros))
+        loop.mem.cache = jit_commit(cache, conv_all, rec_all, jax.device_put(zeros),
+                                    jax.device_put(zeros))
+
     def _decide(self, seqs, logits, drafts) -> dict:
         """Sample each position's verifier token, row by row while the drafts agree; returns
         {seq_id: [(token, constraint result)]}: what the loop accepts, in order. A row's
