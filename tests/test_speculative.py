@@ -48,7 +48,8 @@ class Oracle:
 
 def _run(model, prompts, constraints, spec, concurrency):
     """Run the prompts together (greedy, MAX_TOKENS each) on a fresh engine; returns
-    [(tokens, DoneEvent, checkpoint export of the stored response state)]."""
+    ([(tokens, DoneEvent, checkpoint export of the stored response state)], KV pages in use
+    at the end)."""
     eng = Engine(model, context_tokens=256, prefill_chunk=16, max_concurrency=concurrency,
                  max_queue=4, speculative=spec)
     eng.start()
@@ -70,7 +71,10 @@ def _run(model, prompts, constraints, spec, concurrency):
             fed = list(ids) + toks[:-1]
             export = eng.checkpoint.export_stored("t", token_key("t", fed)).result(60)
             out.append((toks, ev, export))
-        return out
+        # the KV pages held once every request ended (their stored states'): a rejected
+        # position's page that was not given back would show here
+        used = eng.call(lambda e: e.memory_stats()["kv"]["pages_used"]).result(60)
+        return out, used
     finally:
         eng.stop()
 
@@ -95,7 +99,7 @@ def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, m
     prompts = [tuple(tok.encode(t)) for t in TEXTS[:concurrency]]
     fmt = {"type": "json_schema", "name": "notes", "schema": NOTES, "strict": True}
     cons = [(lambda: compiler.compile(text_format=fmt)) if masked else None] * concurrency
-    base = _run(tiny_model, prompts, cons, None, concurrency)
+    base, base_pages = _run(tiny_model, prompts, cons, None, concurrency)
     refs = {p: toks for p, (toks, _, _) in zip(prompts, base)}
     for toks, done, _ in base:
         assert done.finish_reason == ("stop" if masked else "length") and len(toks) >= 64
@@ -107,7 +111,8 @@ def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, m
     if concurrency == 2 and not masked:  # partly accepted passes (kept short: one case)
         drafters["two of three"] = (Oracle(refs, 2), 3)
     for name, (drafter, k) in drafters.items():
-        got = _run(tiny_model, prompts, cons, SpecConfig(drafter, k), concurrency)
+        got, pages = _run(tiny_model, prompts, cons, SpecConfig(drafter, k), concurrency)
+        assert pages == base_pages, name
         for (want_toks, _, want_state), (toks, done, state) in zip(base, got):
             assert toks == want_toks, name
             _same_state(state, want_state)
