@@ -113,6 +113,9 @@ class SpecDecode:
         for seq in step.seqs:
             room = min(self.k, loop.sampler.remaining(seq) - 1)
             draft = [int(t) for t in self.drafter.propose(seq, room)][:room] if room > 0 else []
+            con = seq.payload.constraint
+            if draft and con is not None and hasattr(con, "draft_prefix"):
+                draft = draft[:con.draft_prefix(draft)]  # what the mask allows, in a row
             tokens[seq.slot, 0] = seq.output_ids[-1]
             tokens[seq.slot, 1:1 + len(draft)] = draft
             lengths[seq.slot] = 1 + len(draft)
