@@ -46,8 +46,9 @@ class Oracle:
         return [t if i < right else t + 1 for i, t in enumerate(ref[done:done + k])]
 
 
-def _run(model, prompts, constraints, spec, concurrency):
-    """Run the prompts together (greedy, MAX_TOKENS each) on a fresh engine; returns
+def _run(model, prompts, constraints, spec, concurrency, sampled=()):
+    """Run the prompts together (greedy, MAX_TOKENS each; the indices in `sampled` seeded at
+    temperature 0.8 instead) on a fresh engine; returns
     ([(tokens, DoneEvent, checkpoint export of the stored response state)], KV pages in use
     at the end)."""
     eng = Engine(model, context_tokens=256, prefill_chunk=16, max_concurrency=concurrency,
@@ -55,10 +56,11 @@ def _run(model, prompts, constraints, spec, concurrency):
     eng.start()
     try:
         queues = []
-        for ids, con in zip(prompts, constraints):
+        for i, (ids, con) in enumerate(zip(prompts, constraints)):
             q: queue.Queue = queue.Queue()
-            eng.submit(GenerationRequest(prompt_ids=list(ids), sampling=SamplingParams(
-                temperature=0.0), max_tokens=MAX_TOKENS, stop_ids=frozenset(), emit=q.put,
+            sp = SamplingParams(temperature=0.8, seed=7) if i in sampled else SamplingParams(
+                temperature=0.0)
+            eng.submit(GenerationRequest(prompt_ids=list(ids), sampling=sp, max_tokens=MAX_TOKENS, stop_ids=frozenset(), emit=q.put,
                 principal="t", constraint=con() if con else None))
             queues.append(q)
         out = []
@@ -99,7 +101,10 @@ def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, m
     prompts = [tuple(tok.encode(t)) for t in TEXTS[:concurrency]]
     fmt = {"type": "json_schema", "name": "notes", "schema": NOTES, "strict": True}
     cons = [(lambda: compiler.compile(text_format=fmt)) if masked else None] * concurrency
-    base, base_pages = _run(tiny_model, prompts, cons, None, concurrency)
+    # C2 under the grammar: the second row samples (seeded), so the verifier's sampled tokens
+    # are checked too
+    sampled = (1,) if masked and concurrency == 2 else ()
+    base, base_pages = _run(tiny_model, prompts, cons, None, concurrency, sampled)
     refs = {p: toks for p, (toks, _, _) in zip(prompts, base)}
     for toks, done, _ in base:
         assert done.finish_reason == ("stop" if masked else "length") and len(toks) >= 64
@@ -111,7 +116,8 @@ def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, m
     if concurrency == 2 and not masked:  # partly accepted passes (kept short: one case)
         drafters["two of three"] = (Oracle(refs, 2), 3)
     for name, (drafter, k) in drafters.items():
-        got, pages = _run(tiny_model, prompts, cons, SpecConfig(drafter, k), concurrency)
+        got, pages = _run(tiny_model, prompts, cons, SpecConfig(drafter, k), concurrency,
+                          sampled)
         assert pages == base_pages, name
         for (want_toks, _, want_state), (toks, done, state) in zip(base, got):
             assert toks == want_toks, name
