@@ -46,7 +46,8 @@ class Engine:
                  max_concurrency: int = 1, max_queue: int = 16, queue_timeout_s: float = 120.0,
                  capacity_tokens: int | None = None, state_slots: int = 8,
                  host_state_bytes: int = 0, hooks: EngineHooks | None = None,
-                 plan: KernelPlan = REFERENCE, keep_warm: KeepWarmConfig | None = None):
+                 plan: KernelPlan = REFERENCE, keep_warm: KeepWarmConfig | None = None,
+                 speculative=None):
         # what runs: the forward's implementations and the loop's form (engine/plan.py)
         self.plan = check_plan(plan)
         self.context_tokens = context_tokens
@@ -70,9 +71,14 @@ class Engine:
         self.inbox = Inbox(max_queue)
         # chained decode steps (the plan's chain_decode): the next step is dispatched with the
         # sampled tokens still on the device, before the host reads them
+        # speculative: a SpecConfig (engine/runtime/speculative.py) or None; its verify passes
+        # replace the decode steps, which are then never chained
+        self.speculative = speculative
         self.loop = StepLoop(sched=self.sched, mem=self.mem, runner=self.runner,
                              sampler=self.sampler, inbox=self.inbox,
-                             context_tokens=context_tokens, chain_decode=self.plan.chain_decode)
+                             context_tokens=context_tokens,
+                             chain_decode=self.plan.chain_decode and speculative is None,
+                             speculative=speculative)
         self.checkpoint = CheckpointPort(self.mem, self.call)
         # while idle, the GPU's clocks kept up (runtime/keep_warm.py; a no-op off CUDA)
         self.keep_warm = KeepWarm.for_backend(keep_warm or KeepWarmConfig(),
@@ -135,6 +141,10 @@ class Engine:
         if seed is None:  # unseeded sampling: a fresh key per request
             seed = secrets.randbits(63)
         req.key_data = np.asarray(jax.random.key_data(request_key(seed)))
+        if self.speculative is not None:
+            from engine.runtime.speculative import SpecStats
+
+            req.speculative = SpecStats()
         self.inbox.put(Sequence(prompt_ids=list(req.prompt_ids), max_tokens=req.max_tokens,
                                 emit=req.emit, payload=req, breakpoint=req.prefix_boundary))
 
@@ -202,5 +212,7 @@ class Engine:
         picked, _ = self.sampler.sample(logits[:, 0], [None] * self.B)
         self.loop.chain.warm(picked)
         self.sampler.warm(logits[:, 0])
+        if self.loop.spec is not None:  # the verify pass and its commit, with nothing written
+            self.loop.spec.warm()
         jax.block_until_ready(self.mem.cache)
         return time.monotonic() - t0

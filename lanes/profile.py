@@ -46,7 +46,6 @@ _CARD_KEYS = {"name": str, "memory_mib": int, "arch": str, "min_driver": str}
 _KEEP_WARM_KEYS = {"window_ms": int, "period_ms": int, "duty": float, "grace_ms": int}
 _SPECULATIVE_KEYS = {"method": str, "draft_tokens": int}
 _SOURCE_KEYS = {"repository": str, "revision": str, "recipe": str, "converter": str}
-SPECULATIVE_METHODS = ("off",)  # speculative decoding has not landed: every lane is off
 
 
 class ProfileError(ValueError):
@@ -125,9 +124,13 @@ class LaneProfile:
             isinstance(self.checkpoint_quota_bytes, int) and self.checkpoint_quota_bytes > 0),
             "checkpoint_quota_bytes must be a positive integer")
         spec = dict(self.speculative or ())
-        need(spec.get("method", "off") in SPECULATIVE_METHODS,
-             f"[speculative] method must be one of {list(SPECULATIVE_METHODS)} (speculative "
-             f"decoding is not in this engine yet)")
+        from engine.runtime.speculative import check_speculative
+
+        try:  # the drafter and K (engine/runtime/speculative.py)
+            check_speculative(spec.get("method", "off"), spec.get("draft_tokens", 0),
+                              where="[speculative] ")
+        except ValueError as e:
+            need(False, str(e))
         if self.keep_warm is not None:
             from engine.runtime.keep_warm import KeepWarmConfig
 
@@ -138,6 +141,14 @@ class LaneProfile:
         card = dict(self.card or ())
         need(self.card is None or card.get("memory_mib", 0) > 0,
              "[card] memory_mib must be a positive integer")
+
+    def speculative_config(self):
+        """The engine's speculation from [speculative] (engine/runtime/speculative.py's
+        SpecConfig), or None when it is off."""
+        from engine.runtime.speculative import SpecConfig
+
+        spec = self.table("speculative")
+        return SpecConfig.from_settings(spec.get("method", "off"), spec.get("draft_tokens", 0))
 
     def table(self, key: str) -> dict:
         """A table field ([card], [keep_warm], [speculative], [model_source]) as a dict."""

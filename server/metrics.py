@@ -111,6 +111,15 @@ class RequestMetrics:
                                ["path"], registry=r)
         for p in PATHS:
             self.by_path.labels(p)
+        # speculative decoding (engine/runtime/speculative.py): per draft position (0-based)
+        self.spec_passes = Counter(f"{ns}_speculative_verify_passes",
+                                   "Speculative verify passes.", registry=r)
+        self.spec_drafted = Counter(f"{ns}_speculative_drafted_tokens",
+                                    "Tokens drafted, by draft position.", ["position"],
+                                    registry=r)
+        self.spec_accepted = Counter(f"{ns}_speculative_accepted_tokens",
+                                     "Drafted tokens the verifier accepted, by draft position.",
+                                     ["position"], registry=r)
         self.queue_wait = Histogram(f"{ns}_queue_wait_seconds", "Time waiting for admission.",
                                     buckets=(.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10,
                                              30, 60, 120), registry=r)

@@ -72,7 +72,8 @@ def load_in_background(rt, profile, args, t_start: float) -> None:
                         state_slots=profile.state_slots,
                         host_state_bytes=profile.host_state_bytes,
                         hooks=None if ck is None else ck.engine_hooks(), plan=profile.plan,
-                        keep_warm=_keep_warm(profile))
+                        keep_warm=_keep_warm(profile),
+                        speculative=profile.speculative_config())
         phases["engine_init_s"] = round(time.monotonic() - t, 3)
         loading.start()
         # Token tables (~1-2 s, mostly Python) on a thread of their own, beside the compile

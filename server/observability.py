@@ -178,6 +178,12 @@ class Observability:
             m.computed_tokens.inc(done.computed_tokens)
             m.output_tokens.inc(done.output_tokens)
             m.by_path.labels(done.path).inc()
+            spec = getattr(done, "speculative", None)
+            if spec:
+                m.spec_passes.inc(spec["verify_passes"])
+                for i, (d, a) in enumerate(zip(spec["drafted"], spec["accepted"])):
+                    m.spec_drafted.labels(str(i)).inc(d)
+                    m.spec_accepted.labels(str(i)).inc(a)
             m.prefill.observe(done.prefill_s)
             if ttft_s is not None:
                 m.ttft.observe(ttft_s)
@@ -194,7 +200,8 @@ class Observability:
                       output_tokens=done.output_tokens, path=done.path if admitted else None,
                       queue_s=_r(done.queue_s), ttft_s=_r(ttft_s),
                       prefill_s=_r(done.prefill_s), decode_s=_r(done.decode_s),
-                      total_s=_r(total_s), decode_tokens_per_s=_r(tps), speculative=None,
+                      total_s=_r(total_s), decode_tokens_per_s=_r(tps),
+                      speculative=getattr(done, "speculative", None),
                       checkpoint=trace.checkpoint)
         if outcome == "rejected_queue_timeout":
             self._write("request_rejected", trace, status=503, code="request_queue_timeout",

@@ -104,6 +104,35 @@ class Constraint:
             self._v.single(row, plan[0])
         return True
 
+    def draft_prefix(self, tokens) -> int:
+        """How many of `tokens`, from the first, this constraint allows in a row from its state
+        now, advancing nothing: a speculative draft is cut there (the verifier's masked token
+        can never be one the constraint disallows, so a position past it is wasted). It stops
+        early, never late: at the end of thinking and of a forced run, and before an id past
+        the vocabulary."""
+        n_vocab = len(self._v.tokens)
+        tokens = list(tokens)
+        for i, t in enumerate(tokens):
+            if not 0 <= t < n_vocab:
+                tokens = tokens[:i]
+                break
+        if self._thinking:
+            n = 0
+            for t in tokens:
+                if t == self._v.think_end or not self._v.allowed(self._think_mask, t) or (
+                        self._budget is not None and self._think_tokens + n >= self._budget):
+                    break
+                n += 1
+            return n
+        if self._forced:
+            n = 0
+            while n < min(len(tokens), len(self._forced)) and tokens[n] == self._forced[n]:
+                n += 1
+            return n
+        if self._m is None:
+            return len(tokens)
+        return int(self._m.validate_tokens(list(tokens)))
+
     def accept(self, token: int) -> None:
         """Advance past the sampled `token`; raises ConstraintViolation if it was not allowed."""
         if self._thinking:

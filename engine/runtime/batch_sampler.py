@@ -75,7 +75,7 @@ class BatchSampler:
                 # forward just dispatched; other rows keep all-ones rows (logits unchanged).
                 mask = self.mask_rows() if mask is None else mask
                 try:
-                    seq.payload.constraint.fill_mask(mask[b], self.remaining(seq))
+                    seq.payload.constraint.fill_mask(mask[b], self.remaining(seq) - ahead)
                 except Exception:  # a failed constraint ends its own sequence only
                     mask[b] = -1
                     failed.append(b)

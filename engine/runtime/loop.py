@@ -67,13 +67,19 @@ class StepLoop:
     chained."""
 
     def __init__(self, *, sched, mem, runner, sampler, inbox: Inbox, context_tokens: int,
-                 chain_decode: bool):
+                 chain_decode: bool, speculative=None):
         self.sched, self.mem, self.runner, self.sampler = sched, mem, runner, sampler
         self.inbox, self.context_tokens, self.B = inbox, context_tokens, runner.B
         self.chain = DecodeChain(runner=runner, sampler=sampler, sched=sched, mem=mem,
                                  inbox_empty=inbox.empty, context_tokens=context_tokens,
                                  enabled=chain_decode)
         self._inflight: InFlight | None = None
+        # speculative decoding (engine/runtime/speculative.py): decode steps are verify passes
+        self.spec = None
+        if speculative is not None:
+            from engine.runtime.speculative import SpecDecode
+
+            self.spec = SpecDecode(self, speculative.drafter, speculative.k)
         self.keep_warm = None  # the engine's KeepWarm: told before each step, and when idle
         self._warm_idle = True
 
@@ -133,6 +139,9 @@ class StepLoop:
             return True
 
     def run_step(self, step) -> None:
+        if step.kind == "decode" and self.spec is not None:
+            self.spec.run(step)
+            return
         # [B, width]: a prefill piece may be right-padded past its size; padded steps are not
         # valid, so they write no KV and leave the GDN state alone (tests/test_engine_padding.py),
         # and pages are made for the real tokens only.
@@ -203,16 +212,24 @@ class StepLoop:
         for s in seqs:
             self._accept(s, int(picked[s.slot]))
 
-    def _accept(self, seq: Sequence, tok: int) -> None:
+    def _accept(self, seq: Sequence, tok: int, con_result=None) -> None:
+        """Accept `seq`'s next token. con_result: None (the row's constraint, if any, accepts
+        it here), a bool (it already did, and whether it terminated right after this token),
+        or the exception its accept raised: the verify step (engine/runtime/speculative.py)
+        advances the constraint through a pass's tokens before the loop accepts them."""
         req: GenerationRequest = seq.payload
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
-        con = req.constraint
+        con, terminated = req.constraint, False
         if con is not None:
             try:
                 if tok < 0:
                     raise RuntimeError("the constraint failed to build its mask")
-                con.accept(tok)
+                if isinstance(con_result, Exception):
+                    raise con_result
+                if con_result is None:
+                    con.accept(tok)
+                terminated = con.terminated if con_result is None else con_result
             except Exception as e:  # a failed constraint ends its own sequence only
                 self._finish(seq, "error", error=f"constraint: {type(e).__name__}")
                 return
@@ -222,7 +239,7 @@ class StepLoop:
         seq.output_ids.append(tok)
         seq.emit(TokenEvent(tok))
         total = len(seq.prompt_ids) + len(seq.output_ids)
-        if con is not None and con.terminated:  # the grammar is complete: nothing may follow
+        if terminated:  # the grammar is complete: nothing may follow
             self._finish(seq, "stop", last_fed=False)
         elif len(seq.output_ids) >= seq.max_tokens or total >= self.context_tokens:
             self._finish(seq, "length")
@@ -246,4 +263,6 @@ class StepLoop:
         seq.emit(DoneEvent(reason, len(seq.prompt_ids), len(seq.output_ids),
                            queue_s=admitted - seq.enqueued_at, prefill_s=first - admitted,
                            decode_s=now - first, error=error,
-                           cached_tokens=req.cached_tokens, path=req.path))
+                           cached_tokens=req.cached_tokens, path=req.path,
+                           speculative=None if req.speculative is None
+                           else req.speculative.as_dict()))

@@ -103,6 +103,14 @@ class Memory:
             self.cache = self.cache._replace(pool=pool)
         self.cache = self.cache._replace(block_table=jnp.asarray(self.table))
 
+    def rollback(self, cuts) -> None:
+        """Cut each (seq, n_tokens) of `cuts` back to its first n_tokens KV slots (a verify
+        pass's rejected positions): pages past them go back to the allocator."""
+        for seq, n in cuts:
+            seq.table.truncate(n)
+            self.table[seq.slot] = seq.table.as_row(self.max_pages)
+        self.cache = self.cache._replace(block_table=jnp.asarray(self.table))
+
     def snapshot(self, seq, principal: str | None, n_tokens: int, kind: str,
                  one_off: bool = False, session: str | None = None) -> bool:
         """Store the state after the first `n_tokens` tokens of `seq` (its row must be there).

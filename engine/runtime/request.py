@@ -36,6 +36,9 @@ class DoneEvent:
     error: str | None = None
     cached_tokens: int = 0
     path: str = "root"  # root | continuation | fork | shared-prefix | host-restored
+    # speculative decoding's counts (`SpecStats.as_dict`): verify passes, and per draft
+    # position the tokens drafted and accepted; None when speculation is off
+    speculative: dict | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -60,3 +63,5 @@ class GenerationRequest:
     # engine.constrain.Constraint (tool_choice, JSON format, thinking budget); None: no mask and
     # no per-step cost. Owned by the engine thread once submitted.
     constraint: object | None = None
+    # engine.runtime.speculative.SpecStats: set by the engine when speculation is on
+    speculative: object | None = None

@@ -54,6 +54,7 @@ class ModelRunner:
         # dispatch and trace cache, so a width loaded from an ExecStore is never traced; rows
         # B: every row (`forward`), fewer: `forward_rows`
         self._compiled: dict[tuple[int, int], object] = {}
+        self._verify = None  # the speculative verify pass (engine/model/verify.py), on first use
         self.exec_counts = {"loaded": 0, "compiled": 0}
         self.exec_saving: threading.Thread | None = None  # compile()'s background saves
 
@@ -88,6 +89,17 @@ class ModelRunner:
         else:
             logits, cache = self._jit_rows(params, tokens, cache, lengths, rows)
         return logits, None, cache
+
+    def verify(self, tokens, cache, lengths):
+        """The speculative verify pass over every row (engine/model/verify.py): returns
+        ((logits [T, B, V], conv and rec after each position), the cache). Compiled on first
+        use, one executable a draft width."""
+        if self._verify is None:
+            from engine.model.verify import jit_verify
+
+            fn, cfg, plan = jit_verify(), self.model.cfg, self.plan
+            self._verify = lambda p, t, c, n: fn(p, cfg, t, c, n, plan=plan)
+        return self._verify(self.model.params, tokens, cache, lengths)
 
     def compile(self, cache, threads: int | None = None, store=None) -> float:
         """Compile the forward of every shape (`shapes`) for a cache of `cache`'s shapes, ahead

@@ -55,7 +55,9 @@ def runtime_fingerprint(model, profile, engine) -> dict:
         "plan": engine.plan.to_dict(),
         # the CUDA ops' library (digest of source, FFI headers, nvcc version, arch, flags)
         "cuda_ops": cuda_ops_id(engine.plan),
-        "speculative": None,  # {backend, draft_window} once speculative decoding lands
+        # the drafter and K ({method, draft_tokens}); None: speculation off
+        "speculative": None if getattr(engine, "speculative", None) is None
+        else engine.speculative.describe(),
     }
 
 
