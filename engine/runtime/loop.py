@@ -170,10 +170,11 @@ class StepLoop:
             for s in ready:
                 rows[s.slot] = s
             picked, failed = self.sampler.sample(logits[:, 0], rows)
+            lp = self.sampler.logprobs(logits[:, 0], picked, rows)
             # a decode step: the next one goes to the device before this one's tokens are read
             nxt = self.chain.dispatch(step.seqs, picked) if step.kind == "decode" \
                 and not failed else None
-            self._collect(ready, picked, failed)
+            self._collect(ready, picked, failed, lp)
             if nxt is not None:
                 self.chain.settle_log(nxt)
             self._inflight = nxt
@@ -195,15 +196,16 @@ class StepLoop:
                 if seq.status is not SeqStatus.FINISHED:
                     self._finish(seq, "error", error=type(e).__name__)
 
-    def _collect(self, seqs, picked, failed: list) -> None:
+    def _collect(self, seqs, picked, failed: list, lp=None) -> None:
         """Read a step's sampled tokens (the host waits for the device here) and accept each
-        row's; failed rows (a constraint that could not build its mask) get -1."""
+        row's; failed rows (a constraint that could not build its mask) get -1. `lp`: the
+        step's log-probabilities (`BatchSampler.logprobs`), or None."""
         picked = np.array(picked)
         picked[failed] = -1  # _accept finishes these with "error"
         for s in seqs:
-            self._accept(s, int(picked[s.slot]))
+            self._accept(s, int(picked[s.slot]), lp)
 
-    def _accept(self, seq: Sequence, tok: int) -> None:
+    def _accept(self, seq: Sequence, tok: int, lp=None) -> None:
         req: GenerationRequest = seq.payload
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
@@ -220,7 +222,13 @@ class StepLoop:
             self._finish(seq, "stop")
             return
         seq.output_ids.append(tok)
-        seq.emit(TokenEvent(tok))
+        if lp is not None and req.logprobs is not None:
+            chosen, top_ids, top_lp = lp
+            b, k = seq.slot, req.logprobs
+            seq.emit(TokenEvent(tok, float(chosen[b]), tuple(
+                (int(i), float(v)) for i, v in zip(top_ids[b, :k], top_lp[b, :k]))))
+        else:
+            seq.emit(TokenEvent(tok))
         total = len(seq.prompt_ids) + len(seq.output_ids)
         if con is not None and con.terminated:  # the grammar is complete: nothing may follow
             self._finish(seq, "stop", last_fed=False)
