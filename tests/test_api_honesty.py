@@ -153,3 +153,33 @@ def test_context_overflow_speaks_the_words_compaction_reacts_to(server):
     import re
     assert re.search(r"maximum context length is \d+ tokens", err["message"])
     assert "exceeds the context window" in err["message"]
+
+
+def test_health_answers_503_while_the_model_loads(tmp_path, embedded_models_dir):
+    """The real server process, probed from its first listening moment: `/health` answers 503
+    `loading` (and generation 503 `model_loading`) until the model is loaded, then 200."""
+    import time
+
+    d = tmp_path / "state"
+    d.mkdir()
+    (d / "models").symlink_to(embedded_models_dir)
+    srv = start_server(d, wait_ready=False)
+    seen, refused = [], None
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            r = httpx.get(srv.base_url + "/health", timeout=5)
+            seen.append((r.status_code, r.json()))
+            if r.status_code == 200:
+                break
+            if refused is None:
+                refused = _post(srv, {"model": "tiny", "input": "hi", "max_output_tokens": 2})
+            time.sleep(0.01)
+    finally:
+        srv.stop()
+    assert seen[-1] == (200, {"status": "ok"}), seen[-3:]
+    loading = [s for s in seen if s[0] != 200]
+    assert loading and all(s == (503, {"status": "loading"}) for s in loading), seen[:3]
+    assert refused is not None and refused.status_code == 503
+    assert refused.json()["error"]["code"] == "model_loading"
+    print(f"{len(loading)} probes answered 503 before the model was ready")
