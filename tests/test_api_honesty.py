@@ -20,8 +20,7 @@ def server(shared_state_dir):
     assert srv.stop() in (0, -15), "".join(srv.log)
 
 
-@pytest.fixture(scope="module")
-def client(server):
+def _sdk(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.api_url, api_key=server.key, max_retries=0)
 
 
@@ -47,9 +46,10 @@ def _check_logprobs(entries: list, k: int) -> None:
                 assert e["token"] in [t["token"] for t in top]
 
 
-def test_logprobs_are_the_sampled_tokens_own(client):
+def test_logprobs_are_the_sampled_tokens_own(server):
     """Greedy decoding picks the most likely token: its log-probability is the top one's, and
     the probabilities of the alternatives sum to at most 1."""
+    client = _sdk(server)
     r = client.responses.create(model="tiny", input="Count: one two three",
                                 max_output_tokens=12, temperature=0, top_logprobs=3,
                                 include=["message.output_text.logprobs"])
@@ -69,9 +69,10 @@ def test_logprobs_are_the_sampled_tokens_own(client):
     assert [o for o in plain.output if o.type == "message"][0].content[0].logprobs == []
 
 
-def test_logprobs_stream_with_each_delta(client):
+def test_logprobs_stream_with_each_delta(server):
     """Streamed with temperature 1: each delta carries its tokens; together they are the
     message's logprobs in the done event and the final response."""
+    client = _sdk(server)
     with client.responses.stream(model="tiny", input="Say something long.", temperature=1.0,
                                  extra_body={"seed": 7}, max_output_tokens=16, top_logprobs=2,
                                  include=["message.output_text.logprobs"]) as s:
@@ -110,7 +111,8 @@ def test_truncation_disabled_and_background_false_are_served(server):
     assert r.json()["truncation"] == "disabled"
 
 
-def test_store_false_is_never_stored(server, client):
+def test_store_false_is_never_stored(server):
+    client = _sdk(server)
     marker = "unstored-marker-7f3a"
     r = client.responses.create(model="tiny", input=f"Remember {marker}", store=False,
                                 max_output_tokens=4)
