@@ -31,7 +31,7 @@ def _substitute(case: Case, stored: list[str], sessions: dict, rng: random.Rando
     if body is not None and PREV.encode() in body:
         try:
             value = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser
             value = None
         if isinstance(value, dict) and value.get("previous_response_id") == PREV:
             if rid is None:
@@ -102,7 +102,10 @@ class Fuzzer:
             status, ctype, text = r.status_code, r.headers.get("content-type", ""), r.text
         except httpx.HTTPError as e:  # a dropped connection is a failure too
             status, ctype, text = 599, "", f"{type(e).__name__}: {e}"
-        bad = problems(case, status, ctype, text)
+        try:
+            bad = problems(case, status, ctype, text)
+        except Exception as e:  # noqa: BLE001  (the checker's own failure is one too)
+            bad = [f"the checker raised {type(e).__name__}: {e}"]
         with self.lock:
             self.cases[case.klass] += 1
             self.details[f"{case.klass}/{case.detail}"] += 1
@@ -142,7 +145,7 @@ class Fuzzer:
                 resp = last["response"]
             else:
                 resp = json.loads(text)
-        except (ValueError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError):
             return
         if body.get("store", True) and resp.get("store") is not False:
             self.stored.append(resp["id"])
