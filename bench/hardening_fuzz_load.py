@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     print(json.dumps(load), flush=True)
 
     res = {"suite": "hardening_fuzz_load",
-           "command": ".venv/bin/python -m bench.hardening_fuzz_load " + " ".join(argv),
+           "command": " ".join([".venv/bin/python -m bench.hardening_fuzz_load", *argv]),
            "date": started, "machine": machine(), "commit": commit(),
            "fuzz": {"server": "cpu lane (tiny model), 4 clients at a time",
                     "batch_size": BATCH, **fuzz},
