@@ -22,6 +22,7 @@ from server.output_items import OutputAssembler
 from server.request_model import ResponseRequest
 from server.response_objects import ResponseState
 from server.runtime import Runtime
+from server.token_logprobs import TokenLogprobs
 
 # Thinking budget per reasoning effort, in tokens (capped to leave room for the answer).
 THINKING_BUDGET = {"low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
@@ -98,7 +99,7 @@ def _submit(engine: Engine, m: LoadedModel, req: ResponseRequest, prompt_ids, ma
                             stop_ids=frozenset(m.tokenizer.eos_ids), principal=principal,
                             session=req.prompt_cache_key,
                             prefix_boundary=boundary, constraint=constraint,
-                            emit=functools.partial(_emit, loop, events))
+                            logprobs=req.logprobs, emit=functools.partial(_emit, loop, events))
     try:
         engine.submit(gen)
     except PromptTooLong as exc:  # the budget check above runs first; kept fail-closed
@@ -144,13 +145,16 @@ class _Events:
         return ev
 
 
-async def _next_text(events: _Events, decoder, state: ResponseState):
-    """The next piece of text, or a DoneEvent when generation ended."""
+async def _next_text(events: _Events, decoder, state: ResponseState, lp=None):
+    """The next piece of text, or a DoneEvent when generation ended; `lp` (a TokenLogprobs,
+    or None) records each token's log-probabilities."""
     while True:
         ev = await events.get()
         if isinstance(ev, TokenEvent):
             state.output_tokens += 1
             state.output_ids.append(ev.token_id)
+            if lp is not None:
+                lp.record(ev)
             piece = decoder.push(ev.token_id)
             if piece:
                 return piece
@@ -176,29 +180,39 @@ def _finish(state: ResponseState, done: DoneEvent, m: LoadedModel, thinking: boo
 
 
 async def _generate(state: ResponseState, events, m: LoadedModel, asm: OutputAssembler,
-                    send) -> None:
+                    send, logprobs: bool = False) -> None:
     """Run the response to its end; `send(ops)` (streaming only) gets each batch of item
-    operations. Raises APIError when generation failed."""
+    operations; `logprobs`: give the output_text its tokens' log-probabilities (the events
+    carry them). Raises APIError when generation failed."""
     decoder = m.tokenizer.stream_decoder()
     thinking = asm.thinking
+    lp = TokenLogprobs(m.tokenizer) if logprobs else None
     while True:
-        item = await _next_text(events, decoder, state)
+        item = await _next_text(events, decoder, state, lp)
+        was_reasoning = asm.in_reasoning
         if isinstance(item, DoneEvent):
             ops = asm.push(decoder.flush())
             _finish(state, item, m, thinking)
             ops += asm.finish("completed" if state.status == "completed" else "incomplete")
+            if lp is not None:
+                lp.assign(ops, asm.items, was_reasoning)
             if send is not None:
                 await send(ops)
             return
         ops = asm.push(item)
+        if lp is not None:
+            lp.assign(ops, asm.items, was_reasoning)
         if send is not None and ops:
             await send(ops)
 
 
 def context_exceeded(context_tokens: int, n: int) -> APIError:
-    return invalid(f"This model's maximum context length is {context_tokens} tokens; the "
-                   f"input is {n} tokens (context_length_exceeded).", param="input",
-                   code="context_length_exceeded")
+    """The error a client's compaction reacts to (OMP matches the code's name and both
+    phrases), raised before anything is generated."""
+    return invalid(f"Your input exceeds the context window of this model: its maximum context "
+                   f"length is {context_tokens} tokens and the input is {n} tokens "
+                   f"(context_length_exceeded). Shorten or compact the conversation.",
+                   param="input", code="context_length_exceeded")
 
 
 class Run:
@@ -263,7 +277,8 @@ class Run:
         return run
 
     async def complete(self, send) -> None:
-        await _generate(self.state, self.source, self.m, self.asm, send)
+        await _generate(self.state, self.source, self.m, self.asm, send,
+                        logprobs=self.req.logprobs is not None)
 
     def close(self) -> None:
         self.gen.cancelled.set()  # a no-op when finished; frees the engine if the client left

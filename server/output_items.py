@@ -12,7 +12,7 @@ object shows and the store keeps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.text.toolcall import StreamingToolParser, TextDelta, ToolCallEnd
 from server.response_objects import new_id
@@ -25,6 +25,7 @@ class Op:
     kind: str           # "added" | "text_delta" | "reasoning_delta" | "done"
     index: int          # output index of the item
     text: str = ""
+    logprobs: list = field(default_factory=list)  # a text_delta's tokens' (when asked for)
 
 
 def _partial_suffix(buf: str, lit: str) -> int:
@@ -49,6 +50,11 @@ class OutputAssembler:
         self._message_id = message_id
         self._sealer = sealer  # () -> encrypted_content of the reasoning, when asked for
         self.reasoning_chars = 0
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text pushed next still goes to the reasoning (before `</think>`)."""
+        return self._thinking
 
     # ---- feeding ----------------------------------------------------------------------------
     def push(self, text: str) -> list[Op]:

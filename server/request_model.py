@@ -16,10 +16,10 @@ from server.request_fields import (EFFORTS, common_fields, parallel_calls, parse
 
 _SUMMARIES = (None, "auto", "concise", "detailed")
 # Accepted and ignored: they change nothing in a local, single-model deployment.
-_IGNORED = {"metadata", "user", "service_tier", "truncation",
-            "prompt_cache_retention", "safety_identifier", "background",
-            "top_logprobs", "stream_options", "prompt_cache_key", "store"}
-_KNOWN = _IGNORED | {"model", "input", "instructions", "stream", "max_output_tokens",
+_IGNORED = {"metadata", "user", "service_tier", "prompt_cache_retention", "safety_identifier",
+            "stream_options", "prompt_cache_key", "store"}
+_KNOWN = _IGNORED | {"truncation", "background", "top_logprobs",
+                     "model", "input", "instructions", "stream", "max_output_tokens",
                      "temperature", "top_p", "previous_response_id", "tools", "tool_choice",
                      "text", "reasoning", "include", "seed", "parallel_tool_calls"}
 # tuples, not sets: `x in` them is a plain test for any JSON value (a list too)
@@ -31,6 +31,7 @@ MAX_ITEMS = 10_000
 # and in the checkpoint store; an id is ours ("resp_" + 32 hex) or a client's mistake.
 MAX_SESSION_KEY_BYTES = 512
 MAX_ID_CHARS = 128
+MAX_TOP_LOGPROBS = 20  # as the API documents (engine.runtime.batch_sampler's cap)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class ResponseRequest:
     include: tuple = ()
     seed: int | None = None
     parallel_tool_calls: bool = True  # False: at most one call (enforced by the constraint)
+    # None: no log-probabilities; k: each output_text token's, with k alternatives
+    logprobs: int | None = None
 
     @property
     def input_messages(self) -> tuple[dict, ...]:
@@ -100,8 +103,41 @@ def _reasoning(body: dict) -> Reasoning:
     return Reasoning(effort=effort or ("medium" if summary else None), summary=summary)
 
 
+def _logprobs(body: dict, include: list) -> int | None:
+    """How many alternatives each token's log-probability lists, or None when the request
+    asked for none: `include: ["message.output_text.logprobs"]` or a `top_logprobs` of at
+    least 1 asks for them."""
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                            or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise invalid(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}",
+                      param="top_logprobs")
+    if "message.output_text.logprobs" in include or (top or 0) > 0:
+        return top or 0
+    return None
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Parameters whose other values this server cannot honour: refused, not ignored.
+
+    `truncation: "auto"` would drop items from the start of the conversation to fit the
+    context; a client that compacts its own history (OMP does, on `context_length_exceeded`)
+    never sends it, and a silently shortened conversation would hide the overflow it reacts
+    to. `background: true` would return at once and run the response later."""
+    truncation = body.get("truncation")
+    if truncation not in (None, "disabled"):
+        raise invalid("'truncation' may only be 'disabled': this server does not drop input "
+                      "items; a request over the context gets context_length_exceeded",
+                      param="truncation", code="unsupported_value")
+    background = body.get("background")
+    if background not in (None, False):
+        raise invalid("'background' may only be false: this server answers each response "
+                      "on its request", param="background", code="unsupported_value")
+
+
 def parse_response_request(body) -> ResponseRequest:
     model, stream = common_fields(body, _KNOWN)
+    _refuse_unsupported(body)
     store = body.get("store", True)
     if not isinstance(store, bool):
         raise invalid("'store' must be a boolean", param="store")
@@ -128,6 +164,7 @@ def parse_response_request(body) -> ResponseRequest:
     include = body.get("include") or []
     if not isinstance(include, list) or any(x not in _INCLUDES for x in include):
         raise invalid(f"'include' may list only {sorted(_INCLUDES)}", param="include")
+    logprobs = _logprobs(body, include)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("'instructions' must be a string", param="instructions")
@@ -151,5 +188,5 @@ def parse_response_request(body) -> ResponseRequest:
         store=store, previous_response_id=prev, prompt_cache_key=pck, metadata=metadata,
         tools=tools, tool_choice=parse_tool_choice(body, tools),
         text_format=parse_text_format(body), reasoning=_reasoning(body), include=tuple(include),
-        seed=seed,
+        seed=seed, logprobs=logprobs,
         parallel_tool_calls=parallel_calls(body))

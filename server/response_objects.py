@@ -125,7 +125,7 @@ class EventStream:
             elif op.kind == "text_delta" and op.text:
                 frames.append(self.frame("response.output_text.delta", item_id=item["id"],
                                          output_index=op.index, content_index=0,
-                                         delta=op.text, logprobs=[]))
+                                         delta=op.text, logprobs=op.logprobs))
             elif op.kind == "reasoning_delta" and op.text:
                 frames.append(self.frame("response.reasoning_text.delta", item_id=item["id"],
                                          output_index=op.index, content_index=0,
@@ -140,10 +140,10 @@ class EventStream:
             text = item["content"][0]["text"]
             frames.append(self.frame("response.output_text.done", item_id=iid,
                                      output_index=index, content_index=0, text=text,
-                                     logprobs=[]))
+                                     logprobs=item["content"][0].get("logprobs") or []))
             frames.append(self.frame("response.content_part.done", item_id=iid,
                                      output_index=index, content_index=0,
-                                     part=_text_part(text)))
+                                     part=dict(item["content"][0])))
         elif kind == "reasoning":
             text = item["content"][0]["text"] if item["content"] else ""
             frames.append(self.frame("response.reasoning_text.done", item_id=iid,

@@ -226,3 +226,34 @@ def test_drafts_are_cut_where_the_grammar_disallows_them(tiny_model, compiler):
     after = np.zeros(con.mask_words, np.int32)
     con.fill_mask(after, 64)  # nothing was advanced
     assert np.array_equal(before, after) and not con.terminated
+
+
+def test_a_logprobs_request_takes_the_plain_step_under_speculation(tiny_model):
+    """The verify pass computes no log-probabilities: a row that asks for them is decoded by
+    the plain step, so every token still carries its log-probability and its alternatives, and
+    the tokens are those of the engine without speculation."""
+    ids = tiny_model.tokenizer.encode(TEXTS[0])
+
+    def events(spec):
+        eng = Engine(tiny_model, context_tokens=256, prefill_chunk=16, max_concurrency=1,
+                     max_queue=4, speculative=spec)
+        eng.start()
+        try:
+            q: queue.Queue = queue.Queue()
+            eng.submit(GenerationRequest(prompt_ids=list(ids), sampling=SamplingParams(
+                temperature=0.0), max_tokens=24, stop_ids=frozenset(), emit=q.put,
+                principal="t", logprobs=3))
+            out = []
+            while not isinstance(ev := q.get(timeout=300), DoneEvent):
+                out.append(ev)
+            return out, ev
+        finally:
+            eng.stop()
+
+    plain, _ = events(None)
+    refs = {tuple(ids): [e.token_id for e in plain]}
+    spec, done = events(SpecConfig(Oracle(refs), 4))
+    assert [e.token_id for e in spec] == refs[tuple(ids)]
+    assert all(e.logprob is not None and len(e.top) == 3 for e in spec)
+    assert [e.logprob for e in spec] == pytest.approx([e.logprob for e in plain], abs=1e-5)
+    assert done.speculative["verify_passes"] == 0  # no row of the pass was speculated

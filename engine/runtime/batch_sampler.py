@@ -36,6 +36,21 @@ def _sample_rows(logits, temperature, top_k, top_p, key_data, steps, mask=None, 
     return sample(logits, temperature, top_k, top_p, keys, paths=paths)
 
 
+# The most alternatives a token's log-probabilities list (the Responses API's top_logprobs: 0-20).
+MAX_TOP_LOGPROBS = 20
+
+
+def _token_logprobs(logits, picked, *, n_vocab: int, k: int):
+    """Each row's sampled token's log-probability under the model's distribution (the raw
+    logits at temperature 1, before top_p and any constraint mask) and its k most likely
+    tokens: (logprob [B], top ids [B, k], top logprobs [B, k])."""
+    ids = jnp.arange(logits.shape[-1])
+    logp = jax.nn.log_softmax(jnp.where(ids[None, :] < n_vocab, logits, -jnp.inf), axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(picked, 0)[:, None], axis=1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, k)
+    return chosen, top_ids, top_lp
+
+
 # The sampler variants `BatchSampler.warm` compiles: what the server's requests make (top_k is
 # never set there): greedy, temperature alone, temperature with top_p < 1.
 WARM_PATHS = (Paths(False, False, False, False), Paths(True, True, False, False),
@@ -52,6 +67,20 @@ class BatchSampler:
         self._sample = jax.jit(functools.partial(_sample_rows, n_vocab=n_vocab),
                                static_argnames=("paths",))
         self._mask_words = (n_vocab + 31) // 32  # bitmask row width
+        self._logprobs = jax.jit(functools.partial(_token_logprobs, n_vocab=n_vocab),
+                                 static_argnames=("k",))
+
+    def logprobs(self, logits, picked, rows: list):
+        """The log-probabilities of the tokens `picked` for the rows whose request asked for
+        them (`GenerationRequest.logprobs`), or None when no row did: (logprob [B], top ids
+        [B, k], top logprobs [B, k]) as numpy arrays, k the most any row asked for (a row's
+        own count is cut from it). Rows that did not ask pay nothing: the call is skipped."""
+        wanted = [s.payload.logprobs for s in rows
+                  if s is not None and s.payload.logprobs is not None]
+        if not wanted:
+            return None
+        k = max(1, min(MAX_TOP_LOGPROBS, max(wanted)))
+        return tuple(np.asarray(a) for a in self._logprobs(logits, picked, k=k))
 
     def sample(self, logits, rows: list, ahead: int = 0) -> tuple[jax.Array, list]:
         """Dispatch the sampling of each row's token (`rows[b]`: the sequence in cache row b,

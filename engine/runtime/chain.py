@@ -2,7 +2,7 @@
 the last one's tokens.
 
 While only decode steps of the same rows can follow (nothing waiting or prefilling, no
-constraint, no command or submission in the inbox), step K + 1 is dispatched with step K's
+constraint, no request asking for log-probabilities, no command or submission in the inbox), step K + 1 is dispatched with step K's
 sampled tokens still on the device, and only then are K's tokens read and accepted: the host's
 dispatch and token work run while the device computes, where the synced path leaves the device
 idle for both (0.7-0.8 ms a 27B decode step on the H200). The results are the synced path's:
@@ -74,7 +74,8 @@ class DecodeChain:
         return (self.enabled and self._inbox_empty() and not self.sched.waiting
                 and all(s.status is SeqStatus.DECODING for s in running)
                 and set(running) <= set(seqs)
-                and all(s.payload.constraint is None and not s.payload.cancelled.is_set()
+                and all(s.payload.constraint is None and s.payload.logprobs is None
+                        and not s.payload.cancelled.is_set()
                         and len(s.payload.stop_ids) <= CHAIN_STOP_IDS for s in seqs))
 
     def _ends_by_length(self, seq: Sequence) -> bool:

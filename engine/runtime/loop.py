@@ -139,7 +139,9 @@ class StepLoop:
             return True
 
     def run_step(self, step) -> None:
-        if step.kind == "decode" and self.spec is not None:
+        # a row that asked for log-probabilities takes the plain step (the verify pass has none)
+        if step.kind == "decode" and self.spec is not None \
+                and all(s.payload.logprobs is None for s in step.seqs):
             self.spec.run(step)
             return
         # [B, width]: a prefill piece may be right-padded past its size; padded steps are not
@@ -179,10 +181,11 @@ class StepLoop:
             for s in ready:
                 rows[s.slot] = s
             picked, failed = self.sampler.sample(logits[:, 0], rows)
+            lp = self.sampler.logprobs(logits[:, 0], picked, rows)
             # a decode step: the next one goes to the device before this one's tokens are read
             nxt = self.chain.dispatch(step.seqs, picked) if step.kind == "decode" \
                 and not failed else None
-            self._collect(ready, picked, failed)
+            self._collect(ready, picked, failed, lp)
             if nxt is not None:
                 self.chain.settle_log(nxt)
             self._inflight = nxt
@@ -204,19 +207,21 @@ class StepLoop:
                 if seq.status is not SeqStatus.FINISHED:
                     self._finish(seq, "error", error=type(e).__name__)
 
-    def _collect(self, seqs, picked, failed: list) -> None:
+    def _collect(self, seqs, picked, failed: list, lp=None) -> None:
         """Read a step's sampled tokens (the host waits for the device here) and accept each
-        row's; failed rows (a constraint that could not build its mask) get -1."""
+        row's; failed rows (a constraint that could not build its mask) get -1. `lp`: the
+        step's log-probabilities (`BatchSampler.logprobs`), or None."""
         picked = np.array(picked)
         picked[failed] = -1  # _accept finishes these with "error"
         for s in seqs:
-            self._accept(s, int(picked[s.slot]))
+            self._accept(s, int(picked[s.slot]), lp=lp)
 
-    def _accept(self, seq: Sequence, tok: int, con_result=None) -> None:
+    def _accept(self, seq: Sequence, tok: int, con_result=None, lp=None) -> None:
         """Accept `seq`'s next token. con_result: None (the row's constraint, if any, accepts
         it here), a bool (it already did, and whether it terminated right after this token),
         or the exception its accept raised: the verify step (engine/runtime/speculative.py)
-        advances the constraint through a pass's tokens before the loop accepts them."""
+        advances the constraint through a pass's tokens before the loop accepts them. `lp`: the
+        step's log-probabilities (`BatchSampler.logprobs`), or None."""
         req: GenerationRequest = seq.payload
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
@@ -237,7 +242,13 @@ class StepLoop:
             self._finish(seq, "stop")
             return
         seq.output_ids.append(tok)
-        seq.emit(TokenEvent(tok))
+        if lp is not None and req.logprobs is not None:
+            chosen, top_ids, top_lp = lp
+            b, k = seq.slot, req.logprobs
+            seq.emit(TokenEvent(tok, float(chosen[b]), tuple(
+                (int(i), float(v)) for i, v in zip(top_ids[b, :k], top_lp[b, :k]))))
+        else:
+            seq.emit(TokenEvent(tok))
         total = len(seq.prompt_ids) + len(seq.output_ids)
         if terminated:  # the grammar is complete: nothing may follow
             self._finish(seq, "stop", last_fed=False)

@@ -23,6 +23,11 @@ class PromptTooLong(ValueError):
 @dataclass
 class TokenEvent:
     token_id: int
+    # Only for a request that asked for log-probabilities (`GenerationRequest.logprobs`): the
+    # token's log-probability under the model's distribution, and the `logprobs` most likely
+    # tokens as (id, log-probability) pairs, most likely first.
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass
@@ -65,3 +70,6 @@ class GenerationRequest:
     constraint: object | None = None
     # engine.runtime.speculative.SpecStats: set by the engine when speculation is on
     speculative: object | None = None
+    # None: no log-probabilities; k >= 0: each TokenEvent carries its token's log-probability
+    # and the k most likely alternatives (at most MAX_TOP_LOGPROBS).
+    logprobs: int | None = None
