@@ -7,10 +7,12 @@
 #                                 # and the transformers + flash-linear-attention peer after it)
 #   bash bench/h200_runs.sh 2     # lane and planner: serve --lane h200 --synthetic-weights
 #                                 # through the preflight; planned vs measured device memory
+#   bash bench/h200_runs.sh 3     # speculative verify cost against K (1,2,4,8) and the decode
+#                                 # rate at acceptance 1 / 0.9 / 0.7 / 0.5, 27B shapes at 1K
 #   bash bench/h200_runs.sh 4     # restore and restart, cold disk and page cache, 128K
 #   bash bench/h200_runs.sh 5     # keep-warm: TTFT after 10/30/60 s idle, on and off
 #
-# Runs 3 (speculative verify cost) and 7 (the lane's receipt) wait for their code.
+# Run 7 (the lane's receipt) waits for its code (./ninfer qualify).
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -26,9 +28,11 @@ case "${1:-}" in
        | tee "$OUT/bench_h200.log" ;;
   2) timeout 570 python3 bench/lane_server.py memory --lane h200 --tokens 8192 \
        --out "$OUT/lane_memory.json" 2>&1 | tee "$OUT/lane_memory.log" ;;
+  3) timeout 570 python3 bench/spec_verify.py --k 1,2,4,8 --out "$OUT/spec_verify.json" 2>&1 \
+       | tee "$OUT/spec_verify.log" ;;
   4) timeout 570 python3 bench/restore_27b.py --work-dir /tmp/r27 --budget-s 540 \
        --out "$OUT/restore_27b.json" 2>&1 | tee "$OUT/restore_27b.log" ;;
   5) timeout 570 python3 bench/lane_server.py keepwarm --lane h200 --idle 10,30,60 \
        --out "$OUT/keep_warm.json" 2>&1 | tee "$OUT/keep_warm.log" ;;
-  *) echo "usage: bash bench/h200_runs.sh 0|1|2|4|5" >&2; exit 2 ;;
+  *) echo "usage: bash bench/h200_runs.sh 0|1|2|3|4|5" >&2; exit 2 ;;
 esac
