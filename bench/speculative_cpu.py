@@ -83,6 +83,16 @@ def teacher_forced(drafter, prompt: list[int], response: list[int], k: int) -> d
             "tokens_per_pass": round((len(response) - 1) / passes, 3)}
 
 
+def transcript_figures(tok, ks=(2, 4, 8)) -> dict:
+    """Prompt lookup on the coding transcript, teacher-forced: acceptance rate and tokens a
+    verify pass at each K (independent of weights: the transcript's own response is the
+    target's)."""
+    prompt, response = tok.encode(PROMPT), tok.encode(RESPONSE)
+    drafter = PromptLookup()
+    return {"prompt_tokens": len(prompt), "response_tokens": len(response),
+            drafter.name: [teacher_forced(drafter, prompt, response, k) for k in ks]}
+
+
 class OwnGreedy:
     """Proposes the tiny model's own greedy continuation (from the run without speculation):
     every draft is accepted, so the run shows what a verify pass of K + 1 positions costs."""
@@ -132,11 +142,9 @@ def main() -> None:
     model = load_model(ensure_embedded(Path(args.state_dir), "tiny",
                                        load_profile("cpu").model_sha256))
     tok = model.tokenizer
-    prompt, response = tok.encode(PROMPT), tok.encode(RESPONSE)
+    prompt = tok.encode(PROMPT)
     drafter = PromptLookup()
-    transcript = {"prompt_tokens": len(prompt), "response_tokens": len(response),
-                  drafter.name: [teacher_forced(drafter, prompt, response, k)
-                                 for k in args.k]}
+    transcript = transcript_figures(tok, args.k)
     load = {"before": os.getloadavg()}
     engine = {"off": engine_run(model, prompt, args.tokens, None)}
     own = OwnGreedy(engine["off"]["tokens"])

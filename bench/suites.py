@@ -227,11 +227,24 @@ def run_cpu(args) -> dict:
     figures = {"prompt_tokens": turns[0]["input_tokens"], "ttft_s": ttft,
                "decode_tok_s": decode, "runs": turns, "peer": peer,
                "copy_bytes_per_s": bw, "decode_roofline_tok_s": roof,
-               "lane": lane.name, "model": "hf-tiny (the embedded model's shapes, fp32)"}
+               "lane": lane.name, "model": "hf-tiny (the embedded model's shapes, fp32)",
+               "speculative": _speculative_cpu(lane)}
     ratios = {"ttft_over_peer_prefill": ttft / peer["prefill_s"],
               "decode_over_peer": decode / peer["decode_tok_s"],
               "decode_of_roofline": decode / roof}
     return record("cpu", args.argv, REFERENCE, figures, ratios)
+
+
+def _speculative_cpu(lane) -> dict:
+    """Speculative decoding's figures on the cpu lane: prompt lookup on a coding transcript
+    (bench/speculative_cpu.py, teacher-forced: acceptance and tokens a verify pass, which do
+    not depend on weights), and what the lane serves with (its profile's [speculative])."""
+    from bench.speculative_cpu import transcript_figures
+    from engine.text.tokenizer import Tokenizer as QwenTokenizer
+
+    return {"lane_setting": dict(lane.speculative or ()) or None,
+            "transcript": transcript_figures(QwenTokenizer.qwen35()),
+            "depends_on_weights": "no: teacher-forced on the transcript's own response"}
 
 
 # ---- h200 ---------------------------------------------------------------------------------------
@@ -410,6 +423,9 @@ def main(argv: list[str]) -> int:
               f"{f['peer']['decode_tok_s']:.1f}, {r['decode_over_peer']:.2f}x; "
               f"{100 * r['decode_of_roofline']:.0f}% of the copy roofline "
               f"{f['decode_roofline_tok_s']:.0f})")
+        for row in f["speculative"]["transcript"]["prompt_lookup"]:
+            print(f"prompt lookup K={row['k']}: acceptance {row['acceptance_rate']:.2f}, "
+                  f"{row['tokens_per_pass']:.2f} tokens a verify pass (coding transcript)")
     if args.suite == "h200":
         print(f"{'context':>8} {'C1 tok/s':>9} {'of roof':>8} {'C2 tok/s':>9} {'C2/C1':>6} "
               f"{'prefill s':>10}")

@@ -49,3 +49,22 @@ def test_cpu_suite_writes_its_results_file(tmp_path):
     assert f["ttft_s"] > 0 and f["decode_tok_s"] > 0 and f["peer"]["decode_tok_s"] > 0
     assert set(res["ratios"]) == {"ttft_over_peer_prefill", "decode_over_peer",
                                   "decode_of_roofline"}
+    assert [r["k"] for r in f["speculative"]["transcript"]["prompt_lookup"]] == [2, 4, 8]
+
+
+def test_cpu_suite_states_prompt_lookup_on_the_coding_transcript():
+    """`./ninfer bench cpu`'s speculative figures: each K's acceptance and tokens a verify
+    pass, from the transcript (a file read, then written back with an edit), which prompt
+    lookup drafts well; the cpu lane itself serves with speculation off."""
+    from bench.suites import _speculative_cpu
+    from lanes.profile import load_profile
+
+    spec = _speculative_cpu(load_profile("cpu"))
+    assert spec["lane_setting"] is None
+    rows = spec["transcript"]["prompt_lookup"]
+    assert [r["k"] for r in rows] == [2, 4, 8]
+    for r in rows:
+        assert 0.5 < r["acceptance_rate"] <= 1 and 1.5 < r["tokens_per_pass"] <= r["k"] + 1
+        assert r["accepted"] <= r["drafted"]
+    # longer drafts give more tokens a pass on text that repeats
+    assert rows[0]["tokens_per_pass"] < rows[1]["tokens_per_pass"] < rows[2]["tokens_per_pass"]
