@@ -56,15 +56,17 @@ def pack(tree: Path, out: Path) -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory):
     """A: this tree; B: a server/ comment changed (same checkpoint fingerprint); C: the cpu
-    profile's max_queue changed (another fingerprint); D: a store schema version 3."""
+    profile's max_queue changed (another fingerprint); D: one store schema version more."""
     d = tmp_path_factory.mktemp("packs")
     out = d / "out"
     edits = {"B": ("server/errors.py", lambda t: t + "\n# lane test: instance B\n"),
              "C": ("lanes/profiles/cpu.toml", lambda t: t.replace("max_queue = 16",
                                                                   "max_queue = 15")),
              "D": ("server/response_store_schema.py", lambda t: t.replace(
-                 "((1, _V1), (2, _V2))",
-                 '((1, _V1), (2, _V2), (3, ("CREATE TABLE lane_test (x INTEGER)",)))'))}
+                 "\nSCHEMA_VERSION = MIGRATIONS[-1][0]",
+                 "\nMIGRATIONS = MIGRATIONS + ((MIGRATIONS[-1][0] + 1, "
+                 "('CREATE TABLE lane_test (x INTEGER)',)),)"
+                 "\nSCHEMA_VERSION = MIGRATIONS[-1][0]"))}
     got = {"A": pack(REPO, out), "A2": pack(REPO, out)}
     for name, (path, edit) in edits.items():
         got[name] = pack(tree_copy(d / name, path, edit), out)
