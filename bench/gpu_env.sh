@@ -11,5 +11,6 @@ NINFER_SITE=/tmp/ninfer-site
 if [ ! -d "$NINFER_SITE" ]; then
   python3 -m pip install --quiet --no-deps --target "$NINFER_SITE" .whl/srv/*.whl
 fi
-export PYTHONPATH="$NINFER_SITE${PYTHONPATH:+:$PYTHONPATH}"
+# the repository root too: `python3 bench/x.py` puts only bench/ on the path
+export PYTHONPATH="$PWD:$NINFER_SITE${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"

@@ -285,6 +285,7 @@ def write_profile(work: Path, art: dict, a) -> tuple[Path, dict]:
     context = -(-(a.tokens + a.room) // 64) * 64
     prof = {
         "name": f"bench-{a.preset}", "device": a.device, "model": art["path"],
+        "model_preset": a.preset,
         "model_sha256": art["sha256"], "compute_dtype": a.compute, "kv_dtype": a.kv,
         "context_tokens": context, "max_concurrency": a.concurrency,
         "prefill_chunk": a.prefill_chunk, "max_output_tokens": 4096, "max_queue": 4,
