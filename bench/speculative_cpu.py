@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.suites import commit, machine  # noqa: E402
 from engine.engine import DoneEvent, Engine, GenerationRequest  # noqa: E402
 from engine.io.loader import ensure_embedded, load_model  # noqa: E402
-from engine.runtime.drafters import PromptLookup  # noqa: E402
+from engine.runtime.drafters import MTP, PromptLookup  # noqa: E402
 from engine.runtime.sampling import SamplingParams  # noqa: E402
 from engine.runtime.speculative import SpecConfig  # noqa: E402
 from lanes.profile import load_profile  # noqa: E402
@@ -148,7 +148,7 @@ def main() -> None:
     load = {"before": os.getloadavg()}
     engine = {"off": engine_run(model, prompt, args.tokens, None)}
     own = OwnGreedy(engine["off"]["tokens"])
-    for d in (drafter, own):
+    for d in (drafter, MTP(), own):
         for k in args.k:
             engine[f"{d.name}_k{k}"] = engine_run(model, prompt, args.tokens, SpecConfig(d, k))
             assert engine[f"{d.name}_k{k}"]["tokens"] == own.tokens, "speculation changed tokens"
@@ -161,7 +161,9 @@ def main() -> None:
            "depends_on_weights": {
                "transcript": "no: teacher-forced on the transcript's own response",
                "engine": "prompt_lookup: yes (the tiny model's weights are random: its output "
-                         "rarely repeats the prompt); own_greedy: no (every draft accepted by "
+                         "rarely repeats the prompt); mtp: yes (its MTP layer is as random as "
+                         "the rest: the figure is the drafter's cost, not its acceptance on "
+                         "trained weights); own_greedy: no (every draft accepted by "
                          "construction: it shows what a verify pass costs on this CPU, where "
                          "the pass reads the weights once a position)"},
            "transcript": transcript, "engine": engine}

@@ -63,11 +63,16 @@ class Engine:
         self.sampler = BatchSampler(batch=max_concurrency, n_vocab=model.tokenizer.vocab_size,
                                     context_tokens=context_tokens)
         hooks = hooks or EngineHooks()
+        mtp = speculative is not None and speculative.mtp
+        if mtp and not (model.cfg.mtp_layers and "mtp" in model.params):
+            raise ValueError(f"speculative.method 'mtp' needs a model with MTP weights; "
+                             f"{model.cfg.name!r} has none (allowed here: 'off', "
+                             f"'prompt_lookup')")
         self.mem = Memory(model.cfg, batch=max_concurrency, context_tokens=context_tokens,
                           capacity_tokens=capacity_tokens or context_tokens * max_concurrency,
                           kv_dtype=model.kv_dtype, conv_dtype=model.compute_dtype,
                           state_slots=state_slots, host_state_bytes=host_state_bytes,
-                          before_evict=hooks.before_evict)
+                          before_evict=hooks.before_evict, mtp=mtp)
         self.inbox = Inbox(max_queue)
         # chained decode steps (the plan's chain_decode): the next step is dispatched with the
         # sampled tokens still on the device, before the host reads them

@@ -131,7 +131,9 @@ def plan_lane(profile, cfg: ModelConfig | None = None, *, context_tokens: int | 
     cfg = cfg or model_config(profile)
     ctx = context_tokens or profile.context_tokens
     itemsize = _ITEMSIZE[profile.compute_dtype]
-    kv_tok = pk.kv_bytes_per_token(cfg, profile.kv_dtype)
+    # MTP drafting keeps the MTP layer's KV in the pool too (engine/runtime/memory.py)
+    mtp = profile.table("speculative").get("method") == "mtp"
+    kv_tok = pk.kv_bytes_per_token(cfg, profile.kv_dtype, mtp=mtp)
     image = state_image_bytes(cfg, itemsize)
     B = profile.max_concurrency
     card = profile.table("card")

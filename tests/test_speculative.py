@@ -16,7 +16,7 @@ import pytest
 
 from engine.constrain.compiler import ConstraintCompiler
 from engine.engine import DoneEvent, Engine, GenerationRequest
-from engine.runtime.drafters import PromptLookup, lookup
+from engine.runtime.drafters import MTP, PromptLookup, lookup
 from engine.runtime.prefix import token_key
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import SpecConfig, check_speculative
@@ -81,11 +81,21 @@ def _run(model, prompts, constraints, spec, concurrency, sampled=()):
         eng.stop()
 
 
-def _same_state(a, b):
+def _same_state(a, b, main_layers: int | None = None):
+    """a's stored state is b's. `main_layers`: a's pages also hold the MTP layer's KV (an MTP
+    drafter's engine), so only the main model's `main_layers` layers of each page are compared
+    (fp32 K then V, each [layers, page_size, heads, head_dim])."""
     assert a is not None and b is not None
     assert np.array_equal(a.tokens, b.tokens)
     assert a.conv.tobytes() == b.conv.tobytes() and a.rec.tobytes() == b.rec.tobytes()
-    assert [bytes(p) for p in a.pages] == [bytes(p) for p in b.pages]
+    if main_layers is None:
+        assert [bytes(p) for p in a.pages] == [bytes(p) for p in b.pages]
+        return
+    assert len(a.pages) == len(b.pages)
+    for pa, pb in zip(a.pages, b.pages):
+        ka = np.frombuffer(bytes(pa), np.float32).reshape(2, main_layers + 1, -1)
+        kb = np.frombuffer(bytes(pb), np.float32).reshape(2, main_layers, -1)
+        assert np.array_equal(ka[:, :main_layers], kb)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +122,7 @@ def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, m
         assert done.speculative is None
     # (drafter, K): the always-wrong one at K = 1 keeps the test short (a pass a token)
     drafters = {"all accepted": (Oracle(refs), 4), "all rejected": (Oracle(refs, 0), 1),
-                "prompt lookup": (PromptLookup(), 4)}
+                "prompt lookup": (PromptLookup(), 4), "mtp": (MTP(), 3)}
     if concurrency == 2 and not masked:  # partly accepted passes (kept short: one case)
         drafters["two of three"] = (Oracle(refs, 2), 3)
     for name, (drafter, k) in drafters.items():
@@ -121,7 +131,8 @@ def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, m
         assert pages == base_pages, name
         for (want_toks, _, want_state), (toks, done, state) in zip(base, got):
             assert toks == want_toks, name
-            _same_state(state, want_state)
+            _same_state(state, want_state,
+                        tiny_model.cfg.num_blocks if name == "mtp" else None)
             spec = done.speculative
             passes, drafted, accepted = (spec["verify_passes"], spec["drafted"],
                                          spec["accepted"])
@@ -170,7 +181,7 @@ def test_prompt_lookup_finds_the_longest_recent_match():
 
 
 @pytest.mark.parametrize("method,k,needle", [
-    ("medusa", 3, "speculative.method must be one of ['off', 'prompt_lookup']"),
+    ("medusa", 3, "speculative.method must be one of ['off', 'prompt_lookup', 'mtp']"),
     ("prompt_lookup", 0, "speculative.draft_tokens must be an integer in 1..8"),
     ("prompt_lookup", 9, "speculative.draft_tokens must be an integer in 1..8"),
     ("prompt_lookup", True, "speculative.draft_tokens must be an integer in 1..8")])
@@ -183,8 +194,7 @@ PROFILE_DIR = Path(__file__).resolve().parents[1] / "lanes" / "profiles"
 
 
 @pytest.mark.parametrize("method,k,match", [
-    ("medusa", 3, r"\[speculative\] method must be one of \['off', 'prompt_lookup'\]"),
-    ("mtp", 3, r"\[speculative\] method must be one of \['off', 'prompt_lookup'\]"),
+    ("medusa", 3, r"\[speculative\] method must be one of \['off', 'prompt_lookup', 'mtp'\]"),
     ("prompt_lookup", 0, r"\[speculative\] draft_tokens must be an integer in 1\.\.8, got 0"),
     ("prompt_lookup", 9, r"\[speculative\] draft_tokens must be an integer in 1\.\.8, got 9")])
 def test_profile_with_bad_speculative_table_is_refused(tmp_path, method, k, match):
@@ -194,6 +204,18 @@ def test_profile_with_bad_speculative_table_is_refused(tmp_path, method, k, matc
     (tmp_path / "bad.toml").write_text(text)
     with pytest.raises(ProfileError, match=match):
         load_profile(str(tmp_path / "bad.toml"))
+
+
+def test_mtp_profile_needs_a_model_with_an_mtp_layer(tmp_path):
+    text = (PROFILE_DIR / "rtx4090.toml").read_text().replace(
+        'method = "off"', 'method = "mtp"').replace("draft_tokens = 0", "draft_tokens = 3")
+    (tmp_path / "mtp.toml").write_text(text)
+    assert load_profile(str(tmp_path / "mtp.toml")).speculative_config().mtp  # the 27B has one
+    (tmp_path / "bare.toml").write_text(text.replace('model_preset = "qwen3.8-27b"',
+                                                     'model_preset = "test-small"'))
+    with pytest.raises(ProfileError, match=r"\[speculative\] method 'mtp' needs a model with an "
+                       r"MTP layer; 'test-small' has none"):
+        load_profile(str(tmp_path / "bare.toml"))
 
 
 def test_profile_selects_the_drafter_and_the_fingerprint_names_it(tmp_path, tiny_model):

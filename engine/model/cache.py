@@ -62,6 +62,9 @@ class PagedCache(NamedTuple):
     rec: jax.Array           # [num_blocks, gdn_per_block, B, Hv, Dk, Dv]              fp32
     pos: jax.Array           # [B] int32: tokens already processed per row
     mtp_pos: jax.Array       # [B] int32: entries already processed by the MTP layer per row
+    # MTP drafting (engine/model/model.py `mtp_track`): [B, H] activation dtype, each row's last
+    # hidden state, the input of its next MTP entry; None: the forward leaves the MTP layer alone
+    mtp_hidden: jax.Array | None = None
 
 
 def init_paged_cache(cfg: ModelConfig, pool: KVPool, block_table, dtype=jnp.float32

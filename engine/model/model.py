@@ -143,7 +143,8 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     references, Pallas kernels (Triton on a GPU, the Pallas interpreter elsewhere) or the CUDA
     ops, where the shapes fit.
     Returns (logits fp32 [B, T, V], hidden [B, T, H] after the final norm (the MTP input),
-    new cache with pos += lengths). Tokens past max_len (paged: past the block table, or on a
+    new cache with pos += lengths). A paged cache with `mtp_hidden` set (MTP drafting) also has
+    its MTP layer's entries for these tokens written (`mtp_track`). Tokens past max_len (paged: past the block table, or on a
     page id < 0) are silently dropped from the KV cache: the caller must keep pos + T <= max_len
     (paged: the row's table must cover slots [pos, pos + T)).
     """
@@ -157,7 +158,10 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
                            plan)
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     logits = _head(params, cfg, hidden, lengths, last_only, plan)
-    return logits, hidden, cache._replace(pos=cache.pos + lengths)
+    cache = cache._replace(pos=cache.pos + lengths)
+    if isinstance(cache, PagedCache) and cache.mtp_hidden is not None:
+        cache = mtp_track(params, cfg, hidden, tokens, cache, lengths)
+    return logits, hidden, cache
 
 
 def forward_rows(params, cfg: ModelConfig, tokens, cache: PagedCache, rows, *, lengths=None,
@@ -172,15 +176,21 @@ def forward_rows(params, cfg: ModelConfig, tokens, cache: PagedCache, rows, *, l
     donated; the states' copy is ~0.15 GB a 27B row, tens of us against a piece's ms).
     Returns (logits fp32 [B, 1, V] with zeros in the rows not run, the new cache)."""
     rows = jnp.asarray(rows, jnp.int32)
+    mtp = cache.mtp_hidden is not None
     sub = cache._replace(block_table=cache.block_table[rows], conv=cache.conv[:, :, rows],
                          rec=cache.rec[:, :, rows], pos=cache.pos[rows],
-                         mtp_pos=cache.mtp_pos[rows])
+                         mtp_pos=cache.mtp_pos[rows],
+                         mtp_hidden=cache.mtp_hidden[rows] if mtp else None)
     logits, _, sub = forward(params, cfg, tokens, sub, lengths=lengths, last_only=True,
                              plan=plan)
     out = jnp.zeros((cache.pos.shape[0],) + logits.shape[1:], logits.dtype).at[rows].set(logits)
-    return out, cache._replace(pool=sub.pool, conv=cache.conv.at[:, :, rows].set(sub.conv),
-                               rec=cache.rec.at[:, :, rows].set(sub.rec),
-                               pos=cache.pos.at[rows].set(sub.pos))
+    cache = cache._replace(pool=sub.pool, conv=cache.conv.at[:, :, rows].set(sub.conv),
+                           rec=cache.rec.at[:, :, rows].set(sub.rec),
+                           pos=cache.pos.at[rows].set(sub.pos))
+    if mtp:
+        cache = cache._replace(mtp_pos=cache.mtp_pos.at[rows].set(sub.mtp_pos),
+                               mtp_hidden=cache.mtp_hidden.at[rows].set(sub.mtp_hidden))
+    return out, cache
 
 
 def jit_forward_rows():
@@ -202,6 +212,13 @@ def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCa
     mtp hidden [B, T, H] after mtp.norm (input for a further draft step), new cache with
     mtp_pos += lengths).
     """
+    lengths, _ = _steps(tokens, lengths)
+    h, cache = _mtp_layer(params, cfg, hidden, tokens, cache, lengths)
+    return _head(params, cfg, h, lengths, last_only), h, cache
+
+
+def _mtp_layer(params, cfg: ModelConfig, hidden, tokens, cache, lengths):
+    """`mtp_forward` without the lm_head: (mtp hidden [B, T, H], cache)."""
     if not cfg.mtp_layers or "mtp" not in params:
         raise ConfigError(f"model config {cfg.name!r} has no MTP layer")
     if isinstance(cache, PagedCache) and cache.pool.k.shape[0] <= cfg.num_blocks:
@@ -223,13 +240,59 @@ def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCa
                                     positions, valid)
         cache = cache._replace(mtp_k=k, mtp_v=v)
     h = rms_norm(x, m["norm"], eps)
-    logits = _head(params, cfg, h, lengths, last_only)
-    return logits, h, cache._replace(mtp_pos=cache.mtp_pos + lengths)
+    return h, cache._replace(mtp_pos=cache.mtp_pos + lengths)
+
+
+def mtp_track(params, cfg: ModelConfig, hidden, tokens, cache: PagedCache, lengths):
+    """Keep the MTP layer's KV current behind a forward that fed `tokens` [B, T] (lengths[b]
+    valid) and gave `hidden` [B, T, H]; `cache` is the forward's (pos already advanced).
+
+    Entry j pairs h_j with x_{j+1}: the forward's first token completes the entry of the row's
+    previous last hidden state (`cache.mtp_hidden`), so a forward of T tokens at position p
+    writes entries p - 1 .. p + T - 2 and keeps h_{p+T-1} for the next. Then mtp_pos = pos - 1
+    (the entry a draft starts at) and mtp_hidden = the last valid hidden state. A row's first
+    forward (p = 0) writes a placeholder entry -1 (slot 0, which no real entry uses) from a zero
+    hidden state; rows of length 0 are left alone. The lm_head is not run: drafts come from
+    `mtp_draft`, after the verifier's token is known."""
+    before = cache.pos - lengths
+    h_in = jnp.concatenate([cache.mtp_hidden[:, None].astype(hidden.dtype), hidden[:, :-1]], 1)
+    first = (before == 0)[:, None] & (jnp.arange(h_in.shape[1]) == 0)[None, :]
+    h_in = jnp.where(first[:, :, None], 0, h_in)
+    _, c = _mtp_layer(params, cfg, h_in, tokens, cache._replace(mtp_pos=before - 1), lengths)
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], 1)[:, 0]
+    keep = jnp.where((lengths > 0)[:, None], last.astype(cache.mtp_hidden.dtype),
+                     cache.mtp_hidden)
+    return c._replace(mtp_pos=cache.pos - 1, mtp_hidden=keep)
+
+
+def mtp_draft(params, cfg: ModelConfig, last, cache: PagedCache, steps, k: int):
+    """Greedy MTP drafts [B, k] int32: row b's first steps[b] (<= k) are its drafts after its
+    last sampled token `last` [B], not fed yet (pos and mtp_hidden as `mtp_track` left them).
+    Step 1 completes the row's pending entry (mtp_hidden, last) at mtp_pos and predicts the token
+    after `last`; step i > 1 feeds the MTP layer's own hidden state and draft i - 1. Step i
+    writes slot pos + i - 1 of the row: its pages must cover slots pos .. pos + steps - 1. The
+    verify pass that follows rewrites the entries it keeps; mtp_pos is left as it was."""
+    steps = jnp.asarray(steps, jnp.int32)
+    c, h, tok, drafts = (cache._replace(mtp_pos=cache.pos - 1), cache.mtp_hidden,
+                         jnp.asarray(last, jnp.int32), [])
+    for i in range(k):
+        active = (i < steps).astype(jnp.int32)
+        hh, c = _mtp_layer(params, cfg, h[:, None], tok[:, None], c, active)
+        logits = _head(params, cfg, hh, active, True)
+        tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        drafts.append(tok)
+        h = hh[:, 0]
+    return jnp.stack(drafts, axis=1), c._replace(mtp_pos=cache.mtp_pos)
 
 
 def jit_forward():
     """forward, jitted with cfg/gdn_mode/last_only/plan static and the cache donated."""
     return jax.jit(forward, static_argnames=FORWARD_STATIC, donate_argnames=("cache",))
+
+
+def jit_mtp_draft():
+    """mtp_draft, jitted with cfg/k static and the cache donated."""
+    return jax.jit(mtp_draft, static_argnames=("cfg", "k"), donate_argnames=("cache",))
 
 
 def jit_mtp_forward():

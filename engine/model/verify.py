@@ -41,9 +41,10 @@ def verify_forward(params, cfg: ModelConfig, tokens, cache: PagedCache, lengths,
                    plan: KernelPlan = REFERENCE):
     """Score tokens [B, T] (row b's first lengths[b] valid; a row of length 0 is left alone).
 
-    Returns ((logits fp32 [T, B, V], conv [T, ...cache.conv], rec [T, ...cache.rec]), cache):
-    entry t the logits at position t and the states after it (a row past its length keeps its
-    last valid state); the cache has every valid token's KV written and pos += lengths."""
+    Returns ((logits fp32 [T, B, V], conv [T, ...cache.conv], rec [T, ...cache.rec], mtp_hidden
+    [T, B, H] or None), cache): entry t the logits at position t and the states after it (a row
+    past its length keeps its last valid state); the cache has every valid token's KV (and, when
+    drafting with MTP, its MTP entries) written and pos += lengths."""
     lengths = jnp.asarray(lengths, jnp.int32)
 
     def step(c, xs):
@@ -51,7 +52,7 @@ def verify_forward(params, cfg: ModelConfig, tokens, cache: PagedCache, lengths,
         n = (t < lengths).astype(jnp.int32)
         logits, _, c = forward(params, cfg, tok[:, None], c, lengths=n, last_only=True,
                                plan=plan)
-        return c, (logits[:, 0], c.conv, c.rec)
+        return c, (logits[:, 0], c.conv, c.rec, c.mtp_hidden)
 
     t = tokens.shape[1]
     cache, ys = lax.scan(step, cache, (jnp.asarray(tokens, jnp.int32).T,
@@ -59,17 +60,21 @@ def verify_forward(params, cfg: ModelConfig, tokens, cache: PagedCache, lengths,
     return ys, cache
 
 
-def commit_verified(cache: PagedCache, conv_all, rec_all, lengths, keep):
+def commit_verified(cache: PagedCache, conv_all, rec_all, lengths, keep, mtp_all=None):
     """Keep row b's state after its first keep[b] positions of the pass (1 <= keep <= its
     length; 0 for a row of length 0, which the pass left alone) and set its position there:
-    pos = pos - lengths + keep."""
+    pos = pos - lengths + keep. With MTP drafting (`mtp_all`, the pass's mtp_hidden after each
+    position) the row's pending hidden state is the one after its last kept position too."""
     idx = jnp.maximum(jnp.asarray(keep, jnp.int32) - 1, 0)
     rows = jnp.arange(idx.shape[0])
     # conv_all [T, nb, G, B, ...]: take entry idx[b] of each row b
     conv = jnp.moveaxis(conv_all[idx, :, :, rows], 0, 2)
     rec = jnp.moveaxis(rec_all[idx, :, :, rows], 0, 2)
     pos = cache.pos - jnp.asarray(lengths, jnp.int32) + jnp.asarray(keep, jnp.int32)
-    return cache._replace(conv=conv.astype(cache.conv.dtype), rec=rec, pos=pos)
+    cache = cache._replace(conv=conv.astype(cache.conv.dtype), rec=rec, pos=pos)
+    if mtp_all is not None:
+        cache = cache._replace(mtp_hidden=mtp_all[idx, rows], mtp_pos=pos - 1)
+    return cache
 
 
 def jit_verify():

@@ -4,6 +4,8 @@ the verify pass to score.
 A drafter is any object with a `name` and `propose(seq, k) -> list[int]`: at most k token ids
 that it expects to follow the row's tokens so far (`seq.prompt_ids + seq.output_ids`; the last
 output token is the one the pass feeds first). Proposing fewer, or none, is always allowed.
+`MTP` is the exception: its drafts come from the model's own MTP layer, for every row in one
+device call, so the verify step asks the runner for them (`batched = True`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,15 @@ class Drafter(Protocol):
     name: str
 
     def propose(self, seq, k: int) -> list[int]: ...
+
+
+class MTP:
+    """The model's multi-token-prediction layer, run greedily k steps from each row's last
+    hidden state (engine/model/model.py `mtp_draft`). Needs a model with MTP weights and an
+    engine whose cache tracks the MTP layer (`Engine(..., speculative=...)` builds it so)."""
+
+    name = "mtp"
+    batched = True
 
 
 class PromptLookup:

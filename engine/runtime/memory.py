@@ -37,16 +37,19 @@ class Memory:
     def __init__(self, cfg: ModelConfig, *, batch: int, context_tokens: int,
                  capacity_tokens: int, kv_dtype, conv_dtype, state_slots: int,
                  host_state_bytes: int, page_size: int = pk.PAGE_SIZE,
-                 before_evict: Callable[[Snapshot], None] | None = None):
+                 before_evict: Callable[[Snapshot], None] | None = None, mtp: bool = False):
         self.cfg = cfg
         self.page_size = page_size
         self.max_pages = pages_for(context_tokens, page_size)
         num_pages = max(pages_for(capacity_tokens, page_size), batch * self.max_pages)
-        page_bytes = pk.kv_bytes_per_token(cfg, kv_dtype) * page_size
+        page_bytes = pk.kv_bytes_per_token(cfg, kv_dtype, mtp=mtp) * page_size
         self.alloc = PageAllocator(num_pages, page_size, page_bytes)
-        pool = pk.init_kv_pool(cfg, num_pages, page_size, kv_dtype)
+        pool = pk.init_kv_pool(cfg, num_pages, page_size, kv_dtype, mtp=mtp)
         self.table = np.zeros((batch, self.max_pages), np.int32)
         self.cache: PagedCache = init_paged_cache(cfg, pool, self.table, conv_dtype)
+        if mtp:  # MTP drafting: every forward keeps the MTP layer's KV current (model.py)
+            self.cache = self.cache._replace(
+                mtp_hidden=jnp.zeros((batch, cfg.hidden_size), conv_dtype))
         self.states = StatePool(cfg, state_slots, host_state_bytes, conv_dtype=conv_dtype,
                                 on_evict=self._image_evicted)
         self.index = PrefixIndex()

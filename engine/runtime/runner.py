@@ -55,6 +55,7 @@ class ModelRunner:
         # B: every row (`forward`), fewer: `forward_rows`
         self._compiled: dict[tuple[int, int], object] = {}
         self._verify = None  # the speculative verify pass (engine/model/verify.py), on first use
+        self._draft = None  # the MTP layer's drafts, on first use
         self.exec_counts = {"loaded": 0, "compiled": 0}
         self.exec_saving: threading.Thread | None = None  # compile()'s background saves
 
@@ -100,6 +101,14 @@ class ModelRunner:
             fn, cfg, plan = jit_verify(), self.model.cfg, self.plan
             self._verify = lambda p, t, c, n: fn(p, cfg, t, c, n, plan=plan)
         return self._verify(self.model.params, tokens, cache, lengths)
+
+    def draft(self, last, cache, active, k: int):
+        """The MTP layer's greedy drafts (engine/model/model.py `mtp_draft`): ([B, k] int32,
+        the cache). Compiled on first use."""
+        if self._draft is None:
+            fn, cfg = M.jit_mtp_draft(), self.model.cfg
+            self._draft = lambda p, t, c, a, n: fn(p, cfg, t, c, a, k=n)
+        return self._draft(self.model.params, last, cache, active, k)
 
     def compile(self, cache, threads: int | None = None, store=None) -> float:
         """Compile the forward of every shape (`shapes`) for a cache of `cache`'s shapes, ahead

@@ -1,6 +1,8 @@
 """Speculative decoding in the engine loop: a drafter proposes up to K tokens a row, ONE verify
 pass of the full model scores them (engine/model/verify.py), and the row keeps what the verifier
-agrees with.
+agrees with. Drafters (engine/runtime/drafters.py): prompt lookup, proposed row by row on the
+host, and the model's MTP layer, run for every row in one device call before the pass
+(`_batched_drafts`; the engine's cache then keeps that layer's KV current, model.py `mtp_track`).
 
 A decode step with speculation on (`SpecDecode.run`): each decoding row feeds its last token
 and its draft d_1..d_k (k <= K, and k < the tokens the row may still produce, so the pass never
@@ -34,7 +36,7 @@ from engine.runtime.drafters import Drafter
 # the draft lengths a verify pass supports
 MIN_DRAFT, MAX_DRAFT = 1, 8
 # the drafters a configuration may name ("off": no speculation)
-METHODS = ("off", "prompt_lookup")
+METHODS = ("off", "prompt_lookup", "mtp")
 
 
 def check_speculative(method, draft_tokens, where: str = "speculative.") -> None:
@@ -65,9 +67,15 @@ class SpecConfig:
         check_speculative(method, draft_tokens)
         if method == "off":
             return None
-        from engine.runtime.drafters import PromptLookup
+        from engine.runtime.drafters import MTP, PromptLookup
 
-        return SpecConfig(PromptLookup(), draft_tokens)
+        return SpecConfig(MTP() if method == "mtp" else PromptLookup(), draft_tokens)
+
+    @property
+    def mtp(self) -> bool:
+        """Whether the drafts come from the model's MTP layer (the engine's cache then keeps
+        that layer's KV current)."""
+        return getattr(self.drafter, "name", None) == "mtp"
 
     def describe(self) -> dict:
         """What a fingerprint or a status shows."""
@@ -109,10 +117,20 @@ class SpecDecode:
         loop = self.loop
         tokens = np.zeros((loop.B, self.k + 1), np.int32)
         lengths = np.zeros((loop.B,), np.int32)
-        drafts, fed = {}, {}
+        drafts = {}
+        fed = {seq.seq_id: seq.table.num_tokens for seq in step.seqs}
+        rooms = {seq.seq_id: max(min(self.k, loop.sampler.remaining(seq) - 1), 0)
+                 for seq in step.seqs}
+        batched = getattr(self.drafter, "batched", False)
+        made = self._batched_drafts(step, rooms) if batched else None
         for seq in step.seqs:
-            room = min(self.k, loop.sampler.remaining(seq) - 1)
-            draft = [int(t) for t in self.drafter.propose(seq, room)][:room] if room > 0 else []
+            room = rooms[seq.seq_id]
+            if room == 0:
+                draft = []
+            elif made is not None:
+                draft = [int(t) for t in made[seq.slot, :room]]
+            else:
+                draft = [int(t) for t in self.drafter.propose(seq, room)][:room]
             con = seq.payload.constraint
             if draft and con is not None and hasattr(con, "draft_prefix"):
                 draft = draft[:con.draft_prefix(draft)]  # what the mask allows, in a row
@@ -120,23 +138,24 @@ class SpecDecode:
             tokens[seq.slot, 1:1 + len(draft)] = draft
             lengths[seq.slot] = 1 + len(draft)
             drafts[seq.seq_id] = draft
-            fed[seq.seq_id] = seq.table.num_tokens
-        for seq in step.seqs:
-            loop.mem.prepare([seq], int(lengths[seq.slot]))
+            if not batched:  # the batched drafter made room for its longest pass already
+                loop.mem.prepare([seq], int(lengths[seq.slot]))
         keep = np.zeros((loop.B,), np.int32)  # rows not in the step: left alone
         if lengths.max() == 1:
             # no row has a draft: the plain decode step (its state is the one to keep)
             logits, _, loop.mem.cache = loop.runner.forward(
                 jax.device_put(tokens[:, :1]), loop.mem.cache, jax.device_put(lengths))
             emitted = self._decide(step.seqs, [logits[:, 0]], drafts)
+            if batched:  # pages made for drafts that were all cut go back
+                loop.mem.rollback([(seq, fed[seq.seq_id] + 1) for seq in step.seqs])
         else:
-            (logits, conv_all, rec_all), cache = loop.runner.verify(
+            (logits, conv_all, rec_all, mtp_all), cache = loop.runner.verify(
                 jax.device_put(tokens), loop.mem.cache, jax.device_put(lengths))
             emitted = self._decide(step.seqs, logits, drafts)
             for seq in step.seqs:
                 keep[seq.slot] = len(emitted[seq.seq_id])
             loop.mem.cache = jit_commit(cache, conv_all, rec_all, jax.device_put(lengths),
-                                        jax.device_put(keep))
+                                        jax.device_put(keep), mtp_all)
             loop.mem.rollback([(seq, fed[seq.seq_id] + int(keep[seq.slot]))
                                for seq in step.seqs])
         for seq in step.seqs:
@@ -150,16 +169,36 @@ class SpecDecode:
                 if seq.finish_reason is not None:
                     break
 
+    def _batched_drafts(self, step, rooms: dict) -> np.ndarray:
+        """The MTP layer's drafts for every row of the step ([B, k] on the host; row b's first
+        rooms[seq] are real). They write MTP entries at and past each row's position, so its
+        pages for the pass it may run (room + 1 tokens) are made first; the rollback after the
+        pass gives back what it does not keep."""
+        loop = self.loop
+        last = np.zeros((loop.B,), np.int32)
+        steps = np.zeros((loop.B,), np.int32)
+        for seq in step.seqs:
+            last[seq.slot], steps[seq.slot] = seq.output_ids[-1], rooms[seq.seq_id]
+            loop.mem.prepare([seq], rooms[seq.seq_id] + 1)
+        if not steps.any():
+            return np.zeros((loop.B, self.k), np.int32)
+        drafts, loop.mem.cache = loop.runner.draft(jax.device_put(last), loop.mem.cache,
+                                                   jax.device_put(steps), self.k)
+        return np.asarray(drafts)
+
     def warm(self) -> None:
         """Compile the verify pass and its commit by running them with every row's length 0
         (nothing is written, no position moves)."""
         loop = self.loop
         zeros = np.zeros((loop.B,), np.int32)
-        (_, conv_all, rec_all), cache = loop.runner.verify(
+        (_, conv_all, rec_all, mtp_all), cache = loop.runner.verify(
             jax.device_put(np.zeros((loop.B, self.k + 1), np.int32)), loop.mem.cache,
             jax.device_put(zeros))
         loop.mem.cache = jit_commit(cache, conv_all, rec_all, jax.device_put(zeros),
-                                    jax.device_put(zeros))
+                                    jax.device_put(zeros), mtp_all)
+        if getattr(self.drafter, "batched", False):
+            _, loop.mem.cache = loop.runner.draft(jax.device_put(zeros), loop.mem.cache,
+                                                  jax.device_put(zeros), self.k)
 
     def _decide(self, seqs, logits, drafts) -> dict:
         """Sample each position's verifier token, row by row while the drafts agree; returns
