@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("ctl", help="control a running server: status | save | drain | stop",
                    add_help=False)
-    sub.add_parser("checkpoints", help="move a session: transfer-key | export | import",
+    sub.add_parser("checkpoints", help="move a session: transfer-key | export | import | replica",
                    add_help=False)
     sub.add_parser("backup", help="back up the whole state while the server runs",
                    add_help=False)
