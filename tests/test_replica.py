@@ -13,9 +13,8 @@ service process on a loopback TLS port, real state directories and real stores:
   R5  bad input is refused before any write, naming the file or the entry: a wrong transfer key
       (push and pull), another principal's manifest, a flipped byte (in transit and at rest),
       a truncated stream and a truncated object, `..` and absolute entry names
-  R6  real servers: a session pushed while its server runs, the checkpoint root removed, pulled
-      back (stopped, and through the running server's control socket), continues
-      token-identically from the restored checkpoint
+
+The same with real servers: tests/test_replica_server.py.
 """
 from __future__ import annotations
 
@@ -87,6 +86,18 @@ def save_synthetic(state: Path, principal: str, session: str, n_tokens: int, tur
     return {hashlib.sha256(p).hexdigest() for p in pages}, prev
 
 
+def serve_replica(replica: Path, cert_dir: Path, key: Path, client: dict):
+    """`replica serve` as a process on a loopback port, pinning `client`'s certificate."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "checkpoints", "replica", "serve", "--dir",
+         replica, "--listen", "127.0.0.1:0", "--cert-dir", cert_dir, "--transfer-key", key,
+         "--peer-cert", client["cert"], "--pin", client["sha256"]],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read()
+    return proc, json.loads(line)["listening"]
+
+
 @pytest.fixture(scope="module")
 def rw(tmp_path_factory):
     root = tmp_path_factory.mktemp("replica")
@@ -101,14 +112,7 @@ def rw(tmp_path_factory):
     w.server = cli("replica", "cert", "--out", root / "replica-cert")
     w.stranger = cli("replica", "cert", "--out", root / "stranger-cert")
     w.dir = root / "replica"
-    w.proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "checkpoints", "replica", "serve", "--dir", w.dir,
-         "--listen", "127.0.0.1:0", "--cert-dir", root / "replica-cert", "--transfer-key",
-         w.key, "--peer-cert", w.client["cert"], "--pin", w.client["sha256"]],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = w.proc.stdout.readline()
-    assert line, w.proc.stderr.read()
-    w.addr = json.loads(line)["listening"]
+    w.proc, w.addr = serve_replica(w.dir, root / "replica-cert", w.key, w.client)
     w.peer = ["--peer-cert", w.server["cert"], "--pin", w.server["sha256"]]
     yield w
     w.proc.send_signal(signal.SIGTERM)
