@@ -36,15 +36,17 @@ sys.path.insert(0, str(REPO))
 PRINCIPAL, SESSION = "bench", "bench-session"
 
 
-def page(i: int, fill: int, nbytes: int) -> np.ndarray:
-    seed = int.from_bytes(hashlib.sha256(f"{i}/{fill}".encode()).digest()[:8], "little")
+def page(session: str, i: int, fill: int, nbytes: int) -> np.ndarray:
+    seed = int.from_bytes(hashlib.sha256(f"{session}/{i}/{fill}".encode()).digest()[:8],
+                          "little")
     return np.random.default_rng(seed).integers(0, 255, nbytes, np.uint8)
 
 
 def save(state: Path, n_tokens: int, page_bytes: int, state_bytes: int, turns: int,
-         prev: str | None) -> str:
-    """A generation of `n_tokens` (full pages depend only on their index) and `turns` more
-    stored responses; returns the newest response id."""
+         prev: str | None, principal: str = PRINCIPAL, session: str = SESSION):
+    """A generation of `n_tokens` through the real CheckpointStore (full pages depend only on
+    the session and their index: a grown session shares them) and `turns` more stored
+    responses after `prev`; returns the pages' digests and the newest response id."""
     from server.checkpoints.checkpoint_store import CheckpointStore
     from server.checkpoints.publish import SaveInput
     from server.checkpoints.transfer import expected_fingerprint, record_runtime
@@ -57,24 +59,24 @@ def save(state: Path, n_tokens: int, page_bytes: int, state_bytes: int, turns: i
     for _ in range(turns):
         rid = f"resp_{os.urandom(12).hex()}"
         rs.put_response(ResponseRecord(
-            id=rid, principal=PRINCIPAL, model="bench", status="completed",
+            id=rid, principal=principal, model="bench", status="completed",
             input_items=[{"type": "message", "role": "user", "content": "go on"}],
             output_items=[{"type": "message", "role": "assistant",
                            "content": [{"type": "output_text", "text": "ok " * 50}]}],
             output_token_ids=[list(range(100))], previous_response_id=prev,
-            prompt_cache_key=SESSION, prompt_tokens=n_tokens))
+            prompt_cache_key=session, prompt_tokens=n_tokens))
         prev = rid
     rs.close()
     n = -(-n_tokens // 64)
-    res = store.save(PRINCIPAL, SESSION, SaveInput(
-        tokens=(np.arange(n_tokens) % 997).astype(np.int32), page_size=64,
-        pages=[page(i, min(64, n_tokens - 64 * i), page_bytes) for i in range(n)],
+    pages = [page(session, i, min(64, n_tokens - 64 * i), page_bytes) for i in range(n)]
+    res = store.save(principal, session, SaveInput(
+        tokens=(np.arange(n_tokens) % 997).astype(np.int32), page_size=64, pages=pages,
         digests=[None] * n,
-        state=np.random.default_rng(n_tokens).integers(0, 255, state_bytes, np.uint8),
+        state=page(session, -1, n_tokens, state_bytes),  # the state image
         head_response_id=prev), fp)
     store.close()
     assert res.status == "saved", res
-    return prev
+    return {hashlib.sha256(p).hexdigest() for p in pages}, prev
 
 
 def cli(*args) -> dict:
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True)
     src = work / "src"
     n_tokens = args.pages * 64 - 7
-    head = save(src, n_tokens, args.page_bytes, args.state_bytes, 4, None)
+    _, head = save(src, n_tokens, args.page_bytes, args.state_bytes, 4, None)
     key_path = Path(cli("transfer-key", "--state-dir", src)["out"])
     key = read_transfer_key(key_path)
     client = cli("replica", "cert", "--state-dir", src)
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
         try:
             push(src, PRINCIPAL, SESSION, rep.addr, ident, key, pool)
             for n in (64, 512):
-                head = save(src, n_tokens + n, args.page_bytes, args.state_bytes, 1, head)
+                _, head = save(src, n_tokens + n, args.page_bytes, args.state_bytes, 1,
+                               head)
                 before = rep.received()["bytes_received"]
                 r = push(src, PRINCIPAL, SESSION, rep.addr, ident, key, pool)
                 got = rep.received()["bytes_received"] - before

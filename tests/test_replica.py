@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from tests.serverproc import REPO
@@ -47,43 +46,14 @@ def cli(*args, ok=True, timeout=120):
     return json.loads(r.stdout) if r.stdout.startswith("{") else r.stdout
 
 
-def _page(session: str, i: int, fill: int) -> np.ndarray:
-    seed = int.from_bytes(hashlib.sha256(f"{session}/{i}/{fill}".encode()).digest()[:8], "little")
-    return np.random.default_rng(seed).integers(0, 255, PAGE, np.uint8)
-
-
 def save_synthetic(state: Path, principal: str, session: str, n_tokens: int, turns: int):
-    """A generation of `n_tokens` through the real CheckpointStore (full pages depend only on
-    their index: a grown session shares them) and `turns` more stored responses."""
-    from server.checkpoints.checkpoint_store import CheckpointStore
-    from server.checkpoints.publish import SaveInput
-    from server.checkpoints.transfer import expected_fingerprint
-    from server.response_store import ResponseRecord, ResponseStore
+    """A generation of `n_tokens` through the real CheckpointStore (bench/replication.py's:
+    a grown session shares its full pages) and `turns` more stored responses."""
+    from bench.replication import save
 
-    store = CheckpointStore(state / "checkpoints", quota_bytes=1 << 40)
-    fp = dict(expected_fingerprint(store.root)[0], page_size=64, plan={"test": True})
-    rs = ResponseStore(state / "responses.db")
-    prev = _HEADS.get((state, session))
-    for _ in range(turns):
-        rid = f"resp_{hashlib.sha256(os.urandom(8)).hexdigest()[:24]}"
-        rs.put_response(ResponseRecord(
-            id=rid, principal=principal, model="tiny", status="completed",
-            input_items=[{"type": "message", "role": "user", "content": "go on"}],
-            output_items=[{"type": "message", "role": "assistant",
-                           "content": [{"type": "output_text", "text": "ok"}]}],
-            output_token_ids=[list(range(16))], previous_response_id=prev,
-            prompt_cache_key=session, prompt_tokens=n_tokens))
-        prev = _HEADS[state, session] = rid
-    rs.close()
-    n_pages = -(-n_tokens // 64)
-    pages = [_page(session, i, min(64, n_tokens - 64 * i)) for i in range(n_pages)]
-    state_img = np.random.default_rng(n_tokens).integers(0, 255, STATE, np.uint8)
-    res = store.save(principal, session, SaveInput(
-        tokens=(np.arange(n_tokens) % 997).astype(np.int32), page_size=64, pages=pages,
-        digests=[None] * n_pages, state=state_img, head_response_id=prev), fp)
-    store.close()
-    assert res.status == "saved", res
-    return {hashlib.sha256(p).hexdigest() for p in pages}, prev
+    pages, _HEADS[state, session] = save(state, n_tokens, PAGE, STATE, turns,
+                                         _HEADS.get((state, session)), principal, session)
+    return pages
 
 
 def serve_replica(replica: Path, cert_dir: Path, key: Path, client: dict):
@@ -203,11 +173,11 @@ def _ns(session, principal="carol"):
 def test_r3_a_grown_session_repushes_only_its_new_pages(rw):
     w = rw
     T = 40 * 64 - 9
-    pages0, _ = save_synthetic(w.src, "carol", "grown", T, 2)
+    pages0 = save_synthetic(w.src, "carol", "grown", T, 2)
     push(w, "grown")
     w.bytes_per_push = {}
     for n in (64, 512):
-        pages1, _ = save_synthetic(w.src, "carol", "grown", T + n, 1)
+        pages1 = save_synthetic(w.src, "carol", "grown", T + n, 1)
         before = stats(w)
         r = push(w, "grown")
         new = pages1 - pages0
