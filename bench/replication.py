@@ -16,7 +16,6 @@ the bytes the replica received, by kind.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -105,25 +104,15 @@ class Replica:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", required=True, help="a scratch directory (removed first)")
-    p.add_argument("--out", help="write the results JSON here")
-    p.add_argument("--page-bytes", type=int, default=4 << 20)
-    p.add_argument("--pages", type=int, default=64)
-    p.add_argument("--state-bytes", type=int, default=153_944_064)
-    p.add_argument("--reps", type=int, default=3)
-    args = p.parse_args(argv)
-    os.umask(0o077)
-    from bench.suites import commit, machine
+    from bench.sessions_transfer import session_args, write_results
+
+    args, work = session_args(__doc__, argv)
     from server.checkpoints.bundle import read_transfer_key
     from server.checkpoints.checkpoint_store import default_io_threads
     from server.checkpoints.replica_client import pull, push
     from server.checkpoints.replica_tls import load_identity
     from server.checkpoints_cli import _import_running, _import_stopped
 
-    work = Path(args.dir)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
     src = work / "src"
     n_tokens = args.pages * 64 - 7
     _, head = save(src, n_tokens, args.page_bytes, args.state_bytes, 4, None)
@@ -182,20 +171,9 @@ def main(argv=None) -> int:
     summary = {k: {"best": max(r[k] for r in runs),
                    "median": round(statistics.median(r[k] for r in runs), 1)}
                for k in ("push_mb_s", "push_total_mb_s", "pull_mb_s")}
-    result = {"command": "bench/replication.py " + " ".join(sys.argv[1:] if argv is None
-                                                             else argv),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine(), "commit": commit(), "load_average": os.getloadavg(),
-              "config": {"page_bytes": args.page_bytes, "pages": args.pages,
-                         "state_bytes": args.state_bytes, "reps": args.reps,
-                         "transport": "gRPC, mutual TLS (EC P-256), 127.0.0.1"},
-              "summary_mb_s": summary, "runs": runs, "incremental_push": incremental}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(json.dumps(summary, indent=1))
-    shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return write_results("replication.py", args, work, argv, summary,
+                         {"transport": "gRPC, mutual TLS (EC P-256), 127.0.0.1"}, runs=runs,
+                         incremental_push=incremental)
 
 
 if __name__ == "__main__":
