@@ -44,7 +44,7 @@ def replica(a, peer, verb, who):
                *to)
 
 
-@pytest.mark.slow  # two server starts and ten generations: 140 s on the shared 2-core VM
+@pytest.mark.slow  # two server starts, ten generations: 70-140 s on the shared 2-core VM
 def test_r6_pulled_back_after_the_checkpoint_root_is_lost_continues_exactly(sw):
     a, peer = sw
     refs = {}
