@@ -137,6 +137,14 @@ def test_r1_certificates_private_and_pinned(rw):
     msg = cli("replica", "serve", "--dir", w.root / "r2", "--listen", "127.0.0.1:0",
               "--transfer-key", w.key, "--state-dir", w.src, ok=False)
     assert "unpinned peer is never trusted" in msg and not (w.root / "r2").exists()
+    import grpc  # no plaintext: a client without TLS gets no answer
+
+    from server import replica_pb2 as pb
+    from server import replica_pb2_grpc as pbg
+    with grpc.insecure_channel(w.addr) as ch, pytest.raises(grpc.RpcError) as e:
+        list(pbg.ReplicaStub(ch).Pull(pb.PullRequest(principal="carol", session="pinned"),
+                                      timeout=10))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert files(w.dir) == before
     assert push(w, "pinned")["objects_sent"] == 7  # tokens, state, 4 pages, responses
 

@@ -1,8 +1,9 @@
 """Replication with real server processes on loopback: sessions built on a server, saved and
 pushed to a replica service while it serves; with the server stopped its checkpoint root is
 removed (`rm -rf`); one session is pulled back with the server stopped, the other through the
-running server's control socket; each continues by `previous_response_id` token-identically,
-its model state restored from the pulled checkpoint (not recomputed). Slow tier."""
+running server's control socket; alice continues by `previous_response_id`, bob by his
+resent transcript with the same `prompt_cache_key`, each token-identically with its model state
+restored from the pulled checkpoint (not recomputed). Slow tier."""
 from __future__ import annotations
 
 import shutil
@@ -12,7 +13,7 @@ import pytest
 from lanes.profile import PROFILE_DIR
 from tests.test_checkpoint_server import TURNS, ask, fed, key_of, out_ids, save_now, start
 from tests.test_replica import cli, serve_replica
-from tests.test_session_transfer import N, prompt, restored, state_dir
+from tests.test_session_transfer import N, prompt, restored, state_dir, transcript
 
 SESSION = "ck-session-7f3a9c2e"  # the helpers' prompt_cache_key
 
@@ -56,10 +57,10 @@ def test_r6_pulled_back_after_the_checkpoint_root_is_lost_continues_exactly(sw):
             assert all(x["status"] in ("saved", "already_saved") for x in save_now(srv, who))
             out = replica(a, peer, "push", who)
             assert out["objects_sent"] == out["objects"] and out["frontier_tokens"] == fed(r2)
-            refs[who] = (r2, ask(srv, who, TURNS[3], prev=r2, n=N))
+            refs[who] = (r1, r2, ask(srv, who, TURNS[3], prev=r2, n=N))
     finally:
         srv.stop()
-    ids = {who: out_ids(a, r3["id"]) for who, (_, r3) in refs.items()}
+    ids = {who: out_ids(a, r3["id"]) for who, (_, _, r3) in refs.items()}
     assert ids["alice"] != ids["bob"] and all(len(set(v)) >= 8 for v in ids.values())
     shutil.rmtree(a.dir / "checkpoints")
     got = replica(a, peer, "pull", "alice")
@@ -69,9 +70,12 @@ def test_r6_pulled_back_after_the_checkpoint_root_is_lost_continues_exactly(sw):
         got = replica(a, peer, "pull", "bob")
         assert got["server"] == "running" and got["responses_already_here"] == 2
         again = {}
-        for who, (r2, _) in refs.items():
-            again[who] = ask(srv, who, TURNS[3], prev=r2, n=N)
-            restored(a, again[who], fed(r2))
+        r1, r2, _ = refs["alice"]
+        again["alice"] = ask(srv, "alice", TURNS[3], prev=r2, n=N)
+        restored(a, again["alice"], fed(r2))
+        r1, r2, _ = refs["bob"]  # bob resends his transcript, same prompt_cache_key
+        again["bob"] = ask(srv, "bob", transcript([r1, r2], TURNS[3]), n=N)
+        restored(a, again["bob"], fed(r2))
     finally:
         srv.stop()
     for who in refs:
