@@ -3,7 +3,7 @@
     transfer-key [--out FILE]                   create the transfer key (0600) and print its path
     export --session KEY [--principal P] --out FILE
     import FILE [--principal P]
-    replica cert|serve|push|pull ...            (server/replica_cli.py)
+    replica cert|serve|push|pull ...            (server/replica_cli.py, dispatched by cli.py)
 
 Each takes --state-dir (default: as `serve`) and --transfer-key FILE (default
 <state-dir>/secrets/transfer-key). Export works whether the server runs or not. Import goes
@@ -95,10 +95,6 @@ def _import_stopped(args, state_dir: Path, key_path: Path) -> dict:
 
 
 def main(argv: list[str], default_state_dir: Path) -> int:
-    if argv[:1] == ["replica"]:
-        from server.replica_cli import main as replica_main
-
-        return replica_main(argv[1:], default_state_dir)
     p = argparse.ArgumentParser(prog="ninfer checkpoints",
                                 description="move a session's checkpoint and responses")
     sub = p.add_subparsers(dest="command", required=True)

@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.ctl import main as ctl_main
 
         return ctl_main(argv[1:], default_state_dir())
+    if argv[:2] == ["checkpoints", "replica"]:
+        from server.replica_cli import main as replica_main
+
+        return replica_main(argv[2:], default_state_dir())
     if argv[:1] == ["checkpoints"]:
         from server.checkpoints_cli import main as checkpoints_main
 
