@@ -125,8 +125,10 @@ def one_rep(work: Path, src: Path, key: bytes, cold: bool) -> dict:
             "import_mb_s": mb / t_import}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def session_args(doc: str, argv=None) -> tuple[argparse.Namespace, Path]:
+    """The synthetic session's options (page and state sizes, --reps, --dir, --out), parsed,
+    and the scratch directory, emptied (shared with bench/replication.py)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--dir", required=True, help="a scratch directory (removed first)")
     p.add_argument("--out", help="write the results JSON here")
     p.add_argument("--page-bytes", type=int, default=4 << 20)
@@ -135,12 +137,35 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
     os.umask(0o077)
-    from bench.suites import commit, machine
-    from server.checkpoints.bundle import create_transfer_key
-
     work = Path(args.dir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    return args, work
+
+
+def write_results(script: str, args, work: Path, argv, summary: dict, config: dict,
+                  **body) -> int:
+    """Print the summary; write the results file (--out) with the command, date, machine and
+    commit; remove the scratch directory (shared with bench/replication.py)."""
+    from bench.suites import commit, machine
+
+    result = {"command": f"bench/{script} " + " ".join(sys.argv[1:] if argv is None else argv),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": machine(), "commit": commit(), "load_average": os.getloadavg(),
+              "config": {"page_bytes": args.page_bytes, "pages": args.pages,
+                         "state_bytes": args.state_bytes, "reps": args.reps, **config},
+              "summary_mb_s": summary, **body}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args, work = session_args(__doc__, argv)
+    from server.checkpoints.bundle import create_transfer_key
+
     src = work / "src"
     build_source(src, args.page_bytes, args.pages, args.state_bytes)
     key = create_transfer_key(work / "transfer-key").read_bytes()
@@ -154,20 +179,8 @@ def main(argv=None) -> int:
                           "median": round(statistics.median(r[k] for r in rs), 1)}
                       for k in ("export_mb_s", "verify_mb_s", "import_mb_s")}
                for mode, rs in runs.items()}
-    result = {"command": "bench/sessions_transfer.py " + " ".join(sys.argv[1:] if argv is None
-                                                                   else argv),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine(), "commit": commit(),
-              "load_average": os.getloadavg(),
-              "config": {"page_bytes": args.page_bytes, "pages": args.pages,
-                         "state_bytes": args.state_bytes, "responses": 4, "reps": args.reps},
-              "summary_mb_s": summary, "runs": runs}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(json.dumps(summary, indent=1))
-    shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return write_results("sessions_transfer.py", args, work, argv, summary,
+                         {"responses": 4}, runs=runs)
 
 
 if __name__ == "__main__":

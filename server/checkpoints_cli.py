@@ -3,6 +3,7 @@
     transfer-key [--out FILE]                   create the transfer key (0600) and print its path
     export --session KEY [--principal P] --out FILE
     import FILE [--principal P]
+    replica cert|serve|push|pull ...            (server/replica_cli.py, dispatched by cli.py)
 
 Each takes --state-dir (default: as `serve`) and --transfer-key FILE (default
 <state-dir>/secrets/transfer-key). Export works whether the server runs or not. Import goes
@@ -97,6 +98,8 @@ def main(argv: list[str], default_state_dir: Path) -> int:
     p = argparse.ArgumentParser(prog="ninfer checkpoints",
                                 description="move a session's checkpoint and responses")
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("replica", help="cert | serve | push | pull: replicate sessions over "
+                                   "mutual TLS (see `replica --help`)")
     tk = sub.add_parser("transfer-key", help="create the transfer key (0600)")
     ex = sub.add_parser("export", help="write a session's bundle")
     ex.add_argument("--session", required=True, help="the session's prompt_cache_key")

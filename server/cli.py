@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("ctl", help="control a running server: status | save | drain | stop",
                    add_help=False)
-    sub.add_parser("checkpoints", help="move a session: transfer-key | export | import",
+    sub.add_parser("checkpoints", help="move a session: transfer-key | export | import | replica",
                    add_help=False)
     sub.add_parser("backup", help="back up the whole state while the server runs",
                    add_help=False)
@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.ctl import main as ctl_main
 
         return ctl_main(argv[1:], default_state_dir())
+    if argv[:2] == ["checkpoints", "replica"]:
+        from server.replica_cli import main as replica_main
+
+        return replica_main(argv[2:], default_state_dir())
     if argv[:1] == ["checkpoints"]:
         from server.checkpoints_cli import main as checkpoints_main
 

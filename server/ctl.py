@@ -223,13 +223,15 @@ def main(argv: list[str], default_state_dir: Path) -> int:
 
 
 def generate(out_dir: Path = REPO) -> None:
-    """Regenerate server/ctl_pb2.py and server/ctl_pb2_grpc.py under `out_dir` (dev only)."""
+    """Regenerate server/ctl_pb2.py, server/ctl_pb2_grpc.py and the replica service's
+    server/replica_pb2*.py under `out_dir` (dev only)."""
     from grpc_tools import protoc
 
-    rc = protoc.main(["protoc", f"-I{REPO}", f"--python_out={out_dir}",
-                      f"--grpc_python_out={out_dir}", str(REPO / "server" / "ctl.proto")])
-    if rc != 0:
-        raise RuntimeError(f"protoc failed ({rc})")
+    for proto in ("ctl.proto", "replica.proto"):
+        rc = protoc.main(["protoc", f"-I{REPO}", f"--python_out={out_dir}",
+                          f"--grpc_python_out={out_dir}", str(REPO / "server" / proto)])
+        if rc != 0:
+            raise RuntimeError(f"protoc failed on {proto} ({rc})")
 
 
 if __name__ == "__main__":

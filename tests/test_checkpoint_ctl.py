@@ -1,5 +1,5 @@
-"""The control plane's generated gRPC modules are committed: regenerating them from
-server/ctl.proto gives the same bytes (protoc output is deterministic)."""
+"""The generated gRPC modules are committed: regenerating them from server/ctl.proto and
+server/replica.proto gives the same bytes (protoc output is deterministic)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,7 @@ def test_generated_modules_match_the_proto(tmp_path):
     from server.ctl import generate
 
     generate(tmp_path)
-    for name in ("ctl_pb2.py", "ctl_pb2_grpc.py"):
+    for name in ("ctl_pb2.py", "ctl_pb2_grpc.py", "replica_pb2.py", "replica_pb2_grpc.py"):
         assert (tmp_path / "server" / name).read_bytes() == (REPO / "server" / name).read_bytes()
 
 

@@ -39,6 +39,7 @@ HEADER, MAC = "bundle.json", "bundle.mac"
 _MAC_DOMAIN = b"ninfer/session-bundle/v1\0"
 # every name a bundle may hold: no directories, no "..", nothing absolute
 _ENTRY = re.compile(r"(checkpoint/(tokens|state)\.bin|pages/[0-9a-f]{64}|responses\.json)")
+_SHA = re.compile(r"[0-9a-f]{64}")
 TRANSFER_KEY_NAME = "transfer-key"
 
 
@@ -89,12 +90,11 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-def write_bundle(out: Path, key: bytes, header: dict, entries: list, pool=None) -> int:
-    """Write the bundle atomically (a temporary file beside `out`, fsync, rename, fsync the
-    directory). `entries` are (name, buffer, sha256 or None: hashed here, on `pool` when
-    given); `header` gains their sizes and digests. Each payload goes to the file in one
-    write, no copy. Returns the bundle's size in bytes."""
-    out = Path(out)
+def sign_header(key: bytes, header: dict, entries: list, pool=None):
+    """`header` completed with the entries' names, sizes and sha256 (hashed here, on `pool`
+    when given, where an entry's digest is None): its canonical bytes, their tag under the
+    transfer key, and the entries' byte views. The bytes a bundle's bundle.json holds, and a
+    replica's manifest."""
     for name, _, _ in entries:
         if not _ENTRY.fullmatch(name):
             raise ValueError(f"not a bundle entry name: {name!r}")
@@ -106,9 +106,20 @@ def write_bundle(out: Path, key: bytes, header: dict, entries: list, pool=None) 
               for i, (name, _, sha) in enumerate(entries)]
     head = dict(header, type=BUNDLE_TYPE, schema=BUNDLE_SCHEMA, entries=listed)
     head_b = json.dumps(head, sort_keys=True, separators=(",", ":")).encode()
+    return head_b, _mac(key, head_b), views
+
+
+def write_bundle(out: Path, key: bytes, header: dict, entries: list, pool=None) -> int:
+    """Write the bundle atomically (a temporary file beside `out`, fsync, rename, fsync the
+    directory). `entries` are (name, buffer, sha256 or None: hashed here, on `pool` when
+    given); `header` gains their sizes and digests. Each payload goes to the file in one
+    write, no copy. Returns the bundle's size in bytes."""
+    out = Path(out)
+    head_b, tag, views = sign_header(key, header, entries, pool)
+    listed = json.loads(head_b)["entries"]
     members = ([(HEADER, memoryview(head_b))] + [(e["path"], v) for e, v in zip(listed, views)]
-               + [(MAC, memoryview((_mac(key, head_b) + "\n").encode()))])
-    mtime = int(head["created_at"])
+               + [(MAC, memoryview((tag + "\n").encode()))])
+    mtime = int(header["created_at"])
     tmp = out.with_name(f".tmp-{out.name}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -133,6 +144,30 @@ def write_bundle(out: Path, key: bytes, header: dict, entries: list, pool=None) 
         raise
     fsync_dir(out.parent)
     return out.stat().st_size
+
+
+def verify_header(key: bytes, head_b: bytes, tag: bytes | str, where: str) -> dict:
+    """The header `head_b` parsed, once `tag` verifies it under the transfer key and every
+    entry it lists has a bundle entry name, a size and a sha256 (BundleError naming `where`)."""
+    if isinstance(tag, bytes):
+        tag = tag.decode("ascii", "replace")
+    if not hmac.compare_digest(_mac(key, head_b), tag.strip()):
+        raise BundleError(f"{where}: {MAC} does not verify {HEADER}: a wrong transfer key, "
+                          "or the bundle was altered")
+    try:
+        head = json.loads(head_b)
+        if head["type"] != BUNDLE_TYPE or head["schema"] != BUNDLE_SCHEMA:
+            raise BundleError(f"{where}: {HEADER}: type/schema {head['type']}/"
+                              f"{head['schema']} is not {BUNDLE_TYPE}/{BUNDLE_SCHEMA}")
+        for e in head["entries"]:
+            if not (_ENTRY.fullmatch(e["path"]) and _SHA.fullmatch(e["sha256"])
+                    and int(e["bytes"]) >= 0):
+                raise BundleError(f"{where}: {HEADER} lists {e['path']!r}, not a bundle entry")
+        for field in ("principal", "session", "fingerprint"):
+            head[field]  # noqa: B018 - presence
+    except (KeyError, TypeError, ValueError) as e:
+        raise BundleError(f"{where}: {HEADER} is malformed ({e})") from None
+    return head
 
 
 @dataclass
@@ -185,21 +220,8 @@ def read_bundle(path: Path, key: bytes) -> Bundle:
     for name in (HEADER, MAC):
         if name not in data:
             raise BundleError(f"{where}: entry {name} is missing (truncated bundle?)")
-    head_b = data.pop(HEADER)
-    tag = data.pop(MAC).decode("ascii", "replace").strip()
-    if not hmac.compare_digest(_mac(key, head_b), tag):
-        raise BundleError(f"{where}: {MAC} does not verify {HEADER}: a wrong transfer key, "
-                          "or the bundle was altered")
-    try:
-        head = json.loads(head_b)
-        if head["type"] != BUNDLE_TYPE or head["schema"] != BUNDLE_SCHEMA:
-            raise BundleError(f"{where}: {HEADER}: type/schema {head['type']}/"
-                              f"{head['schema']} is not {BUNDLE_TYPE}/{BUNDLE_SCHEMA}")
-        listed = {e["path"]: e for e in head["entries"]}
-        for field in ("principal", "session", "fingerprint"):
-            head[field]  # noqa: B018 - presence
-    except (KeyError, TypeError, ValueError) as e:
-        raise BundleError(f"{where}: {HEADER} is malformed ({e})") from None
+    head = verify_header(key, data.pop(HEADER), data.pop(MAC), where)
+    listed = {e["path"]: e for e in head["entries"]}
     names = sorted(set(listed) | set(data))
     for name in names:
         if name not in data:

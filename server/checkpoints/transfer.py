@@ -60,6 +60,14 @@ class _Laps:
 def export_session(state_dir: Path, principal: str, session: str, out: Path,
                    key: bytes, pool) -> dict:
     """Write the bundle of (principal, session) to `out`; returns what it holds."""
+    header, entries, info = session_entries(state_dir, principal, session, pool)
+    size = write_bundle(out, key, header, entries, pool)
+    return {"bundle": str(out), "bytes": size, **info}
+
+
+def session_entries(state_dir: Path, principal: str, session: str, pool):
+    """The newest verified generation of (principal, session) and its stored responses, as a
+    bundle's header and entries ((name, buffer, sha256 or None)), and a summary."""
     state_dir = Path(state_dir)
     root = state_dir / "checkpoints"
     if not (root / "secret").is_file():
@@ -101,10 +109,9 @@ def export_session(state_dir: Path, principal: str, session: str, out: Path,
                              "head_response_id": res.head_response_id,
                              "frontier_tokens": int(res.tokens.shape[0]),
                              "page_size": m["page_size"], "pages": digests}}
-    size = write_bundle(out, key, header, entries, pool)
-    return {"bundle": str(out), "bytes": size, "generation": res.generation,
-            "frontier_tokens": int(res.tokens.shape[0]), "pages": len(digests),
-            "responses": len(rows["responses"])}
+    return header, entries, {"generation": res.generation,
+                             "frontier_tokens": int(res.tokens.shape[0]),
+                             "pages": len(digests), "responses": len(rows["responses"])}
 
 
 def record_runtime(store_root: Path, fingerprint: dict) -> None:
