@@ -6,8 +6,9 @@ figure, when it does not; `NotApplicable` says why a phase does not apply to the
                    context) tokens (the full context on a GPU lane) is reproduced exactly
     decode         one greedy sequence's decode rate (C1); gated only on a GPU lane
     speculative    the drafts' acceptance when the lane's [speculative] is on
-    restart        after the managed stop and a start, the next 32 token ids of the session
-                   equal those of the same two turns computed cold by another principal
+    restart        after the managed stop and a start, the session restored from its checkpoint
+                   gives the same next 32 token ids as another principal computing the same
+                   two turns from a cold prefill (its first turn from the root, no state)
     rollback       rollback to the previous instance and back again, each side restoring the
                    session from its checkpoint, every stored response intact
     protected      files 0600 and directories 0700 under the state and run directories, no
@@ -147,6 +148,10 @@ def restart(lane: LaneUnderTest, profile) -> dict:
         raise PhaseFailure(f"the session was not restored from its checkpoint: path "
                            f"{rec['path']}, {rec['cached_tokens']} cached tokens of {fed(r1)}",
                            out)
+    out["reference_paths"] = [lane.done(ref1["id"])["path"], lane.done(ref2["id"])["path"]]
+    if out["reference_paths"][0] != "root":
+        raise PhaseFailure(f"the reference's first turn was not computed cold (path "
+                           f"{out['reference_paths'][0]})", out)
     if lane.output_ids(r1["id"]) != lane.output_ids(ref1["id"]):
         raise PhaseFailure("the first turn differs between the two principals", out)
     if len(want) != RESTART_TOKENS or got != want:
