@@ -110,12 +110,16 @@ def first_start(lane: LaneUnderTest, profile, source: str | None, iid: str) -> d
     if s["lane"]["profile_sha256"] != profile.canonical_hash():
         raise PhaseFailure(f"the server runs profile {s['lane']['profile_sha256']}, not the "
                            f"lane's {profile.canonical_hash()}")
+    if bool(s["model"].get("synthetic_weights")) != lane.synthetic:
+        raise PhaseFailure(f"the server says synthetic_weights="
+                           f"{s['model'].get('synthetic_weights')}, qualification asked for "
+                           f"{lane.synthetic}")
     if not lane.synthetic and s["model"]["artifact_sha256"] != profile.model_sha256:
         raise PhaseFailure(f"the server's model is {s['model']['artifact_sha256']}, the "
                            f"profile pins {profile.model_sha256}")
     lane.facts = s
     return {"install_s": round(install_s, 3), "start_s": round(start_s, 3),
-            "instance": iid}
+            "instance": iid, "synthetic_weights": bool(s["model"].get("synthetic_weights"))}
 
 
 def _phases(args, profile, work: Path, key):

@@ -136,3 +136,24 @@ def test_an_instance_that_is_not_the_lane_profile_is_refused(tmp_path):
     assert r.returncode == 78, r.stderr
     assert f"instance {iid[:16]} does not match lane cpu's profile" in receipt["reason"]
     assert receipt["profile_sha256"] == load_profile("cpu").canonical_hash()
+
+
+@pytest.mark.slow
+def test_synthetic_weights_skip_the_model_phases_and_never_make_a_lane_ready(tmp_path):
+    from release import manifest as M
+
+    r, receipt = qualify(tmp_path, "--lane", "cpu", "--synthetic-weights")
+    skipped = ["retrieval", "role_corpus", "agent_protocol", "tool_turn"]
+    assert receipt["synthetic_weights"] is True
+    assert receipt["phases"]["first_start"]["measurements"]["synthetic_weights"] is True
+    assert receipt["skipped_for_synthetic_weights"] == skipped
+    assert [n for n, p in receipt["phases"].items() if p["verdict"] == "skipped"] == sorted(
+        skipped)
+    for name in QUALITY_FREE:
+        if name != "role_corpus":
+            assert receipt["phases"][name]["verdict"] == "pass", (name, receipt["phases"][name])
+    assert r.returncode == 0 and receipt["verdict"] == "pass", r.stderr[-2000:]
+    blockers = M.receipt_blockers("cpu", receipt, receipt["bundle_sha256"],
+                                  receipt["profile_sha256"], receipt["model"]["sha256"])
+    assert blockers == ["lane cpu: qualified on synthetic weights (or does not say) "
+                        "(receipt field synthetic_weights: True)"]
