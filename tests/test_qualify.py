@@ -12,6 +12,7 @@ exits 78 with a failed receipt naming the reason."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 from pathlib import Path
@@ -49,15 +50,19 @@ def cpu_receipt(tmp_path_factory):
 
 
 def test_the_cpu_receipt_binds_the_release_and_states_every_phase(cpu_receipt, tmp_path):
-    from release.build import source_facts
     from release.bundle import build_bundle
 
     r, receipt = cpu_receipt
     profile = load_profile("cpu")
     assert receipt["format"] == "ninfer-receipt/1" and receipt["lane"] == "cpu"
-    bundle = build_bundle("cpu", tmp_path / "b.tar", tree=REPO,
-                          epoch=source_facts(REPO)["epoch"])
-    assert receipt["bundle_sha256"] == bundle["sha256"]
+    # the release's epoch rule: the commit time of the tree qualified (HEAD may move on
+    # while the qualification runs)
+    b = receipt["bundle"]
+    committed = subprocess.run(["git", "-C", str(REPO), "show", "-s", "--format=%ct",
+                                b["commit"]], capture_output=True, text=True, check=True)
+    assert b["epoch"] == int(os.environ.get("SOURCE_DATE_EPOCH") or committed.stdout)
+    bundle = build_bundle("cpu", tmp_path / "b.tar", tree=REPO, epoch=b["epoch"])
+    assert receipt["bundle_sha256"] == b["sha256"] == bundle["sha256"]
     assert receipt["profile_sha256"] == profile.canonical_hash()
     assert receipt["model"]["sha256"] == profile.model_sha256
     assert receipt["plan"]["digest"] and receipt["omp"]["version"] == OMP_VERSION
