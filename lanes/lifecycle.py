@@ -4,7 +4,8 @@
     ./ninfer lane pack [--out DIR]             this tree as an immutable instance DIR/<id>
     ./ninfer lane install [--from DIR] [--lane L] [--enable] [--allow-no-rollback]
                                                copy, verify, write the unit, make it current
-    ./ninfer lane start [--python PY] [--port N]   run current's server, wait for /health
+    ./ninfer lane start [--python PY] [--port N] [--synthetic-weights]
+                                               run current's server, wait for /health
     ./ninfer lane stop                         graceful stop: live sessions saved
     ./ninfer lane status [--json]              current/previous ids, server, health
     ./ninfer lane rollback                     switch current and previous (restarting)
@@ -51,7 +52,7 @@ def _restart(root, running: dict | None, iid: str, lane: str, timeout: float) ->
     if running is None:
         return
     info = runner.start(root, iid, lane, python=running["python"], port=running["port"],
-                        timeout=timeout)
+                        timeout=timeout, synthetic=running.get("synthetic", False))
     _say(f"restarted the server: pid {info['pid']}, {info['url']} (healthy)")
 
 
@@ -101,7 +102,7 @@ def cmd_start(args) -> int:
             if python is None:
                 raise LaneError(f"--python {args.python}: not an executable", EX_CONFIG)
         info = runner.start(root, cur, lane, python=python, port=args.port,
-                            timeout=args.timeout)
+                            timeout=args.timeout, synthetic=args.synthetic_weights)
         _say(f"started lane {lane} from instance {cur[:16]}: pid {info['pid']}, "
              f"{info['url']} (healthy)")
     return 0
@@ -214,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "Python (one that has the locked requirements) instead of "
                                     "the instance's ./ninfer, which builds its own .venv")
     s.add_argument("--port", type=int, help="port (default: the lane's; 0: any free one)")
+    s.add_argument("--synthetic-weights", action="store_true",
+                   help="serve random weights of the lane's shapes "
+                        "(serve --synthetic-weights)")
     s.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for /health (default 600)")
     s = cmd("stop", cmd_stop, "stop the server gracefully (live sessions are saved)")

@@ -70,14 +70,17 @@ def _log_tail(path: Path, offset: int, lines: int = 25) -> str:
 
 
 def start(root, iid: str, lane: str, *, python: str | None = None, port: int | None = None,
-          timeout: float = 600.0) -> dict:
+          timeout: float = 600.0, synthetic: bool = False) -> dict:
     """Start the server of instance `iid` (the current one: the caller holds the root's lock)
-    and wait until /health answers 200."""
+    and wait until /health answers 200. `synthetic`: serve random weights of the lane's shapes
+    (`serve --synthetic-weights`), kept in the record so that a restart does the same."""
     inst = root.instance(iid)
     cmd = [python, "-m", "server.cli"] if python else [str(root.path / "current" / "ninfer")]
     cmd += ["serve", "--lane", lane, "--state-dir", str(root.state)]
     if port is not None:
         cmd += ["--port", str(port)]
+    if synthetic:
+        cmd += ["--synthetic-weights"]
     root.run.mkdir(exist_ok=True)
     log = root.run / "server.log"
     with open(log, "ab") as out:
@@ -91,7 +94,8 @@ def start(root, iid: str, lane: str, *, python: str | None = None, port: int | N
         except OSError as e:
             raise LaneError(f"cannot run {cmd[0]}: {e.strerror}", EX_CONFIG) from None
     info = {"pid": proc.pid, "start_time": _proc_start(proc.pid), "instance": iid,
-            "lane": lane, "python": python, "port": port, "url": None, "log": str(log),
+            "lane": lane, "python": python, "port": port, "synthetic": synthetic, "url": None,
+            "log": str(log),
             "started_at": time.time()}
     _publish(root, info)
     deadline = time.monotonic() + timeout

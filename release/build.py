@@ -153,7 +153,7 @@ def lane_status(name: str, entry: dict, stage: Path, tree: Path) -> dict:
     else:
         entry["receipt"] = None
     blockers = M.receipt_blockers(name, receipt, entry["bundle"]["sha256"],
-                                  entry["profile"]["profile_sha256"])
+                                  entry["profile"]["profile_sha256"], entry["model"]["sha256"])
     if entry["model"]["sha256"] is None:
         blockers.append(f"lane {name}: its model artifact is not pinned (model_sha256)")
     entry["blockers"] = blockers

@@ -145,23 +145,35 @@ def compatibility_problems(doc: dict, profiles: dict[str, dict]) -> list[str]:
 
 
 def receipt_blockers(lane: str, receipt: dict | None, bundle_sha256: str,
-                     profile_sha256: str) -> list[str]:
-    """Why a lane with this receipt (or none) is not ready."""
+                     profile_sha256: str, model_sha256: str | None = None) -> list[str]:
+    """Why a lane with this receipt (or none) is not ready; each names the receipt field."""
     if receipt is None:
         return [f"lane {lane}: no qualification receipt (qualification/{lane}.json)"]
     out = []
+
+    def field(name: str, why: str, got) -> None:
+        out.append(f"lane {lane}: {why} (receipt field {name}: {got!r})")
+
     if receipt.get("format") != RECEIPT_FORMAT:
-        out.append(f"lane {lane}: receipt format {receipt.get('format')!r}")
+        field("format", "not a qualification receipt", receipt.get("format"))
     if receipt.get("lane") != lane:
-        out.append(f"lane {lane}: the receipt is for lane {receipt.get('lane')!r}")
+        field("lane", f"the receipt is for lane {receipt.get('lane')!r}", receipt.get("lane"))
     if receipt.get("bundle_sha256") != bundle_sha256:
-        out.append(f"lane {lane}: the receipt qualified another bundle")
+        field("bundle_sha256", "the receipt qualified another bundle",
+              receipt.get("bundle_sha256"))
     if receipt.get("profile_sha256") != profile_sha256:
-        out.append(f"lane {lane}: the receipt qualified another profile")
+        field("profile_sha256", "the receipt qualified another profile",
+              receipt.get("profile_sha256"))
+    model = receipt.get("model")
+    got_model = model.get("sha256") if isinstance(model, dict) else None
+    if model_sha256 is not None and got_model != model_sha256:
+        field("model.sha256", "the receipt qualified another model", got_model)
     if receipt.get("verdict") != "pass":
-        out.append(f"lane {lane}: the receipt's verdict is {receipt.get('verdict')!r}")
+        field("verdict", f"the receipt's verdict is {receipt.get('verdict')!r}",
+              receipt.get("verdict"))
     if receipt.get("synthetic_weights") is not False:
-        out.append(f"lane {lane}: qualified on synthetic weights (or does not say)")
+        field("synthetic_weights", "qualified on synthetic weights (or does not say)",
+              receipt.get("synthetic_weights"))
     return out
 
 

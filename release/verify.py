@@ -158,13 +158,14 @@ def check_lane(root: Path, name: str, e: dict, r: Report) -> list[str]:
             r.fail(rel, "receipt digest", "differs from the manifest's")
         receipt = _read_json(root, rel, r) if (root / rel).is_file() else None
         receipt = receipt if isinstance(receipt, dict) else {}
-    blockers = M.receipt_blockers(name, receipt, b["sha256"], e["profile"]["profile_sha256"])
+    blockers = M.receipt_blockers(name, receipt, b["sha256"], e["profile"]["profile_sha256"],
+                                  e.get("model", {}).get("sha256"))
     if e.get("model", {}).get("sha256") is None:
         blockers.append(f"lane {name}: its model artifact is not pinned (model_sha256)")
     want = "candidate" if blockers else "ready"
     if e.get("status") != want:
         r.fail("manifest.json", "lane status", f"lane {name} says {e.get('status')!r}, its "
-               f"receipt makes it {want!r}")
+               f"receipt makes it {want!r}" + "".join(f"; {b}" for b in blockers))
     return blockers
 
 

@@ -276,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("restore", help="bring back lost state from a backup", add_help=False)
     sub.add_parser("lane", help="install, start, stop, upgrade and roll back a lane",
                    add_help=False)
+    sub.add_parser("qualify", help="qualify a lane on this machine and write its receipt",
+                   add_help=False)
     sub.add_parser("lock", help="regenerate the hash-locked requirements (one lock a platform)",
                    add_help=False)
     sub.add_parser("release", help="build or verify a release: build | verify DIR",
@@ -311,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         from lanes.lifecycle import main as lane_main
 
         return lane_main(argv[1:])
+    if argv[:1] == ["qualify"]:
+        from lanes.qualify import main as qualify_main
+
+        return qualify_main(argv[1:])
     if argv[:1] == ["lock"]:
         from release.lock import main as lock_main
 
