@@ -65,7 +65,8 @@ class Engine:
         hooks = hooks or EngineHooks()
         mtp = speculative is not None and speculative.mtp
         if mtp and not (model.cfg.mtp_layers and "mtp" in model.params):
-            raise ValueError(f"speculative.method 'mtp' needs a model with MTP weights; "
+            raise ValueError(f"speculative.method {speculative.drafter.name!r} needs a model "
+                             f"with MTP weights; "
                              f"{model.cfg.name!r} has none (allowed here: 'off', "
                              f"'prompt_lookup')")
         self.mem = Memory(model.cfg, batch=max_concurrency, context_tokens=context_tokens,

@@ -132,7 +132,7 @@ def plan_lane(profile, cfg: ModelConfig | None = None, *, context_tokens: int | 
     ctx = context_tokens or profile.context_tokens
     itemsize = _ITEMSIZE[profile.compute_dtype]
     # MTP drafting keeps the MTP layer's KV in the pool too (engine/runtime/memory.py)
-    mtp = profile.table("speculative").get("method") == "mtp"
+    mtp = "mtp" in str(profile.table("speculative").get("method")).split("+")
     kv_tok = pk.kv_bytes_per_token(cfg, profile.kv_dtype, mtp=mtp)
     image = state_image_bytes(cfg, itemsize)
     B = profile.max_concurrency

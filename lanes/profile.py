@@ -131,15 +131,15 @@ class LaneProfile:
                               where="[speculative] ")
         except ValueError as e:
             need(False, str(e))
-        if spec.get("method") == "mtp" and (self.model_preset is not None
+        if "mtp" in str(spec.get("method")).split("+") and (self.model_preset is not None
                                             or self.model.startswith("embedded:")):
             try:  # a drafter the model lacks
                 mtp_layers = model_config(self).mtp_layers
             except ProfileError:
                 mtp_layers = None  # the model's own error is reported where it is used
-            need(mtp_layers != 0, f"[speculative] method 'mtp' needs a model with an MTP "
-                 f"layer; {self.model_preset or self.model!r} has none (allowed: 'off', "
-                 f"'prompt_lookup')")
+            need(mtp_layers != 0, f"[speculative] method {spec['method']!r} needs a model "
+                 f"with an MTP layer; {self.model_preset or self.model!r} has none (allowed: "
+                 f"'off', 'prompt_lookup')")
         if self.keep_warm is not None:
             from engine.runtime.keep_warm import KeepWarmConfig
 

@@ -9,6 +9,7 @@ page bytes, conv and rec), at one and two concurrent rows, with and without a gr
 from __future__ import annotations
 
 import queue
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 
 from engine.constrain.compiler import ConstraintCompiler
 from engine.engine import DoneEvent, Engine, GenerationRequest
-from engine.runtime.drafters import MTP, PromptLookup, lookup
+from engine.runtime.drafters import MTP, LookupThenMTP, PromptLookup, lookup
 from engine.runtime.prefix import token_key
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import SpecConfig, check_speculative
@@ -125,6 +126,8 @@ def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, m
                 "prompt lookup": (PromptLookup(), 4), "mtp": (MTP(), 3)}
     if concurrency == 2 and not masked:  # partly accepted passes (kept short: one case)
         drafters["two of three"] = (Oracle(refs, 2), 3)
+    if concurrency == 1 and not masked:  # lookup where it matches, MTP elsewhere (one case)
+        drafters["prompt_lookup+mtp"] = (LookupThenMTP(), 3)
     for name, (drafter, k) in drafters.items():
         got, pages = _run(tiny_model, prompts, cons, SpecConfig(drafter, k), concurrency,
                           sampled)
@@ -132,7 +135,7 @@ def test_speculation_keeps_tokens_and_state(tiny_model, compiler, concurrency, m
         for (want_toks, _, want_state), (toks, done, state) in zip(base, got):
             assert toks == want_toks, name
             _same_state(state, want_state,
-                        tiny_model.cfg.num_blocks if name == "mtp" else None)
+                        tiny_model.cfg.num_blocks if "mtp" in name else None)
             spec = done.speculative
             passes, drafted, accepted = (spec["verify_passes"], spec["drafted"],
                                          spec["accepted"])
@@ -181,12 +184,13 @@ def test_prompt_lookup_finds_the_longest_recent_match():
 
 
 @pytest.mark.parametrize("method,k,needle", [
-    ("medusa", 3, "speculative.method must be one of ['off', 'prompt_lookup', 'mtp']"),
+    ("medusa", 3, "speculative.method must be one of "
+                  "['off', 'prompt_lookup', 'mtp', 'prompt_lookup+mtp']"),
     ("prompt_lookup", 0, "speculative.draft_tokens must be an integer in 1..8"),
     ("prompt_lookup", 9, "speculative.draft_tokens must be an integer in 1..8"),
     ("prompt_lookup", True, "speculative.draft_tokens must be an integer in 1..8")])
 def test_bad_speculative_settings_refused(method, k, needle):
-    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(needle)):
         check_speculative(method, k)
 
 
@@ -194,7 +198,8 @@ PROFILE_DIR = Path(__file__).resolve().parents[1] / "lanes" / "profiles"
 
 
 @pytest.mark.parametrize("method,k,match", [
-    ("medusa", 3, r"\[speculative\] method must be one of \['off', 'prompt_lookup', 'mtp'\]"),
+    ("medusa", 3, r"\[speculative\] method must be one of "
+                  r"\['off', 'prompt_lookup', 'mtp', 'prompt_lookup\+mtp'\]"),
     ("prompt_lookup", 0, r"\[speculative\] draft_tokens must be an integer in 1\.\.8, got 0"),
     ("prompt_lookup", 9, r"\[speculative\] draft_tokens must be an integer in 1\.\.8, got 9")])
 def test_profile_with_bad_speculative_table_is_refused(tmp_path, method, k, match):

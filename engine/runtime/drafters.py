@@ -29,6 +29,16 @@ class MTP:
     batched = True
 
 
+class LookupThenMTP(MTP):
+    """Prompt lookup where the row's tokens have a match, the MTP layer's drafts where they do
+    not: copied text costs nothing to draft and is accepted whole, new text gets MTP's guess."""
+
+    name = "prompt_lookup+mtp"
+
+    def __init__(self):
+        self.lookup = PromptLookup()
+
+
 class PromptLookup:
     """The continuation of the longest recent n-gram match in the row's own tokens (prompt and
     output): the last n tokens (n from `max_ngram` down to `min_ngram`) are looked up in the

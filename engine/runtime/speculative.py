@@ -36,7 +36,7 @@ from engine.runtime.drafters import Drafter
 # the draft lengths a verify pass supports
 MIN_DRAFT, MAX_DRAFT = 1, 8
 # the drafters a configuration may name ("off": no speculation)
-METHODS = ("off", "prompt_lookup", "mtp")
+METHODS = ("off", "prompt_lookup", "mtp", "prompt_lookup+mtp")
 
 
 def check_speculative(method, draft_tokens, where: str = "speculative.") -> None:
@@ -67,15 +67,16 @@ class SpecConfig:
         check_speculative(method, draft_tokens)
         if method == "off":
             return None
-        from engine.runtime.drafters import MTP, PromptLookup
+        from engine.runtime.drafters import MTP, LookupThenMTP, PromptLookup
 
-        return SpecConfig(MTP() if method == "mtp" else PromptLookup(), draft_tokens)
+        drafter = {"mtp": MTP, "prompt_lookup+mtp": LookupThenMTP}.get(method, PromptLookup)
+        return SpecConfig(drafter(), draft_tokens)
 
     @property
     def mtp(self) -> bool:
-        """Whether the drafts come from the model's MTP layer (the engine's cache then keeps
-        that layer's KV current)."""
-        return getattr(self.drafter, "name", None) == "mtp"
+        """Whether drafts come from the model's MTP layer (the engine's cache then keeps that
+        layer's KV current)."""
+        return bool(getattr(self.drafter, "batched", False))
 
     def describe(self) -> dict:
         """What a fingerprint or a status shows."""
@@ -128,7 +129,9 @@ class SpecDecode:
             if room == 0:
                 draft = []
             elif made is not None:
-                draft = [int(t) for t in made[seq.slot, :room]]
+                lookup = getattr(self.drafter, "lookup", None)
+                draft = [int(t) for t in lookup.propose(seq, room)][:room] if lookup else []
+                draft = draft or [int(t) for t in made[seq.slot, :room]]
             else:
                 draft = [int(t) for t in self.drafter.propose(seq, room)][:room]
             con = seq.payload.constraint
