@@ -1,12 +1,12 @@
 """`./ninfer release build`: the whole release, every lane, into one directory.
 
     ./ninfer release build [--out dist/v0.16.0] [--version 0.16.0] [--lanes cpu,h200,...]
-                           [--epoch SECONDS] [--cache DIR] [--gpu-layers]
+                           [--epoch SECONDS] [--cache DIR] [--gpu-layers] [--cuda-ops DIR]
 
 The build writes into a sibling staging directory and renames it into place when every part is
 written, so a reader never sees half a release. Every timestamp inside is the epoch: the
-commit time of the source tree (or SOURCE_DATE_EPOCH, or --epoch), so two builds of one commit
-are byte-identical. Per lane it writes the resolved profile, the engine bundle, the OCI image
+commit time of the source tree, receipts aside (or SOURCE_DATE_EPOCH, or --epoch), so two
+builds of one commit are byte-identical. Per lane it writes the resolved profile, the engine bundle, the OCI image
 and both SBOMs; then the compatibility file, the qualification receipts that exist
 (qualification/<lane>.json in the tree), manifest.json and SHA256SUMS (release/manifest.py).
 Exit 0: built; 1: a part failed (the message names it); 2: bad arguments.
@@ -44,7 +44,10 @@ def source_facts(tree: Path) -> dict:
     if commit is None:
         return {"commit": None, "epoch": None, "dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "epoch": int(git("log", "-1", "--format=%ct")),
+    # the newest commit that changed anything but the receipts: a receipt binds the bundle
+    # built at this epoch, so committing it must not move the epoch (and the bundle's digest)
+    epoch = git("log", "-1", "--format=%ct", "--", ".", ":(exclude)qualification")
+    return {"commit": commit, "epoch": int(epoch or git("log", "-1", "--format=%ct")),
             "dirty": bool(status)}
 
 
@@ -58,7 +61,7 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, cache: Path,
-               gpu_layers: bool, log) -> dict:
+               gpu_layers: bool, log, cuda_ops: Path | None = None) -> dict:
     """One lane's profile, bundle, image and SBOMs under stage/lanes/<name>; its manifest
     entry."""
     from lanes.profile import load_profile
@@ -79,7 +82,8 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
         raise BuildError(f"lane {name}: its lock {lock.name} is missing (./ninfer lock)")
 
     t0 = time.monotonic()
-    bundle = build_bundle(name, out / "engine-bundle.tar", tree=tree, epoch=epoch)
+    bundle = build_bundle(name, out / "engine-bundle.tar", tree=tree, epoch=epoch,
+                          cuda_ops=cuda_ops)
     log(f"lane {name}: engine bundle {bundle['size']:,} bytes in {time.monotonic() - t0:.1f} s")
     opened = open_bundle(out / "engine-bundle.tar", expect_lane=name)
     bundle.update(platform=opened.platform, jax=opened.manifest["jax"],
@@ -163,7 +167,7 @@ def lane_status(name: str, entry: dict, stage: Path, tree: Path) -> dict:
 
 def build(out: Path, *, tree: Path = REPO, version: str = VERSION, lanes: list[str] | None = None,
           epoch: int | None = None, cache: Path = DEFAULT_CACHE, gpu_layers: bool = False,
-          log=print) -> dict:
+          log=print, cuda_ops: Path | None = None) -> dict:
     from lanes.profile import PROFILE_DIR
 
     src = source_facts(tree)
@@ -189,7 +193,7 @@ def build(out: Path, *, tree: Path = REPO, version: str = VERSION, lanes: list[s
                 _write(stage / "locks" / lock, (tree / lock).read_bytes())
         for name in lanes:
             part = build_lane(stage, tree, name, epoch=epoch, version=version, cache=cache,
-                              gpu_layers=gpu_layers, log=log)
+                              gpu_layers=gpu_layers, log=log, cuda_ops=cuda_ops)
             entries[name], compat[name] = part["entry"], part["compat"]
         omp = M.omp_versions(tree / "tests" / "omp" / "package-lock.json")
         _write(stage / "compatibility.json", M.dumps(M.compatibility(compat, omp)))
@@ -232,6 +236,9 @@ def main(argv: list[str]) -> int:
                     help="downloaded wheels and Debian packages, checked by hash on use")
     ap.add_argument("--gpu-layers", action="store_true",
                     help="also build the GPU lanes' dependency layers (CUDA wheels, GBs)")
+    ap.add_argument("--cuda-ops", type=Path, metavar="DIR",
+                    help="take the CUDA ops from DIR (int4_gemv-sm<arch>.so, as Bazel's "
+                         "//engine:cuda_ops builds them) instead of building them here")
     args = ap.parse_args(argv)
     epoch = args.epoch
     if epoch is None and os.environ.get("SOURCE_DATE_EPOCH"):
@@ -241,7 +248,7 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     try:
         doc = build(out, version=args.version, lanes=lanes, epoch=epoch, cache=args.cache,
-                    gpu_layers=args.gpu_layers)
+                    gpu_layers=args.gpu_layers, cuda_ops=args.cuda_ops)
     except (BuildError, OSError, ValueError) as e:
         print(f"ninfer release build: {e}", file=sys.stderr)
         return 1

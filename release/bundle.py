@@ -41,6 +41,9 @@ class BundleError(Exception):
     """A bundle that cannot be built, or one that is not what its bundle.json says."""
 
 
+# the nvcc flags third_party/bazel/cuda.bzl builds //engine:cuda_ops with (its DEFAULT_FLAGS)
+BAZEL_CUDA_FLAGS = ("-O3", "-std=c++17")
+
 def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
@@ -102,9 +105,12 @@ def _same_engine(tree: Path, product: dict) -> None:
                                   f"bundle with the tree's own ninfer")
 
 
-def _cuda_libraries(profile) -> dict[str, bytes]:
+def _cuda_libraries(profile, cuda_ops: Path | None = None) -> dict[str, bytes]:
     """{cuda/<name>.so: bytes} of the CUDA ops for the lane's plan (none if it runs none),
-    built reproducibly with the plan's flags for its arch (engine/kernels/cuda_build.py)."""
+    under the name the runtime gives that build (engine/kernels/cuda_build.py: a digest of
+    source, headers, nvcc, arch and flags). `cuda_ops`: a directory of prebuilt libraries
+    (int4_gemv-sm<arch>.so, what Bazel's //engine:cuda_ops writes, byte-identical wherever the
+    workspace lies) to take them from; else they are built here with the plan's flags."""
     plan = profile.plan
     if not plan.uses_cuda:
         return {}
@@ -115,8 +121,18 @@ def _cuda_libraries(profile) -> dict[str, bytes]:
         raise BundleError(f"lane {profile.name}: its plan runs the CUDA ops and no nvcc was "
                           f"found (NVCC, PATH, /usr/local/cuda/bin/nvcc)")
     flags = tuple(plan.cuda_flags)
-    path = cuda_build.build(cuda_build.INT4_SOURCE, plan.cuda_arch, nvcc, flags)
-    return {f"cuda/{path.name}": path.read_bytes()}
+    name = cuda_build.library_path(cuda_build.INT4_SOURCE, plan.cuda_arch, nvcc, flags).name
+    if cuda_ops is None:
+        path = cuda_build.build(cuda_build.INT4_SOURCE, plan.cuda_arch, nvcc, flags)
+        return {f"cuda/{name}": path.read_bytes()}
+    prebuilt = Path(cuda_ops) / f"int4_gemv-sm{plan.cuda_arch}.so"
+    if flags != BAZEL_CUDA_FLAGS:
+        raise BundleError(f"lane {profile.name}: its plan's cuda_flags {list(flags)} are not "
+                          f"the ones {prebuilt} was built with ({list(BAZEL_CUDA_FLAGS)})")
+    if not prebuilt.is_file():
+        raise BundleError(f"lane {profile.name}: {prebuilt} is missing (build "
+                          f"//engine:cuda_ops_sm{plan.cuda_arch})")
+    return {f"cuda/{name}": prebuilt.read_bytes()}
 
 
 def _tar_bytes(entries: dict[str, tuple[bytes, bool]], mtime: int) -> bytes:
@@ -133,10 +149,12 @@ def _tar_bytes(entries: dict[str, tuple[bytes, bool]], mtime: int) -> bytes:
     return buf.getvalue()
 
 
-def build_bundle(lane: str, out_path, *, tree: Path = REPO, epoch: int | None = None) -> dict:
+def build_bundle(lane: str, out_path, *, tree: Path = REPO, epoch: int | None = None,
+                 cuda_ops: Path | None = None) -> dict:
     """Write lane `lane`'s bundle to `out_path` (atomically). `tree`: the ninfer tree whose
     product code goes in (its engine must be the running one); `epoch`: every entry's mtime
-    (default $SOURCE_DATE_EPOCH, else 0). Returns {sha256, size, files, export_s}."""
+    (default $SOURCE_DATE_EPOCH, else 0); `cuda_ops`: prebuilt CUDA ops (`_cuda_libraries`).
+    Returns {sha256, size, files, export_s}."""
     from engine.runtime.exported import export_forwards, lane_runner
     from lanes.profile import load_profile
 
@@ -152,7 +170,7 @@ def build_bundle(lane: str, out_path, *, tree: Path = REPO, epoch: int | None = 
     entries = dict(product)
     for (rows, width), blob in blobs.items():
         entries[f"exported/{platform}/{rows}x{width}.jaxexport"] = (blob, False)
-    entries.update({n: (b, True) for n, b in _cuda_libraries(profile).items()})
+    entries.update({n: (b, True) for n, b in _cuda_libraries(profile, cuda_ops).items()})
     entries["profile.json"] = (_canonical(profile.to_dict()) + b"\n", False)
     manifest = {
         "format": FORMAT, "lane": profile.name, "platform": platform, **_versions(),

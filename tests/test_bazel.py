@@ -162,6 +162,19 @@ def test_release_target_writes_the_release_into_the_workspace(bazel):
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     dist = bazel.workspace / "dist" / "v0.16.0"
     assert (dist / "manifest.json").is_file()
+    # the GPU lanes' bundles carry the CUDA ops Bazel built, byte for byte (the h200 plan runs
+    # them, so at least its bundle has one)
+    from release.bundle import open_bundle
+
+    carried = {}
+    for lane in ("h200", "rtx3090", "rtx4090", "rtx5090"):
+        bundle = open_bundle(dist / "lanes" / lane / "engine-bundle.tar", expect_lane=lane)
+        for name, data in bundle.cuda_libraries().items():
+            arch = name.split("-sm", 1)[1].split("-", 1)[0]
+            built = bazel.bin() / f"engine/cuda_ops/int4_gemv-sm{arch}.so"
+            assert data == built.read_bytes(), (lane, name)
+            carried[lane] = name
+    assert "h200" in carried
     sums = (dist / "SHA256SUMS").read_text().splitlines()
     for line in sums:
         digest, name = line.split("  ", 1)

@@ -299,3 +299,31 @@ def test_gpu_lane_bundle_built_on_this_cpu_machine(lane, tmp_path_factory):
         assert lib[:4] == b"\x7fELF"
     else:
         assert libs == {} and "ninfer_int4" not in text
+
+
+def test_prebuilt_cuda_ops_are_taken_by_arch_under_the_runtime_name(tmp_path):
+    """`release build --cuda-ops DIR` (Bazel's //engine:cuda_ops) puts DIR's library for the
+    lane's arch into the bundle, named as the runtime names that build; a missing library or a
+    plan built with other flags is refused, naming it."""
+    import dataclasses
+
+    from engine.kernels import cuda_build
+    from lanes.profile import load_profile
+    from release.bundle import BundleError, _cuda_libraries
+
+    nvcc = cuda_build._nvcc()
+    if nvcc is None:
+        pytest.fail("this machine's nvcc is part of the build (README: Release)")
+    profile = load_profile("h200")
+    arch = profile.plan.cuda_arch
+    with pytest.raises(BundleError, match=f"int4_gemv-sm{arch}.so is missing"):
+        _cuda_libraries(profile, tmp_path)
+    (tmp_path / f"int4_gemv-sm{arch}.so").write_bytes(b"\x7fELF prebuilt")
+    got = _cuda_libraries(profile, tmp_path)
+    name = cuda_build.library_path(cuda_build.INT4_SOURCE, arch, nvcc,
+                                   tuple(profile.plan.cuda_flags)).name
+    assert got == {f"cuda/{name}": b"\x7fELF prebuilt"}
+    other = dataclasses.replace(profile, plan=dataclasses.replace(
+        profile.plan, cuda_flags=("-O2", "-std=c++17")))
+    with pytest.raises(BundleError, match=r"cuda_flags \['-O2', '-std=c\+\+17'\]"):
+        _cuda_libraries(other, tmp_path)

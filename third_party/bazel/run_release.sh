@@ -2,9 +2,9 @@
 # `bazel run //release:v0_16_0`: writes the release to <workspace>/dist/v<VERSION>/ with
 # `python3 -m release build`, run by the host Python 3.11 (@host_python) from this target's
 # runfiles: the workspace's packages and the lock's site-packages (@pypi) on PYTHONPATH. The
-# bundles carry the CUDA ops as engine/kernels/cuda_build.py builds them (the name the runtime
-# and the checkpoint fingerprint know them by); //engine:cuda_ops builds the same sources with
-# Bazel for every lane card, byte-identical wherever the workspace is.
+# bundles carry the CUDA ops //engine:cuda_ops built (byte-identical wherever the workspace
+# is), under the name the runtime and the checkpoint fingerprint know that build by
+# (engine/kernels/cuda_build.py).
 #   usage: run_release.sh VERSION [extra `release build` arguments]
 set -euo pipefail
 
@@ -24,4 +24,5 @@ src="$runfiles/ninfer"
 out="$BUILD_WORKSPACE_DIRECTORY/dist/v$version"
 cd "$src"
 PYTHONPATH="$src:$site" PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 \
-  "$python" -m release build --out "$out" --version "$version" "$@"
+  "$python" -m release build --out "$out" --version "$version" \
+  --cuda-ops "$src/engine/cuda_ops" "$@"
