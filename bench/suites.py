@@ -228,7 +228,8 @@ def run_cpu(args) -> dict:
                "decode_tok_s": decode, "runs": turns, "peer": peer,
                "copy_bytes_per_s": bw, "decode_roofline_tok_s": roof,
                "lane": lane.name, "model": "hf-tiny (the embedded model's shapes, fp32)",
-               "speculative": _speculative_cpu(lane)}
+               "speculative": {**_speculative_cpu(lane),
+                               "engine": _speculative_engine(lane, work / "state")}}
     ratios = {"ttft_over_peer_prefill": ttft / peer["prefill_s"],
               "decode_over_peer": decode / peer["decode_tok_s"],
               "decode_of_roofline": decode / roof}
@@ -245,6 +246,31 @@ def _speculative_cpu(lane) -> dict:
     return {"lane_setting": dict(lane.speculative or ()) or None,
             "transcript": transcript_figures(QwenTokenizer.qwen35()),
             "depends_on_weights": "no: teacher-forced on the transcript's own response"}
+
+
+def _speculative_engine(lane, state_dir: Path, k: int = 4, tokens: int = 64) -> dict:
+    """Each drafter through the engine on the lane's own model (greedy, the coding transcript's
+    prompt, K = k): acceptance and tokens a verify pass, and the decode rate; off for the
+    rate without speculation. Every run must give the tokens of the run without speculation."""
+    from bench.speculative_cpu import PROMPT, engine_run
+    from engine.io.loader import ensure_embedded, load_model
+    from engine.runtime.speculative import METHODS, SpecConfig
+
+    name = lane.model.split(":", 1)[1]
+    model = load_model(ensure_embedded(state_dir, name, lane.model_sha256))
+    prompt = model.tokenizer.encode(PROMPT)
+    runs = {"model": name, "k": k}
+    for method in METHODS:
+        spec = SpecConfig.from_settings(method, k) if method != "off" else None
+        runs[method] = engine_run(model, prompt, tokens, spec)
+        if method != "off":
+            assert runs[method]["tokens"] == runs["off"]["tokens"], method
+    for method in METHODS:
+        del runs[method]["tokens"]
+    runs["depends_on_weights"] = ("yes: what a drafter proposes, and so its acceptance, "
+                                  "follows the model's output; the embedded model's MTP layer "
+                                  "is untrained")
+    return runs
 
 
 # ---- h200 ---------------------------------------------------------------------------------------
