@@ -195,6 +195,11 @@ class Memory:
         self.table[row] = table.as_row(self.max_pages)
         p, mp = sc.set_position(self.cache.pos, self.cache.mtp_pos, np.int32(row), np.int32(pos))
         self.cache = self.cache._replace(pos=p, mtp_pos=mp, block_table=jnp.asarray(self.table))
+        if self.cache.mtp_hidden is not None:
+            # a stored state carries no pending MTP input: the row's first draft starts from
+            # zero, never from the row's previous sequence (engine/model/model.py mtp_track)
+            self.cache = self.cache._replace(
+                mtp_hidden=sc.clear_hidden(self.cache.mtp_hidden, np.int32(row)))
 
     def warm(self) -> None:
         """Run once each device op that admitting, continuing and storing a request runs (row

@@ -97,3 +97,9 @@ def zero_row(cache_conv, cache_rec, batch_row):
 def set_position(pos, mtp_pos, batch_row, value):
     """Row `batch_row`'s position (and its MTP position) set to `value`; [B] int32 each."""
     return pos.at[batch_row].set(value), mtp_pos.at[batch_row].set(value)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def clear_hidden(mtp_hidden, batch_row):
+    """Row `batch_row` of the MTP drafter's pending hidden states [B, H] set to zero."""
+    return mtp_hidden.at[batch_row].set(0)
