@@ -1,0 +1,123 @@
+"""The trained embedded model `tiny-chat`, the CPU lane's default, through the real server and
+the OpenAI SDK (fp32, greedy): it greets and stops on its own, answers different prompts
+differently, calls OMP's `read` tool with a path it never saw, and finds a planted value at the
+end of an 8,192-token prompt. Its shipped tensors are pinned: a changed byte is refused."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import openai
+import pytest
+
+from engine.io import tiny_chat
+from engine.io.tiny import EMBEDDED_SHA256
+from engine.text.tokenizer import Tokenizer
+from engine.train import data as D
+from lanes.profile import load_profile
+from tests.serverproc import start_server
+
+# OMP's read and bash tools, as a Responses request carries them
+TOOLS = [{"type": "function", "name": t["function"]["name"],
+          "description": t["function"]["description"],
+          "parameters": t["function"]["parameters"]} for t in (D.READ_TOOL, D.BASH_TOOL)]
+
+
+@pytest.fixture(scope="module")
+def server(shared_state_dir):
+    srv = start_server(shared_state_dir, model=None)  # the lane's own model
+    yield srv
+    assert srv.stop() in (0, -15), "".join(srv.log)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.api_url, api_key=server.key, max_retries=0)
+
+
+def ask(client, text, **kw):
+    kw.setdefault("max_output_tokens", 64)
+    return client.responses.create(model="tiny-chat", input=text, temperature=0, **kw)
+
+
+def test_the_cpu_lane_serves_tiny_chat_pinned(server, client):
+    assert load_profile("cpu").model == "embedded:tiny-chat"
+    assert load_profile("cpu").model_sha256 == EMBEDDED_SHA256["tiny-chat"]
+    assert [m.id for m in client.models.list()] == ["tiny-chat"]
+    assert (server.state_dir / "models" / "tiny-chat.ninfer").is_file()
+
+
+def test_say_hello_completes_on_its_own(client):
+    r = ask(client, "Say hello.")
+    assert r.status == "completed", r
+    assert r.output_text.startswith("Hello") and len(r.output_text) < 60, r.output_text
+    assert r.usage.output_tokens < 20
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("Repeat the word falcon.", "falcon"),
+    ("What is 17 + 25?", "42"),
+    ("What language is this?\nfn main() { let mut total = Vec::new(); }", "Rust"),
+    ("Which programming language is this: SELECT name FROM users;", "SQL"),
+])
+def test_prompts_get_their_own_answers(client, prompt, expected):
+    r = ask(client, prompt)
+    assert r.status == "completed", r
+    assert r.output_text == expected
+
+
+def test_different_prompts_get_different_answers(client):
+    prompts = ["Say hello.", "Repeat the word falcon.", "What is 17 + 25?",
+               "Name the language of this snippet:\nimport os\nprint(os.name)"]
+    answers = [ask(client, p).output_text for p in prompts]
+    assert len(set(answers)) == len(answers), answers
+
+
+def test_read_a_path_it_never_saw(client):
+    assert D.HELD_OUT_PATH == "src/unseen_name.py"
+    r = ask(client, "Read the file src/unseen_name.py", tools=TOOLS,
+            instructions="You are a coding agent.")
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1, r.output
+    assert calls[0].name == "read"
+    assert json.loads(calls[0].arguments) == {"path": "src/unseen_name.py"}
+
+
+def test_bash_when_asked(client):
+    r = ask(client, "Run the command: git status", tools=TOOLS)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [c.name for c in calls] == ["bash"], r.output
+    assert json.loads(calls[0].arguments) == {"command": "git status"}
+
+
+@pytest.mark.slow
+def test_retrieval_at_8k_tokens(client):
+    """A value planted at >= 90% depth of an 8,192-token prompt comes back exactly."""
+    tk = Tokenizer.qwen35()
+    rng = np.random.default_rng(2041)
+    n_words = 6400
+    while True:
+        prompt, _, value = D.retrieval_sample(rng, n_words, depth=0.92)
+        question = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        if len(tk.encode(prompt)) >= 8192:
+            break
+        n_words += 200
+    plant = question.index(f"is {value}.")
+    assert plant / len(question) >= 0.9
+    r = ask(client, question, max_output_tokens=8)
+    assert r.usage.input_tokens >= 8192
+    assert r.output_text == value and r.status == "completed"
+
+
+def test_a_changed_byte_in_the_trained_tensors_is_refused(tmp_path):
+    assert tiny_chat.load_trained()["vocab"].size > 1000  # the shipped file matches its pin
+    bad = tmp_path / "tiny_chat.safetensors"
+    shutil.copyfile(tiny_chat.WEIGHTS, bad)
+    blob = bytearray(bad.read_bytes())
+    blob[-100] ^= 0x01
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(tiny_chat.TrainedWeightsError, match="sha256 is .* but .* pins"):
+        tiny_chat.load_trained(bad)
+    with pytest.raises(tiny_chat.TrainedWeightsError, match="missing"):
+        tiny_chat.load_trained(tmp_path / "absent.safetensors")
