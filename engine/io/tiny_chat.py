@@ -28,7 +28,7 @@ import numpy as np
 from engine.model.config import TINY, ModelConfig
 
 WEIGHTS = Path(__file__).parent / "weights" / "tiny_chat.safetensors"
-WEIGHTS_SHA256 = "PENDING"
+WEIGHTS_SHA256 = "19cb79777edf954c20641023e8d2b48ef8c63d4f4909c80afc4d0900bf184ae8"
 TINY_CHAT = dataclasses.replace(TINY, name="tiny-chat")
 
 

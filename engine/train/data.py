@@ -14,12 +14,11 @@ model should write, ending with <|im_end|>. Tasks:
 - followup:  after a read call and its tool_response, a one-line answer quoting the file
 - retrieve:  a "The code for K is V." planted late in filler text; "What is the code for K?" -> V
 
-Held out from training (the tests and the results file ask them): the path src/unseen_name.py
-and every sample drawn with a `held_out` generator. Everything is drawn from a numpy Generator
-seeded by the caller, so the data is a pure function of the seed.
+Held out from training: the path src/unseen_name.py (the tests ask for it). Everything is drawn
+from a numpy Generator the caller seeds, so the data is a pure function of the seed; the
+evaluation (engine/train/evaluate.py) draws with a seed training never used.
 """
 from __future__ import annotations
-
 
 from engine.text.chat import default_chat_template, render_chat
 
@@ -157,7 +156,20 @@ def lang(rng):
     return forms[rng.integers(len(forms))].format(c=code), name
 
 
-CHAT_TASKS = {"greet": greet, "echo": echo, "add": add, "lang": lang}
+def copy(rng):
+    """"Repeat after me:" a few words, a path or a command -> the same text: dense practice
+    at copying from the prompt, which the read, bash and retrieval tasks need."""
+    kind = rng.integers(3)
+    if kind == 0:
+        text = " ".join(_word(rng) for _ in range(rng.integers(3, 12)))
+    elif kind == 1:
+        text = random_path(rng)
+    else:
+        text = random_command(rng)
+    return f"Repeat after me:\n{text}", text
+
+
+CHAT_TASKS = {"greet": greet, "echo": echo, "add": add, "lang": lang, "copy": copy}
 
 
 def _render(system, user_turns, tools, thinking: bool) -> str:

@@ -33,8 +33,11 @@ class Greedy:
     def __call__(self, ids: list[int], max_new: int = 48):
         cfg, params = self.m.cfg, self.m.params
         cache = M.init_cache(cfg, 1, self.max_len)
-        logits, _, cache = self.fwd(params, cfg, jnp.asarray([ids], jnp.int32), cache,
-                                    last_only=True)
+        width = -(-len(ids) // 256) * 256  # padded: one compile per 256 tokens of prompt
+        toks = np.zeros((1, width), np.int32)
+        toks[0, :len(ids)] = ids
+        logits, _, cache = self.fwd(params, cfg, jnp.asarray(toks), cache,
+                                    lengths=jnp.asarray([len(ids)], jnp.int32), last_only=True)
         out, worst = [], 0.0
         eos = set(self.m.tokenizer.eos_ids)
         for _ in range(max_new):

@@ -2,7 +2,14 @@
 engine/train/data.py and write the tensors the repository ships (engine/io/tiny_chat.py loads
 them). Run outside CI, by hand, on the CPU:
 
-    .venv/bin/python -m engine.train.train_tiny_chat --out engine/io/weights/tiny_chat.safetensors
+    .venv/bin/python -m engine.train.train_tiny_chat --steps 320 --lr 3e-3 --out P1.safetensors \
+        --raw P1.npz
+    .venv/bin/python -m engine.train.train_tiny_chat --init P1.npz --phase 2 --steps 150 \
+        --lr 2e-3 --out engine/io/weights/tiny_chat.safetensors
+
+(the shipped file; phase 2 adds dense copying practice to the mix, docs/benchmarks/
+trained_tiny.json has the times and losses). Then pin the new file's sha256 in
+engine/io/tiny_chat.py and the artifact's in engine/io/tiny.py and lanes/profiles/cpu.toml.
 
 Deterministic: the data comes from numpy Generators with fixed seeds, the initial weights from
 the embedded generator (engine/io/tiny.py), the optimiser is a plain Adam written here (optax is
@@ -35,10 +42,12 @@ from engine.text.tokenizer import Tokenizer
 from engine.train import data as D
 
 # (rows, length) of the three parts of every step's batch
-CHAT = (12, 96)       # chat tasks without a tools section
+CHAT = {1: (12, 96), 2: (20, 64)}  # chat tasks without a tools section, by phase
 TOOLS = (3, 576)      # anything with the tools section
 RETRIEVE = (2, 896)   # retrieval over filler text
 MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
+# the chat part's tasks in each phase: the second adds dense copying practice
+MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4}
 
 
 def _fit(tk, prompt: str, completion: str, length: int):
@@ -49,8 +58,8 @@ def _fit(tk, prompt: str, completion: str, length: int):
     return ids, len(p)
 
 
-def make_batch(rng, tk, part: str):
-    rows, length = {"chat": CHAT, "tools": TOOLS, "retrieve": RETRIEVE}[part]
+def make_batch(rng, tk, part: str, phase: int = 1):
+    rows, length = {"chat": CHAT[phase], "tools": TOOLS, "retrieve": RETRIEVE}[part]
     toks = np.zeros((rows, length), np.int32)
     mask = np.zeros((rows, length), np.float32)
     lengths = np.zeros((rows,), np.int32)
@@ -62,7 +71,7 @@ def make_batch(rng, tk, part: str):
             prompt, completion, _ = D.retrieval_sample(rng, n_words)
             task = "retrieve"
         else:
-            names = D.TASKS[:4] if part == "chat" else MIX_TOOLS
+            names = MIX_CHAT[phase] if part == "chat" else MIX_TOOLS
             task = names[rng.integers(len(names))]
             prompt, completion = D.chat_sample(rng, task)
             if part == "chat" and "<tools>" in prompt:
@@ -79,7 +88,7 @@ def make_batch(rng, tk, part: str):
     return toks, mask, lengths, task_ids
 
 
-ALL_TASKS = D.TASKS + ["retrieve"]
+ALL_TASKS = D.TASKS + ["retrieve", "copy"]
 
 
 def build_vocab(tk, seed: int, n: int = 4000) -> np.ndarray:
@@ -167,15 +176,25 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=41)
     ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
+    ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw")
+    ap.add_argument("--phase", type=int, default=1, choices=(1, 2), help="the data mix")
     ap.add_argument("--raw", type=Path, help="also save the raw trained tree (.npz) here")
     ap.add_argument("--log", type=Path, help="write the loss curve (JSON) here")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     tk = Tokenizer.qwen35()
     vocab = build_vocab(tk, args.seed)
+    if args.init:
+        init = np.load(args.init)
+        if not np.array_equal(init["vocab"], vocab):
+            raise SystemExit(f"{args.init} was trained over another vocabulary")
     remap = np.full((TINY.vocab_size,), len(vocab), np.int32)
     remap[vocab] = np.arange(len(vocab), dtype=np.int32)
     params, cfg = init_params(vocab)
+    if args.init:
+        flat, _ = jax.tree.flatten_with_path(params)
+        params = jax.tree.unflatten(jax.tree.structure(params), [
+            jnp.asarray(init[jax.tree_util.keystr(k)]) for k, _ in flat])
     n_bg = float(TINY.vocab_size - len(vocab))
     print(f"vocab {len(vocab)} ids, setup {time.monotonic() - t0:.1f}s", flush=True)
 
@@ -187,13 +206,16 @@ def main(argv=None) -> int:
 
     step = jax.jit(step_fn, donate_argnums=(0, 1))
     st = adam_init(params)
-    rng = np.random.default_rng(args.seed + 1)
+    rng = np.random.default_rng(args.seed + args.phase)
     sums = {t: [0.0, 0.0] for t in ALL_TASKS}
     log = []
     for i in range(args.steps):
         batches = []
         for part in ("chat", "tools", "retrieve"):
-            toks, mask, lengths, task_ids = make_batch(rng, tk, part)
+            toks, mask, lengths, task_ids = make_batch(rng, tk, part, args.phase)
+            # a target outside the trained vocabulary would train the background row up
+            nxt = np.concatenate([toks[:, 1:], toks[:, :1]], axis=1)
+            mask = mask * (remap[nxt] != len(vocab))
             batches.append((jnp.asarray(remap[toks]), jnp.asarray(mask), jnp.asarray(lengths),
                             jnp.asarray(task_ids)))
         params, st, loss, per_task, gnorm = step(params, st, batches,
