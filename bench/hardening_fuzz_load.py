@@ -28,15 +28,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from engine.io.loader import ensure_embedded
-    from lanes.profile import load_profile
+    from engine.io.loader import embedded_pin, ensure_embedded
     from tests.load_run import run_load
     from tests.serverproc import start_server
     from tests.test_fuzz_api import run_fuzz
     from tests.test_load import tight_lane
 
     root = Path(tempfile.mkdtemp(prefix="ninfer-hardening-"))
-    ensure_embedded(root / "shared", "tiny", load_profile("cpu").model_sha256)
+    ensure_embedded(root / "shared", "tiny", embedded_pin("tiny"))
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     fuzz_dir = root / "fuzz"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 def load_in_background(rt, profile, args, t_start: float) -> None:
     from engine.engine import Engine
-    from engine.io.loader import ensure_embedded, start_load
+    from engine.io.loader import embedded_pin, ensure_embedded, start_load
 
     phases = {"boot_s": round(time.monotonic() - t_start, 3)}  # start -> this thread
     try:
@@ -34,9 +34,11 @@ def load_in_background(rt, profile, args, t_start: float) -> None:
         if args.synthetic_weights and not model_arg.startswith("embedded:"):
             path, expected = _synthetic_artifact(profile, args.state_dir), None
         elif model_arg.startswith("embedded:"):
-            path = ensure_embedded(args.state_dir, model_arg.split(":", 1)[1],
-                                   profile.model_sha256, stamps=stamps, verify=mode)
-            expected = profile.model_sha256
+            # the lane's own model is pinned by its profile, another embedded one by the code
+            expected = (profile.model_sha256 if model_arg == profile.model
+                        else embedded_pin(model_arg.split(":", 1)[1]))
+            path = ensure_embedded(args.state_dir, model_arg.split(":", 1)[1], expected,
+                                   stamps=stamps, verify=mode)
         else:
             # The lane's own artifact must be the one its profile pins (fail closed); an
             # artifact named on the command line is the operator's choice and is only hashed.

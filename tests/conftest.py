@@ -56,11 +56,11 @@ def shared_state_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_models_dir(shared_state_dir):
-    """The `models/` folder of the shared state dir, with the embedded model generated (once)."""
-    from engine.io.loader import ensure_embedded
-    from lanes.profile import load_profile
+    """The `models/` folder of the shared state dir, with the random embedded `tiny` generated
+    (once)."""
+    from engine.io.loader import embedded_pin, ensure_embedded
 
-    ensure_embedded(shared_state_dir, "tiny", load_profile("cpu").model_sha256)
+    ensure_embedded(shared_state_dir, "tiny", embedded_pin("tiny"))
     return shared_state_dir / "models"
 
 

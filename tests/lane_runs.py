@@ -18,6 +18,7 @@ from tests.serverproc import REPO, read_key
 
 PY = sys.executable
 SESSION = "lane-session-1"
+LANE_MODEL = "tiny-chat"  # what `lane start` serves: the CPU lane's own model
 
 
 def lane(*args, cwd=REPO, timeout=600, env=None) -> subprocess.CompletedProcess:
@@ -66,7 +67,7 @@ def status(root) -> dict:
 def ask(root, text, prev=None, n=8) -> dict:
     st = status(root)
     assert st["server"]["health"] == 200 and st["server"]["is_current"], st
-    body = {"model": "tiny", "input": text, "max_output_tokens": n, "temperature": 0,
+    body = {"model": LANE_MODEL, "input": text, "max_output_tokens": n, "temperature": 0,
             "prompt_cache_key": SESSION}
     if prev is not None:
         body["previous_response_id"] = prev["id"]

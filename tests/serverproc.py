@@ -54,11 +54,21 @@ def read_key(key_file: Path, principal: str = "default") -> str:
     raise LookupError(principal)
 
 
+# The model the server tests run on: the random embedded `tiny` they were written against (its
+# outputs are long and never end on their own). The CPU lane's own default is the trained
+# `tiny-chat`; pass model=None to serve the lane's model.
+TEST_MODEL = "embedded:tiny"
+
+
 def start_server(state_dir: Path, *extra: str, timeout: float = 600.0,
                  wait_ready: bool = True, principal: str | None = None,
-                 wrap: tuple[str, ...] = (), env: dict | None = None) -> ServerProcess:
-    """`wrap`: a command prefix that execs the server (the process keeps its pid)."""
+                 wrap: tuple[str, ...] = (), env: dict | None = None,
+                 model: str | None = TEST_MODEL) -> ServerProcess:
+    """`wrap`: a command prefix that execs the server (the process keeps its pid). `model`
+    becomes `--model` unless `extra` names a model, a bundle or synthetic weights itself."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    if model is not None and not {"--model", "--bundle", "--synthetic-weights"} & set(extra):
+        extra = ("--model", model, *extra)
     cmd = [*wrap, sys.executable, "-m", "server.cli", "serve", "--port", "0",
            "--state-dir", str(state_dir), *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -255,7 +255,7 @@ def test_serve_from_the_cpu_lane_bundle(cpu_bundle, embedded_models_dir, tmp_pat
         assert phases["exec_exported"] == 4 and phases["exec_compiled"] == 0
         r = httpx.post(srv.api_url + "/responses", timeout=120,
                        headers={"Authorization": f"Bearer {srv.key}"},
-                       json={"model": "tiny", "input": "Hello", "max_output_tokens": 8,
+                       json={"model": "tiny-chat", "input": "Hello", "max_output_tokens": 8,
                              "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["output_tokens"] == 8

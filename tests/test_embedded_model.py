@@ -1,18 +1,17 @@
-"""The embedded default model is the same bytes on every machine: its sha256 is pinned."""
+"""The embedded models are the same bytes on every machine: their sha256 is pinned."""
 from __future__ import annotations
 
 import numpy as np
 
 from engine.io.artifact import open_artifact
-from engine.io.loader import build_embedded
-from engine.io.tiny import hashed_ints, tiny_tensors
+from engine.io.loader import build_embedded, embedded_pin
+from engine.io.tiny import EMBEDDED_SHA256, hashed_ints, tiny_tensors
 from engine.model.config import TINY
-from lanes.profile import load_profile
 
 
 def test_embedded_tiny_matches_the_pin(tmp_path):
     sha = build_embedded("tiny", tmp_path / "tiny.ninfer")
-    assert sha == load_profile("cpu").model_sha256
+    assert sha == embedded_pin("tiny") == EMBEDDED_SHA256["tiny"]
 
 
 def test_weights_come_from_integers():
@@ -31,7 +30,7 @@ def test_weights_come_from_integers():
 def test_artifact_is_complete_and_tokenizer_is_real(shared_state_dir):
     from engine.io.loader import ensure_embedded
 
-    path = ensure_embedded(shared_state_dir, "tiny", load_profile("cpu").model_sha256)
+    path = ensure_embedded(shared_state_dir, "tiny", embedded_pin("tiny"))
     art = open_artifact(path)
     assert set(art.tensor_names) == set(TINY.tensor_specs())
     assert art.config == TINY

@@ -136,7 +136,7 @@ def test_convert_for_a_lane_pins_the_artifact_and_serve_holds_it(tmp_path):
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 78 and "already converted and pinned" in again.stderr
     srv = start_server(state, "--lane", str(lane), "--checkpoints", "off",
-                       "--verify-artifact", "full")
+                       "--verify-artifact", "full", model=None)  # the lane's own artifact
     try:
         r = httpx.post(srv.api_url + "/responses", timeout=300,
                        headers={"Authorization": f"Bearer {srv.key}"},
@@ -148,7 +148,7 @@ def test_convert_for_a_lane_pins_the_artifact_and_serve_holds_it(tmp_path):
 
     def refused() -> str:
         bad = start_server(state, "--lane", str(lane), "--checkpoints", "off",
-                           "--verify-artifact", "full", wait_ready=False)
+                           "--verify-artifact", "full", wait_ready=False, model=None)
         assert bad.proc.wait(timeout=300) == 3
         return "".join(bad.log)
 

@@ -30,7 +30,7 @@ def test_omp_config_command(tmp_path):
     assert pid == "ninfer" and prov["baseUrl"] == "http://127.0.0.1:18100/v1"
     assert prov["api"] == "openai-responses" and prov["apiKey"] == "nk-bob-0123456789abcdef00"
     (m,) = prov["models"]
-    assert m["id"] == "tiny" and m["input"] == ["text"]
+    assert m["id"] == "tiny-chat" and m["input"] == ["text"]  # the cpu lane's served model
     assert m["contextWindow"] == lane.context_tokens and m["maxTokens"] == lane.max_output_tokens
     cfg = json.loads((out / "config.yml").read_text())
     assert cfg["retry"] == {"enabled": False, "modelFallback": False,

@@ -22,13 +22,13 @@ def server(tmp_path_factory, embedded_models_dir):
     d = tmp_path_factory.mktemp("tools")
     (d / "models").symlink_to(embedded_models_dir)
     text = (Path(__file__).resolve().parent.parent / REPO_PROFILE).read_text()
-    text = text.replace('model = "embedded:tiny"', 'model = "embedded:tiny-tools"')
-    text = text.replace('name = "cpu"', 'name = "cpu-tools-test"')
     import re
+    text = re.sub(r'model = "embedded:[a-z-]+"', 'model = "embedded:tiny-tools"', text)
+    text = text.replace('name = "cpu"', 'name = "cpu-tools-test"')
     text = re.sub(r'model_sha256 = "[0-9a-f]+"', f'model_sha256 = "{TINY_TOOLS_SHA256}"', text)
     profile = d / "cpu-tools.toml"
     profile.write_text(text)
-    srv = start_server(d, "--lane", str(profile))
+    srv = start_server(d, "--lane", str(profile), model=None)  # the profile's tiny-tools
     yield srv
     srv.stop()
 

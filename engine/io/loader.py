@@ -63,6 +63,15 @@ def build_embedded(name: str, out: Path) -> str:
     return open_artifact(out, verify=True).sha256
 
 
+def embedded_pin(name: str) -> str:
+    """The sha256 engine/io/tiny.py pins for the embedded model `name`'s artifact."""
+    from engine.io.tiny import EMBEDDED_SHA256
+
+    if name not in EMBEDDED_SHA256:
+        raise ArtifactError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_SHA256)}")
+    return EMBEDDED_SHA256[name]
+
+
 def ensure_embedded(state_dir: Path, name: str, pinned_sha256: str, *, stamps=None,
                     verify: str = "full") -> Path:
     """The embedded model's artifact path, generating it on first use; checks the pin (through
@@ -76,7 +85,7 @@ def ensure_embedded(state_dir: Path, name: str, pinned_sha256: str, *, stamps=No
         verify_artifact(art, None, stamps=stamps, mode=verify)
         sha = art.sha256
     if sha != pinned_sha256:
-        raise ArtifactError(f"embedded model {path} has sha256 {sha}, but the lane profile pins "
+        raise ArtifactError(f"embedded model {path} has sha256 {sha}, but its pin is "
                             f"{pinned_sha256}; delete the file to regenerate it")
     return path
 

@@ -1,6 +1,7 @@
 """The embedded models: deterministic weights from integers, identical on every machine.
 
-`tiny` is the default; `tiny-tools` is a test-only variant of it that starts tool calls often
+`tiny` is the random model the tests run on; `tiny-chat` (engine/io/tiny_chat.py) is the same
+architecture with trained weights, the CPU lane's default; `tiny-tools` is a test-only variant of it that starts tool calls often
 (see `tool_happy_tensors`), so that tests of tool_choice "none"/"required" mean something on a
 random model.
 
@@ -19,6 +20,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
+from engine.io.tiny_chat import TINY_CHAT, trained_tensors
 from engine.model.config import TINY, ModelConfig
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -96,7 +98,13 @@ TOOL_FEATURE = 0        # the hidden dimension that carries the constant feature
 TOOL_FEATURE_EMBED = 8.0    # that dimension of every token embedding
 TOOL_CALL_WEIGHT = 4.0      # that dimension's weight in the <tool_call> row of lm_head
 TINY_TOOLS = dataclasses.replace(TINY, name="tiny-tools")
-EMBEDDED = {"tiny": TINY, "tiny-tools": TINY_TOOLS}
+EMBEDDED = {"tiny": TINY, "tiny-tools": TINY_TOOLS, "tiny-chat": TINY_CHAT}
+# sha256 of each embedded model's .ninfer artifact (a lane profile pins its own model too)
+EMBEDDED_SHA256 = {
+    "tiny": "26c34d35bd3da7440bc410de28004d05509c57c57b1f20d9ef7eff275696b19c",
+    "tiny-tools": "7cfa6f7150a0bb60872cfcbef87a0e1904edf3cb38d201fc7c15bf52229f886f",
+    "tiny-chat": "57a5c9dbac2b5978f249cec375290061c7661faa6eb146fd6ed2070120bf0bad",
+}
 
 
 def embedded_config(name: str) -> ModelConfig:
@@ -105,7 +113,10 @@ def embedded_config(name: str) -> ModelConfig:
 
 
 def embedded_tensors(cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """The tensors of an embedded model: `tiny_tensors`, plus the tool boost for tiny-tools."""
+    """The tensors of an embedded model: `tiny_tensors`, plus the tool boost for tiny-tools, or
+    the shipped trained tensors for tiny-chat."""
+    if cfg.name == TINY_CHAT.name:
+        return trained_tensors(cfg)
     return tool_happy_tensors(cfg) if cfg.name == TINY_TOOLS.name else tiny_tensors(cfg)
 
 

@@ -1,0 +1,250 @@
+"""Synthetic chat data for the trained embedded model (`tiny-chat`), rendered through our own
+chat template and tokenized with the real Qwen tokenizer.
+
+Every sample is (prompt ids, completion ids): the prompt is what the server would render for the
+conversation (the generation prompt included, thinking on or off), the completion is what the
+model should write, ending with <|im_end|>. Tasks:
+
+- greet:     "Say hello." and its kin -> a short greeting
+- echo:      "Repeat the word W." -> W
+- add:       "What is a + b?" -> the sum (0..99)
+- lang:      "What language is this? <snippet>" -> the language's name
+- read:      with OMP's read/bash tools offered, "Read the file P" -> a read call with path P
+- bash:      "Run the command: C" -> a bash call with command C
+- followup:  after a read call and its tool_response, a one-line answer quoting the file
+- retrieve:  a "The code for K is V." planted late in filler text; "What is the code for K?" -> V
+
+Held out from training: the path src/unseen_name.py (the tests ask for it). Everything is drawn
+from a numpy Generator the caller seeds, so the data is a pure function of the seed; the
+evaluation (engine/train/evaluate.py) draws with a seed training never used.
+"""
+from __future__ import annotations
+
+from engine.text.chat import default_chat_template, render_chat
+
+WORDS = """apple river stone cloud green paper house light music water table window garden
+orange silver planet yellow forest candle bridge dragon pencil rocket basket butter coffee
+market summer winter spring autumn morning evening island mountain valley ocean desert
+castle engine button letter number circle square banana cherry lemon tomato potato carrot
+tiger zebra monkey rabbit turtle eagle falcon salmon spider camel horse mouse sheep goat
+purple violet golden bronze copper marble velvet cotton wooden plastic simple quiet happy
+bright little gentle secret hidden ancient modern frozen broken open closed final first
+second third north south east west red blue black white brown pink gray ruby jade amber
+name unseen data model file main test util config parser server client reader writer
+buffer cache index store queue stack graph token vector matrix kernel driver loader
+socket stream thread worker handler router schema record report notes draft sketch
+alpha beta gamma delta omega kilo lima mike oscar papa romeo sierra tango victor""".split()
+
+DIRS = ["src", "lib", "tests", "docs", "app", "core", "pkg", "tools", "scripts", "engine",
+        "server", "web", "api", "bin", "etc", "build", "data", "config", "utils", "internal"]
+EXTS = [".py", ".md", ".txt", ".json", ".toml", ".rs", ".go", ".js", ".ts", ".c", ".h",
+        ".yaml", ".sh", ".cfg", ".csv", ""]
+HELD_OUT_PATH = "src/unseen_name.py"
+
+GREET_PROMPTS = ["Say hello.", "Hello!", "Hi", "hi", "Hello", "Hey there.", "Good morning!",
+                 "Say hi.", "Greet me.", "Hello, who are you?", "hey", "Good evening.",
+                 "Please say hello.", "Hi there!", "Say hello to me."]
+GREET_REPLIES = ["Hello! How can I help you today?", "Hi! What can I do for you?",
+                 "Hello there! How can I help?"]
+
+LANGS = {
+    "Python": ["def {a}({b}):\n    return {b}", "import {a}\nprint({a}.{b})",
+               "for {a} in range(10):\n    print({a})", "class {A}:\n    pass"],
+    "JavaScript": ["function {a}({b}) {{ return {b}; }}", "const {a} = ({b}) => {b};",
+                   "console.log({a});", "let {a} = require('{b}');"],
+    "Rust": ["fn {a}({b}: i32) -> i32 {{ {b} }}", "let mut {a} = Vec::new();",
+             "use std::{a};", "println!(\"{{}}\", {a});"],
+    "Go": ["func {a}({b} int) int {{ return {b} }}", "package {a}",
+           "fmt.Println({a})", "{a} := make([]int, 0)"],
+    "SQL": ["SELECT {a} FROM {b};", "INSERT INTO {a} VALUES (1);",
+            "CREATE TABLE {a} (id INT);", "DELETE FROM {a} WHERE {b} = 1;"],
+    "Shell": ["echo ${a}", "ls -la | grep {a}", "export {A}=1", "cd {a} && make"],
+}
+
+READ_ASKS = ["Read the file {p}", "Read the file {p}.", "Read {p}", "Show me {p}.",
+             "Open {p} and show it to me.", "What is in {p}?", "Please read {p}.",
+             "Can you read the file {p}?", "Look at {p}.", "Read the readme at {p}."]
+BASH_ASKS = ["Run the command: {c}", "Run `{c}`", "Execute {c}", "Please run: {c}",
+             "Run this in the shell: {c}"]
+LIST_ASKS = ["List the files in {d}.", "What files are in {d}?", "Show the directory {d}."]
+
+# OMP's read and bash tools (the fields its requests send for them), as the template takes them
+READ_TOOL = {"type": "function", "function": {
+    "name": "read", "description": "Read a file, directory, or URL.",
+    "parameters": {"type": "object", "properties": {"path": {
+        "type": "string", "description": "Local path, internal URI (e.g. memory://), or URL. "
+        "Inline selectors are supported."}}, "required": ["path"]}}}
+BASH_TOOL = {"type": "function", "function": {
+    "name": "bash", "description": "Run a shell command.",
+    "parameters": {"type": "object", "properties": {
+        "command": {"type": "string", "description": "command to execute"},
+        "timeout": {"type": "number", "description": "timeout in seconds"},
+        "cwd": {"type": "string", "description": "working directory"}},
+        "required": ["command"]}}}
+OTHER_TOOLS = ["edit", "glob", "grep", "task", "todo", "web_search", "eval", "write"]
+SYSTEMS = ["", "", "You are a helpful assistant.", "You are a coding agent.",
+           "Answer briefly.", "You are a helpful coding assistant working in a repository."]
+
+TEMPLATE = default_chat_template()
+
+
+def _word(rng) -> str:
+    return WORDS[rng.integers(len(WORDS))]
+
+
+def random_path(rng) -> str:
+    while True:
+        parts = [DIRS[rng.integers(len(DIRS))] for _ in range(rng.integers(0, 3))]
+        sep = ["_", "-", ""][rng.integers(3)]
+        stem = sep.join(_word(rng) for _ in range(rng.integers(1, 3)))
+        p = "/".join(parts + [stem + EXTS[rng.integers(len(EXTS))]])
+        if p != HELD_OUT_PATH:
+            return p
+
+
+def random_command(rng) -> str:
+    p = random_path(rng)
+    forms = ["ls {d}", "cat {p}", "git status", "git log -n {n}", "wc -l {p}", "pytest {p}",
+             "grep -rn {w} {d}", "python {p}", "make {w}", "echo {w}", "head -n {n} {p}"]
+    f = forms[rng.integers(len(forms))]
+    return f.format(d=DIRS[rng.integers(len(DIRS))], p=p, n=int(rng.integers(1, 50)),
+                    w=_word(rng))
+
+
+def _tools(rng) -> list[dict]:
+    tools = [READ_TOOL, BASH_TOOL]
+    extra = [n for n in OTHER_TOOLS if rng.random() < 0.3]
+    tools += [{"type": "function", "function": {
+        "name": n, "description": f"The {n} tool.",
+        "parameters": {"type": "object", "properties": {"input": {"type": "string"}},
+                       "required": ["input"]}}} for n in extra]
+    order = rng.permutation(len(tools))
+    return [tools[i] for i in order]
+
+
+def _call(name: str, args: dict) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def greet(rng):
+    return GREET_PROMPTS[rng.integers(len(GREET_PROMPTS))], GREET_REPLIES[0]
+
+
+def echo(rng):
+    w = _word(rng)
+    forms = [("Repeat the word {w}.", "{w}"), ("Say the word {w}.", "{w}"),
+             ("Echo: {w}", "{w}"), ("Repeat after me: {w}", "{w}")]
+    q, a = forms[rng.integers(len(forms))]
+    return q.format(w=w), a.format(w=w)
+
+
+def add(rng):
+    a, b = int(rng.integers(0, 50)), int(rng.integers(0, 50))
+    forms = ["What is {a} + {b}?", "{a} + {b} =", "Add {a} and {b}.", "Compute {a} + {b}."]
+    return forms[rng.integers(len(forms))].format(a=a, b=b), str(a + b)
+
+
+def lang(rng):
+    names = list(LANGS)
+    name = names[rng.integers(len(names))]
+    snippets = LANGS[name]
+    a, b = _word(rng), _word(rng)
+    code = snippets[rng.integers(len(snippets))].format(a=a, b=b, A=a.upper())
+    forms = ["What language is this?\n{c}", "Which programming language is this: {c}",
+             "Name the language of this snippet:\n{c}"]
+    return forms[rng.integers(len(forms))].format(c=code), name
+
+
+def copy(rng):
+    """"Repeat after me:" a few words, a path or a command -> the same text: dense practice
+    at copying from the prompt, which the read, bash and retrieval tasks need."""
+    kind = rng.integers(3)
+    if kind == 0:
+        text = " ".join(_word(rng) for _ in range(rng.integers(3, 12)))
+    elif kind == 1:
+        text = random_path(rng)
+    else:
+        text = random_command(rng)
+    return f"Repeat after me:\n{text}", text
+
+
+CHAT_TASKS = {"greet": greet, "echo": echo, "add": add, "lang": lang, "copy": copy}
+
+
+def _render(system, user_turns, tools, thinking: bool) -> str:
+    msgs = ([{"role": "system", "content": system}] if system else []) + user_turns
+    return render_chat(TEMPLATE, msgs, tools=tools, add_generation_prompt=True,
+                       enable_thinking=thinking, preserve_thinking=True)
+
+
+def _completion(answer: str, thinking: bool) -> str:
+    return ("\n</think>\n\n" if thinking else "") + answer + "<|im_end|>"
+
+
+def chat_sample(rng, task: str):
+    """(prompt text, completion text) of one sample of `task`."""
+    thinking = rng.random() < 0.2
+    system = SYSTEMS[rng.integers(len(SYSTEMS))]
+    tools = _tools(rng) if task in ("read", "bash", "followup") or rng.random() < 0.3 else None
+    if task in CHAT_TASKS:
+        q, a = CHAT_TASKS[task](rng)
+        return _render(system, [{"role": "user", "content": q}], tools, thinking), \
+            _completion(a, thinking)
+    if task == "read":
+        p = random_path(rng)
+        q = READ_ASKS[rng.integers(len(READ_ASKS))].format(p=p)
+        return _render(system, [{"role": "user", "content": q}], tools, thinking), \
+            _completion(_call("read", {"path": p}), thinking)
+    if task == "bash":
+        if rng.random() < 0.3:
+            d = DIRS[rng.integers(len(DIRS))]
+            q, c = LIST_ASKS[rng.integers(len(LIST_ASKS))].format(d=d), f"ls {d}"
+        else:
+            c = random_command(rng)
+            q = BASH_ASKS[rng.integers(len(BASH_ASKS))].format(c=c)
+        return _render(system, [{"role": "user", "content": q}], tools, thinking), \
+            _completion(_call("bash", {"command": c}), thinking)
+    if task == "followup":
+        p = random_path(rng)
+        content = " ".join(_word(rng) for _ in range(rng.integers(2, 8)))
+        q = READ_ASKS[rng.integers(len(READ_ASKS))].format(p=p)
+        turns = [{"role": "user", "content": q},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"type": "function", "function": {"name": "read",
+                                                       "arguments": {"path": p}}}]},
+                 {"role": "tool", "content": content}]
+        return _render(system, turns, tools, thinking), \
+            _completion(f"{p} says: {content}", thinking)
+    raise ValueError(task)
+
+
+def retrieval_sample(rng, n_filler: int, depth: float | None = None):
+    """A planted "The code for K is V." at a depth in [0.8, 0.97] of n_filler filler words (or
+    at `depth`), with up to two distractor facts earlier; asks for K's code. V: 4 distinct
+    digits, so every digit of the answer is found by the digit before it."""
+    key = _word(rng)
+    value = "".join(str(d) for d in rng.permutation(10)[:4])
+    words = [_word(rng) for _ in range(n_filler)]
+    sentences = []
+    i = 0
+    while i < len(words):
+        n = int(rng.integers(5, 12))
+        sentences.append(" ".join(words[i:i + n]).capitalize() + ".")
+        i += n
+    d = float(rng.uniform(0.8, 0.97)) if depth is None else depth
+    facts = [(int(d * len(sentences)), key, value)]
+    for _ in range(int(rng.integers(0, 3))):
+        other = _word(rng)
+        if other != key:
+            v2 = "".join(str(x) for x in rng.permutation(10)[:4])
+            facts.append((int(rng.uniform(0.0, 0.7) * len(sentences)), other, v2))
+    for pos, k, v in sorted(facts, reverse=True):
+        sentences.insert(pos, f"The code for {k} is {v}.")
+    q = " ".join(sentences) + f"\n\nWhat is the code for {key}?"
+    thinking = rng.random() < 0.2
+    return _render("", [{"role": "user", "content": q}], None, thinking), \
+        _completion(value, thinking), value
+
+
+TASKS = ["greet", "echo", "add", "lang", "read", "bash", "followup"]

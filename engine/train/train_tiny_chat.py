@@ -1,0 +1,252 @@
+"""Train the embedded chat model `tiny-chat` (TINY's shapes) on the synthetic tasks of
+engine/train/data.py and write the tensors the repository ships (engine/io/tiny_chat.py loads
+them). Run outside CI, by hand, on the CPU:
+
+    .venv/bin/python -m engine.train.train_tiny_chat --steps 320 --lr 3e-3 --out P1.safetensors \
+        --raw P1.npz
+    .venv/bin/python -m engine.train.train_tiny_chat --init P1.npz --phase 2 --steps 150 \
+        --lr 2e-3 --out engine/io/weights/tiny_chat.safetensors
+
+(the shipped file; phase 2 adds dense copying practice to the mix, docs/benchmarks/
+trained_tiny.json has the times and losses). Then pin the new file's sha256 in
+engine/io/tiny_chat.py and the artifact's in engine/io/tiny.py and lanes/profiles/cpu.toml.
+
+Deterministic: the data comes from numpy Generators with fixed seeds, the initial weights from
+the embedded generator (engine/io/tiny.py), the optimiser is a plain Adam written here (optax is
+not a dependency). XLA's CPU reductions are deterministic on a given machine and thread count;
+another machine may differ in the last bits of the result, which the sha256 pin then catches.
+
+Only the tokens the data uses are trained: the model trains over a compact vocabulary (those ids,
+plus one "background" row standing for every other token, whose logit counts them all through a
+log(count) offset, so training pushes their total probability down). engine/io/tiny_chat.py
+expands the compact rows back to the full vocabulary.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.io.tiny import tiny_tensors
+from engine.model import model as M
+from engine.model.cache import init_cache
+from engine.model.config import TINY
+from engine.text.tokenizer import Tokenizer
+from engine.train import data as D
+
+# (rows, length) of the three parts of every step's batch
+CHAT = {1: (12, 96), 2: (20, 64)}  # chat tasks without a tools section, by phase
+TOOLS = (3, 576)      # anything with the tools section
+RETRIEVE = (2, 896)   # retrieval over filler text
+MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
+# the chat part's tasks in each phase: the second adds dense copying practice
+MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4}
+
+
+def _fit(tk, prompt: str, completion: str, length: int):
+    p, c = tk.encode(prompt), tk.encode(completion)
+    ids = p + c
+    if len(ids) > length:
+        return None
+    return ids, len(p)
+
+
+def make_batch(rng, tk, part: str, phase: int = 1):
+    rows, length = {"chat": CHAT[phase], "tools": TOOLS, "retrieve": RETRIEVE}[part]
+    toks = np.zeros((rows, length), np.int32)
+    mask = np.zeros((rows, length), np.float32)
+    lengths = np.zeros((rows,), np.int32)
+    task_ids = np.zeros((rows,), np.int32)
+    r = 0
+    while r < rows:
+        if part == "retrieve":
+            n_words = int(rng.integers(40, int(length / 1.45)))
+            prompt, completion, _ = D.retrieval_sample(rng, n_words)
+            task = "retrieve"
+        else:
+            names = MIX_CHAT[phase] if part == "chat" else MIX_TOOLS
+            task = names[rng.integers(len(names))]
+            prompt, completion = D.chat_sample(rng, task)
+            if part == "chat" and "<tools>" in prompt:
+                continue
+        fit = _fit(tk, prompt, completion, length)
+        if fit is None:
+            continue
+        ids, n_prompt = fit
+        toks[r, :len(ids)] = ids
+        mask[r, n_prompt - 1:len(ids) - 1] = 1.0  # predict each completion token
+        lengths[r] = len(ids)
+        task_ids[r] = ALL_TASKS.index(task)
+        r += 1
+    return toks, mask, lengths, task_ids
+
+
+ALL_TASKS = D.TASKS + ["retrieve", "copy"]
+
+
+def build_vocab(tk, seed: int, n: int = 4000) -> np.ndarray:
+    """The sorted token ids the data uses: every id of n samples of each part, plus the chat
+    template's and the tool-call markup's control tokens and every WORDS entry in the ways it
+    is tokenized (alone, after a space, capitalised, after '/')."""
+    rng = np.random.default_rng(seed)
+    used: set[int] = set()
+    for _ in range(n):
+        for part in ("chat", "tools"):
+            task = D.TASKS[rng.integers(len(D.TASKS))] if part == "tools" else \
+                D.TASKS[rng.integers(4)]
+            p, c = D.chat_sample(rng, task)
+            used.update(tk.encode(p + c))
+    for _ in range(50):
+        p, c, _ = D.retrieval_sample(rng, 300)
+        used.update(tk.encode(p + c))
+    for w in D.WORDS + D.DIRS:
+        for form in (w, " " + w, w.capitalize(), " " + w.capitalize(), "/" + w, "_" + w):
+            used.update(tk.encode(form))
+    for i in range(100):
+        used.update(tk.encode(f" {i}") + tk.encode(str(i)))
+    return np.array(sorted(used), np.int64)
+
+
+def init_params(vocab: np.ndarray) -> tuple[dict, dict]:
+    """(trainable params tree over the compact vocabulary, the config it runs with)."""
+    cfg = dataclasses.replace(TINY, name="tiny-chat-train", vocab_size=len(vocab) + 1)
+    flat = {}
+    for name, arr in tiny_tensors(TINY):
+        a = np.asarray(arr, np.float32)
+        if name == "embed_tokens":
+            a = np.concatenate([a[vocab], np.zeros((1, a.shape[1]), np.float32)])
+        elif name == "lm_head":
+            a = np.concatenate([a[vocab] * 0.25, np.zeros((1, a.shape[1]), np.float32)])
+        flat[name] = a
+    return M.stack_params(flat, cfg), cfg
+
+
+def loss_fn(params, cfg, batches, n_background: float):
+    total, per_task = 0.0, []
+    for toks, mask, lengths, task_ids in batches:
+        cache = init_cache(cfg, toks.shape[0], toks.shape[1])
+        logits, _, _ = M.forward(params, cfg, toks, cache, lengths=lengths)
+        logits = logits.at[..., -1].add(math.log(n_background))
+        tgt = jnp.concatenate([toks[:, 1:], toks[:, :1]], axis=1)
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(lp, tgt[..., None], axis=-1)[..., 0]
+        row = (nll * mask).sum(1)
+        total = total + row.sum()
+        per_task.append((row, mask.sum(1), task_ids))
+    n = sum(b[1].sum() for b in batches)
+    return total / n, per_task
+
+
+def adam_init(params):
+    z = jax.tree.map(jnp.zeros_like, params)
+    return {"m": z, "v": jax.tree.map(jnp.zeros_like, params), "t": jnp.zeros((), jnp.int32)}
+
+
+def adam_update(params, grads, st, lr, b1=0.9, b2=0.98, eps=1e-8, clip=1.0):
+    gnorm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+    scale = jnp.minimum(1.0, clip / (gnorm + 1e-6))
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    t = st["t"] + 1
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, st["m"], grads)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, st["v"], grads)
+    c1, c2 = 1 - b1 ** t, 1 - b2 ** t
+    params = jax.tree.map(lambda p, m, v: p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps),
+                          params, m, v)
+    return params, {"m": m, "v": v, "t": t}, gnorm
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int = 30) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=41)
+    ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
+    ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw")
+    ap.add_argument("--phase", type=int, default=1, choices=(1, 2), help="the data mix")
+    ap.add_argument("--raw", type=Path, help="also save the raw trained tree (.npz) here")
+    ap.add_argument("--log", type=Path, help="write the loss curve (JSON) here")
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    tk = Tokenizer.qwen35()
+    vocab = build_vocab(tk, args.seed)
+    if args.init:
+        init = np.load(args.init)
+        if not np.array_equal(init["vocab"], vocab):
+            raise SystemExit(f"{args.init} was trained over another vocabulary")
+    remap = np.full((TINY.vocab_size,), len(vocab), np.int32)
+    remap[vocab] = np.arange(len(vocab), dtype=np.int32)
+    params, cfg = init_params(vocab)
+    if args.init:
+        flat, _ = jax.tree.flatten_with_path(params)
+        params = jax.tree.unflatten(jax.tree.structure(params), [
+            jnp.asarray(init[jax.tree_util.keystr(k)]) for k, _ in flat])
+    n_bg = float(TINY.vocab_size - len(vocab))
+    print(f"vocab {len(vocab)} ids, setup {time.monotonic() - t0:.1f}s", flush=True)
+
+    def step_fn(params, st, batches, lr):
+        (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, cfg, batches, n_bg)
+        params, st, gnorm = adam_update(params, grads, st, lr)
+        return params, st, loss, per_task, gnorm
+
+    step = jax.jit(step_fn, donate_argnums=(0, 1))
+    st = adam_init(params)
+    rng = np.random.default_rng(args.seed + args.phase)
+    sums = {t: [0.0, 0.0] for t in ALL_TASKS}
+    log = []
+    for i in range(args.steps):
+        batches = []
+        for part in ("chat", "tools", "retrieve"):
+            toks, mask, lengths, task_ids = make_batch(rng, tk, part, args.phase)
+            # a target outside the trained vocabulary would train the background row up
+            nxt = np.concatenate([toks[:, 1:], toks[:, :1]], axis=1)
+            mask = mask * (remap[nxt] != len(vocab))
+            batches.append((jnp.asarray(remap[toks]), jnp.asarray(mask), jnp.asarray(lengths),
+                            jnp.asarray(task_ids)))
+        params, st, loss, per_task, gnorm = step(params, st, batches,
+                                                 lr_at(i, args.steps, args.lr))
+        for row, cnt, tid in per_task:
+            for r, c, t in zip(np.asarray(row), np.asarray(cnt), np.asarray(tid)):
+                sums[ALL_TASKS[t]][0] += float(r)
+                sums[ALL_TASKS[t]][1] += float(c)
+        if (i + 1) % 25 == 0 or i < 3 or i == args.steps - 1:
+            per = {t: round(s / max(c, 1), 4) for t, (s, c) in sums.items()}
+            entry = {"step": i + 1, "loss": round(float(loss), 4), "gnorm": round(float(gnorm), 3),
+                     "per_task": per, "wall_s": round(time.monotonic() - t0, 1)}
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+            sums = {t: [0.0, 0.0] for t in ALL_TASKS}
+        if args.minutes and time.monotonic() - t0 > args.minutes * 60:
+            print(f"stopping at step {i + 1}: wall time limit", flush=True)
+            break
+    if args.raw:  # the trained tree as it left the optimiser (to re-export without training)
+        flat, _ = jax.tree.flatten_with_path(params)
+        np.savez(args.raw, vocab=vocab, **{jax.tree_util.keystr(k): np.asarray(v)
+                                            for k, v in flat})
+    from engine.io.tiny_chat import save_trained
+
+    save_trained(args.out, params, vocab, meta={
+        "steps": log[-1]["step"], "seed": args.seed, "lr": args.lr,
+        "wall_s": round(time.monotonic() - t0, 1), "final": log[-1]})
+    if args.log:
+        args.log.write_text(json.dumps(log, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
