@@ -5,7 +5,7 @@ profile hash, the model pin) and state every phase.
 
 The phases that do not depend on what the model can do must pass on any model (the managed
 start, restart exactness, rollback both ways, protected state, fresh sessions, the role corpus
-against its recording). On the random embedded `tiny` model retrieval cannot pass; a failing
+against its recording). On the embedded models retrieval does not pass yet; a failing
 phase must give a failed receipt (exit 1, the phase named), never a missing one. Bad input
 (an unknown lane, a lane whose preflight fails, an instance that is not the lane's profile)
 exits 78 with a failed receipt naming the reason."""
@@ -84,7 +84,8 @@ def test_the_cpu_receipt_binds_the_release_and_states_every_phase(cpu_receipt, t
     ret = phases["retrieval"]["measurements"]
     assert ret["prompt_tokens"] >= 8192 and ret["planted_depth"] >= 0.90
     restart = phases["restart"]["measurements"]
-    assert restart["path"] == "disk-restored" and restart["compared_tokens"] == 32
+    assert restart["path"] == "disk-restored" and 1 <= restart["compared_tokens"] <= 32
+    assert restart["compared_tokens"] == 32 or restart["reference_stopped"]
     assert restart["cached_tokens"] == restart["expected_cached_tokens"]
     ms = phases["multisession"]["measurements"]
     assert (ms["sessions"], ms["root_fallbacks"]) == (24, 0) and ms["median_ttft_s"] > 0
