@@ -116,7 +116,7 @@ def embedded_tensors(cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """The tensors of an embedded model: `tiny_tensors`, plus the tool boost for tiny-tools, or
     the shipped trained tensors for tiny-chat."""
     if cfg.name == TINY_CHAT.name:
-        return trained_tensors(cfg)
+        return trained_tensors(tiny_tensors(TINY))
     return tool_happy_tensors(cfg) if cfg.name == TINY_TOOLS.name else tiny_tensors(cfg)
 
 

@@ -25,7 +25,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from engine.model.config import TINY, ModelConfig
+from engine.model.config import TINY
 
 WEIGHTS = Path(__file__).parent / "weights" / "tiny_chat.safetensors"
 WEIGHTS_SHA256 = "19cb79777edf954c20641023e8d2b48ef8c63d4f4909c80afc4d0900bf184ae8"
@@ -102,14 +102,14 @@ def load_trained(path: Path = WEIGHTS, sha256: str = WEIGHTS_SHA256) -> dict[str
     return out
 
 
-def trained_tensors(cfg: ModelConfig = TINY_CHAT, path: Path = WEIGHTS,
+def trained_tensors(generated: Iterator[tuple[str, np.ndarray]], path: Path = WEIGHTS,
                     sha256: str = WEIGHTS_SHA256) -> Iterator[tuple[str, np.ndarray]]:
-    """(canonical name, bf16 array) for every tensor of tiny-chat, in sorted name order."""
-    from engine.io.tiny import tiny_tensors
-
+    """(canonical name, bf16 array) for every tensor of tiny-chat, in sorted name order:
+    `generated` is the random tiny model's (engine/io/tiny.py `tiny_tensors(TINY)`, passed in
+    so that this module needs nothing of that one), with the trained tensors and rows put in."""
     t = load_trained(path, sha256)
     vocab = t["vocab"]
-    for name, gen in tiny_tensors(TINY):
+    for name, gen in generated:
         if name == "embed_tokens":
             arr = np.asarray(gen, np.float32)
             arr[vocab] = t["embed_rows"]
