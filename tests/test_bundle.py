@@ -212,14 +212,18 @@ def test_serve_refuses_a_bundle_of_another_jax(cpu_bundle, tmp_path):
 
 # ---- release tier -------------------------------------------------------------------------
 @pytest.mark.release
-def test_cpu_lane_bundle_forwards_give_the_live_tokens(cpu_bundle, tiny_model):
-    """An engine at the CPU lane's real shapes (2 rows, 256-token pieces, its KV pool) whose
-    forwards come from the lane's bundle generates the live-jitted engine's greedy tokens."""
+def test_cpu_lane_bundle_forwards_give_the_live_tokens(cpu_bundle, shared_state_dir):
+    """An engine at the CPU lane's real shapes (2 rows, 256-token pieces, its KV pool) and on
+    its own model, whose forwards come from the lane's bundle, generates the live-jitted
+    engine's greedy tokens."""
+    from engine.io.loader import ensure_embedded, load_model
     from lanes.profile import load_profile
     from release.bundle import open_bundle
 
     d, _, _ = cpu_bundle
     p = load_profile("cpu")
+    tiny_model = load_model(ensure_embedded(shared_state_dir, p.model.split(":", 1)[1],
+                                            p.model_sha256))
     kw = dict(context_tokens=p.context_tokens, prefill_chunk=p.prefill_chunk,
               max_concurrency=p.max_concurrency, capacity_tokens=p.kv_capacity_tokens,
               plan=p.plan, max_queue=2)
