@@ -126,13 +126,14 @@ def plan_lane(profile, cfg: ModelConfig | None = None, *, context_tokens: int | 
               host_ram: int | None = None) -> MemoryPlan:
     """The memory plan of `profile` (lanes.profile.LaneProfile), at its own context or at
     `context_tokens`. `host_ram`: the RAM this host has (bytes; None: not checked)."""
+    from engine.runtime.speculative import uses_mtp
     from lanes.profile import model_config
 
     cfg = cfg or model_config(profile)
     ctx = context_tokens or profile.context_tokens
     itemsize = _ITEMSIZE[profile.compute_dtype]
     # MTP drafting keeps the MTP layer's KV in the pool too (engine/runtime/memory.py)
-    mtp = "mtp" in str(profile.table("speculative").get("method")).split("+")
+    mtp = uses_mtp(profile.table("speculative").get("method"))
     kv_tok = pk.kv_bytes_per_token(cfg, profile.kv_dtype, mtp=mtp)
     image = state_image_bytes(cfg, itemsize)
     B = profile.max_concurrency

@@ -124,14 +124,14 @@ class LaneProfile:
             isinstance(self.checkpoint_quota_bytes, int) and self.checkpoint_quota_bytes > 0),
             "checkpoint_quota_bytes must be a positive integer")
         spec = dict(self.speculative or ())
-        from engine.runtime.speculative import check_speculative
+        from engine.runtime.speculative import check_speculative, uses_mtp
 
         try:  # the drafter and K (engine/runtime/speculative.py)
             check_speculative(spec.get("method", "off"), spec.get("draft_tokens", 0),
                               where="[speculative] ")
         except ValueError as e:
             need(False, str(e))
-        if "mtp" in str(spec.get("method")).split("+") and (self.model_preset is not None
+        if uses_mtp(spec.get("method")) and (self.model_preset is not None
                                             or self.model.startswith("embedded:")):
             try:  # a drafter the model lacks
                 mtp_layers = model_config(self).mtp_layers

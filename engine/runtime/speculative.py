@@ -39,6 +39,12 @@ MIN_DRAFT, MAX_DRAFT = 1, 8
 METHODS = ("off", "prompt_lookup", "mtp", "prompt_lookup+mtp")
 
 
+def uses_mtp(method) -> bool:
+    """Whether a [speculative] method drafts with the model's MTP layer (the engine's pool then
+    holds that layer's KV, and the model must have one)."""
+    return method in ("mtp", "prompt_lookup+mtp")
+
+
 def check_speculative(method, draft_tokens, where: str = "speculative.") -> None:
     """Refuse a speculative configuration the engine cannot run, naming the key (`where`
     + key: "speculative.method", or a profile's "[speculative] method") and the allowed
@@ -76,7 +82,7 @@ class SpecConfig:
     def mtp(self) -> bool:
         """Whether drafts come from the model's MTP layer (the engine's cache then keeps that
         layer's KV current)."""
-        return bool(getattr(self.drafter, "batched", False))
+        return uses_mtp(self.drafter.name)
 
     def describe(self) -> dict:
         """What a fingerprint or a status shows."""
@@ -123,15 +129,18 @@ class SpecDecode:
         rooms = {seq.seq_id: max(min(self.k, loop.sampler.remaining(seq) - 1), 0)
                  for seq in step.seqs}
         batched = getattr(self.drafter, "batched", False)
-        made = self._batched_drafts(step, rooms) if batched else None
+        lookup = getattr(self.drafter, "lookup", None)  # prompt lookup first (a combination)
+        looked = {seq.seq_id: [int(t) for t in lookup.propose(seq, rooms[seq.seq_id])]
+                  [:rooms[seq.seq_id]] if lookup is not None and rooms[seq.seq_id] else []
+                  for seq in step.seqs}
+        # the MTP layer drafts only for the rows prompt lookup left without a draft
+        made = self._batched_drafts(step, rooms, looked) if batched else None
         for seq in step.seqs:
             room = rooms[seq.seq_id]
             if room == 0:
                 draft = []
             elif made is not None:
-                lookup = getattr(self.drafter, "lookup", None)
-                draft = [int(t) for t in lookup.propose(seq, room)][:room] if lookup else []
-                draft = draft or [int(t) for t in made[seq.slot, :room]]
+                draft = looked[seq.seq_id] or [int(t) for t in made[seq.slot, :room]]
             else:
                 draft = [int(t) for t in self.drafter.propose(seq, room)][:room]
             con = seq.payload.constraint
@@ -172,17 +181,20 @@ class SpecDecode:
                 if seq.finish_reason is not None:
                     break
 
-    def _batched_drafts(self, step, rooms: dict) -> np.ndarray:
-        """The MTP layer's drafts for every row of the step ([B, k] on the host; row b's first
-        rooms[seq] are real). They write MTP entries at and past each row's position, so its
-        pages for the pass it may run (room + 1 tokens) are made first; the rollback after the
-        pass gives back what it does not keep."""
+    def _batched_drafts(self, step, rooms: dict, looked: dict) -> np.ndarray:
+        """The MTP layer's drafts for the step's rows ([B, k] on the host; row b's first
+        rooms[seq] are real), run for the rows with no draft in `looked` (prompt lookup's) and
+        not at all when every row has one. They write MTP entries at and past each row's
+        position, so every row's pages for the pass it may run (room + 1 tokens) are made
+        first; the rollback after the pass gives back what it does not keep."""
         loop = self.loop
         last = np.zeros((loop.B,), np.int32)
         steps = np.zeros((loop.B,), np.int32)
         for seq in step.seqs:
-            last[seq.slot], steps[seq.slot] = seq.output_ids[-1], rooms[seq.seq_id]
-            loop.mem.prepare([seq], rooms[seq.seq_id] + 1)
+            room = rooms[seq.seq_id]
+            last[seq.slot] = seq.output_ids[-1]
+            steps[seq.slot] = 0 if looked[seq.seq_id] else room
+            loop.mem.prepare([seq], room + 1)
         if not steps.any():
             return np.zeros((loop.B, self.k), np.int32)
         drafts, loop.mem.cache = loop.runner.draft(jax.device_put(last), loop.mem.cache,
