@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
+from bench.suites import commit, machine  # noqa: E402
 from tests.serverproc import start_server  # noqa: E402
 
 
@@ -64,6 +65,7 @@ def memory(a) -> dict:
     plan = subprocess.run([sys.executable, "-m", "server.cli", "plan", "--lane", a.lane],
                           cwd=REPO, capture_output=True, text=True)
     res = {"lane": a.lane, "synthetic_weights": st["model"]["synthetic_weights"],
+           "plan": st.get("plan"),
            "after_load": after_load, "after_prompt": after_prompt,
            "plan_table": plan.stdout, "plan_rc": plan.returncode}
     if after_load and after_load.get("bytes_in_use"):
@@ -93,7 +95,9 @@ def keepwarm(a) -> dict:
         srv = start_server(Path(a.state_dir) / name, "--lane", lane, "--synthetic-weights",
                            "--checkpoints", "off", timeout=1200)
         try:
-            model = _status(srv)["model"]["id"]
+            st = _status(srv)
+            model = st["model"]["id"]
+            res.setdefault("plan", st.get("plan"))
             _turn(srv, model, "warm up", 4)
             rows = []
             for gap in idles:
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
     res = {"memory": memory, "keepwarm": keepwarm}[a.what](a)
     res.update({"command": "bench/lane_server.py " + " ".join(argv or sys.argv[1:]),
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": platform.node()})
+                "machine": {**machine(), "node": platform.node()}, "commit": commit()})
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
