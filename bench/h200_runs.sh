@@ -11,8 +11,9 @@
 #                                 # rate at acceptance 1 / 0.9 / 0.7 / 0.5, 27B shapes at 1K
 #   bash bench/h200_runs.sh 4     # restore and restart, cold disk and page cache, 128K
 #   bash bench/h200_runs.sh 5     # keep-warm: TTFT after 10/30/60 s idle, on and off
-#
-# Run 7 (the lane's receipt) waits for its code (./ninfer qualify).
+#   bash bench/h200_runs.sh 7     # the lane's receipt: qualify --lane h200 --synthetic-weights
+#                                 # (the preflight refuses a disk with less free space than the
+#                                 # profile's checkpoint quota; TMPDIR picks where the lane root goes)
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -37,5 +38,7 @@ case "${1:-}" in
        --out "$OUT/restore_27b.json" 2>&1 | tee "$OUT/restore_27b.log" ;;
   5) timeout 570 python3 bench/lane_server.py keepwarm --lane h200 --idle 10,30,60 \
        --out "$OUT/keep_warm.json" 2>&1 | tee "$OUT/keep_warm.log" ;;
-  *) echo "usage: bash bench/h200_runs.sh 0|1|2|3|4|5" >&2; exit 2 ;;
+  7) timeout 580 python3 -m server.cli qualify --lane h200 --synthetic-weights --out "$OUT" 2>&1 \
+       | tee "$OUT/qualify_h200.log" ;;
+  *) echo "usage: bash bench/h200_runs.sh 0|1|2|3|4|5|7" >&2; exit 2 ;;
 esac
