@@ -42,16 +42,12 @@ class RecordingServer:
 
     With `upstream` unset it is a decoy answering `status` to everything (CONNECT included, so
     it can stand as an HTTPS proxy). With `upstream` set it forwards each request there and
-    streams the answer back; `complete_turns` then rewrites a terminal `response.incomplete`
-    into `response.completed` (OMP drops an incomplete turn from its context, which keeps it
-    from ever chaining with previous_response_id; the tiny model always ends incomplete).
-    `rewrite(n, body) -> body` may change the JSON body of the n-th forwarded request (from 0)
+    streams the answer back unchanged. `rewrite(n, body) -> body` may change the JSON body of the n-th forwarded request (from 0)
     before it goes upstream; `requests` keeps what the client sent.
     """
     upstream: str | None = None
     status: int = 500
     retry_after: int | None = None  # the decoy's Retry-After header, if any
-    complete_turns: bool = False
     rewrite: object = None
     requests: list[Recorded] = field(default_factory=list)
 
@@ -113,9 +109,7 @@ class RecordingServer:
             # streamed answer goes through piece by piece.
             handler.send_header("Connection", "close")
             handler.end_headers()
-            pieces = ((line + "\n").encode() for line in map(_completed, r.iter_lines())) \
-                if self.complete_turns else r.iter_raw()
-            for piece in pieces:
+            for piece in r.iter_raw():
                 rec.answer += piece
                 handler.wfile.write(piece)
                 handler.wfile.flush()
@@ -137,23 +131,6 @@ class RecordingServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
-
-def _completed(line: str) -> str:
-    """One SSE line with an incomplete ending rewritten as a completed one."""
-    if line == "event: response.incomplete":
-        return "event: response.completed"
-    if not line.startswith("data: ") or '"incomplete"' not in line:
-        return line
-    event = json.loads(line[6:])
-    if event.get("type") == "response.incomplete":
-        event["type"] = "response.completed"
-    response = event.get("response") or {}
-    if response.get("status") == "incomplete":
-        response["status"], response["incomplete_details"] = "completed", None
-    for item in (event.get("item"), *response.get("output", [])):
-        if isinstance(item, dict) and item.get("status") == "incomplete":
-            item["status"] = "completed"
-    return "data: " + json.dumps(event, ensure_ascii=False)
 
 
 def closed_port() -> int:

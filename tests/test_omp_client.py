@@ -1,8 +1,9 @@
 """The real Oh My Pi client (pinned in tests/omp) against the real server, over real sockets.
 
 A recording proxy sits between OMP and the server so that each test can check what OMP sent, not
-only that it finished. The tiny model's text is gibberish and every turn ends at
-max_output_tokens (`incomplete`, which OMP reports as stopReason "length").
+only that it finished; it passes everything through unchanged. The server runs the cpu lane's own
+model, the trained `tiny-chat`, whose replies end on their own (`response.completed`, which OMP
+reports as stopReason "stop"), so OMP's stateful path runs as it would against any model.
 """
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ OMP_TOOLS = ["read", "bash", "edit", "eval", "glob", "grep", "task", "hub", "tod
 # A short system prompt keeps the CPU prefill to a few hundred tokens; the default one is
 # ~18 KB (test_default_system_prompt_turn, slow tier).
 SHORT_SYSTEM = ("--system-prompt", "You are a terse coding agent.")
-# How OMP reports the server's terminal event (almost always incomplete with the tiny model).
+MODEL = "tiny-chat"  # the cpu lane's model
+# How OMP reports the server's terminal event.
 STOP_REASON = {"response.incomplete": "length", "response.completed": "stop"}
 
 
 @pytest.fixture(scope="module")
 def server(shared_state_dir):
-    srv = start_server(shared_state_dir)
+    srv = start_server(shared_state_dir, model=None)  # the lane's own model: tiny-chat
     yield srv
     assert srv.stop() in (0, -15), "".join(srv.log)
 
@@ -69,7 +71,7 @@ def assert_responses_request(req, key: str, *, instructions: str | None = None) 
     body = req.json()
     assert set(body) == {"model", "input", "instructions", "stream", "prompt_cache_key", "store",
                          "max_output_tokens", "tools"}, sorted(body)
-    assert body["model"] == "tiny" and body["stream"] is True and body["store"] is False
+    assert body["model"] == MODEL and body["stream"] is True and body["store"] is False
     assert body["max_output_tokens"] == 16
     assert UUID.match(body["prompt_cache_key"])
     if instructions is not None:
@@ -87,7 +89,7 @@ def user_texts(item: dict) -> list[str]:
 
 
 def test_print_mode_turn_reaches_the_server(server, proxy, make_client):
-    omp = make_client([Provider("ninfer", proxy.api_url, server.key)])
+    omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL)])
     result = omp.run_print("Say hello.", *SHORT_SYSTEM, "--mode", "json")
     assert result.returncode == 0, result.describe()
 
@@ -110,7 +112,7 @@ def test_print_mode_turn_reaches_the_server(server, proxy, make_client):
 
 
 def test_rpc_mode_runs_two_turns_in_one_process(server, proxy, make_client):
-    omp = make_client([Provider("ninfer", proxy.api_url, server.key)])
+    omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL)])
     with omp.rpc(*SHORT_SYSTEM) as rpc:
         rpc.wait_for("ready", timeout=30)
         first = rpc.prompt("Say hello.")
@@ -122,10 +124,12 @@ def test_rpc_mode_runs_two_turns_in_one_process(server, proxy, make_client):
     assert len(proxy.requests) == 2
     one, two = (assert_responses_request(r, server.key) for r in proxy.requests)
     assert one["prompt_cache_key"] == two["prompt_cache_key"]
-    # Stateless (no PI_OPENAI_STATEFUL): the whole transcript again. OMP drops a turn that ended
-    # incomplete from its context, so the first reply is not in it.
+    # Stateless (no PI_OPENAI_STATEFUL): the whole transcript again. OMP keeps a reply that
+    # completed and drops one that ended incomplete.
     assert "previous_response_id" not in two
     assert two["input"][0] == one["input"][0]
+    kept = [i for i in two["input"] if i.get("role") == "assistant"]
+    assert len(kept) == (last_assistant(first)["stopReason"] == "stop"), two["input"]
     assert user_texts(two["input"][-1]) == ["Now say goodbye."]
     assert_nothing_left_loopback(omp)
 
@@ -133,9 +137,10 @@ def test_rpc_mode_runs_two_turns_in_one_process(server, proxy, make_client):
 def test_stateful_omp_second_turn_continues_the_stored_chain(server, make_client):
     """With PI_OPENAI_STATEFUL=1 and a completed first turn, OMP's second turn names the first
     response and sends only the new message, which the server serves from the stored state."""
-    proxy = RecordingServer(upstream=server.base_url, complete_turns=True)
+    proxy = RecordingServer(upstream=server.base_url)
     try:
-        omp = make_client([Provider("ninfer", proxy.api_url, server.key)], stateful=True)
+        omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL,
+                                    max_tokens=64)], stateful=True)
         with omp.rpc(*SHORT_SYSTEM) as rpc:
             rpc.wait_for("ready", timeout=30)
             first = rpc.prompt("Say hello.")
@@ -167,9 +172,10 @@ def test_a_new_omp_process_resumes_the_session_from_the_cache(server, make_clien
     """`omp --continue` in a new process resends the whole transcript (without
     previous_response_id); the server matches the echoed items to its stored chain and serves
     the resumed turn from the cached state."""
-    proxy = RecordingServer(upstream=server.base_url, complete_turns=True)
+    proxy = RecordingServer(upstream=server.base_url)
     try:
-        omp = make_client([Provider("ninfer", proxy.api_url, server.key)], stateful=True)
+        omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL,
+                                    max_tokens=64)], stateful=True)
         with omp.rpc(*SHORT_SYSTEM) as rpc:
             rpc.wait_for("ready", timeout=30)
             rpc.prompt("Say hello.")
@@ -203,19 +209,21 @@ def test_a_new_omp_process_resumes_the_session_from_the_cache(server, make_clien
 def test_omp_runs_a_tool_the_model_called_and_chains_its_output(server, make_client,
                                                                  tmp_path):
     """The model calls OMP's own `read` tool; OMP runs it and sends the function_call_output
-    chained by previous_response_id, and the turn completes. The proxy asks the server for the
-    call (tool_choice names `read` on the first request, with room for a whole call): the tiny
-    model's text is random, so the call comes from constrained decoding, OMP's tool runs for
-    real."""
+    chained by previous_response_id, and the turn completes on its own. The proxy still asks
+    the server for the call (tool_choice names `read` on the first request, with room for a
+    whole call): tiny-chat answers "Read the readme." with text, not a call (it never learned to
+    copy a path from its prompt), so the call comes from constrained decoding; OMP's tool runs
+    for real, and the turn after it ends with the model's own stop."""
     def force_read(n, body):
         if n == 0:
             body = dict(body, tool_choice={"type": "function", "name": "read"},
                         max_output_tokens=64)
         return body
 
-    proxy = RecordingServer(upstream=server.base_url, complete_turns=True, rewrite=force_read)
+    proxy = RecordingServer(upstream=server.base_url, rewrite=force_read)
     try:
-        omp = make_client([Provider("ninfer", proxy.api_url, server.key)], stateful=True)
+        omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL,
+                                    max_tokens=64)], stateful=True)
         with omp.rpc(*SHORT_SYSTEM) as rpc:
             rpc.wait_for("ready", timeout=30)
             frames = rpc.prompt("Read the readme.")
@@ -298,10 +306,11 @@ def test_fallback_enabled_does_reach_the_decoy(down, make_client):
 @pytest.mark.slow
 def test_default_system_prompt_turn(server, proxy, make_client):
     """OMP as shipped: its own ~18 KB system prompt (about 4.6K tokens of CPU prefill)."""
-    omp = make_client([Provider("ninfer", proxy.api_url, server.key)])
+    omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL)])
     result = omp.run_print("Say hello.", "--mode", "json", timeout=600)
     assert result.returncode == 0, result.describe()
     (req,) = proxy.requests
     body = assert_responses_request(req, server.key)
     assert len(body["instructions"]) > 10_000
-    assert last_assistant(result.frames())["stopReason"] == "length"
+    # tiny-chat ends its reply itself, under OMP's whole prompt too
+    assert last_assistant(result.frames())["stopReason"] == "stop"

@@ -22,7 +22,7 @@ def server(tmp_path_factory, embedded_models_dir):
     lane = (PROFILE_DIR / "cpu.toml").read_text().replace(
         "context_tokens = 32768", f"context_tokens = {CONTEXT}")
     (d / "small.toml").write_text(lane)
-    srv = start_server(d, "--lane", str(d / "small.toml"))
+    srv = start_server(d, "--lane", str(d / "small.toml"), model=None)  # the lane's tiny-chat
     yield srv
     assert srv.stop() in (0, -15), "".join(srv.log[-50:])
 
@@ -33,9 +33,10 @@ def _padding(n: int, salt: str) -> str:
 
 @pytest.mark.slow
 def test_omp_compacts_on_context_length_exceeded_and_continues(server, tmp_path):
-    proxy = RecordingServer(upstream=server.base_url, complete_turns=True)
+    proxy = RecordingServer(upstream=server.base_url)
     omp = OmpClient(tmp_path / "omp", [Provider("ninfer", proxy.api_url, server.key,
-                                                context_window=32768)], compaction=True)
+                                                model="tiny-chat", context_window=32768,
+                                                max_tokens=64)], compaction=True)
     # OMP keeps this much of the recent history verbatim and summarizes the rest
     cfg_path = omp.home / ".omp" / "agent" / "config.yml"
     cfg = json.loads(cfg_path.read_text())
