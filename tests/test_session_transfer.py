@@ -234,6 +234,7 @@ def _bad_bundles(w):
     # a correctly signed bundle whose runtime differs: another KV capacity
     with tarfile.open(w.bundle['alice']) as t:
         members = {m.name: t.extractfile(m).read() for m in t.getmembers()}
+    orig = members["bundle.json"]
     head = json.loads(members.pop("bundle.json"))
     members.pop("bundle.mac")
     fp = dict(head["fingerprint"], kv_capacity_tokens=head["fingerprint"]["kv_capacity_tokens"]
@@ -244,6 +245,15 @@ def _bad_bundles(w):
     write_bundle(p, key, {k: v for k, v in head.items() if k not in ("entries",)},
                  [(n, d, None) for n, d in members.items()])
     bad["fingerprint"] = (p.read_bytes(), "kv_capacity_tokens")
+    # a correctly signed bundle whose first page entry holds another page's bytes: the header
+    # lists their true sha256, so only the entry's name (the digest the checkpoint names) lies
+    head = json.loads(orig)
+    first, second = head["checkpoint"]["pages"][:2]
+    swapped = dict(members, **{f"pages/{first}": members[f"pages/{second}"]})
+    p = w.root / "misnamed-page.bundle"
+    write_bundle(p, key, {k: v for k, v in head.items() if k not in ("entries",)},
+                 [(n, d, None) for n, d in swapped.items()])
+    bad["misnamed page"] = (p.read_bytes(), f"pages/{first[:16]}")
     return bad
 
 
