@@ -448,3 +448,47 @@ def test_sigkill_while_pages_are_written_in_parallel_leaves_nothing_visible(tmp_
                     for n in os.listdir(store.pages_dir / d) if n.startswith(".tmp-")]
     finally:
         store.close()
+
+
+def test_loads_read_with_o_direct_where_the_buffers_and_the_filesystem_allow(tmp_path, store):
+    """read_into takes O_DIRECT for page-aligned buffers on a filesystem that has it, reads an
+    unaligned buffer, or a file on a filesystem that refuses O_DIRECT, through the page cache,
+    and either way refuses a file whose size is not the buffers' total; a whole load goes the
+    direct way here (ext4 under CI)."""
+    from server.checkpoints import files
+
+    data = np.random.default_rng(5).integers(0, 256, 3 * 4096, np.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    before = dict(files.READS)
+    buf = files.aligned_bytes(3 * 4096)
+    assert files.read_into(path, [memoryview(buf)[:4096], memoryview(buf)[4096:]])
+    assert bytes(buf) == data and files.READS["direct"] == before["direct"] + 1
+    odd = bytearray(3 * 4096 + 1)  # a bytearray's address is not page-aligned
+    assert files.read_into(path, memoryview(odd)[1:]) and bytes(odd[1:]) == data
+    assert files.READS["buffered"] == before["buffered"] + 1
+    assert not files.read_into(path, files.aligned_bytes(4 * 4096))  # the size differs
+    # a filesystem that refuses O_DIRECT at open (EINVAL; tmpfs before Linux 6.6): buffered
+    real_open = os.open
+
+    def no_direct(p, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(p, flags, *a)
+    os.open = no_direct
+    try:
+        n = files.READS["buffered"]
+        buf2 = files.aligned_bytes(3 * 4096)
+        assert files.read_into(path, buf2) and bytes(buf2) == data
+        assert files.READS["buffered"] == n + 1
+    finally:
+        os.open = real_open
+    rng = np.random.default_rng(9)
+    pages = [rng.integers(0, 256, 4096, np.uint8).tobytes() for _ in range(4)]
+    inp = SaveInput(np.arange(4 * PAGE, dtype=np.int32), PAGE, list(pages), [None] * 4,
+                    rng.integers(0, 256, 8192, np.uint8).tobytes(), head_response_id="resp_d")
+    assert store.save("alice", "direct", inp, FP_A).status == "saved"
+    n = files.READS["direct"]
+    got = store.load("alice", "direct", FP_A, prompt_after(inp))
+    assert got.state == "available" and [bytes(p) for p in got.pages] == pages
+    assert files.READS["direct"] - n == 5  # the state image and the 4 pages

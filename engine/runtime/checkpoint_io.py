@@ -26,6 +26,7 @@ that was exported holds it: `PageDigests` remembers those and an export skips re
 from __future__ import annotations
 
 import functools
+import mmap
 import threading
 from dataclasses import dataclass, field
 
@@ -134,6 +135,12 @@ def _scatter(arrays, ids, data):
     return [a.at[:, ids].set(jnp.moveaxis(d, 0, 1)) for a, d in zip(arrays, data)]
 
 
+def _aligned(shape) -> np.ndarray:
+    n = int(np.prod(shape))
+    return (np.frombuffer(mmap.mmap(-1, n), np.uint8) if n else np.empty(0, np.uint8)
+            ).reshape(shape)
+
+
 class StagedPages:
     """Host buffers for n pages in the scatter's layout: per pool array, [n, L, page_size,
     ...] C order. `views(i)` are page i's slices in page-byte order (k, v[, k_scale,
@@ -143,7 +150,8 @@ class StagedPages:
         self.spec, self.n = spec, n
         self.page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in spec)
         # raw bytes (a dtype such as bfloat16 may not export a buffer): typed views below
-        self._raw = [np.empty((n, int(np.prod(s)) * d.itemsize), np.uint8) for s, d in spec]
+        # page-aligned (anonymous mmap): a page's slices can take the store's O_DIRECT reads
+        self._raw = [_aligned((n, int(np.prod(s)) * d.itemsize)) for s, d in spec]
         self.arrays = [r.view(d).reshape((n,) + tuple(s)) for r, (s, d) in zip(self._raw, spec)]
         self.runs = _chunks(n)
         self.device_chunks = None  # per run: its arrays on the device (to_device)

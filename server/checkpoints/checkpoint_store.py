@@ -15,8 +15,8 @@ directory is never partial.
 
 Throughput: hashing, page writes and fsyncs, and a load's reads and verification (`verify.py`)
 run on a thread pool (sha256, read, write and fsync release the GIL); a load reads every page
-into one preallocated buffer (no per-page bytes objects) and verifies all of them before
-returning any.
+into one preallocated, page-aligned buffer (no per-page bytes objects; O_DIRECT where the
+filesystem takes it, files.py) and verifies all of them before returning any.
 
 Single writer: the store holds an exclusive flock on <root>/lock while open, and one in-process
 lock serialises saves, loads, deletions and page collection (so a collected page is never one a

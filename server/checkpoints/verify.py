@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from server.checkpoints.files import read_file, read_into, wait_all
+from server.checkpoints.files import (DIRECT_ALIGN, aligned_bytes, read_file, read_into,
+                                      wait_all)
 from server.checkpoints.status import SessionStatus
 from server.checkpoints.tags import principal_digest, tag_ok
 
@@ -85,15 +86,14 @@ def read_generation(store, principal, ns, gdir: Path, fp: str, prompt, page_layo
     laid = None
     if page_layout is not None and len(sizes) > 1 and len(set(sizes[1:])) == 1:
         laid = page_layout(len(sizes) - 1, sizes[1])
+    # page-aligned buffers, each file's at an aligned offset: the reads can be O_DIRECT
     if laid is not None:
         staged, page_views = laid
-        views = [memoryview(np.empty(sizes[0], np.uint8)).cast("B")] + list(page_views)
+        views = [memoryview(aligned_bytes(sizes[0])).cast("B")] + list(page_views)
     else:
-        buf = memoryview(np.empty(sum(sizes), np.uint8)).cast("B")
-        views, off = [], 0
-        for size in sizes:
-            views.append(buf[off:off + size])
-            off += size
+        starts = np.cumsum([0] + [-(-s // DIRECT_ALIGN) * DIRECT_ALIGN for s in sizes])
+        buf = memoryview(aligned_bytes(int(starts[-1]))).cast("B")
+        views = [buf[int(o):int(o) + size] for o, size in zip(starts, sizes)]
     t.lap("alloc")
     # a handle that takes page reports (StagedPages.page_ready) hears of each page as soon
     # as it verified: its host-to-device transfers start while later pages are read

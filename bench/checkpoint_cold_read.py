@@ -1,0 +1,171 @@
+r"""A large checkpoint restored cold, beside raw O_DIRECT reads of the very same files (the
+sessions issue's part 4): no server, no model.
+
+    .venv/bin/python bench/checkpoint_cold_read.py --dir /tmp/ckcold --pages 1920 \
+        --out docs/benchmarks/checkpoint_cold_read.json        # 8.2 GB: 1,920 x 4 MiB + 154 MB
+
+Builds one session in a real `CheckpointStore` (4 MiB pages, the 27B's page size, plus its
+153,944,064-byte recurrent-state image), saved in steps of --chunk pages so that the bench never
+holds more than one step's pages (each save after the first names the pages already on disk by
+digest, as the server's incremental saves do). Then, --reps times, in this order, each with the
+store's files dropped from the page cache first (fsync'd files, posix_fadvise(DONTNEED)):
+
+- `load`: `CheckpointStore.load` with full verification (the manifest's tag, every page's and
+  the image's sha256), into fresh buffers, as a restore after a restart does;
+- `direct`: the same files read with O_DIRECT in the same order on as many threads as the store
+  uses, into buffers reused across files, nothing hashed: what the disk gives for these files;
+- `dd`: `dd iflag=direct bs=4M` of each file, six at a time (xargs -P 6).
+
+The files are read long after they were written and each way reads them after the others
+evicted them, so none of the three is favoured by a cache on the virtual disk's host side
+(which serves a read right after a write at several GB/s; docs/benchmarks/README.md). Reported:
+MB/s over the checkpoint's bytes, each rep and the median, and load over direct.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.checkpoint_io_bench import drop_cache, store_files  # noqa: E402
+from bench.suites import commit, machine  # noqa: E402
+
+PAGE, STATE, PS = 4 << 20, 153_944_064, 64
+FP = {"bench": "cold-read"}
+
+
+def build(root: Path, n_pages: int, chunk: int) -> list[Path]:
+    """The session saved in steps; returns its files in the order a load reads them."""
+    from server.checkpoints.checkpoint_store import CheckpointStore
+    from server.checkpoints.publish import SaveInput
+
+    shutil.rmtree(root, ignore_errors=True)
+    store = CheckpointStore(root, quota_bytes=1 << 45)
+    state = np.random.default_rng(2).integers(0, 256, STATE, np.uint8).tobytes()
+    digests: list = []
+    try:
+        for start in range(0, n_pages, chunk):
+            stop = min(n_pages, start + chunk)
+            new = [np.random.default_rng([1, i]).integers(0, 256, PAGE, np.uint8).tobytes()
+                   for i in range(start, stop)]
+            inp = SaveInput(np.arange(stop * PS, dtype=np.int32), PS,
+                            [None] * start + new, digests + [None] * len(new), state, "resp")
+            r = store.save("owner", "bench", inp, FP)
+            assert r.status == "saved", r
+            digests = list(inp.digests)
+            print(f"saved {stop} of {n_pages} pages", flush=True)
+    finally:
+        store.close()
+    gen = max((root / "sessions").glob("*/generations/*"), key=lambda p: p.stat().st_mtime)
+    return [gen / "state.bin"] + [root / "pages" / d[:2] / d for d in digests]
+
+
+def load_once(root: Path, n_pages: int) -> tuple[float, dict]:
+    from server.checkpoints.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(root, quota_bytes=1 << 45)
+    try:
+        t0 = time.perf_counter()
+        got = store.load("owner", "bench", FP, np.arange(n_pages * PS + 1, dtype=np.int32))
+        dt = time.perf_counter() - t0
+        assert got.state == "available", got.reason
+        return dt, dict(store.last_timings)
+    finally:
+        store.close()
+
+
+def direct_once(files: list[Path], threads: int) -> float:
+    bufs = [mmap.mmap(-1, max(PAGE, STATE)) for _ in range(threads)]  # page-aligned
+
+    def read(args):
+        k, path = args
+        buf = memoryview(bufs[k % threads])
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            size = os.fstat(fd).st_size
+            done = 0
+            while done < size:
+                n = os.preadv(fd, [buf[done:done + min(size - done, 64 << 20)]], done)
+                if n <= 0:
+                    break
+                done += n
+        finally:
+            os.close(fd)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:  # thread k takes files k, k + threads, ...
+        list(pool.map(lambda k: [read((k, f)) for f in files[k::threads]], range(threads)))
+    return time.perf_counter() - t0
+
+
+def dd_once(files: list[Path], listing: Path) -> float:
+    listing.write_text("\n".join(map(str, files)) + "\n")
+    t0 = time.perf_counter()
+    subprocess.run(f"xargs -P 6 -I{{}} dd if={{}} of=/dev/null bs=4M iflag=direct status=none "
+                   f"< {listing}", shell=True, check=True)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", required=True, help="a scratch directory (removed first)")
+    ap.add_argument("--pages", type=int, default=1920)
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    from server.checkpoints.checkpoint_store import default_io_threads
+
+    base = Path(a.dir)
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    files = build(base / "store", a.pages, a.chunk)
+    total = sum(f.stat().st_size for f in files)
+    threads = default_io_threads()
+    runs = []
+    for rep in range(a.reps):
+        row = {}
+        drop_cache(store_files(base / "store"))
+        row["load_s"], row["load_stages"] = load_once(base / "store", a.pages)
+        drop_cache(store_files(base / "store"))
+        row["direct_s"] = direct_once(files, threads)
+        drop_cache(store_files(base / "store"))
+        row["dd_s"] = dd_once(files, base / "files.txt")
+        for k in ("load", "direct", "dd"):
+            row[f"{k}_mb_s"] = round(total / row[f"{k}_s"] / 1e6, 1)
+        runs.append(row)
+        print(f"rep {rep}: load {row['load_mb_s']:.0f} MB/s, O_DIRECT {row['direct_mb_s']:.0f}, "
+              f"dd {row['dd_mb_s']:.0f}", flush=True)
+    med = {k: statistics.median(r[f"{k}_mb_s"] for r in runs) for k in ("load", "direct", "dd")}
+    res = {"command": "bench/checkpoint_cold_read.py " + " ".join(argv or sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": {**machine(), "node": platform.node()}, "commit": commit(),
+           "plan": "none: checkpoint store I/O only, no engine",
+           "bytes": total, "files": len(files), "io_threads": threads,
+           "load_average": os.getloadavg(), "runs": runs, "median_mb_s": med,
+           "load_over_direct": round(med["load"] / med["direct"], 3),
+           "load_over_dd": round(med["load"] / med["dd"], 3)}
+    print(f"median: load {med['load']:.0f} MB/s, O_DIRECT {med['direct']:.0f}, dd "
+          f"{med['dd']:.0f}; load/direct {res['load_over_direct']:.2f}, load/dd "
+          f"{res['load_over_dd']:.2f}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
