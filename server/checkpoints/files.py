@@ -200,18 +200,10 @@ def read_into(path: Path, views) -> bool:
     READS["buffered"] += 1
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        if os.fstat(fd).st_size != sum(v.nbytes for v in views):
+        size = sum(v.nbytes for v in views)
+        if os.fstat(fd).st_size != size:
             return False
-        while views:  # one readv for all of a page's slices (short reads resume)
-            n = os.readv(fd, views)
-            if n == 0:
-                return False  # shrank under us
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            if n:
-                views[0] = views[0][n:]
-        return os.read(fd, 1) == b""  # grew under us: not the file the size check saw
+        return _fill(fd, views, 0, size, direct=False)
     finally:
         os.close(fd)
 
@@ -220,7 +212,14 @@ def _read_direct(fd: int, path: Path, views) -> bool:
     size = sum(v.nbytes for v in views)
     if os.fstat(fd).st_size != size:
         return False
-    off = 0
+    return _fill(fd, views, 0, size, direct=True, path=path)
+
+
+def _fill(fd: int, views: list, off: int, size: int, *, direct: bool,
+          path: Path | None = None) -> bool:
+    """Read from offset `off` until `views` are full (one preadv for all of a page's slices;
+    short reads resume). False when the file shrank or grew under us (not the file the size
+    check saw). A direct read left at an unaligned offset finishes through the page cache."""
     while views:
         n = os.preadv(fd, views, off)
         if n == 0:
@@ -231,27 +230,13 @@ def _read_direct(fd: int, path: Path, views) -> bool:
             views.pop(0)
         if n:
             views[0] = views[0][n:]
-        if off % DIRECT_ALIGN and views:  # a short read O_DIRECT cannot resume from
-            return _read_rest(path, views, off, size)
-    return os.fstat(fd).st_size == size  # grew under us: not the file the size check saw
-
-
-def _read_rest(path: Path, views, off: int, size: int) -> bool:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        while views:
-            n = os.preadv(fd, views, off)
-            if n == 0:
-                return False
-            off += n
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            if n:
-                views[0] = views[0][n:]
-        return os.fstat(fd).st_size == size
-    finally:
-        os.close(fd)
+        if direct and off % DIRECT_ALIGN and views:  # O_DIRECT cannot resume from there
+            fd2 = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                return _fill(fd2, views, off, size, direct=False)
+            finally:
+                os.close(fd2)
+    return os.fstat(fd).st_size == size
 
 
 def tree_bytes(path: Path) -> int:
