@@ -130,13 +130,15 @@ def sha_rates(sample: bytes, threads: int) -> dict:
 
 def page_layout(page_bytes: int):
     """The server's restore path reads pages straight into the engine's staging layout
-    (engine/runtime/checkpoint_io.StagedPages), when this build has it."""
+    (engine/runtime/checkpoint_io.StagedPages) in page-aligned memory, as the checkpoint
+    manager lays it out, when this build has it."""
     from engine.runtime import checkpoint_io as cio
+    from server.checkpoints.files import aligned_bytes
 
     spec = SPECS.get(page_bytes)
     if spec is None or not hasattr(cio, "StagedPages"):
         return None
-    return cio.StagedPages.layout(spec)
+    return cio.StagedPages.layout(spec, aligned_bytes)
 
 
 def handoff(page_bytes: int, got) -> dict:

@@ -42,8 +42,9 @@ class RecordingServer:
 
     With `upstream` unset it is a decoy answering `status` to everything (CONNECT included, so
     it can stand as an HTTPS proxy). With `upstream` set it forwards each request there and
-    streams the answer back unchanged. `rewrite(n, body) -> body` may change the JSON body of the n-th forwarded request (from 0)
-    before it goes upstream; `requests` keeps what the client sent.
+    streams the answer back unchanged. `rewrite(n, body) -> body` may change the JSON body of
+    the n-th forwarded request (from 0) before it goes upstream; `requests` keeps what the
+    client sent.
     """
     upstream: str | None = None
     status: int = 500
@@ -130,7 +131,6 @@ class RecordingServer:
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
-
 
 
 def closed_port() -> int:

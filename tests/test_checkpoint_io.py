@@ -137,6 +137,14 @@ def test_staging_layout_and_power_of_two_chunks():
     made = StagedPages.layout(spec)(3, page_bytes)
     assert made is not None and len(made[1]) == 3
     assert StagedPages.layout(spec)(3, page_bytes + 1) is None
+    # with the store's page-aligned allocator (as the checkpoint manager lays pages out), a
+    # page whose slices are whole 4 KiB blocks gets views the store can read with O_DIRECT
+    from server.checkpoints.files import _direct_ok, aligned_bytes
+
+    big = [((4, 256), np.dtype(np.float32)), ((4, 256), np.dtype(np.float32))]
+    staged_al, views = StagedPages.layout(big, aligned_bytes)(3, 2 * 4096)
+    assert all(_direct_ok(v) for v in views)
+    assert not _direct_ok([memoryview(bytearray(4097))[1:]])  # 4 KiB, but not aligned
     with pytest.raises(ValueError):
         stage_pages(spec, [b"x" * 7])
 

@@ -26,7 +26,6 @@ that was exported holds it: `PageDigests` remembers those and an export skips re
 from __future__ import annotations
 
 import functools
-import mmap
 import threading
 from dataclasses import dataclass, field
 
@@ -135,23 +134,20 @@ def _scatter(arrays, ids, data):
     return [a.at[:, ids].set(jnp.moveaxis(d, 0, 1)) for a, d in zip(arrays, data)]
 
 
-def _aligned(shape) -> np.ndarray:
-    n = int(np.prod(shape))
-    return (np.frombuffer(mmap.mmap(-1, n), np.uint8) if n else np.empty(0, np.uint8)
-            ).reshape(shape)
-
-
 class StagedPages:
     """Host buffers for n pages in the scatter's layout: per pool array, [n, L, page_size,
     ...] C order. `views(i)` are page i's slices in page-byte order (k, v[, k_scale,
     v_scale]): concatenated they are exactly the page's bytes."""
 
-    def __init__(self, spec, n: int):
+    def __init__(self, spec, n: int, alloc=None):
+        """`alloc(nbytes)`: a 1-D uint8 array for each pool array's bytes (default np.empty;
+        the checkpoint store passes its page-aligned allocator, so its reads can be direct)."""
         self.spec, self.n = spec, n
         self.page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in spec)
+        alloc = alloc or (lambda k: np.empty(k, np.uint8))
         # raw bytes (a dtype such as bfloat16 may not export a buffer): typed views below
-        # page-aligned (anonymous mmap): a page's slices can take the store's O_DIRECT reads
-        self._raw = [_aligned((n, int(np.prod(s)) * d.itemsize)) for s, d in spec]
+        rows = [int(np.prod(s)) * d.itemsize for s, d in spec]
+        self._raw = [alloc(n * row).reshape(n, row) for row in rows]
         self.arrays = [r.view(d).reshape((n,) + tuple(s)) for r, (s, d) in zip(self._raw, spec)]
         self.runs = _chunks(n)
         self.device_chunks = None  # per run: its arrays on the device (to_device)
@@ -192,13 +188,14 @@ class StagedPages:
         return self
 
     @classmethod
-    def layout(cls, spec):
+    def layout(cls, spec, alloc=None):
         """For CheckpointStore.load(page_layout=...): (staged, per-page views) for n pages of
-        `page_bytes`, or None when that is not this runtime's page size."""
+        `page_bytes`, or None when that is not this runtime's page size; `alloc` as in
+        __init__."""
         def make(n: int, page_bytes: int):
             if page_bytes != sum(int(np.prod(s)) * d.itemsize for s, d in spec):
                 return None
-            staged = cls(spec, n)
+            staged = cls(spec, n, alloc)
             return staged, [staged.views(i) for i in range(n)]
         return make
 

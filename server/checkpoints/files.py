@@ -185,41 +185,35 @@ def read_into(path: Path, views) -> bool:
     filesystem does (the module's docstring), otherwise through the page cache."""
     views = [memoryview(v).cast("B") for v in (views if isinstance(views, list) else [views])]
     views = [v for v in views if v.nbytes]
-    if views and _direct_ok(views):
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECT)
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # EINVAL: this filesystem takes no O_DIRECT
-                raise
-        else:
-            try:
-                READS["direct"] += 1
-                return _read_direct(fd, path, views)
-            finally:
-                os.close(fd)
-    READS["buffered"] += 1
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd, direct = _open_for(path, views)
     try:
         size = sum(v.nbytes for v in views)
         if os.fstat(fd).st_size != size:
             return False
-        return _fill(fd, views, 0, size, direct=False)
+        return _fill(fd, views, 0, size, path if direct else None)
     finally:
         os.close(fd)
 
 
-def _read_direct(fd: int, path: Path, views) -> bool:
-    size = sum(v.nbytes for v in views)
-    if os.fstat(fd).st_size != size:
-        return False
-    return _fill(fd, views, 0, size, direct=True, path=path)
+def _open_for(path: Path, views) -> tuple[int, bool]:
+    """(fd, whether it is O_DIRECT): direct when `views` allow it and the filesystem does."""
+    if views and _direct_ok(views):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECT)
+            READS["direct"] += 1
+            return fd, True
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: this filesystem takes no O_DIRECT
+                raise
+    READS["buffered"] += 1
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW), False
 
 
-def _fill(fd: int, views: list, off: int, size: int, *, direct: bool,
-          path: Path | None = None) -> bool:
+def _fill(fd: int, views: list, off: int, size: int, direct_path: Path | None) -> bool:
     """Read from offset `off` until `views` are full (one preadv for all of a page's slices;
     short reads resume). False when the file shrank or grew under us (not the file the size
-    check saw). A direct read left at an unaligned offset finishes through the page cache."""
+    check saw). `direct_path`: fd is O_DIRECT on that file; a read left at an unaligned
+    offset, where O_DIRECT cannot resume, finishes through the page cache."""
     while views:
         n = os.preadv(fd, views, off)
         if n == 0:
@@ -230,10 +224,10 @@ def _fill(fd: int, views: list, off: int, size: int, *, direct: bool,
             views.pop(0)
         if n:
             views[0] = views[0][n:]
-        if direct and off % DIRECT_ALIGN and views:  # O_DIRECT cannot resume from there
-            fd2 = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        if direct_path is not None and off % DIRECT_ALIGN and views:
+            fd2 = os.open(direct_path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
-                return _fill(fd2, views, off, size, direct=False)
+                return _fill(fd2, views, off, size, None)
             finally:
                 os.close(fd2)
     return os.fstat(fd).st_size == size

@@ -190,10 +190,12 @@ class Checkpointer:
 
     def _page_layout(self):
         """Pages are read straight into the engine's staging layout (no host copy on the
-        engine thread), laid out by the engine's page spec."""
+        engine thread), laid out by the engine's page spec in page-aligned memory (so the
+        store reads them with O_DIRECT)."""
         from engine.runtime.checkpoint_io import StagedPages
+        from server.checkpoints.files import aligned_bytes
 
-        return StagedPages.layout(self.engine.checkpoint.page_spec)
+        return StagedPages.layout(self.engine.checkpoint.page_spec, aligned_bytes)
 
     def _install(self, principal, session, res, stages: dict):
         """Install a verified load on the engine thread; `stages` receives the transfer's
