@@ -26,6 +26,9 @@ OMP_TOOLS = ["read", "bash", "edit", "eval", "glob", "grep", "task", "hub", "tod
 # A short system prompt keeps the CPU prefill to a few hundred tokens; the default one is
 # ~18 KB (test_default_system_prompt_turn, slow tier).
 SHORT_SYSTEM = ("--system-prompt", "You are a terse coding agent.")
+# The session tests count OMP's requests: without tools, a reply of the trained model can never
+# become a tool call that OMP would answer with one more request.
+NO_TOOLS = ("--no-tools",)
 MODEL = "tiny-chat"  # the cpu lane's model
 # How OMP reports the server's terminal event.
 STOP_REASON = {"response.incomplete": "length", "response.completed": "stop"}
@@ -141,7 +144,7 @@ def test_stateful_omp_second_turn_continues_the_stored_chain(server, make_client
     try:
         omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL,
                                     max_tokens=64)], stateful=True)
-        with omp.rpc(*SHORT_SYSTEM) as rpc:
+        with omp.rpc(*SHORT_SYSTEM, *NO_TOOLS) as rpc:
             rpc.wait_for("ready", timeout=30)
             first = rpc.prompt("Say hello.")
             second = rpc.prompt("Now say goodbye.")
@@ -176,11 +179,11 @@ def test_a_new_omp_process_resumes_the_session_from_the_cache(server, make_clien
     try:
         omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL,
                                     max_tokens=64)], stateful=True)
-        with omp.rpc(*SHORT_SYSTEM) as rpc:
+        with omp.rpc(*SHORT_SYSTEM, *NO_TOOLS) as rpc:
             rpc.wait_for("ready", timeout=30)
             rpc.prompt("Say hello.")
             rpc.prompt("Now say goodbye.")
-        with omp.rpc(*SHORT_SYSTEM, "--continue") as rpc:
+        with omp.rpc(*SHORT_SYSTEM, *NO_TOOLS, "--continue") as rpc:
             rpc.wait_for("ready", timeout=30)
             resumed = rpc.prompt("One more thing.")
     finally:
