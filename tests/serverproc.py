@@ -28,12 +28,18 @@ class ServerProcess:
     def api_url(self) -> str:
         return self.base_url + "/v1"
 
-    def startup_phases(self) -> dict:
-        """The `startup phases:` line the server printed once ready (server/cli.py)."""
-        for line in list(self.log):
-            if "ninfer: startup phases: " in line:
-                return json.loads(line.split("ninfer: startup phases: ", 1)[1])
-        raise LookupError("no startup phases line:\n" + "".join(self.log))
+    def startup_phases(self, wait_s: float = 30.0) -> dict:
+        """The `startup phases:` line the server prints once ready (server/model_load.py).
+        The server answers as ready a moment before it prints the line, and the log reaches
+        `log` through a reader thread, so the line is waited for (up to `wait_s`)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for line in list(self.log):
+                if "ninfer: startup phases: " in line:
+                    return json.loads(line.split("ninfer: startup phases: ", 1)[1])
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise LookupError("no startup phases line:\n" + "".join(self.log))
+            time.sleep(0.05)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
