@@ -62,8 +62,10 @@ def world(tmp_path_factory, embedded_models_dir):
                             for p in PRINCIPALS))
     keys.chmod(0o600)
     base = (PROFILE_DIR / "cpu.toml").read_text()
+    # restores stream through a staging arena of 4 slots of 2 pages (the GPU lanes' path)
     small = (base.replace("context_tokens = 32768", "context_tokens = 4096")
-             .replace("kv_capacity_tokens = 131072", "kv_capacity_tokens = 16384"))
+             .replace("kv_capacity_tokens = 131072", "kv_capacity_tokens = 16384")
+             .replace("checkpoint_staging_bytes = 0", "checkpoint_staging_bytes = 1048576"))
     assert small != base
     (d / "ckpt.toml").write_text(small)
     (d / "ckpt-b.toml").write_text(small.replace("max_queue = 16", "max_queue = 15"))
@@ -198,6 +200,7 @@ def test_s2_true_cold_restore_corruption_and_graceful_stop(world):
         restored = [e for e in events(w, "checkpoint_restore") if e["reason"] == "restored"]
         assert len(restored) == 2  # alice and dave; carol's is corrupt
         for e in restored:  # where the restore's time went, logged with it
+            assert e["staging"] == "arena"  # streamed through the lane's staging arena
             st = e["stages"]
             assert {"read_verify", "to_device_s", "import_s", "total"} <= set(st)
             assert all(v >= 0 for v in st.values()) and st["total"] <= e["seconds"]

@@ -107,13 +107,14 @@ def _bucket(n: int) -> int:
 RUN_PAGES = 128  # the longest run: its transfer starts as soon as its pages are verified
 
 
-def _chunks(n: int) -> list[tuple[int, int]]:
-    """[start, stop) runs covering n pages: runs of RUN_PAGES, then the rest in power-of-two
-    runs, largest first (a few compiled scatter shapes, no padding pages)."""
+def _chunks(n: int, longest: int = RUN_PAGES) -> list[tuple[int, int]]:
+    """[start, stop) runs covering n pages: runs of `longest` (a power of two, at most
+    RUN_PAGES), then the rest in power-of-two runs, largest first (a few compiled scatter
+    shapes, no padding pages)."""
     out, start = [], 0
-    while n - start >= RUN_PAGES:
-        out.append((start, start + RUN_PAGES))
-        start += RUN_PAGES
+    while n - start >= longest:
+        out.append((start, start + longest))
+        start += longest
     rest = n - start
     for bit in reversed(range(max(rest, 1).bit_length())):
         if rest & (1 << bit):
@@ -314,19 +315,35 @@ def import_snapshot(mem, principal: str, session: str | None, tokens, pages,
                     page_digests: list[str] | None = None) -> Snapshot | None:
     """Install a state read from disk as a stored snapshot of `principal`; the next request
     whose prompt extends `tokens` continues from it (path "disk-restored"). `pages`: a
-    StagedPages (staged off the engine thread; no host copy here) or a list of page buffers.
-    Returns None when the runtime has no room (pages or state slots held by running
+    StagedPages (staged off the engine thread; no host copy here), a staging.StreamedPages
+    (its pages already in the pool pages it reserved; this takes them over) or a list of page
+    buffers. Returns None when the runtime has no room (pages or state slots held by running
     sequences)."""
     tokens = np.asarray(tokens, np.int32)
     n = int(tokens.shape[0])
-    n_pages = pages.n if isinstance(pages, StagedPages) else len(pages)
+    listed = isinstance(pages, (list, tuple))  # else a StagedPages or a staging.StreamedPages
+    n_pages = len(pages) if listed else pages.n
     if n_pages != pages_for(n, mem.page_size) or n == 0:
         raise ValueError(f"{n_pages} pages for {n} tokens")
+    # pages a streamed restore already scattered into fresh pool pages (staging.py): its
+    # reserved table becomes the snapshot's, or goes back if the state is not installed
+    reserved = None if listed else getattr(pages, "reservation", None)
     existing = mem.index.get(principal, token_key(principal, tokens))
-    if existing is not None:
+    if existing is not None or (reserved is not None and not mem.states.can_store()):
+        if reserved is not None:
+            reserved.table.release()
         return existing
+    if reserved is not None:
+        table = reserved.table
+        table.truncate(n)  # it holds exactly pages_for(n) pages: this only sets the length
+        try:
+            return _install(mem, principal, session, tokens, table, conv, rec, digests,
+                            page_digests)
+        except Exception:
+            table.release()
+            raise
     spec = page_spec(mem.cache.pool)
-    staged = pages if isinstance(pages, StagedPages) else stage_pages(spec, pages)
+    staged = stage_pages(spec, pages) if listed else pages
     if [(tuple(s), d.itemsize) for s, d in staged.spec] != [(tuple(s), d.itemsize)
                                                              for s, d in spec]:
         raise ValueError("staged pages do not match the pool's page layout")
@@ -345,6 +362,11 @@ def import_snapshot(mem, principal: str, session: str | None, tokens, pages,
         # device_put, not jnp.asarray: that compiles a staging computation a shape
         arrays = _scatter(arrays, jax.device_put(page_ids[start:stop]), data)
     mem.cache = mem.cache._replace(pool=_replace_arrays(mem.cache.pool, arrays))
+    return _install(mem, principal, session, tokens, table, conv, rec, digests, page_digests)
+
+
+def _install(mem, principal, session, tokens, table, conv, rec, digests, page_digests):
+    n = int(tokens.shape[0])
     snap = Snapshot(principal, tokens, "response", session=session)
     snap.from_disk = True
     snap.image = mem.states.load(conv, rec, key=snap.key, num_tokens=n,
@@ -352,8 +374,8 @@ def import_snapshot(mem, principal: str, session: str | None, tokens, pages,
     snap.pages = table
     mem.install(snap)
     if digests is not None and page_digests is not None:
-        exp = SnapshotExport(principal, session, tokens, mem.page_size, [None] * n_pages,
-                             list(page_digests), conv, rec)
+        exp = SnapshotExport(principal, session, tokens, mem.page_size,
+                             [None] * len(table.pages), list(page_digests), conv, rec)
         digests.remember(snap, exp)
     return snap
 

@@ -18,6 +18,7 @@ import numpy as np
 from engine.runtime.checkpoint_io import (PageDigests, SnapshotExport, export_snapshot,
                                           import_snapshot, page_spec, prepare_restore)
 from engine.runtime.prefix import Snapshot
+from engine.runtime.staging import reserve_pages, write_run
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,19 @@ class CheckpointPort:
         where the runtime has no room."""
         return self._call(lambda _engine: import_snapshot(
             self._mem, principal, session, tokens, pages, conv, rec, digests, page_digests))
+
+    def reserve(self, n_pages: int) -> Future:
+        """Fresh pool pages for a restore that writes its runs in as they verify
+        (staging.reserve_pages, on the engine thread): a PoolReservation, or None without
+        room. `install` of its StreamedPages takes them over; `release` gives them back."""
+        return self._call(lambda _engine: reserve_pages(self._mem, n_pages))
+
+    def write(self, reservation, start: int, stop: int, data) -> Future:
+        """Pages [start, stop) of a reservation (device arrays, page-major) into the pool."""
+        return self._call(lambda _engine: write_run(self._mem, reservation, start, stop, data))
+
+    def release(self, reservation) -> Future:
+        return self._call(lambda _engine: reservation.table.release())
 
     def prepare_restore(self) -> int:
         """Compile ahead of time what a first restore would compile on its way to the first

@@ -52,6 +52,7 @@ class Checkpointer:
         self._log_fn = log
         self.engine = None
         self._digests = None
+        self.arena = None  # engine/runtime/staging.StagingArena, once attached with one
         self._heads: dict[tuple[str, str], Head] = {}
         self._resident: set[tuple[str, str]] = set()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
@@ -67,12 +68,19 @@ class Checkpointer:
 
         return EngineHooks(before_evict=self._before_evict)
 
-    def attach(self, engine, fingerprint: dict) -> None:
-        """Start checkpointing `engine` (built with `engine_hooks`) under `fingerprint`."""
+    def attach(self, engine, fingerprint: dict, staging_bytes: int = 0) -> None:
+        """Start checkpointing `engine` (built with `engine_hooks`) under `fingerprint`.
+        `staging_bytes` (the lane's checkpoint_staging_bytes): host memory that restores
+        stream through (engine/runtime/staging.py), faulted in now on a thread; 0 stages
+        each restore whole in fresh memory."""
         from engine.runtime.checkpoint_io import PageDigests
+        from engine.runtime.staging import StagingArena
+        from server.checkpoints.files import aligned_bytes
 
         self.fingerprint = fingerprint
         self.engine, self._digests = engine, PageDigests()
+        if staging_bytes > 0:
+            self.arena = StagingArena(staging_bytes, aligned_bytes).start()
         self._thread.start()
 
     def _log(self, event: str, **fields) -> None:
@@ -185,17 +193,23 @@ class Checkpointer:
             self._log("checkpoint_restore", session_ns=ns, state=res.state, reason=reason,
                       generation=res.generation, restored_tokens=int(res.tokens.shape[0]),
                       read_bytes=res.bytes_read, seconds=round(time.monotonic() - t0, 6),
+                      staging="arena" if hasattr(res.staged, "reservation") else "whole",
                       stages={k: round(v, 4) for k, v in stages.items()})
             return reason
 
     def _page_layout(self):
         """Pages are read straight into the engine's staging layout (no host copy on the
         engine thread), laid out by the engine's page spec in page-aligned memory (so the
-        store reads them with O_DIRECT)."""
+        store reads them with O_DIRECT): streamed through the staging arena where there is
+        one, else the whole session in fresh memory."""
         from engine.runtime.checkpoint_io import StagedPages
         from server.checkpoints.files import aligned_bytes
 
-        return StagedPages.layout(self.engine.checkpoint.page_spec, aligned_bytes)
+        spec = self.engine.checkpoint.page_spec
+        whole = StagedPages.layout(spec, aligned_bytes)
+        if self.arena is None:
+            return whole
+        return self.arena.layout(spec, whole, self.engine.checkpoint)
 
     def _install(self, principal, session, res, stages: dict):
         """Install a verified load on the engine thread; `stages` receives the transfer's

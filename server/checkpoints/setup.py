@@ -73,7 +73,7 @@ def attach(rt, ck, model, profile, engine) -> None:
         record_runtime(ck.store.root, fp)
     except OSError as e:
         print(f"ninfer: could not record the runtime fingerprint: {e}", file=sys.stderr)
-    ck.attach(engine, fp)
+    ck.attach(engine, fp, staging_bytes=getattr(profile, "checkpoint_staging_bytes", 0))
     rt.fingerprint_sha256 = fingerprint_digest(fp)
     rt.checkpointer = ck
 

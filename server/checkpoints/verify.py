@@ -85,27 +85,39 @@ def read_generation(store, principal, ns, gdir: Path, fp: str, prompt, page_layo
     staged = None
     laid = None
     if page_layout is not None and len(sizes) > 1 and len(set(sizes[1:])) == 1:
-        laid = page_layout(len(sizes) - 1, sizes[1])
+        head = memoryview(aligned_bytes(sizes[0])).cast("B")
+        laid = page_layout(len(sizes) - 1, sizes[1])  # may hold bounded memory: try below
     # page-aligned buffers, each file's at an aligned offset: the reads can be O_DIRECT
     if laid is not None:
         staged, page_views = laid
-        views = [memoryview(aligned_bytes(sizes[0])).cast("B")] + list(page_views)
+        views = [head] + list(page_views)
     else:
         starts = np.cumsum([0] + [-(-s // DIRECT_ALIGN) * DIRECT_ALIGN for s in sizes])
         buf = memoryview(aligned_bytes(int(starts[-1]))).cast("B")
         views = [buf[int(o):int(o) + size] for o, size in zip(starts, sizes)]
     t.lap("alloc")
     # a handle that takes page reports (StagedPages.page_ready) hears of each page as soon
-    # as it verified: its host-to-device transfers start while later pages are read
+    # as it verified: its host-to-device transfers start while later pages are read. One
+    # that streams through bounded memory hands out page views lazily and is told of a
+    # failure (`abort`), so that readers waiting for room give up and the room is freed.
     ready = getattr(staged, "page_ready", None)
+    abort = getattr(staged, "abort", None)
     done = [None] + [None if ready is None else functools.partial(ready, i)
                      for i in range(len(paths) - 1)]
-    checks = wait_all([store.io_pool.submit(_read_verify, path, view, digest, then)
-                       for path, view, digest, then in zip(paths, views, digests, done)])
+    try:
+        checks = wait_all([store.io_pool.submit(_read_verify, path, view, digest, then, abort)
+                           for path, view, digest, then in zip(paths, views, digests, done)])
+    except BaseException:
+        if abort is not None:
+            abort()
+        raise
     t.lap("read_verify")
     bad = [i for i, c in enumerate(checks) if c is not None]
     if bad:
-        i = bad[0]  # the first failure in file order names the reason
+        if abort is not None:
+            abort()
+        # the first failure in file order names the reason (not a read that gave up after it)
+        i = next((j for j in bad if checks[j] != "aborted"), bad[0])
         wrong = [digests[j] for j in bad if j > 0 and checks[j] == "hash_mismatch"]
         raise Corrupt(f"{checks[i]}:{paths[i].name[:16]}", bad_pages=wrong)
     return LoadResult(SessionStatus.AVAILABLE, SessionStatus.RESTORED, gdir.name, tokens,
@@ -123,9 +135,29 @@ def _verified(path: Path, entry: dict, bad_page: str | None = None) -> bytes:
     return data
 
 
-def _read_verify(path: Path, view, digest: str, then=None) -> str | None:
-    """Read `path` into `view` (a buffer, or a list of buffers filled in order) and check its
-    sha256: None, "missing" or "hash_mismatch". `then()` runs after a match."""
+def _read_verify(path: Path, view, digest: str, then=None, fail=None) -> str | None:
+    """Read `path` into `view` (a buffer, a list of buffers filled in order, or a callable
+    giving that list, or None when the load was abandoned) and check its sha256: None,
+    "missing", "hash_mismatch" or "aborted". `then()` runs after a match; `fail()` after
+    anything else, an exception included."""
+    try:
+        status = _read_check(path, view, digest)
+    except BaseException:
+        if fail is not None:
+            fail()
+        raise
+    if status is None and then is not None:
+        then()
+    elif status is not None and fail is not None:
+        fail()
+    return status
+
+
+def _read_check(path: Path, view, digest: str) -> str | None:
+    if callable(view):
+        view = view()
+        if view is None:
+            return "aborted"
     views = view if isinstance(view, list) else [view]
     try:
         ok = read_into(path, views)
@@ -138,6 +170,4 @@ def _read_verify(path: Path, view, digest: str, then=None) -> str | None:
         h.update(v)
     if h.hexdigest() != digest:
         return "hash_mismatch"
-    if then is not None:
-        then()
     return None
