@@ -450,6 +450,22 @@ def test_sigkill_while_pages_are_written_in_parallel_leaves_nothing_visible(tmp_
         store.close()
 
 
+def evict(paths) -> None:
+    """Out of the page cache (written back first, so the pages are clean and can go)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def store_paths(store) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(store.root) for n in names
+            if not n.endswith(".lock")]
+
+
 def test_loads_read_with_o_direct_where_the_buffers_and_the_filesystem_allow(tmp_path, store):
     """read_into takes O_DIRECT for page-aligned buffers on a filesystem that has it, reads an
     unaligned buffer, or a file on a filesystem that refuses O_DIRECT, through the page cache,
@@ -460,6 +476,7 @@ def test_loads_read_with_o_direct_where_the_buffers_and_the_filesystem_allow(tmp
     data = np.random.default_rng(5).integers(0, 256, 3 * 4096, np.uint8).tobytes()
     path = tmp_path / "f.bin"
     path.write_bytes(data)
+    evict([path])  # a cached file is copied from the page cache (the test after this one)
     before = dict(files.READS)
     buf = files.aligned_bytes(3 * 4096)
     assert files.read_into(path, [memoryview(buf)[:4096], memoryview(buf)[4096:]])
@@ -475,6 +492,7 @@ def test_loads_read_with_o_direct_where_the_buffers_and_the_filesystem_allow(tmp
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real_open(p, flags, *a)
+    evict([path])  # the buffered read above cached it
     os.open = no_direct
     try:
         n = files.READS["buffered"]
@@ -488,7 +506,40 @@ def test_loads_read_with_o_direct_where_the_buffers_and_the_filesystem_allow(tmp
     inp = SaveInput(np.arange(4 * PAGE, dtype=np.int32), PAGE, list(pages), [None] * 4,
                     rng.integers(0, 256, 8192, np.uint8).tobytes(), head_response_id="resp_d")
     assert store.save("alice", "direct", inp, FP_A).status == "saved"
+    evict(store_paths(store))
     n = files.READS["direct"]
     got = store.load("alice", "direct", FP_A, prompt_after(inp))
     assert got.state == "available" and [bytes(p) for p in got.pages] == pages
     assert files.READS["direct"] - n == 5  # the state image and the 4 pages
+
+
+def test_what_the_page_cache_holds_is_read_from_it(tmp_path, store):
+    """A checkpoint read soon after it was written (a restore after an eviction) comes from
+    the page cache, not the disk again; a file cached in part is read from the cache up to an
+    aligned offset and direct after it; the bytes are the file's either way."""
+    from server.checkpoints import files
+
+    rng = np.random.default_rng(11)
+    pages = [rng.integers(0, 256, 4096, np.uint8).tobytes() for _ in range(4)]
+    inp = SaveInput(np.arange(4 * PAGE, dtype=np.int32), PAGE, list(pages), [None] * 4,
+                    rng.integers(0, 256, 8192, np.uint8).tobytes(), head_response_id="resp_w")
+    assert store.save("alice", "warm", inp, FP_A).status == "saved"
+    before = dict(files.READS)
+    got = store.load("alice", "warm", FP_A, prompt_after(inp))  # just written: cached
+    assert got.state == "available" and [bytes(p) for p in got.pages] == pages
+    assert files.READS["cached"] - before["cached"] == 5
+    assert files.READS["direct"] == before["direct"]
+    data = rng.integers(0, 256, 64 * 4096, np.uint8).tobytes()
+    path = tmp_path / "half.bin"
+    path.write_bytes(data)
+    evict([path])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past what we read
+        os.pread(fd, 8 * 4096, 0)  # the first 8 pages cached
+    finally:
+        os.close(fd)
+    n = dict(files.READS)
+    buf = files.aligned_bytes(len(data))
+    assert files.read_into(path, buf) and bytes(buf) == data
+    assert files.READS["direct"] - n["direct"] == 1 and files.READS["cached"] == n["cached"]

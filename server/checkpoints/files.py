@@ -10,8 +10,10 @@ and every directory touched is fsync'd once after all renames.
 A load reads with O_DIRECT wherever it can (`read_into` into `aligned_bytes` buffers): the disk
 writes the pages straight into the buffers they are verified in, with no page-cache copy (on
 2 cores that copy is a third of a cold restore's CPU; docs/benchmarks/README.md), and a restore
-of GBs does not push the rest of the page cache (the model's file among it) out. A buffer or a
-file that O_DIRECT cannot take (unaligned, a filesystem such as tmpfs) is read as before.
+of GBs does not push the rest of the page cache (the model's file among it) out. What the page
+cache already holds (a checkpoint written minutes ago) is copied from it first, without waiting
+on the disk (RWF_NOWAIT): O_DIRECT would read it from the disk again. A buffer or a file that
+O_DIRECT cannot take (unaligned, a filesystem such as tmpfs) is read as before.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of buffer addresses, lengths and file offsets
-READS = {"direct": 0, "buffered": 0}  # files read each way by read_into, for tests and probes
+# files read each way by read_into (from the page cache, O_DIRECT, buffered): tests and probes
+READS = {"cached": 0, "direct": 0, "buffered": 0}
 
 
 class Faults:
@@ -181,32 +184,60 @@ def _direct_ok(views) -> bool:
 def read_into(path: Path, views) -> bool:
     """Fill `views` (one buffer or a list, in order) with the whole of `path` (no symlinks).
     False when the file's size is not exactly their total (nothing is trusted then);
-    FileNotFoundError when it is absent. O_DIRECT when every view allows it and the
-    filesystem does (the module's docstring), otherwise through the page cache."""
+    FileNotFoundError when it is absent. What the page cache holds is copied from it (a
+    checkpoint read soon after it was written: a restore after an eviction); the rest with
+    O_DIRECT when every view allows it and the filesystem does (the module's docstring),
+    otherwise through the page cache."""
     views = [memoryview(v).cast("B") for v in (views if isinstance(views, list) else [views])]
     views = [v for v in views if v.nbytes]
-    fd, direct = _open_for(path, views)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         size = sum(v.nbytes for v in views)
         if os.fstat(fd).st_size != size:
             return False
-        return _fill(fd, views, 0, size, path if direct else None)
+        if not (views and _direct_ok(views)):
+            READS["buffered"] += 1
+            return _fill(fd, views, 0, size, None)
+        off = _cached(fd, views, size)
+        if off == size:
+            READS["cached"] += 1
+            return os.fstat(fd).st_size == size
+        try:
+            direct = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: this filesystem takes no O_DIRECT
+                raise
+            READS["buffered"] += 1
+            return _fill(fd, _advance(views, off), off, size, None)
+        try:
+            READS["direct"] += 1
+            return _fill(direct, _advance(views, off), off, size, path)
+        finally:
+            os.close(direct)
     finally:
         os.close(fd)
 
 
-def _open_for(path: Path, views) -> tuple[int, bool]:
-    """(fd, whether it is O_DIRECT): direct when `views` allow it and the filesystem does."""
-    if views and _direct_ok(views):
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECT)
-            READS["direct"] += 1
-            return fd, True
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # EINVAL: this filesystem takes no O_DIRECT
-                raise
-    READS["buffered"] += 1
-    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW), False
+def _cached(fd: int, views: list, size: int) -> int:
+    """How much of the file's start the page cache gave without waiting for the disk (read
+    into `views`), rounded down to DIRECT_ALIGN unless it is all of it: 0 when nothing of it
+    is cached or this kernel or filesystem cannot tell (RWF_NOWAIT)."""
+    try:
+        n = os.preadv(fd, views, 0, os.RWF_NOWAIT)
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP/EINVAL: cannot ask without waiting
+        return 0
+    return n if n == size else n - n % DIRECT_ALIGN
+
+
+def _advance(views: list, n: int) -> list:
+    """`views` less their first n bytes."""
+    out = list(views)
+    while out and n >= out[0].nbytes:
+        n -= out[0].nbytes
+        out.pop(0)
+    if n:
+        out[0] = out[0][n:]
+    return out
 
 
 def _fill(fd: int, views: list, off: int, size: int, direct_path: Path | None) -> bool:
@@ -219,11 +250,7 @@ def _fill(fd: int, views: list, off: int, size: int, direct_path: Path | None) -
         if n == 0:
             return False  # shrank under us
         off += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        views = _advance(views, n)
         if direct_path is not None and off % DIRECT_ALIGN and views:
             fd2 = os.open(direct_path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
