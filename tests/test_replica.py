@@ -7,6 +7,8 @@ service process on a loopback TLS port, real state directories and real stores:
       with no object received twice (the replica's own count)
   R3  a session grown by N = 64 and 512 tokens re-pushes only its new pages, one state image,
       the tokens and responses, and the manifest (the replica's received bytes)
+      and what the replaced manifest alone listed is collected at once; an object that a push
+      in flight relies on, or that a push that died left, stays (collection, in-process)
   R4  pull into a stopped state dir, and again after its checkpoint root is removed (the
       responses it still holds are recognised, not refused); the checkpoint read back equals
       the source's
@@ -198,6 +200,51 @@ def test_r3_a_grown_session_repushes_only_its_new_pages(rw):
         w.bytes_per_push[n] = {"bytes": got + r["manifest_bytes"], "new_pages": len(new)}
         pages0, T = pages1, T + n
     assert stats(w)["received_twice"] == []
+
+
+def _listed(replica: Path) -> set:
+    out = set()
+    for m in (replica / "sessions").glob("*/manifest"):
+        head = json.loads(m.read_bytes().partition(b"\n")[2])
+        out |= {e["sha256"] for e in head["entries"]}
+    return out
+
+
+def test_r3_superseded_objects_are_collected(rw):
+    """After R2's and R3's pushes the replica holds exactly what its manifests list: the state
+    images, tokens, responses and partial last pages of the replaced manifests are gone."""
+    w = rw
+    on_disk = {p.name for p in (w.dir / "objects").glob("*/*")}
+    assert on_disk == _listed(w.dir)
+    assert stats(w)["objects_collected"] > 0
+
+
+def test_collection_keeps_what_is_listed_held_or_young(tmp_path):
+    from server.checkpoints.replica_store import ORPHAN_GRACE_S, ReplicaDir
+
+    r = ReplicaDir(tmp_path / "replica", b"k" * 32)
+    data = {k: os.urandom(1000) for k in "abcde"}
+    ent = {k: {"path": f"pages/{hashlib.sha256(v).hexdigest()}", "bytes": len(v),
+               "sha256": hashlib.sha256(v).hexdigest()} for k, v in data.items()}
+
+    def head(session, keys):
+        return {"principal": "p", "session": session, "entries": [ent[k] for k in keys]}
+
+    def publish(h):
+        for e in h["entries"]:
+            r.put(e, data[next(k for k in ent if ent[k] is e)], "t")
+        return r.publish(h, json.dumps(h).encode(), "tag", "t")
+    publish(head("s", "ab"))
+    r.put(ent["c"], data["c"], "t")  # what a push that died left: listed nowhere
+    inflight = head("t", "bd")  # a push of another session, which found b here
+    with r.holding(inflight):
+        publish(head("s", "ae"))  # b superseded, but held
+        assert {p.name for p in (r.root / "objects").glob("*/*")} == {
+            ent[k]["sha256"] for k in "abce"}
+    assert r.collected == 0
+    assert r.collect() == 0  # b and c are young orphans now: kept for a resumed push
+    assert r.collect(now=time.time() + ORPHAN_GRACE_S + 1) == 2
+    assert {p.name for p in (r.root / "objects").glob("*/*")} == {ent[k]["sha256"] for k in "ae"}
 
 
 def _checkpoint(state: Path, session: str):

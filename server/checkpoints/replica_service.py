@@ -41,6 +41,56 @@ def _servicer(replica: ReplicaDir, pins: frozenset):
             refuse(context, grpc.StatusCode.PERMISSION_DENIED,
                    "the peer's certificate is not pinned by this replica")
 
+    def push_objects(head, head_b, mac, where, requests, context):
+        want = replica.missing(head)
+        yield pb.PushReply(missing=pb.Missing(sha256=want))
+        wanted = {e["sha256"]: e for e in objects_of(head) if e["sha256"] in set(want)}
+        cur, buf, n, nbytes = None, bytearray(), 0, 0
+        try:
+            for msg in requests:
+                kind = msg.WhichOneof("body")
+                if kind == "commit":
+                    if cur is not None:
+                        raise BundleError(f"{where}: entry {wanted[cur]['path']}: "
+                                          "truncated stream (commit inside an object)")
+                    sdir = replica.publish(head, head_b, mac, where)
+                    dump_stats(replica, replica.root / STATS)  # with what it collected
+                    yield pb.PushReply(published=pb.Published(
+                        session_dir=str(sdir), objects_received=n, bytes_received=nbytes))
+                    return
+                c = msg.chunk if kind == "chunk" else None
+                if c is None or (cur is None and c.sha256 not in wanted) or (
+                        cur is not None and c.sha256 != cur):
+                    raise BundleError(f"{where}: an object not asked for, or interleaved")
+                cur = c.sha256
+                buf += c.data
+                if len(buf) > int(wanted[cur]["bytes"]):
+                    raise BundleError(f"{where}: entry {wanted[cur]['path']}: more bytes "
+                                      "than bundle.json lists")
+                if c.last:
+                    total = replica.put(wanted.pop(cur), bytes(buf), where)
+                    n, nbytes = n + 1, nbytes + len(buf)
+                    dump_stats(replica, replica.root / STATS)
+                    yield pb.PushReply(ack=pb.Ack(sha256=cur, objects_received=total))
+                    cur, buf = None, bytearray()
+        except BundleError as e:
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        print(f"ninfer replica: a push of {where} ended before its commit; nothing "
+              "published", file=sys.stderr, flush=True)
+
+    def pull_objects(head, where, context):
+        for e in objects_of(head):
+            try:
+                data = replica.object_path(e["sha256"]).read_bytes()
+            except FileNotFoundError:
+                refuse(context, grpc.StatusCode.DATA_LOSS,
+                       f"{where}: entry {e['path']} is missing on the replica")
+            view = memoryview(data)
+            for off in range(0, max(len(data), 1), CHUNK):
+                yield pb.PullChunk(chunk=pb.Chunk(
+                    sha256=e["sha256"], data=bytes(view[off:off + CHUNK]),
+                    last=off + CHUNK >= len(data)))
+
     class Replica(pbg.ReplicaServicer):
         def Push(self, requests, context):
             peer_ok(context)
@@ -58,40 +108,8 @@ def _servicer(replica: ReplicaDir, pins: frozenset):
                 head = check_manifest(replica.key, head_b, mac, where)
             except BundleError as e:
                 refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            want = replica.missing(head)
-            yield pb.PushReply(missing=pb.Missing(sha256=want))
-            wanted = {e["sha256"]: e for e in objects_of(head) if e["sha256"] in set(want)}
-            cur, buf, n, nbytes = None, bytearray(), 0, 0
-            try:
-                for msg in requests:
-                    kind = msg.WhichOneof("body")
-                    if kind == "commit":
-                        if cur is not None:
-                            raise BundleError(f"{where}: entry {wanted[cur]['path']}: "
-                                              "truncated stream (commit inside an object)")
-                        sdir = replica.publish(head, head_b, mac, where)
-                        yield pb.PushReply(published=pb.Published(
-                            session_dir=str(sdir), objects_received=n, bytes_received=nbytes))
-                        return
-                    c = msg.chunk if kind == "chunk" else None
-                    if c is None or (cur is None and c.sha256 not in wanted) or (
-                            cur is not None and c.sha256 != cur):
-                        raise BundleError(f"{where}: an object not asked for, or interleaved")
-                    cur = c.sha256
-                    buf += c.data
-                    if len(buf) > int(wanted[cur]["bytes"]):
-                        raise BundleError(f"{where}: entry {wanted[cur]['path']}: more bytes "
-                                          "than bundle.json lists")
-                    if c.last:
-                        total = replica.put(wanted.pop(cur), bytes(buf), where)
-                        n, nbytes = n + 1, nbytes + len(buf)
-                        dump_stats(replica, replica.root / STATS)
-                        yield pb.PushReply(ack=pb.Ack(sha256=cur, objects_received=total))
-                        cur, buf = None, bytearray()
-            except BundleError as e:
-                refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            print(f"ninfer replica: a push of {where} ended before its commit; nothing "
-                  "published", file=sys.stderr, flush=True)
+            with replica.holding(head):  # nothing it relies on is collected meanwhile
+                yield from push_objects(head, head_b, mac, where, requests, context)
 
         def Pull(self, request, context):
             peer_ok(context)
@@ -103,18 +121,9 @@ def _servicer(replica: ReplicaDir, pins: frozenset):
                 refuse(context, grpc.StatusCode.NOT_FOUND, f"{where}: not on this replica")
             except BundleError as e:
                 refuse(context, grpc.StatusCode.DATA_LOSS, str(e))
-            yield pb.PullChunk(manifest=pb.Manifest(header=head_b, mac=mac))
-            for e in objects_of(head):
-                try:
-                    data = replica.object_path(e["sha256"]).read_bytes()
-                except FileNotFoundError:
-                    refuse(context, grpc.StatusCode.DATA_LOSS,
-                           f"{where}: entry {e['path']} is missing on the replica")
-                view = memoryview(data)
-                for off in range(0, max(len(data), 1), CHUNK):
-                    yield pb.PullChunk(chunk=pb.Chunk(
-                        sha256=e["sha256"], data=bytes(view[off:off + CHUNK]),
-                        last=off + CHUNK >= len(data)))
+            with replica.holding(head):
+                yield pb.PullChunk(manifest=pb.Manifest(header=head_b, mac=mac))
+                yield from pull_objects(head, where, context)
 
     return Replica()
 

@@ -17,19 +17,29 @@ size against the verified manifest), then written under a temporary name, fsync'
 its directory fsync'd; the manifest is published the same way, last, only once every object
 it lists is in place. A push that dies leaves at most verified objects no manifest names yet
 (the next push does not send them again), never a visible half of a session.
+
+Collection, after each publish: an object goes when no session's manifest lists it and no push
+or pull in flight relies on it (`holding`), at once if the manifest just replaced listed it (a
+superseded state image, tokens, responses, a partial last page), else once it is ORPHAN_GRACE_S
+old (what a push that died left: kept that long so that the push can resume without sending
+it again). One service per replica directory: another process's pushes are not seen.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import threading
+import time
 from pathlib import Path
 
 from server.checkpoints.bundle import BundleError, verify_header
-from server.checkpoints.files import mkdir_synced, publish_file, read_file
+from server.checkpoints.files import fsync_dir, mkdir_synced, publish_file, read_file
 from server.checkpoints.tags import session_namespace
 
 MANIFEST = "manifest"
+ORPHAN_GRACE_S = 24 * 3600.0  # an object no manifest lists, kept for a push to resume
 _NEEDED = ("checkpoint/tokens.bin", "checkpoint/state.bin", "responses.json")
 
 
@@ -80,6 +90,8 @@ class ReplicaDir:
         self._lock = threading.Lock()
         self.received: dict[str, int] = {}  # digest -> times received (complete, verified)
         self.bytes_received = 0
+        self._holds: dict[int, frozenset] = {}  # pushes and pulls in flight: their digests
+        self.collected = 0  # objects deleted by collection
 
     def object_path(self, sha: str) -> Path:
         return self.root / "objects" / sha[:2] / sha
@@ -119,16 +131,74 @@ class ReplicaDir:
             self.bytes_received += len(data)
             return sum(self.received.values())
 
+    @contextlib.contextmanager
+    def holding(self, head: dict):
+        """While in it, no object of `head` is collected (a push or pull in flight). Enter it
+        before asking which objects are `missing`."""
+        token = object()
+        with self._lock:
+            self._holds[id(token)] = frozenset(e["sha256"] for e in objects_of(head))
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._holds[id(token)]
+
     def publish(self, head: dict, head_b: bytes, mac: str, where: str) -> Path:
-        """Publish the manifest, once every object it lists is in place."""
+        """Publish the manifest, once every object it lists is in place; then collect."""
         lacking = self.missing(head)
         if lacking:
             raise BundleError(f"{where}: {len(lacking)} object(s) not received, e.g. "
                               f"{lacking[0][:16]}; nothing published")
         sdir = self.session_dir(head["principal"], head["session"])
         mkdir_synced(sdir)
+        old = self._listed(sdir / MANIFEST)
         publish_file(sdir / MANIFEST, mac.strip().encode() + b"\n" + head_b)
+        self.collect(old)
         return sdir
+
+    @staticmethod
+    def _listed(manifest: Path) -> set[str] | None:
+        """The digests a published manifest lists (it was verified when published); None
+        when it is unreadable (then nothing may be collected)."""
+        try:
+            head = json.loads(read_file(manifest).partition(b"\n")[2])
+            return {e["sha256"] for e in head["entries"]}
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def collect(self, superseded=frozenset(), now: float | None = None) -> int:
+        """Delete the objects no manifest lists and nothing in flight holds: `superseded` ones
+        at once, the rest once ORPHAN_GRACE_S old. Returns how many went."""
+        now = time.time() if now is None else now
+        listed: set[str] = set()
+        for ns in _listdir(self.root / "sessions"):
+            got = self._listed(self.root / "sessions" / ns / MANIFEST)
+            if got is None:
+                return 0  # a manifest we cannot read: keep everything it might list
+            listed |= got
+        superseded = set(superseded or ())
+        gone, dirs = 0, set()
+        with self._lock:  # no hold can start (nor `missing` be asked) while objects go
+            held = set().union(*self._holds.values()) if self._holds else set()
+            for sub in _listdir(self.root / "objects"):
+                for name in _listdir(self.root / "objects" / sub):
+                    if name in listed or name in held:
+                        continue
+                    path = self.root / "objects" / sub / name
+                    try:
+                        if name not in superseded and now - path.stat().st_mtime < ORPHAN_GRACE_S:
+                            continue
+                        path.unlink()
+                    except FileNotFoundError:
+                        continue
+                    gone, _ = gone + 1, dirs.add(path.parent)
+            self.collected += gone
+        for d in dirs:
+            fsync_dir(d)
+        return gone
 
     def read_manifest(self, principal: str, session: str) -> tuple[bytes, str]:
         """(bundle.json's bytes, bundle.mac's tag) of the session; FileNotFoundError when
@@ -140,9 +210,16 @@ class ReplicaDir:
     def stats(self) -> dict:
         with self._lock:
             return {"objects_received": sum(self.received.values()),
-                    "distinct_objects": len(self.received),
+                    "distinct_objects": len(self.received), "objects_collected": self.collected,
                     "bytes_received": self.bytes_received,
                     "received_twice": sorted(d for d, n in self.received.items() if n > 1)}
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []
 
 
 def dump_stats(replica: ReplicaDir, path: Path) -> None:
