@@ -114,6 +114,25 @@ def test_a_bad_page_aborts_the_stream_and_frees_the_arena(store, page):
     assert ok.state == "available" and device_bytes(ok.staged.to_device()) == inp.pages
 
 
+def test_a_run_written_after_its_pages_went_back_is_dropped():
+    """An aborted restore's pages go back on the engine thread; a run's write queued behind
+    that must not land in pages another sequence may hold by then."""
+    from engine.runtime.staging import PoolReservation, write_run
+
+    class Table:
+        released = 0
+
+        def release(self):
+            self.released += 1
+
+    res = PoolReservation(Table(), np.arange(4, dtype=np.int32))
+    from engine.runtime.staging import release_pages
+    release_pages(res)
+    release_pages(res)  # once only
+    assert res.table.released == 1 and not res.live
+    write_run(None, res, 0, 2, None)  # touches no pool (None would raise if it did)
+
+
 def test_pages_larger_than_the_arena_stage_whole(store):
     inp = make_input(300)
     store.save("alice", "s", inp, FP_A)
@@ -198,6 +217,52 @@ def test_a_failed_streamed_restore_gives_its_pool_pages_back(tiny_model, tmp_pat
         assert is_free(ck.arena)
         _, done = run(engine, follow, "erin", max_tokens=4)
         assert done.path != "disk-restored"
+    finally:
+        ck._jobs.put(None)
+        engine.stop()
+        store.close()
+
+
+def test_a_failed_device_transfer_is_a_miss_not_corruption(tiny_model, tmp_path, monkeypatch):
+    """A run's transfer to the device fails (as an out-of-memory would): the restore fails as
+    an error (the request recomputes), the checkpoint is not quarantined, the reserved pages
+    and the arena go back, and the next restore succeeds."""
+    from engine.runtime.staging import StreamedPages
+    from server.checkpoints.manager import Checkpointer
+    from tests.test_checkpoint_io import snapshot_of
+    from tests.test_engine_reuse import make_engine, run, turn
+
+    store = CheckpointStore(tmp_path / "ck", quota_bytes=1 << 30)
+    ck = Checkpointer(store, autosave=False)
+    engine = make_engine(tiny_model, hooks=ck.engine_hooks())
+    page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in engine.checkpoint.page_spec)
+    ck.attach(engine, {"test": 4}, staging_bytes=4 * page_bytes)
+    try:
+        p = turn(tiny_model, "Explain how a B-tree splits a full node, step by step. " * 12)
+        out, _ = run(engine, p, "erin", max_tokens=8)
+        fed = p + out[:-1]
+        ck.after_response("erin", "s-erin", "resp_e", fed)
+        assert ck.save("erin", "s-erin")[0]["status"] == "saved"
+        while snapshot_of(engine, "erin", fed) is not None:
+            assert engine.call(lambda e: e.mem._evict_one()).result()
+        free = engine.call(lambda e: e.mem.alloc.free_pages).result()
+        real, calls = StreamedPages.transfer, []
+
+        def failing(host):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("RESOURCE_EXHAUSTED: out of device memory (injected)")
+            return real(host)
+        monkeypatch.setattr(StreamedPages, "transfer", staticmethod(failing))
+        ck._resident.discard(("erin", "s-erin"))
+        follow = fed + turn(tiny_model, "Shorter.")
+        with pytest.raises(RuntimeError, match="injected"):
+            ck.restore_for("erin", "s-erin", follow)
+        assert engine.call(lambda e: e.mem.alloc.free_pages).result() == free
+        assert is_free(ck.arena)
+        assert not list(store.quarantine_dir.iterdir())  # the files are fine
+        monkeypatch.setattr(StreamedPages, "transfer", staticmethod(real))
+        assert ck.restore_for("erin", "s-erin", follow) == "restored"
     finally:
         ck._jobs.put(None)
         engine.stop()

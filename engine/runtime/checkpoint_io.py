@@ -329,11 +329,15 @@ def import_snapshot(mem, principal: str, session: str | None, tokens, pages,
     # reserved table becomes the snapshot's, or goes back if the state is not installed
     reserved = None if listed else getattr(pages, "reservation", None)
     existing = mem.index.get(principal, token_key(principal, tokens))
+    if reserved is not None and not reserved.live:
+        raise ValueError("the restore's reserved pages went back before its install")
     if existing is not None or (reserved is not None and not mem.states.can_store()):
         if reserved is not None:
+            reserved.live = False
             reserved.table.release()
         return existing
     if reserved is not None:
+        reserved.live = False  # the snapshot holds the table now
         table = reserved.table
         table.truncate(n)  # it holds exactly pages_for(n) pages: this only sets the length
         try:

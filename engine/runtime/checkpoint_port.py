@@ -18,7 +18,7 @@ import numpy as np
 from engine.runtime.checkpoint_io import (PageDigests, SnapshotExport, export_snapshot,
                                           import_snapshot, page_spec, prepare_restore)
 from engine.runtime.prefix import Snapshot
-from engine.runtime.staging import reserve_pages, write_run
+from engine.runtime.staging import release_pages, reserve_pages, write_run
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class CheckpointPort:
         return self._call(lambda _engine: write_run(self._mem, reservation, start, stop, data))
 
     def release(self, reservation) -> Future:
-        return self._call(lambda _engine: reservation.table.release())
+        return self._call(lambda _engine: release_pages(reservation))
 
     def prepare_restore(self) -> int:
         """Compile ahead of time what a first restore would compile on its way to the first

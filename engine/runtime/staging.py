@@ -63,9 +63,19 @@ def slot_stride(rows, pages: int) -> int:
 @dataclass(eq=False)
 class PoolReservation:
     """Fresh pool pages held for a restore in flight: no snapshot names them, so nothing
-    reads them while its runs are written in; the install takes the table over."""
+    reads them while its runs are written in; the install takes the table over. `live` goes
+    false on the engine thread when the pages go back, so a run's write queued behind that
+    never lands in pages another sequence may hold by then."""
     table: PageTable
     page_ids: np.ndarray
+    live: bool = True
+
+
+def release_pages(res: PoolReservation) -> None:
+    """Engine thread: the reserved pages back to the pool (once)."""
+    if res.live:
+        res.live = False
+        res.table.release()
 
 
 def reserve_pages(mem, n_pages: int) -> PoolReservation | None:
@@ -80,7 +90,10 @@ def reserve_pages(mem, n_pages: int) -> PoolReservation | None:
 
 
 def write_run(mem, res: PoolReservation, start: int, stop: int, data) -> None:
-    """Engine thread: a run's arrays (on the device) into its reserved pages."""
+    """Engine thread: a run's arrays (on the device) into its reserved pages, unless they
+    went back meanwhile (an aborted restore)."""
+    if not res.live:
+        return
     arrays = _scatter(_arrays(mem.cache.pool), jax.device_put(res.page_ids[start:stop]), data)
     mem.cache = mem.cache._replace(pool=_replace_arrays(mem.cache.pool, arrays))
 
@@ -141,7 +154,10 @@ class StreamedPages:
     """A restore's pages through a StagingArena; the interface import_snapshot and the
     checkpoint manager use of a StagedPages (n, spec, runs, page_ready, to_device,
     device_chunks), with page views handed out lazily (`lazy_views(i)()` blocks until page
-    i's run has a slot) and `abort()` for a failed load."""
+    i's run has a slot), `abandon()` when a read failed (any thread: readers waiting for a
+    slot give up) and `abort()` once a failed load's reads are all over (the arena and the
+    reserved pages go back). The arena is released only when no reader can still write into
+    it: by the last run's page_ready, by abort, or by to_device when a transfer failed."""
 
     def __init__(self, arena: StagingArena, spec, n: int, slot_pages: int, slots: int,
                  port=None, reservation: PoolReservation | None = None):
@@ -165,7 +181,7 @@ class StreamedPages:
         self._run_of = np.repeat(np.arange(len(self.runs)), self._left)
         self._started: list = [None] * len(self.runs)
         self.device_chunks = None
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None  # a failed transfer or write
         self._aborted = self._released = False
         self._cv = threading.Condition()
 
@@ -210,17 +226,19 @@ class StreamedPages:
             slot = self._slots[self._slot_of[k]]
             data = self.transfer([r[:stop - start].view(d).reshape((stop - start,) + tuple(s))
                                   for r, (s, d) in zip(slot, self.spec)])
-            if self.reservation is not None:  # into the pool now: no device copy is kept
-                self._port.write(self.reservation, start, stop, data).result(PORT_TIMEOUT_S)
+            res = self.reservation
+            if res is not None:  # into the pool now: no device copy is kept
+                self._port.write(res, start, stop, data).result(PORT_TIMEOUT_S)
                 data = True
             self._started[k] = data
         except Exception as e:  # noqa: BLE001 - reported by to_device
-            self._error = e
+            self.error = e
+            self.abandon()
         with self._cv:
             self._free.append(self._slot_of.pop(k))
             self.arena.counts["runs"] += 1
             self._cv.notify_all()
-            if all(x is not None for x in self._started) or self._error is not None:
+            if all(x is not None for x in self._started):  # every read is over
                 self._release()
 
     @staticmethod
@@ -231,17 +249,23 @@ class StreamedPages:
             host = [h.copy() for h in host]  # (even with may_alias=False): copy it first
         return jax.block_until_ready([jax.device_put(h) for h in host])
 
-    def abort(self) -> None:
-        """The load failed: readers waiting for a slot give up, the arena is free again and
-        the reserved pool pages go back."""
+    def abandon(self) -> None:
+        """A read failed (any thread): readers waiting for a slot give up."""
         with self._cv:
             self._aborted = True
             self._cv.notify_all()
+
+    def abort(self) -> None:
+        """The load failed and none of its reads is still running: the arena is free again
+        and the reserved pool pages go back."""
+        self.abandon()
+        with self._cv:
             self._release()
         self._give_back()
 
     def _give_back(self) -> None:
-        res, self.reservation = self.reservation, None
+        with self._cv:
+            res, self.reservation = self.reservation, None
         if res is not None:
             self._port.release(res)
 
@@ -253,8 +277,10 @@ class StreamedPages:
     def to_device(self) -> "StreamedPages":
         """Every run is on the device (or in its reserved pool pages) once every page
         verified: page_ready put it there."""
-        if self._error is not None or any(x is None for x in self._started):
+        if self.error is not None or any(x is None for x in self._started):
+            with self._cv:  # the load returned: its reads are over
+                self._release()
             self._give_back()
-            raise RuntimeError(f"streamed restore incomplete: {self._error!r}")
+            raise RuntimeError(f"streamed restore incomplete: {self.error!r}")
         self.device_chunks = None if self.reservation is not None else list(self._started)
         return self

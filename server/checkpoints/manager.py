@@ -182,7 +182,11 @@ class Checkpointer:
                           **({"differs": res.differs} if res.differs else {}))
                 return res.reason
             stages = dict(res.timings or {})
-            snap = self._install(principal, session, res, stages)
+            try:
+                snap = self._install(principal, session, res, stages)
+            except BaseException:  # not resident: the next request tries again
+                self._resident.discard(k)
+                raise
             reason = "restored" if snap is not None else "no_room"
             if snap is None:  # running sequences hold the room: a later request retries
                 self._resident.discard(k)

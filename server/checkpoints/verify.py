@@ -99,13 +99,15 @@ def read_generation(store, principal, ns, gdir: Path, fp: str, prompt, page_layo
     # a handle that takes page reports (StagedPages.page_ready) hears of each page as soon
     # as it verified: its host-to-device transfers start while later pages are read. One
     # that streams through bounded memory hands out page views lazily and is told of a
-    # failure (`abort`), so that readers waiting for room give up and the room is freed.
+    # failed read at once (`abandon`: readers waiting for room give up) and, once every read
+    # is over, that the load failed (`abort`: the room is freed).
     ready = getattr(staged, "page_ready", None)
-    abort = getattr(staged, "abort", None)
+    abandon, abort = getattr(staged, "abandon", None), getattr(staged, "abort", None)
     done = [None] + [None if ready is None else functools.partial(ready, i)
                      for i in range(len(paths) - 1)]
-    try:
-        checks = wait_all([store.io_pool.submit(_read_verify, path, view, digest, then, abort)
+    try:  # a failed read abandons (waiting readers give up); once all are over, abort
+        checks = wait_all([store.io_pool.submit(_read_verify, path, view, digest, then,
+                                                abandon)
                            for path, view, digest, then in zip(paths, views, digests, done)])
     except BaseException:
         if abort is not None:
@@ -116,8 +118,10 @@ def read_generation(store, principal, ns, gdir: Path, fp: str, prompt, page_layo
     if bad:
         if abort is not None:
             abort()
-        # the first failure in file order names the reason (not a read that gave up after it)
-        i = next((j for j in bad if checks[j] != "aborted"), bad[0])
+        real = [j for j in bad if checks[j] != "aborted"]
+        if not real:  # the handle gave up (a failed device transfer), not the files
+            raise RuntimeError(f"staging the pages failed: {getattr(staged, 'error', None)!r}")
+        i = real[0]  # the first failure in file order names the reason
         wrong = [digests[j] for j in bad if j > 0 and checks[j] == "hash_mismatch"]
         raise Corrupt(f"{checks[i]}:{paths[i].name[:16]}", bad_pages=wrong)
     return LoadResult(SessionStatus.AVAILABLE, SessionStatus.RESTORED, gdir.name, tokens,
