@@ -4,6 +4,7 @@ lands on the device, a failed page aborts the stream and frees the arena, and on
 embedded model a restored session continues as one that never left."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -147,10 +148,12 @@ def test_pages_larger_than_the_arena_stage_whole(store):
     assert is_free(arena) and arena.counts["restores"] == 0
 
 
-def test_a_restore_through_a_small_arena_continues_identically(tiny_model, tmp_path):
-    """The tiny model's session, saved, evicted and restored by the checkpointer through an
-    arena a few pages long (several runs, slots reused): the continuation equals the one
-    from the state that never left."""
+@contextlib.contextmanager
+def checkpointed(tiny_model, tmp_path, arena_pages: int, text: str, twin: bool = False):
+    """An engine on the tiny model with a checkpointer whose staging arena holds
+    `arena_pages` pages; erin's session (and, with `twin`, the same history as bob's, which
+    stays resident) run, saved and evicted. Yields (checkpointer, engine, store, fed tokens,
+    bob's first output or None)."""
     from server.checkpoints.manager import Checkpointer
     from tests.test_checkpoint_io import snapshot_of
     from tests.test_engine_reuse import make_engine, run, turn
@@ -159,57 +162,55 @@ def test_a_restore_through_a_small_arena_continues_identically(tiny_model, tmp_p
     ck = Checkpointer(store, autosave=False)
     engine = make_engine(tiny_model, hooks=ck.engine_hooks())
     page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in engine.checkpoint.page_spec)
-    ck.attach(engine, {"test": 2}, staging_bytes=8 * page_bytes)
+    ck.attach(engine, {"test": arena_pages}, staging_bytes=arena_pages * page_bytes)
     try:
-        p = turn(tiny_model, "Describe how a write-ahead log makes commits durable. " * 12)
+        p = turn(tiny_model, text * 12)
         out, _ = run(engine, p, "erin", max_tokens=16)
-        assert run(engine, p, "bob", max_tokens=16)[0] == out  # the same history twice
+        bob = run(engine, p, "bob", max_tokens=16)[0] if twin else None
         fed = p + out[:-1]
-        follow = fed + turn(tiny_model, "Now in one sentence.")
-        want, _ = run(engine, follow, "bob", max_tokens=12)  # bob's state never leaves
         ck.after_response("erin", "s-erin", "resp_e", fed)
         assert ck.save("erin", "s-erin")[0]["status"] == "saved"
         while snapshot_of(engine, "erin", fed) is not None:
             assert engine.call(lambda e: e.mem._evict_one()).result()
         ck._resident.discard(("erin", "s-erin"))
-        assert ck.restore_for("erin", "s-erin", follow) == "restored"
-        assert ck.arena.counts["restores"] == 1 and ck.arena.counts["runs"] >= 2
-        got, done = run(engine, follow, "erin", max_tokens=12)
-        assert done.path == "disk-restored" and got == want
+        yield ck, engine, store, fed, (out, bob)
     finally:
         ck._jobs.put(None)
         engine.stop()
         store.close()
 
 
+def test_a_restore_through_a_small_arena_continues_identically(tiny_model, tmp_path):
+    """The tiny model's session, saved, evicted and restored by the checkpointer through an
+    arena a few pages long (several runs, slots reused): the continuation equals the one
+    from the state that never left."""
+    from tests.test_engine_reuse import run, turn
+
+    with checkpointed(tiny_model, tmp_path, 8, "Describe how a write-ahead log makes commits "
+                      "durable. ", twin=True) as (ck, engine, store, fed, (out, bob)):
+        assert bob == out  # the same history twice
+        follow = fed + turn(tiny_model, "Now in one sentence.")
+        want, _ = run(engine, follow, "bob", max_tokens=12)  # bob's state never left
+        assert ck.restore_for("erin", "s-erin", follow) == "restored"
+        assert ck.arena.counts["restores"] == 1 and ck.arena.counts["runs"] >= 2
+        got, done = run(engine, follow, "erin", max_tokens=12)
+        assert done.path == "disk-restored" and got == want
+
+
 def test_a_failed_streamed_restore_gives_its_pool_pages_back(tiny_model, tmp_path):
     """A page flipped on disk, found after earlier runs were already written into reserved
     pool pages: the restore is a miss (corrupt), every reserved page is free again, the arena
     too, and the request recomputes."""
-    from server.checkpoints.manager import Checkpointer
-    from tests.test_checkpoint_io import snapshot_of
-    from tests.test_engine_reuse import make_engine, run, turn
+    from tests.test_engine_reuse import run, turn
 
-    store = CheckpointStore(tmp_path / "ck", quota_bytes=1 << 30)
-    ck = Checkpointer(store, autosave=False)
-    engine = make_engine(tiny_model, hooks=ck.engine_hooks())
-    page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in engine.checkpoint.page_spec)
-    ck.attach(engine, {"test": 3}, staging_bytes=4 * page_bytes)  # 4 slots of one page
-    try:
-        p = turn(tiny_model, "List the steps of a two-phase commit, with reasons. " * 12)
-        out, _ = run(engine, p, "erin", max_tokens=8)
-        fed = p + out[:-1]
-        ck.after_response("erin", "s-erin", "resp_e", fed)
-        assert ck.save("erin", "s-erin")[0]["status"] == "saved"
-        while snapshot_of(engine, "erin", fed) is not None:
-            assert engine.call(lambda e: e.mem._evict_one()).result()
+    with checkpointed(tiny_model, tmp_path, 4, "List the steps of a two-phase commit, with "
+                      "reasons. ") as (ck, engine, store, fed, _):  # 4 slots of one page
         free = engine.call(lambda e: e.mem.alloc.free_pages).result()
-        got = store.load("erin", "s-erin", {"test": 3})
+        got = store.load("erin", "s-erin", {"test": 4})
         last = store.page_path(got.page_digests[-1])
         data = bytearray(last.read_bytes())
         data[-1] ^= 1
         last.write_bytes(bytes(data))
-        ck._resident.discard(("erin", "s-erin"))
         follow = fed + turn(tiny_model, "Shorter.")
         assert ck.restore_for("erin", "s-erin", follow).startswith("hash_mismatch")
         assert ck.arena.counts["runs"] >= 2  # runs went into the pool before the bad page
@@ -217,10 +218,6 @@ def test_a_failed_streamed_restore_gives_its_pool_pages_back(tiny_model, tmp_pat
         assert is_free(ck.arena)
         _, done = run(engine, follow, "erin", max_tokens=4)
         assert done.path != "disk-restored"
-    finally:
-        ck._jobs.put(None)
-        engine.stop()
-        store.close()
 
 
 def test_a_failed_device_transfer_is_a_miss_not_corruption(tiny_model, tmp_path, monkeypatch):
@@ -228,23 +225,10 @@ def test_a_failed_device_transfer_is_a_miss_not_corruption(tiny_model, tmp_path,
     an error (the request recomputes), the checkpoint is not quarantined, the reserved pages
     and the arena go back, and the next restore succeeds."""
     from engine.runtime.staging import StreamedPages
-    from server.checkpoints.manager import Checkpointer
-    from tests.test_checkpoint_io import snapshot_of
-    from tests.test_engine_reuse import make_engine, run, turn
+    from tests.test_engine_reuse import turn
 
-    store = CheckpointStore(tmp_path / "ck", quota_bytes=1 << 30)
-    ck = Checkpointer(store, autosave=False)
-    engine = make_engine(tiny_model, hooks=ck.engine_hooks())
-    page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in engine.checkpoint.page_spec)
-    ck.attach(engine, {"test": 4}, staging_bytes=4 * page_bytes)
-    try:
-        p = turn(tiny_model, "Explain how a B-tree splits a full node, step by step. " * 12)
-        out, _ = run(engine, p, "erin", max_tokens=8)
-        fed = p + out[:-1]
-        ck.after_response("erin", "s-erin", "resp_e", fed)
-        assert ck.save("erin", "s-erin")[0]["status"] == "saved"
-        while snapshot_of(engine, "erin", fed) is not None:
-            assert engine.call(lambda e: e.mem._evict_one()).result()
+    with checkpointed(tiny_model, tmp_path, 4, "Explain how a B-tree splits a full node, "
+                      "step by step. ") as (ck, engine, store, fed, _):
         free = engine.call(lambda e: e.mem.alloc.free_pages).result()
         real, calls = StreamedPages.transfer, []
 
@@ -254,7 +238,6 @@ def test_a_failed_device_transfer_is_a_miss_not_corruption(tiny_model, tmp_path,
                 raise RuntimeError("RESOURCE_EXHAUSTED: out of device memory (injected)")
             return real(host)
         monkeypatch.setattr(StreamedPages, "transfer", staticmethod(failing))
-        ck._resident.discard(("erin", "s-erin"))
         follow = fed + turn(tiny_model, "Shorter.")
         with pytest.raises(RuntimeError, match="injected"):
             ck.restore_for("erin", "s-erin", follow)
@@ -263,7 +246,3 @@ def test_a_failed_device_transfer_is_a_miss_not_corruption(tiny_model, tmp_path,
         assert not list(store.quarantine_dir.iterdir())  # the files are fine
         monkeypatch.setattr(StreamedPages, "transfer", staticmethod(real))
         assert ck.restore_for("erin", "s-erin", follow) == "restored"
-    finally:
-        ck._jobs.put(None)
-        engine.stop()
-        store.close()
