@@ -128,11 +128,18 @@ def one_rep(work: Path, src: Path, key: bytes, cold: bool) -> dict:
             "import_mb_s": mb / t_import}
 
 
+# runs `./ninfer` and reports its peak resident memory (VmHWM: this process's own high-water
+# mark; ru_maxrss would include the forking parent's, which exec keeps)
+_PEAK = ("import runpy, sys\nsys.argv = ['ninfer'] + sys.argv[1:]\ntry:\n"
+         "    runpy.run_module('server.cli', run_name='__main__')\nfinally:\n"
+         "    print('VmHWM', [x.split()[1] for x in open('/proc/self/status')\n"
+         "                    if x.startswith('VmHWM')][0], file=sys.stderr)\n")
+
+
 def import_peak_rss(work: Path, src: Path, key: bytes) -> dict:
     """`./ninfer checkpoints import` of the bundle as its own process, into a fresh stopped
     state directory: its peak resident memory beside the bundle's size (an import streams its
     pages, so the peak should not grow with them)."""
-    import resource
     import subprocess
 
     from server.checkpoints.transfer import record_runtime
@@ -144,13 +151,12 @@ def import_peak_rss(work: Path, src: Path, key: bytes) -> dict:
                    json.loads((src / "checkpoints" / "runtime.json").read_text()))
     (work / "key").write_bytes(key)
     os.chmod(work / "key", 0o600)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    subprocess.run([sys.executable, "-m", "server.cli", "checkpoints", "import", str(bundle),
-                    "--state-dir", str(dst), "--transfer-key", str(work / "key"),
-                    "--checkpoint-quota", "1T"], cwd=REPO, check=True, capture_output=True)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
-    assert peak > before * 1024, "no child ran"
-    return {"bundle_bytes": bundle.stat().st_size, "peak_rss_bytes": peak}
+    r = subprocess.run([sys.executable, "-c", _PEAK, "checkpoints", "import", str(bundle),
+                        "--state-dir", str(dst), "--transfer-key", str(work / "key"),
+                        "--checkpoint-quota", "1T"], cwd=REPO, check=True, capture_output=True,
+                       text=True)
+    kib = int(next(x for x in r.stderr.splitlines() if x.startswith("VmHWM")).split()[1])
+    return {"bundle_bytes": bundle.stat().st_size, "peak_rss_bytes": kib * 1024}
 
 
 def session_args(doc: str, argv=None) -> tuple[argparse.Namespace, Path]:

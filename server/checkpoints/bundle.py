@@ -181,7 +181,7 @@ class Bundle:
     (`read_page`, which checks it once more: the file may have changed since). Close it, or
     use it as a context manager: it holds the file open."""
     header: dict
-    data: dict[str, bytes]
+    data: dict[str, bytes | bytearray]
     pages: dict[str, tuple[int, int]] = field(default_factory=dict)
     fd: int = -1
     where: str = ""
@@ -194,14 +194,22 @@ class Bundle:
     def session(self) -> str:
         return self.header["session"]
 
-    def read_page(self, digest: str) -> bytes:
-        """The bytes of entry pages/<digest>, checked against the digest again."""
+    def read_page(self, digest: str, buf: bytearray) -> memoryview:
+        """Entry pages/<digest> read into `buf` (at least page_size(digest) bytes, reused by
+        the caller: no allocation a page). Its size is checked here; its bytes against the
+        digest by the store that writes it (CheckpointStore.save_streamed), once."""
         off, size = self.pages[f"pages/{digest}"]
-        data = os.pread(self.fd, size, off)
-        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+        view = memoryview(buf)[:size]
+        done = 0
+        while done < size:
+            n = os.preadv(self.fd, [view[done:]], off + done)
+            if n <= 0:
+                break
+            done += n
+        if done != size:
             raise BundleError(f"{self.where}: entry pages/{digest[:16]} changed while it was "
                               "imported")
-        return data
+        return view
 
     def page_size(self, digest: str) -> int:
         return self.pages[f"pages/{digest}"][1]
@@ -243,7 +251,7 @@ def read_bundle(path: Path, key: bytes) -> Bundle:
 
 def _scan(fd: int, key: bytes, where: str) -> Bundle:
     size = os.fstat(fd).st_size
-    data: dict[str, bytes] = {}
+    data: dict[str, bytes | bytearray] = {}
     spans: dict[str, tuple[int, int]] = {}
     try:
         with os.fdopen(os.dup(fd), "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
@@ -292,15 +300,18 @@ def _scan(fd: int, key: bytes, where: str) -> Bundle:
     return Bundle(head, data, pages, fd, where)
 
 
-def _hash_span(fd: int, off: int, size: int, keep: bool) -> tuple[str, bytes | None]:
-    """sha256 of `size` bytes at `off`, read in pieces; the bytes too when `keep`."""
-    h, parts, done = hashlib.sha256(), [], 0
+def _hash_span(fd: int, off: int, size: int, keep: bool) -> tuple[str, bytearray | None]:
+    """sha256 of `size` bytes at `off`, read in pieces into one buffer (the whole entry's
+    when `keep`, which is returned, else one piece's, reused)."""
+    h = hashlib.sha256()
+    buf = bytearray(size if keep else min(size, READ_CHUNK))
+    view, done = memoryview(buf), 0
     while done < size:
-        piece = os.pread(fd, min(READ_CHUNK, size - done), off + done)
-        if not piece:
+        n = min(READ_CHUNK, size - done)
+        piece = view[done:done + n] if keep else view[:n]
+        got = os.preadv(fd, [piece], off + done)
+        if got <= 0:
             break  # shrank under us: the sha256 will not match
-        h.update(piece)
-        if keep:
-            parts.append(piece)
-        done += len(piece)
-    return h.hexdigest(), (b"".join(parts) if keep else None)
+        h.update(piece[:got])
+        done += got
+    return h.hexdigest(), (buf if keep else None)

@@ -163,8 +163,9 @@ class CheckpointStore:
 
     def save_streamed(self, principal: str, session: str, inp: SaveInput, fingerprint: dict,
                       read_page, page_size) -> SaveResult:
-        """`save` of a state whose pages come one at a time from `read_page(digest)` (an
-        import from a bundle: never all in memory; `page_size(digest)` its bytes).
+        """`save` of a state whose pages come one at a time from `read_page(digest, buf)`
+        (an import from a bundle: never all in memory; the page read into `buf`, a buffer of
+        at least `page_size(digest)` bytes reused from one page to the next).
         `inp.pages` are all None and `inp.digests` all given. Under the store's lock: room for
         every byte made first (the quota's order), then each page not on disk read, checked
         against its digest and written (content-addressed, kept from collection until the
@@ -183,9 +184,12 @@ class CheckpointStore:
             self.pending_pages = set(todo)
             try:
                 mkdirs_synced({self.page_path(d).parent for d in todo}, self.io_pool)
-                for start in range(0, len(todo), self.io_threads):  # pages held at once
-                    part = todo[start:start + self.io_threads]
-                    data = wait_all([self.io_pool.submit(_checked, d, read_page) for d in part])
+                bufs = [bytearray(max(map(page_size, todo), default=0))
+                        for _ in range(min(self.io_threads, len(todo)))]  # reused, window by window
+                for start in range(0, len(todo), len(bufs) or 1):
+                    part = todo[start:start + len(bufs)]
+                    data = wait_all([self.io_pool.submit(_checked, d, read_page, buf)
+                                     for d, buf in zip(part, bufs)])
                     publish_files([(self.page_path(d), x) for d, x in zip(part, data)],
                                   self.faults, self.io_pool)
                 return self.save(principal, session, inp, fingerprint)
@@ -313,8 +317,8 @@ class StageTimer:
         return self.stages
 
 
-def _checked(digest: str, read_page):
-    data = read_page(digest)
+def _checked(digest: str, read_page, buf):
+    data = read_page(digest, buf)
     if hashlib.sha256(data).hexdigest() != digest:
         raise ValueError(f"page {digest[:16]}: its bytes are not its digest")
     return data

@@ -216,8 +216,11 @@ def publish_verified(b: Bundle, rows: dict, store, rstore, path: Path) -> dict:
                     page_size=int(c["page_size"]), pages=[None] * len(c["pages"]),
                     digests=list(c["pages"]), state=b.data["checkpoint/state.bin"],
                     head_response_id=c["head_response_id"])
-    res = store.save_streamed(b.principal, b.session, inp, b.header["fingerprint"],
-                              b.read_page, b.page_size)
+    try:
+        res = store.save_streamed(b.principal, b.session, inp, b.header["fingerprint"],
+                                  b.read_page, b.page_size)
+    except ValueError as e:  # a page's bytes are not its digest: checked before, so changed
+        raise BundleError(f"{path}: {e}: the bundle changed while it was imported") from None
     if res.status != SessionStatus.SAVED:
         raise BundleError(f"{path}: the checkpoint store refused the import: {res.reason}")
     try:
