@@ -13,6 +13,9 @@ protocol, the responses' transaction). Each runs twice: warm (the files just wri
 page cache) and cold (the files read are dropped from the page cache first, with
 posix_fadvise(DONTNEED) on the clean, fsync'd files). MB/s are over the bundle's bytes.
 
+Then one `./ninfer checkpoints import` of the bundle as a process of its own: its peak resident
+memory beside the bundle's size.
+
 Default config: 4 MiB pages (qwen3.8-27b BF16: 64 tokens x 64 KiB) x 64 (a 4K-token session)
 plus the 27B's 153,944,064-byte state image; --pages scales it.
 """
@@ -101,7 +104,7 @@ def one_rep(work: Path, src: Path, key: bytes, cold: bool) -> dict:
     if cold:
         evict(bundle)
     t = time.perf_counter()
-    read_bundle(bundle, key)
+    read_bundle(bundle, key).close()
     t_verify = time.perf_counter() - t
     dst = work / "dst"
     shutil.rmtree(dst, ignore_errors=True)
@@ -123,6 +126,37 @@ def one_rep(work: Path, src: Path, key: bytes, cold: bool) -> dict:
     return {"bundle_bytes": size, "export_s": t_export, "verify_s": t_verify,
             "import_s": t_import, "export_mb_s": mb / t_export, "verify_mb_s": mb / t_verify,
             "import_mb_s": mb / t_import}
+
+
+# runs `./ninfer` and reports its peak resident memory (VmHWM: this process's own high-water
+# mark; ru_maxrss would include the forking parent's, which exec keeps)
+_PEAK = ("import runpy, sys\nsys.argv = ['ninfer'] + sys.argv[1:]\ntry:\n"
+         "    runpy.run_module('server.cli', run_name='__main__')\nfinally:\n"
+         "    print('VmHWM', [x.split()[1] for x in open('/proc/self/status')\n"
+         "                    if x.startswith('VmHWM')][0], file=sys.stderr)\n")
+
+
+def import_peak_rss(work: Path, src: Path, key: bytes) -> dict:
+    """`./ninfer checkpoints import` of the bundle as its own process, into a fresh stopped
+    state directory: its peak resident memory beside the bundle's size (an import streams its
+    pages, so the peak should not grow with them)."""
+    import subprocess
+
+    from server.checkpoints.transfer import record_runtime
+
+    bundle, dst = work / "session.bundle", work / "dst-rss"
+    shutil.rmtree(dst, ignore_errors=True)
+    (dst / "checkpoints").mkdir(parents=True, mode=0o700)
+    record_runtime(dst / "checkpoints",
+                   json.loads((src / "checkpoints" / "runtime.json").read_text()))
+    (work / "key").write_bytes(key)
+    os.chmod(work / "key", 0o600)
+    r = subprocess.run([sys.executable, "-c", _PEAK, "checkpoints", "import", str(bundle),
+                        "--state-dir", str(dst), "--transfer-key", str(work / "key"),
+                        "--checkpoint-quota", "1T"], cwd=REPO, check=True, capture_output=True,
+                       text=True)
+    kib = int(next(x for x in r.stderr.splitlines() if x.startswith("VmHWM")).split()[1])
+    return {"bundle_bytes": bundle.stat().st_size, "peak_rss_bytes": kib * 1024}
 
 
 def session_args(doc: str, argv=None) -> tuple[argparse.Namespace, Path]:
@@ -175,12 +209,14 @@ def main(argv=None) -> int:
             runs[mode].append(one_rep(work, src, key, mode == "cold"))
             print(mode, json.dumps({k: round(v, 1) for k, v in runs[mode][-1].items()
                                     if k.endswith("mb_s")}), flush=True)
+    peak = import_peak_rss(work, src, key)
+    print("import peak RSS", json.dumps(peak), flush=True)
     summary = {mode: {k: {"best": round(max(r[k] for r in rs), 1),
                           "median": round(statistics.median(r[k] for r in rs), 1)}
                       for k in ("export_mb_s", "verify_mb_s", "import_mb_s")}
                for mode, rs in runs.items()}
     return write_results("sessions_transfer.py", args, work, argv, summary,
-                         {"responses": 4}, runs=runs)
+                         {"responses": 4}, runs=runs, import_peak=peak)
 
 
 if __name__ == "__main__":

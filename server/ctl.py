@@ -162,9 +162,10 @@ def import_running(rt, path: Path, key_path: Path, principal: str | None) -> dic
         raise BundleError("this server has no checkpoint store, or has not loaded its model")
     key = read_transfer_key(key_path)
     b, rows = verify_for_import(path, key, ck.fingerprint, True, principal, rt.response_store)
-    if not ck.accept_import(b.principal, b.session):
-        raise BundleError(f"{path}: the session is live on this server; import refused")
-    r = publish_verified(b, rows, ck.store, rt.response_store, path)
+    with b:
+        if not ck.accept_import(b.principal, b.session):
+            raise BundleError(f"{path}: the session is live on this server; import refused")
+        r = publish_verified(b, rows, ck.store, rt.response_store, path)
     return {k: r[k] for k in ("generation", "frontier_tokens", "pages", "pages_written",
                               "responses", "head_response_id")}
 

@@ -15,7 +15,10 @@ cannot verify them; the transfer key (32 random bytes the owner creates once and
 servers) authenticates the bundle instead, and the importer tags what it publishes with its own
 state directory's secret. `read_bundle` checks everything (entry names and types, the tag, every
 entry's size and sha256, nothing missing or extra) before returning any of it: an importer
-that writes only after it returned never writes from a bundle that fails a check.
+that writes only after it returned never writes from a bundle that fails a check. It keeps only
+the small entries; the pages, hashed as they stream past, are read again one at a time when
+they are written (`Bundle.read_page`, checked once more), so an import of a 128K-token session
+does not hold its 8 GB in memory.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import re
 import secrets
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.checkpoints.files import fsync_dir
@@ -163,8 +166,8 @@ def verify_header(key: bytes, head_b: bytes, tag: bytes | str, where: str) -> di
             if not (_ENTRY.fullmatch(e["path"]) and _SHA.fullmatch(e["sha256"])
                     and int(e["bytes"]) >= 0):
                 raise BundleError(f"{where}: {HEADER} lists {e['path']!r}, not a bundle entry")
-        for field in ("principal", "session", "fingerprint"):
-            head[field]  # noqa: B018 - presence
+        for name in ("principal", "session", "fingerprint"):
+            head[name]  # noqa: B018 - presence
     except (KeyError, TypeError, ValueError) as e:
         raise BundleError(f"{where}: {HEADER} is malformed ({e})") from None
     return head
@@ -172,9 +175,16 @@ def verify_header(key: bytes, head_b: bytes, tag: bytes | str, where: str) -> di
 
 @dataclass
 class Bundle:
-    """A bundle that passed every check: its header and its entries' bytes."""
+    """A bundle that passed every check: its header, the bytes of its small entries (the
+    checkpoint's tokens and state image, the responses) and, for each page, where it lies in
+    the file (`pages`: name -> (offset, size)), read again only when it is written
+    (`read_page`, which checks it once more: the file may have changed since). Close it, or
+    use it as a context manager: it holds the file open."""
     header: dict
-    data: dict[str, bytes]
+    data: dict[str, bytes | bytearray]
+    pages: dict[str, tuple[int, int]] = field(default_factory=dict)
+    fd: int = -1
+    where: str = ""
 
     @property
     def principal(self) -> str:
@@ -184,10 +194,45 @@ class Bundle:
     def session(self) -> str:
         return self.header["session"]
 
+    def read_page(self, digest: str, buf: bytearray) -> memoryview:
+        """Entry pages/<digest> read into `buf` (at least page_size(digest) bytes, reused by
+        the caller: no allocation a page). Its size is checked here; its bytes against the
+        digest by the store that writes it (CheckpointStore.save_streamed), once."""
+        off, size = self.pages[f"pages/{digest}"]
+        view = memoryview(buf)[:size]
+        done = 0
+        while done < size:
+            n = os.preadv(self.fd, [view[done:]], off + done)
+            if n <= 0:
+                break
+            done += n
+        if done != size:
+            raise BundleError(f"{self.where}: entry pages/{digest[:16]} changed while it was "
+                              "imported")
+        return view
+
+    def page_size(self, digest: str) -> int:
+        return self.pages[f"pages/{digest}"][1]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "Bundle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+READ_CHUNK = 8 << 20  # a page entry is hashed in pieces of this size: memory stays bounded
+
 
 def read_bundle(path: Path, key: bytes) -> Bundle:
-    """Read and verify the bundle at `path` completely; raises BundleError naming the file and
-    the entry (or field) that failed."""
+    """Read and verify the bundle at `path` completely, holding at most its small entries and
+    a few pieces of the pages in memory (pages are hashed as they are read, then dropped);
+    raises BundleError naming the file and the entry (or field) that failed."""
     path = Path(path)
     where = str(path)
     try:
@@ -196,10 +241,21 @@ def read_bundle(path: Path, key: bytes) -> Bundle:
         raise BundleError(f"{where}: no such file") from None
     except OSError as e:
         raise BundleError(f"{where}: cannot open: {e.strerror}") from None
-    data: dict[str, bytes] = {}
     try:
-        with os.fdopen(fd, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
-            for m in tar:
+        b = _scan(fd, key, where)
+    except BaseException:
+        os.close(fd)
+        raise
+    return b
+
+
+def _scan(fd: int, key: bytes, where: str) -> Bundle:
+    size = os.fstat(fd).st_size
+    data: dict[str, bytes | bytearray] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            for m in tar:  # headers only: tarfile seeks over each member's data
                 name = m.name
                 if not m.isreg():
                     raise BundleError(f"{where}: entry {name!r} is not a regular file "
@@ -207,31 +263,55 @@ def read_bundle(path: Path, key: bytes) -> Bundle:
                 if name.startswith("/") or ".." in name.split("/") or not (
                         name in (HEADER, MAC) or _ENTRY.fullmatch(name)):
                     raise BundleError(f"{where}: entry {name!r} is not a bundle entry name")
-                if name in data:
+                if name in spans:
                     raise BundleError(f"{where}: entry {name!r} appears twice")
-                body = tar.extractfile(m).read()
-                if len(body) != m.size:
+                if m.offset_data + m.size > size:
                     raise BundleError(f"{where}: entry {name!r} is truncated")
-                data[name] = body
+                spans[name] = (m.offset_data, m.size)
     except tarfile.TarError as e:
         raise BundleError(f"{where}: not a complete bundle ({e})") from None
     except (EOFError, OSError) as e:
         raise BundleError(f"{where}: truncated or unreadable ({e})") from None
     for name in (HEADER, MAC):
-        if name not in data:
+        if name not in spans:
             raise BundleError(f"{where}: entry {name} is missing (truncated bundle?)")
-    head = verify_header(key, data.pop(HEADER), data.pop(MAC), where)
+    head_b, tag = (os.pread(fd, spans[n][1], spans[n][0]) for n in (HEADER, MAC))
+    head = verify_header(key, head_b, tag, where)
+    del spans[HEADER], spans[MAC]
     listed = {e["path"]: e for e in head["entries"]}
-    names = sorted(set(listed) | set(data))
-    for name in names:
-        if name not in data:
+    for name in sorted(set(listed) | set(spans)):
+        if name not in spans:
             raise BundleError(f"{where}: entry {name} is missing (truncated bundle?)")
         if name not in listed:
             raise BundleError(f"{where}: entry {name} is not listed in {HEADER}")
-    with ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4)) as pool:
-        sums = list(pool.map(lambda n: hashlib.sha256(data[n]).hexdigest(), names))
-    for name, sha in zip(names, sums):
+    names = sorted(spans)
+    with ThreadPoolExecutor(min(8, (os.cpu_count() or 1) + 2)) as pool:
+        sums = list(pool.map(lambda n: _hash_span(fd, *spans[n], keep=not n.startswith(
+            "pages/")), names))
+    pages = {}
+    for name, (sha, body) in zip(names, sums):
         e = listed[name]
-        if len(data[name]) != e["bytes"] or sha != e["sha256"]:
+        if spans[name][1] != e["bytes"] or sha != e["sha256"]:
             raise BundleError(f"{where}: entry {name}: size or sha256 differs from {HEADER}")
-    return Bundle(head, data)
+        if name.startswith("pages/"):
+            pages[name] = spans[name]
+        else:
+            data[name] = body
+    return Bundle(head, data, pages, fd, where)
+
+
+def _hash_span(fd: int, off: int, size: int, keep: bool) -> tuple[str, bytearray | None]:
+    """sha256 of `size` bytes at `off`, read in pieces into one buffer (the whole entry's
+    when `keep`, which is returned, else one piece's, reused)."""
+    h = hashlib.sha256()
+    buf = bytearray(size if keep else min(size, READ_CHUNK))
+    view, done = memoryview(buf), 0
+    while done < size:
+        n = min(READ_CHUNK, size - done)
+        piece = view[done:done + n] if keep else view[:n]
+        got = os.preadv(fd, [piece], off + done)
+        if got <= 0:
+            break  # shrank under us: the sha256 will not match
+        h.update(piece[:got])
+        done += got
+    return h.hexdigest(), (buf if keep else None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import shutil
 import threading
@@ -36,7 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from server.checkpoints import quota
-from server.checkpoints.files import Faults, fsync_dir, nbytes, wait_all
+from server.checkpoints.files import (Faults, fsync_dir, mkdirs_synced, nbytes, publish_files,
+                                      wait_all)
 from server.checkpoints.fingerprint import differing_fields, fingerprint_digest
 from server.checkpoints.publish import (SaveInput, SaveResult, manifest_bytes,
                                         publish_generation, sha256_parts)
@@ -74,9 +76,10 @@ class CheckpointStore:
         self.faults = faults or Faults()
         self._lock = threading.RLock()
         self._last_ms = 0
-        self.io_pool = ThreadPoolExecutor(io_threads or default_io_threads(),
-                                          thread_name_prefix="ninfer-ckio")
+        self.io_threads = io_threads or default_io_threads()
+        self.io_pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="ninfer-ckio")
         self.last_timings: dict[str, float] = {}  # the last save's or load's stages, seconds
+        self.pending_pages: set[str] = set()  # written by save_streamed, not yet listed
         with self._lock:
             quota.remove_staging(self)  # no save is in progress: leftovers are abandoned
 
@@ -157,6 +160,41 @@ class CheckpointStore:
             written = new_bytes + len(tokens) + state_len
             return SaveResult(SessionStatus.SAVED, None, gen, written, len(new_pages),
                               len(digests) - len(new_pages), evicted)
+
+    def save_streamed(self, principal: str, session: str, inp: SaveInput, fingerprint: dict,
+                      read_page, page_size) -> SaveResult:
+        """`save` of a state whose pages come one at a time from `read_page(digest, buf)`
+        (an import from a bundle: never all in memory; the page read into `buf`, a buffer of
+        at least `page_size(digest)` bytes reused from one page to the next).
+        `inp.pages` are all None and `inp.digests` all given. Under the store's lock: room for
+        every byte made first (the quota's order), then each page not on disk read, checked
+        against its digest and written (content-addressed, kept from collection until the
+        generation lists it; a failure leaves only pages no manifest lists, collected later),
+        a few at a time, then the generation published by `save`. Refuses like `save`; a page
+        whose bytes are not its digest raises (the bundle changed while it was imported)."""
+        with self._lock:
+            todo = [d for d in dict.fromkeys(inp.digests) if not self.page_path(d).exists()]
+            need = (sum(page_size(d) for d in todo) + 4 * len(inp.tokens)
+                    + nbytes(inp.state) + 8192)
+            try:
+                quota.make_room(self, need, keep=session_namespace(principal, session),
+                                live=frozenset(), fp_digest=fingerprint_digest(fingerprint))
+            except quota.QuotaExceeded:
+                return SaveResult(SessionStatus.REFUSED, "quota")
+            self.pending_pages = set(todo)
+            try:
+                mkdirs_synced({self.page_path(d).parent for d in todo}, self.io_pool)
+                bufs = [bytearray(max(map(page_size, todo), default=0))
+                        for _ in range(min(self.io_threads, len(todo)))]  # reused, window by window
+                for start in range(0, len(todo), len(bufs) or 1):
+                    part = todo[start:start + len(bufs)]
+                    data = wait_all([self.io_pool.submit(_checked, d, read_page, buf)
+                                     for d, buf in zip(part, bufs)])
+                    publish_files([(self.page_path(d), x) for d, x in zip(part, data)],
+                                  self.faults, self.io_pool)
+                return self.save(principal, session, inp, fingerprint)
+            finally:
+                self.pending_pages = set()
 
     # ---- load ----------------------------------------------------------------------------
     def load(self, principal: str, session: str, fingerprint: dict,
@@ -277,3 +315,10 @@ class StageTimer:
     def done(self) -> dict[str, float]:
         self.stages["total"] = time.perf_counter() - self.t0
         return self.stages
+
+
+def _checked(digest: str, read_page, buf):
+    data = read_page(digest, buf)
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ValueError(f"page {digest[:16]}: its bytes are not its digest")
+    return data

@@ -97,8 +97,9 @@ def prune_superseded(store, ns: str, newest: str) -> int:
 
 
 def collect_pages(store) -> int:
-    """Delete page files that no generation's manifest lists (and stray temporary files)."""
-    referenced = set()
+    """Delete page files that no generation's manifest lists (and stray temporary files),
+    except those a streamed save wrote for the generation it is about to publish."""
+    referenced = set(store.pending_pages)
     for sdir in _session_dirs(store):
         for gen in generations_newest_first(sdir):
             m = read_manifest(sdir / "generations" / gen)

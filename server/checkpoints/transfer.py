@@ -10,8 +10,9 @@ meanwhile, is skipped for the next one.
 
 Import verifies the whole bundle first (`read_bundle`), then the owner, the fingerprint against
 the receiving runtime's and the response rows against the receiving database; only then does it
-write: the checkpoint through `CheckpointStore.save` (the normal publish protocol, tagged with
-the receiver's secret), then the responses in one transaction. If that transaction fails, the
+write: the checkpoint through `CheckpointStore.save_streamed` (each page read from the bundle
+again, checked and written one at a time, then the normal publish protocol, tagged with the
+receiver's secret), then the responses in one transaction. If that transaction fails, the
 generation just published is removed again, so no half of an import stays.
 """
 from __future__ import annotations
@@ -152,8 +153,18 @@ def fingerprint_refusal(theirs: dict, ours: dict, complete: bool) -> str | None:
 
 def verify_for_import(path: Path, key: bytes, expected_fp: dict, complete: bool,
                       principal: str | None, rstore) -> tuple[Bundle, dict]:
-    """Every check an import makes before it writes; returns the bundle and its rows."""
+    """Every check an import makes before it writes; returns the bundle (open: close it)
+    and its rows."""
     b = read_bundle(path, key)
+    try:
+        return b, _check(b, path, expected_fp, complete, principal, rstore)
+    except BaseException:
+        b.close()
+        raise
+
+
+def _check(b: Bundle, path: Path, expected_fp: dict, complete: bool, principal: str | None,
+           rstore) -> dict:
     where, h = str(path), b.header
     if principal is not None and b.principal != principal:
         raise BundleError(f"{where}: bundle.json principal is another principal's, "
@@ -174,7 +185,7 @@ def verify_for_import(path: Path, key: bytes, expected_fp: dict, complete: bool,
         # header lists for it, so a page is its digest when the header says so: no second hash
         listed = {e["path"]: e["sha256"] for e in h["entries"]}
         for d in c["pages"]:
-            if f"pages/{d}" not in b.data or listed.get(f"pages/{d}") != d:
+            if f"pages/{d}" not in b.pages or listed.get(f"pages/{d}") != d:
                 raise BundleError(f"{where}: entry pages/{str(d)[:16]}: missing or not its "
                                   "digest")
         b.data["checkpoint/state.bin"]  # noqa: B018 - presence
@@ -185,26 +196,31 @@ def verify_for_import(path: Path, key: bytes, expected_fp: dict, complete: bool,
         response_rows.check_import(rstore, rows, where)
     except ValueError as e:
         raise BundleError(str(e)) from None
-    return b, rows
+    return rows
 
 
 def import_session(path: Path, key: bytes, store, rstore, expected_fp: dict, complete: bool,
                    principal: str | None = None) -> dict:
     """Verify the bundle at `path` completely, then publish it (`publish_verified`)."""
     b, rows = verify_for_import(path, key, expected_fp, complete, principal, rstore)
-    return publish_verified(b, rows, store, rstore, path)
+    with b:
+        return publish_verified(b, rows, store, rstore, path)
 
 
 def publish_verified(b: Bundle, rows: dict, store, rstore, path: Path) -> dict:
-    """A verified bundle's checkpoint into `store` (a CheckpointStore) and its responses into
+    """A verified bundle's checkpoint into `store` (a CheckpointStore; its pages read from
+    the bundle one at a time as they are written, `save_streamed`) and its responses into
     `rstore` (a ResponseStore)."""
     c = b.header["checkpoint"]
     inp = SaveInput(tokens=np.frombuffer(b.data["checkpoint/tokens.bin"], "<i4"),
-                    page_size=int(c["page_size"]),
-                    pages=[b.data[f"pages/{d}"] for d in c["pages"]],
-                    digests=[None] * len(c["pages"]), state=b.data["checkpoint/state.bin"],
+                    page_size=int(c["page_size"]), pages=[None] * len(c["pages"]),
+                    digests=list(c["pages"]), state=b.data["checkpoint/state.bin"],
                     head_response_id=c["head_response_id"])
-    res = store.save(b.principal, b.session, inp, b.header["fingerprint"])
+    try:
+        res = store.save_streamed(b.principal, b.session, inp, b.header["fingerprint"],
+                                  b.read_page, b.page_size)
+    except ValueError as e:  # a page's bytes are not its digest: checked before, so changed
+        raise BundleError(f"{path}: {e}: the bundle changed while it was imported") from None
     if res.status != SessionStatus.SAVED:
         raise BundleError(f"{path}: the checkpoint store refused the import: {res.reason}")
     try:
