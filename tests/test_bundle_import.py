@@ -67,7 +67,8 @@ def test_pages_are_read_again_one_at_a_time_as_they_are_written(tmp_path, store)
             reads.append(d)
             return b.read_page(d, buf)
         res = store.save_streamed("alice", "s", save_input(b), FP_A, read_page, b.page_size)
-    assert res.status == SessionStatus.SAVED and res.pages_written == 0  # written before
+    assert res.status == SessionStatus.SAVED and res.pages_written == 40
+    assert res.pages_reused == 0 and res.bytes_written >= 40 * 4096
     assert sorted(reads) == sorted(digests)  # each page read once, when written
     got = store.load("alice", "s", FP_A)
     assert got.state == "available" and [bytes(p) for p in got.pages] == pages

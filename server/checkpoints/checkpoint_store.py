@@ -192,9 +192,14 @@ class CheckpointStore:
                                      for d, buf in zip(part, bufs)])
                     publish_files([(self.page_path(d), x) for d, x in zip(part, data)],
                                   self.faults, self.io_pool)
-                return self.save(principal, session, inp, fingerprint)
+                res = self.save(principal, session, inp, fingerprint)
             finally:
                 self.pending_pages = set()
+            if res.status == SessionStatus.SAVED:  # the pages written here count as written
+                res.pages_written += len(todo)
+                res.pages_reused -= len(todo)
+                res.bytes_written += sum(map(page_size, todo))
+            return res
 
     # ---- load ----------------------------------------------------------------------------
     def load(self, principal: str, session: str, fingerprint: dict,
