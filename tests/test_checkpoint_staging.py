@@ -14,6 +14,7 @@ from engine.runtime.checkpoint_io import RUN_PAGES
 from engine.runtime.staging import StagingArena, StreamedPages, slot_plan
 from server.checkpoints.checkpoint_store import CheckpointStore
 from server.checkpoints.files import aligned_bytes
+from tests.kernel_checks import on_gpu
 from tests.test_checkpoint_store import FP_A, make_input, prompt_after
 
 # a 1,024-byte page split as two pool arrays' slices, as the store tests' pages are
@@ -246,3 +247,17 @@ def test_a_failed_device_transfer_is_a_miss_not_corruption(tiny_model, tmp_path,
         assert not list(store.quarantine_dir.iterdir())  # the files are fine
         monkeypatch.setattr(StreamedPages, "transfer", staticmethod(real))
         assert ck.restore_for("erin", "s-erin", follow) == "restored"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu(), reason="needs a CUDA device: run with -m gpu on the GPU machine")
+@pytest.mark.parametrize("case", ["continues", "bad page", "failed transfer"])
+def test_streamed_restore_on_the_gpu(tiny_model, tmp_path, monkeypatch, case):
+    """The three engine cases above on the GPU backend, where a run's transfer is a real
+    host-to-device copy out of its slot (no host copy first) and the scatter lands in HBM."""
+    if case == "continues":
+        test_a_restore_through_a_small_arena_continues_identically(tiny_model, tmp_path)
+    elif case == "bad page":
+        test_a_failed_streamed_restore_gives_its_pool_pages_back(tiny_model, tmp_path)
+    else:
+        test_a_failed_device_transfer_is_a_miss_not_corruption(tiny_model, tmp_path, monkeypatch)
