@@ -101,3 +101,19 @@ def test_pages_written_for_a_generation_not_yet_published_survive_collection(sto
     store.pending_pages = set()
     quota.collect_pages(store)
     assert not path.exists()
+
+
+def test_a_full_disk_refuses_the_import_as_save_does(tmp_path):
+    """ENOSPC while the pages are written: REFUSED with its reason, nothing published."""
+    from server.checkpoints.files import Faults
+
+    make_bundle(tmp_path / "b.bundle", 8)
+    full = CheckpointStore(tmp_path / "ck", quota_bytes=1 << 30, faults=Faults("enospc"))
+    try:
+        with read_bundle(tmp_path / "b.bundle", KEY) as b:
+            res = full.save_streamed("alice", "s", save_input(b), FP_A, b.read_page,
+                                     b.page_size)
+        assert (res.status, res.reason) == (SessionStatus.REFUSED, "enospc")
+        assert full.load("alice", "s", FP_A).state == "missing" and not full.pending_pages
+    finally:
+        full.close()

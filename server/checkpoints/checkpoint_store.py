@@ -193,6 +193,9 @@ class CheckpointStore:
                     publish_files([(self.page_path(d), x) for d, x in zip(part, data)],
                                   self.faults, self.io_pool)
                 res = self.save(principal, session, inp, fingerprint)
+            except OSError as e:  # as save: a full disk or an I/O error refuses, never raises
+                return SaveResult(SessionStatus.REFUSED,
+                                  errno.errorcode.get(e.errno, "io_error").lower())
             finally:
                 self.pending_pages = set()
             if res.status == SessionStatus.SAVED:  # the pages written here count as written
