@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from engine.io.loader import LoadedModel
 from engine.text.chat import ChatTemplateError, render_chat
 from engine.text.guard import ContentGuard
+from engine.text.tokenizer import id_list
 from server.errors import invalid
 from server.generation import context_exceeded
 from server.output_items import split_token_ids
@@ -73,9 +74,15 @@ def _render(m: LoadedModel, messages: list[dict], req: ResponseRequest, *,
         raise invalid(f"the conversation cannot be rendered: {e}", param="input") from None
 
 
-def render_full(m: LoadedModel, messages: list[dict], req: ResponseRequest) -> Prompt:
-    """Render and tokenize a whole conversation; find where its system turn ends."""
-    ids = encode(m, _render(m, messages, req))
+def render_full(m: LoadedModel, messages: list[dict], req: ResponseRequest,
+                limit: int | None = None) -> Prompt:
+    """Render and tokenize a whole conversation; find where its system turn ends. A prompt
+    of `limit` tokens or more is refused as soon as it is counted."""
+    arr = guard(m).encode_ids(_render(m, messages, req))
+    if limit is not None and len(arr) >= limit:
+        raise context_exceeded(limit, len(arr))
+    ids = id_list(arr)
+    del arr
     boundary = 0
     if messages and messages[0]["role"] == "system" and len(messages) > 1:
         head_msgs = messages[:1]
@@ -142,26 +149,20 @@ async def _extend(store, m: LoadedModel, principal: str, parent_id: str, new_mes
         return None
 
     def extended():  # on a worker thread: rendering, tokenizing, the context check
-        new = encode(m, END_OF_TURN + _render(m, list(new_messages), req, tools=False))
+        new = guard(m).encode_ids(END_OF_TURN + _render(m, list(new_messages), req, tools=False))
         n = len(seq) + len(new)
         if limit is not None and n >= limit:
-            del new  # millions of ids are freed here, not on the event loop
-            raise context_exceeded(limit, n)
-        return Prompt(seq + new, 0, len(seq), parent_id, new_items_from)
+            raise context_exceeded(limit, n)  # counted as an array: no list of ids was made
+        return Prompt(seq + id_list(new), 0, len(seq), parent_id, new_items_from)
     return await asyncio.to_thread(extended)
 
 
 def render_within(m: LoadedModel, messages: list[dict], req: ResponseRequest,
                   limit: int | None) -> Prompt:
-    """render_full, and the context check (`limit`: the context's tokens) on the same worker
-    thread: a prompt of millions of ids that is refused is freed there, not on the event loop
-    (the error's traceback holds no frame that still refers to it)."""
-    prompt = render_full(m, messages, req)
-    n = len(prompt.ids)
-    if limit is not None and n >= limit:
-        del prompt
-        raise context_exceeded(limit, n)
-    return prompt
+    """render_full with the context check (`limit`: the context's tokens), on a worker
+    thread: a prompt of millions of tokens is counted as an array and refused before any
+    list of its ids is made (making one, and freeing it, would hold the GIL for ~0.3 s)."""
+    return render_full(m, messages, req, limit)
 
 
 async def build_prompt(store: ResponseStore, m: LoadedModel, req: ResponseRequest,

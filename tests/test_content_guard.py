@@ -109,9 +109,9 @@ def test_the_server_counts_forged_turns_as_text(server, tok):
 
 
 def test_windowed_pre_tokenizing_normalizing_and_shielding_equal_the_whole(tok):
-    """Long texts are pre-tokenized, NFC-normalized and shielded a window at a time (each call
-    then holds the GIL briefly); on random text, with windows a few characters wide, each
-    equals the one-pass result."""
+    """Long texts are pre-tokenized, NFC-normalized, shielded and scanned for the template's
+    tokens a window at a time (each call then holds the GIL briefly); on random text, with
+    windows a few characters wide, each equals the one-pass result."""
     import random
 
     import engine.text.guard as G
@@ -123,9 +123,9 @@ def test_windowed_pre_tokenizing_normalizing_and_shielding_equal_the_whole(tok):
                 "\n\n", "\t", "'s", "123", "!!", "<|im_end|>", "<tool_call>", "<|im_", "end|>",
                 "\ue000", "\ue001", "A\u030a", "\r\n", "   \n"]
     pre = tok._tk.pre_tokenizer
-    saved = (T.PIECE_MARGIN, G.SCAN_WINDOW)
+    saved = (T.PIECE_MARGIN, G.SCAN_WINDOW, T.ID_BATCH)
     try:
-        T.PIECE_MARGIN, G.SCAN_WINDOW = 16, 7
+        T.PIECE_MARGIN, G.SCAN_WINDOW, T.ID_BATCH = 16, 7, 5
         for _ in range(200):
             text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 1500)))
             whole = [p for p, _ in pre.pre_tokenize_str(text)]
@@ -135,5 +135,9 @@ def test_windowed_pre_tokenizing_normalizing_and_shielding_equal_the_whole(tok):
                     tok._tk.normalizer.normalize_str(text)
             assert guard._shield_text(text) == guard._shieldable.sub(
                 lambda m: f"{G.OPEN}{guard._index[m.group(0)]}{G.CLOSE}", text)
+            assert [m.span() for m in guard._windowed(guard._structural, text)] == \
+                [m.span() for m in guard._structural.finditer(text)]
+            ids = tok.ordinary_ids(text)  # made into a list 5 ids at a time
+            assert T.id_list(ids) == ids.tolist() and len(ids) > 5
     finally:
-        T.PIECE_MARGIN, G.SCAN_WINDOW = saved
+        T.PIECE_MARGIN, G.SCAN_WINDOW, T.ID_BATCH = saved

@@ -15,8 +15,9 @@ tokens of its characters. A conversation without such text encodes to the same i
 from __future__ import annotations
 
 import re
+from array import array
 
-from engine.text.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer, id_list
 
 OPEN, CLOSE = "\ue000", "\ue001"  # private-use: they open and close a shielded string's index
 SCAN_WINDOW = 1 << 20  # characters a regex pass over request text covers at a time
@@ -45,20 +46,27 @@ class ContentGuard:
             return type(value)(self.shield(v) for v in value)
         return value
 
-    def _shield_text(self, text: str) -> str:
-        """One string shielded, scanned a window at a time: a single regex pass over
-        megabytes would hold the GIL for a fifth of a second (this runs beside the server's
-        event loop). A match starting in a window is taken whole (it is at most `_longest`
-        long); the next window starts after it."""
-        out, pos, last, n = [], 0, 0, len(text)
+    def _windowed(self, pattern: re.Pattern, text: str):
+        """`pattern.finditer(text)` (for patterns of added-token strings and marks), a window
+        at a time: a single regex pass over megabytes holds the GIL for a fifth of a second
+        (this runs beside the server's event loop). A match starting in a window is taken
+        whole (it is at most `_longest` long); the next window starts after it."""
+        pos, last, n = 0, 0, len(text)
         while pos < n:
             end = min(n, pos + SCAN_WINDOW)
-            for m in self._shieldable.finditer(text, pos, min(n, end + self._longest)):
+            for m in pattern.finditer(text, pos, min(n, end + self._longest)):
                 if m.start() >= end:
                     break
-                out += [text[last:m.start()], f"{OPEN}{self._index[m.group(0)]}{CLOSE}"]
+                yield m
                 last = m.end()
             pos = max(end, last)
+
+    def _shield_text(self, text: str) -> str:
+        """One string shielded."""
+        out, last = [], 0
+        for m in self._windowed(self._shieldable, text):
+            out += [text[last:m.start()], f"{OPEN}{self._index[m.group(0)]}{CLOSE}"]
+            last = m.end()
         if not out:
             return text
         out.append(text[last:])
@@ -72,16 +80,21 @@ class ContentGuard:
     def encode(self, rendered: str) -> list[int]:
         """Token ids of a prompt rendered from shielded values: the template's added tokens
         are control tokens, everything else (shielded strings restored) is ordinary text."""
+        return id_list(self.encode_ids(rendered))
+
+    def encode_ids(self, rendered: str) -> array:
+        """`encode`'s ids as an `array("i")` (see `Tokenizer.ordinary_ids`): a prompt can be
+        counted, and refused, before millions of ints are made of it."""
         tk = self.tokenizer
         if self._structural is None:
-            return tk.encode_ordinary(self._unshield(rendered))
-        ids: list[int] = []
+            return tk.ordinary_ids(self._unshield(rendered))
+        ids = array("i")
         pos = 0
-        for m in self._structural.finditer(rendered):
+        for m in self._windowed(self._structural, rendered):
             if m.start() > pos:
-                ids += tk.encode_ordinary(self._unshield(rendered[pos:m.start()]))
+                ids += tk.ordinary_ids(self._unshield(rendered[pos:m.start()]))
             ids.append(tk.id_of(m.group(0)))
             pos = m.end()
         if pos < len(rendered):
-            ids += tk.encode_ordinary(self._unshield(rendered[pos:]))
+            ids += tk.ordinary_ids(self._unshield(rendered[pos:]))
         return ids
