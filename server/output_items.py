@@ -3,7 +3,7 @@
 With thinking on, generation starts inside `<think>` (the chat template's generation prompt ends
 with it): everything up to `</think>` is a `reasoning` item. The rest goes through the tool-call
 parser (engine/text/toolcall.py): its text is a `message` item, each complete call a `function_call`
-item. A message item is opened at its first character and closed when a call follows it or the
+item (only when the request offered tools: without, the markup is the message's text). A message item is opened at its first character and closed when a call follows it or the
 output ends; text after a call opens a new message item.
 
 `OutputAssembler.push(text)` / `.finish(status)` return a list of `Op`s, which the SSE layer turns
@@ -40,7 +40,8 @@ class OutputAssembler:
     def __init__(self, *, tools: list[dict] | None, thinking: bool, summary: bool = False,
                  message_id: str | None = None, sealer=None):
         self.items: list[dict] = []
-        self._parser = StreamingToolParser(tools)
+        # no tools offered: call markup the model writes stays in its message, as text
+        self._parser = StreamingToolParser(tools, calls=bool(tools))
         self.thinking = thinking  # as asked: the output starts inside <think>
         self._thinking = thinking
         self._summary = summary

@@ -115,6 +115,27 @@ def test_thinking_text_and_calls_become_items_in_order():
     assert all(i["status"] == "completed" for i in asm.items)
 
 
+@pytest.mark.parametrize("tools", [None, []])
+def test_without_tools_call_markup_stays_message_text(tools):
+    """A request that offered no tools gets no function_call back: markup the model writes
+    is its message, character for character (what `.strip()` keeps), in any split."""
+    text = "Here:\n" + CALL + "\n" + CALL[:40]
+    for cuts in ([len(text)], [3, 20, 41, 90, 130]):
+        asm = OutputAssembler(tools=tools, thinking=False)
+        pieces, last = [], 0
+        for c in cuts:
+            pieces.append(text[last:c])
+            last = c
+        pieces.append(text[last:])
+        ops = _run(asm, pieces)
+        assert [i["type"] for i in asm.items] == ["message"]
+        assert asm.items[0]["content"][0]["text"] == text.strip()
+        assert "".join(o.text for o in ops if o.kind == "text_delta") == text.strip()
+    asm = OutputAssembler(tools=TOOLS, thinking=False)  # the same text with tools: a call
+    _run(asm, [text])
+    assert [i["type"] for i in asm.items] == ["message", "function_call", "message"]
+
+
 def test_unfinished_thinking_is_an_incomplete_reasoning_item():
     asm = OutputAssembler(tools=None, thinking=True)
     _run(asm, ["still thinking </thi"], status="incomplete")

@@ -118,8 +118,11 @@ def parse_tool_calls(text: str, tools: list[dict] | None) -> ParseResult:
 class StreamingToolParser:
     """Incremental form of `parse_tool_calls`: feed deltas, then call `finish()` once."""
 
-    def __init__(self, tools: list[dict] | None):
+    def __init__(self, tools: list[dict] | None, calls: bool = True):
+        """calls=False: every character is text, `<tool_call>` markup included (a request
+        that offered no tools gets no calls back, only what the model wrote)."""
         self._schemas = index_tools(tools)
+        self._find_calls = calls
         self._buf = ""
         self._started = False  # a non-whitespace character of content has been emitted
         self._pending_ws = ""  # trailing whitespace, emitted only if more content follows
@@ -139,7 +142,10 @@ class StreamingToolParser:
         return self._drain(final=True)
 
     def _drain(self, final: bool) -> list[Event]:
-        pieces, self._buf = _scan(self._buf, self._schemas, final)
+        if self._find_calls:
+            pieces, self._buf = _scan(self._buf, self._schemas, final)
+        else:
+            pieces, self._buf = [self._buf], ""
         events: list[Event] = []
         for p in pieces:
             if isinstance(p, str):
