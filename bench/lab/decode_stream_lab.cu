@@ -7,7 +7,7 @@
 //        bench/lab/decode_stream_lab.cu -o decode_stream_lab
 //   ./decode_stream_lab [--reps 15] [--stages 16] [--variants stream,barrier,barrier_pf,
 //        flags,flags_pf,graph,feed] [--no-shapes] [--seed N] [--json out.json] [--copy-mb 2048]
-//        [--evict-first]
+//        [--evict-first] [--packed]
 //
 // What it measures, all in one process, as fractions of ceilings measured in the same run:
 // - the copy ceiling: a 2 GiB device-to-device cudaMemcpy, (bytes read + bytes written) / time;
@@ -28,7 +28,8 @@
 //                 form; the launch boundary is the dependency);
 //     feed        diagnostic: stream, but consumers release every slot unread (the ring's
 //                 feed alone, no arithmetic; its sums are wrong and its error is meaningless).
-//   --evict-first puts an L2 evict_first policy on the bulk copies.
+//   --evict-first puts an L2 evict_first policy on the bulk copies; --packed stores the
+//   weights a stage at a time (packed_code), so a stage is one bulk copy instead of 32.
 //
 // The body. One CTA an SM (persistent, cooperative launch), 8 consumer warps and one producer
 // thread. The producer walks the CTA's work in order and feeds a ring of shared-memory slots
@@ -118,7 +119,24 @@ struct Params {
   int stages;
   int nomath;  // consumers release each slot unread (the ring's feed alone; wrong sums)
   int hint;    // bulk copies carry an L2 evict_first policy
+  int packed;  // weights stored a stage at a time: one 9216-byte bulk copy a stage (--packed)
 };
+
+// --packed: a GEMV's codes and scales stored as the stages the ring takes, stage (t, c) of
+// tile t and chunk c at ((t * C + c) * kStageTx): 16 rows of 512 code bytes, the 32-byte
+// units of row r at unit u ^ (r & 3), then 16 rows of 64 scale bytes, the 8-byte units of
+// row r at v ^ ((r >> 1) & 3). The XORs put the consumers' reads of 8 rows on distinct banks
+// (what the padding does in the default layout), so one bulk copy moves a stage.
+__host__ __device__ __forceinline__ int64_t packed_code(int row, int kb, int k) {
+  const int t = row / kRows, r = row % kRows, c = kb / kCodeRow, u = (kb % kCodeRow) / 32;
+  return (static_cast<int64_t>(t) * (k / kChunk) + c) * kStageTx + r * kCodeRow +
+         ((u ^ (r & 3)) * 32) + kb % 32;
+}
+__host__ __device__ __forceinline__ int64_t packed_scale(int row, int gi, int k) {
+  const int t = row / kRows, r = row % kRows, c = gi / 16, v = (gi % 16) / 2;
+  return (static_cast<int64_t>(t) * (k / kChunk) + c) * kStageTx + kRows * kCodeRow +
+         r * kScaleRow + ((v ^ ((r >> 1) & 3)) * 8) + (gi % 2) * 4;
+}
 
 // Does the tile starting at row r0 of a GEMV with n rows feed chunk c of the next GEMV's x (k
 // inputs, x[j] = y[j mod n])?
@@ -297,7 +315,13 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
           mbar_wait(empty + slot, ph ^ 1u);
           mbar_expect(full + slot, kStageTx);
           uint8_t* dst = ring + slot * kSlotBytes;
-          if (p.hint) {
+          if (p.packed) {
+            const uint8_t* src = gv.w + (static_cast<int64_t>(t) * C + c) * kStageTx;
+            if (p.hint)
+              bulk_copy_hint(dst, src, kStageTx, full + slot, policy);
+            else
+              bulk_copy(dst, src, kStageTx, full + slot);
+          } else if (p.hint) {
 #pragma unroll
             for (int r = 0; r < kRows; ++r)
               bulk_copy_hint(dst + r * kCodeStride, wsrc + r * rowb + c * kCodeRow, kCodeRow,
@@ -379,15 +403,28 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
             continue;
           }
           const uint8_t* sl = ring + slot * kSlotBytes;
-          const uint8_t* cg = sl + g * kCodeStride + warp * 64 + tq * 8;
-          const uint2 wg0 = *reinterpret_cast<const uint2*>(cg);
-          const uint2 wg1 = *reinterpret_cast<const uint2*>(cg + 32);
-          const uint2 wh0 = *reinterpret_cast<const uint2*>(cg + 8 * kCodeStride);
-          const uint2 wh1 = *reinterpret_cast<const uint2*>(cg + 8 * kCodeStride + 32);
-          const float2 sg =
-              *reinterpret_cast<const float2*>(sl + kSlotCodes + g * kScaleStride + warp * 8);
-          const float2 sh = *reinterpret_cast<const float2*>(sl + kSlotCodes +
-                                                             (g + 8) * kScaleStride + warp * 8);
+          uint2 wg0, wg1, wh0, wh1;
+          float2 sg, sh;
+          if (p.packed) {  // rows 512 B apart, units swizzled (packed_code, packed_scale)
+            const uint8_t* cr = sl + g * kCodeRow + tq * 8;
+            const int u0 = ((2 * warp) ^ (g & 3)) * 32, u1 = ((2 * warp + 1) ^ (g & 3)) * 32;
+            wg0 = *reinterpret_cast<const uint2*>(cr + u0);
+            wg1 = *reinterpret_cast<const uint2*>(cr + u1);
+            wh0 = *reinterpret_cast<const uint2*>(cr + 8 * kCodeRow + u0);
+            wh1 = *reinterpret_cast<const uint2*>(cr + 8 * kCodeRow + u1);
+            const uint8_t* sr = sl + kRows * kCodeRow + ((warp ^ ((g >> 1) & 3)) * 8);
+            sg = *reinterpret_cast<const float2*>(sr + g * kScaleRow);
+            sh = *reinterpret_cast<const float2*>(sr + (g + 8) * kScaleRow);
+          } else {
+            const uint8_t* cg = sl + g * kCodeStride + warp * 64 + tq * 8;
+            wg0 = *reinterpret_cast<const uint2*>(cg);
+            wg1 = *reinterpret_cast<const uint2*>(cg + 32);
+            wh0 = *reinterpret_cast<const uint2*>(cg + 8 * kCodeStride);
+            wh1 = *reinterpret_cast<const uint2*>(cg + 8 * kCodeStride + 32);
+            sg = *reinterpret_cast<const float2*>(sl + kSlotCodes + g * kScaleStride + warp * 8);
+            sh = *reinterpret_cast<const float2*>(sl + kSlotCodes + (g + 8) * kScaleStride +
+                                                  warp * 8);
+          }
           const uint4* xq = xs + c * 16 + tq * 2;
           const uint4 x00 = xq[0], x01 = xq[1], x10 = xq[8], x11 = xq[9];
           __syncwarp();
@@ -468,7 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
 
 // f64 reference of one GEMV from x[k] = clamp(src[k mod xn]) (f32, not rounded to f16): a warp
 // a row.
-__global__ void reference(Gemv g, const float* src, int xn, double* out) {
+__global__ void reference(Gemv g, const float* src, int xn, double* out, int packed) {
   const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= g.n) return;
   double acc = 0.0;
@@ -476,12 +513,13 @@ __global__ void reference(Gemv g, const float* src, int xn, double* out) {
     const uint8_t* cb = g.w + static_cast<int64_t>(row) * (g.k / 2) + gi * 32;
     double part = 0.0;
     for (int bb = 0; bb < 32; ++bb) {
-      const int byte = cb[bb];
+      const int byte = packed ? g.w[packed_code(row, gi * 32 + bb, g.k)] : cb[bb];
       const int k = 64 * gi + 2 * bb;
       part += static_cast<double>((byte & 15) - 8) * clamp4(src[k % xn]);
       part += static_cast<double>((byte >> 4) - 8) * clamp4(src[(k + 1) % xn]);
     }
-    acc += part * g.s[static_cast<int64_t>(row) * (g.k / 64) + gi];
+    acc += part * (packed ? *reinterpret_cast<const float*>(g.w + packed_scale(row, gi, g.k))
+                          : g.s[static_cast<int64_t>(row) * (g.k / 64) + gi]);
   }
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   if (lane == 0) out[row] = acc;
@@ -561,7 +599,7 @@ static double median(std::vector<double> v) {
 }
 
 int main(int argc, char** argv) {
-  int reps = 15, stages = 16, copy_mb = 2048, hint = 0;
+  int reps = 15, stages = 16, copy_mb = 2048, hint = 0, packed = 0;
   bool shapes = true;
   uint64_t seed = static_cast<uint64_t>(time(nullptr));
   std::string variants = "stream,barrier,barrier_pf,flags,flags_pf,graph", json_path;
@@ -582,10 +620,11 @@ int main(int argc, char** argv) {
     else if (a == "--json") json_path = val();
     else if (a == "--copy-mb") copy_mb = atoi(val());
     else if (a == "--evict-first") hint = 1;
+    else if (a == "--packed") packed = 1;
     else {
       fprintf(stderr,
               "usage: %s [--reps N] [--stages S] [--variants v,...] [--no-shapes] [--seed N] "
-              "[--json PATH] [--copy-mb MB] [--evict-first]\n",
+              "[--json PATH] [--copy-mb MB] [--evict-first] [--packed]\n",
               argv[0]);
       return 2;
     }
@@ -755,11 +794,12 @@ int main(int argc, char** argv) {
   if (js)
     fprintf(js,
             "{\"device\": \"%s\", \"sms\": %d, \"regs\": %d, \"local_bytes\": %d, "
-            "\"smem_bytes\": %d, \"stages\": %d, \"evict_first\": %d, \"seed\": %llu, "
+            "\"smem_bytes\": %d, \"stages\": %d, \"evict_first\": %d, \"packed\": %d, "
+            "\"seed\": %llu, "
             "\"copy_ceiling_tbps\": %.4f, "
             "\"copy_us\": %.2f, \"copy_mib\": %d, \"sequences\": [\n",
             prop.name, prop.multiProcessorCount, fa.numRegs, static_cast<int>(fa.localSizeBytes),
-            smem, stages, hint, static_cast<unsigned long long>(seed), copy_tbps, copy_us,
+            smem, stages, hint, packed, static_cast<unsigned long long>(seed), copy_tbps, copy_us,
             copy_mb);
 
   struct Row {
@@ -835,7 +875,7 @@ int main(int argc, char** argv) {
       CK(cudaMemsetAsync(bar, 0, max_items * 4, st));
       CK(cudaMemsetAsync(cnt, 0, max_items * kCntStride * 4, st));
       unsigned epoch = 0;
-      Params prm{dg, ditems, n, mode, pf, 0, bar, cnt, expect, xin, stages, nomath, hint};
+      Params prm{dg, ditems, n, mode, pf, 0, bar, cnt, expect, xin, stages, nomath, hint, packed};
       cudaGraphExec_t exec = nullptr;
       if (mode == kNoWait) {  // one launch a GEMV, captured as a graph
         cudaGraph_t gr;
@@ -885,7 +925,7 @@ int main(int argc, char** argv) {
           src = hg[q.g[s - 1]].y;
           xn = layers[q.g[s - 1]].n;
         }
-        reference<<<(layers[j].n + 7) / 8, 256, 0, st>>>(hg[j], src, xn, dref);
+        reference<<<(layers[j].n + 7) / 8, 256, 0, st>>>(hg[j], src, xn, dref, packed);
         CK(cudaGetLastError());
         std::vector<double> ref(layers[j].n);
         CK(cudaMemcpyAsync(ref.data(), dref, layers[j].n * 8, cudaMemcpyDeviceToHost, st));
