@@ -126,6 +126,7 @@ def test_windowed_pre_tokenizing_normalizing_and_shielding_equal_the_whole(tok):
     saved = (T.PIECE_MARGIN, G.SCAN_WINDOW, T.ID_BATCH)
     try:
         T.PIECE_MARGIN, G.SCAN_WINDOW, T.ID_BATCH = 16, 7, 5
+        batched = 0
         for _ in range(200):
             text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 1500)))
             whole = [p for p, _ in pre.pre_tokenize_str(text)]
@@ -138,6 +139,8 @@ def test_windowed_pre_tokenizing_normalizing_and_shielding_equal_the_whole(tok):
             assert [m.span() for m in guard._windowed(guard._structural, text)] == \
                 [m.span() for m in guard._structural.finditer(text)]
             ids = tok.ordinary_ids(text)  # made into a list 5 ids at a time
-            assert T.id_list(ids) == ids.tolist() and len(ids) > 5
+            assert T.id_list(ids) == ids.tolist()
+            batched += len(ids) > 5
+        assert batched > 100  # most texts took more than one batch
     finally:
         T.PIECE_MARGIN, G.SCAN_WINDOW, T.ID_BATCH = saved
