@@ -157,14 +157,6 @@ async def _extend(store, m: LoadedModel, principal: str, parent_id: str, new_mes
     return await asyncio.to_thread(extended)
 
 
-def render_within(m: LoadedModel, messages: list[dict], req: ResponseRequest,
-                  limit: int | None) -> Prompt:
-    """render_full with the context check (`limit`: the context's tokens), on a worker
-    thread: a prompt of millions of tokens is counted as an array and refused before any
-    list of its ids is made (making one, and freeing it, would hold the GIL for ~0.3 s)."""
-    return render_full(m, messages, req, limit)
-
-
 async def build_prompt(store: ResponseStore, m: LoadedModel, req: ResponseRequest,
                        principal: str, limit: int | None = None) -> Prompt:
     prev = req.previous_response_id
@@ -176,7 +168,7 @@ async def build_prompt(store: ResponseStore, m: LoadedModel, req: ResponseReques
             prompt = await _extend(store, m, principal, rec.id, new, req, start, limit)
             if prompt is not None:
                 return prompt
-        return await asyncio.to_thread(render_within, m, list(req.messages), req, limit)
+        return await asyncio.to_thread(render_full, m, list(req.messages), req, limit)
     parent = await asyncio.to_thread(store.continuation, principal, prev, req.prompt_cache_key)
     if parent is None:
         raise not_found(prev)
@@ -189,7 +181,7 @@ async def build_prompt(store: ResponseStore, m: LoadedModel, req: ResponseReques
         raise not_found(prev)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     return await asyncio.to_thread(
-        render_within, m, system + _history_messages(entries) + list(req.input_messages), req,
+        render_full, m, system + _history_messages(entries) + list(req.input_messages), req,
         limit)
 
 

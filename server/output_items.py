@@ -3,8 +3,9 @@
 With thinking on, generation starts inside `<think>` (the chat template's generation prompt ends
 with it): everything up to `</think>` is a `reasoning` item. The rest goes through the tool-call
 parser (engine/text/toolcall.py): its text is a `message` item, each complete call a `function_call`
-item (only when the request offered tools: without, the markup is the message's text). A message item is opened at its first character and closed when a call follows it or the
-output ends; text after a call opens a new message item.
+item (only when the request offered tools: without, the markup is the message's text). A message
+item is opened at its first character and closed when a call follows it or the output ends; text
+after a call opens a new message item.
 
 `OutputAssembler.push(text)` / `.finish(status)` return a list of `Op`s, which the SSE layer turns
 into events and the non-streaming path just applies. The finished `items` list is what the response

@@ -33,7 +33,7 @@ async def _begin(rt: Runtime, request: Request, req: ResponseRequest) -> Run:
     trace = request.ctx.trace = rt.obs.new_request(request.ctx.principal, new_id("resp"))
     m = require_model(rt, req.model)
     async with offload.slot(request.ctx.principal):  # rendering and tokenizing: off the loop
-        prompt = await asyncio.to_thread(chains.render_within, m, list(req.messages), req,
+        prompt = await asyncio.to_thread(chains.render_full, m, list(req.messages), req,
                                          rt.context_tokens)
     return await Run.begin(rt, m, req, trace, request.ctx.principal, prompt)
 
