@@ -550,6 +550,19 @@ __global__ void fill_scales(float* p, int64_t n, int k, uint64_t seed) {
     p[i] = base * (0.5f + (mix(seed * 0x2545F4914F6CDD1Dull + i) >> 8) * (1.0f / 16777216.0f));
 }
 
+// --packed: the same scale values as fill_scales, written where packed_scale puts them (the
+// codes' fill covers the whole stage layout first, scale slots included).
+__global__ void fill_scales_packed(uint8_t* w, int n, int k, uint64_t seed) {
+  const float base = 1.0f / (4.61f * sqrtf(static_cast<float>(k)));
+  const int64_t total = static_cast<int64_t>(n) * (k / 64);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int row = static_cast<int>(i / (k / 64)), gi = static_cast<int>(i % (k / 64));
+    *reinterpret_cast<float*>(w + packed_scale(row, gi, k)) =
+        base * (0.5f + (mix(seed * 0x2545F4914F6CDD1Dull + i) >> 8) * (1.0f / 16777216.0f));
+  }
+}
+
 __global__ void fill_x(float* p, int n, uint64_t seed) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
     p[i] = ((mix(seed * 31 + i) >> 8) * (1.0f / 16777216.0f) - 0.5f) * 3.0f;
@@ -693,12 +706,17 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&expect, max_items * kCntStride * 4));
   CK(cudaMalloc(&sink, 16));
   for (int j = 0; j < total; ++j) {
+    // packed: the stage layout interleaves codes and scales over the whole range (9/16 B a
+    // weight), so the codes' fill covers it all and the scales go to their packed slots
+    const int64_t nk = static_cast<int64_t>(layers[j].n) * layers[j].k;
     fill_codes<<<2048, 256>>>(reinterpret_cast<uint4*>(wbuf + woff[j]),
-                              static_cast<int64_t>(layers[j].n) * layers[j].k / 32,
-                              seed * 1000 + j);
-    fill_scales<<<2048, 256>>>(reinterpret_cast<float*>(wbuf + soff[j]),
-                               static_cast<int64_t>(layers[j].n) * (layers[j].k / 64),
-                               layers[j].k, seed * 7000 + j);
+                              packed ? nk * 9 / 256 : nk / 32, seed * 1000 + j);
+    if (packed)
+      fill_scales_packed<<<2048, 256>>>(wbuf + woff[j], layers[j].n, layers[j].k,
+                                        seed * 7000 + j);
+    else
+      fill_scales<<<2048, 256>>>(reinterpret_cast<float*>(wbuf + soff[j]),
+                                 nk / 64, layers[j].k, seed * 7000 + j);
   }
   fill_x<<<64, 256>>>(xin, kMaxK, seed);
   CK(cudaGetLastError());
