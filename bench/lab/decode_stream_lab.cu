@@ -7,7 +7,7 @@
 //        bench/lab/decode_stream_lab.cu -o decode_stream_lab
 //   ./decode_stream_lab [--reps 15] [--stages 16] [--variants stream,barrier,barrier_pf,
 //        flags,flags_pf,graph,feed] [--no-shapes] [--seed N] [--json out.json] [--copy-mb 2048]
-//        [--evict-first] [--packed]
+//        [--evict-first] [--packed] [--release-red]
 //
 // What it measures, all in one process, as fractions of ceilings measured in the same run:
 // - the copy ceiling: a 2 GiB device-to-device cudaMemcpy, (bytes read + bytes written) / time;
@@ -29,7 +29,9 @@
 //     feed        diagnostic: stream, but consumers release every slot unread (the ring's
 //                 feed alone, no arithmetic; its sums are wrong and its error is meaningless).
 //   --evict-first puts an L2 evict_first policy on the bulk copies; --packed stores the
-//   weights a stage at a time (packed_code), so a stage is one bulk copy instead of 32.
+//   weights a stage at a time (packed_code), so a stage is one bulk copy instead of 32;
+//   --release-red publishes flags with one red.release.gpu a chunk instead of a __threadfence
+//   and atomicAdds after each tile.
 //
 // The body. One CTA an SM (persistent, cooperative launch), 8 consumer warps and one producer
 // thread. The producer walks the CTA's work in order and feeds a ring of shared-memory slots
@@ -120,6 +122,7 @@ struct Params {
   int nomath;  // consumers release each slot unread (the ring's feed alone; wrong sums)
   int hint;    // bulk copies carry an L2 evict_first policy
   int packed;  // weights stored a stage at a time: one 9216-byte bulk copy a stage (--packed)
+  int relred;  // flags published by red.release.gpu instead of __threadfence + atomicAdd
 };
 
 // --packed: a GEMV's codes and scales stored as the stages the ring takes, stage (t, c) of
@@ -197,6 +200,12 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+
+// One release-ordered add at GPU scope: the writes this thread has seen (the tile's y, ordered by
+// the __syncwarp before it) are visible to whoever acquires the counter, without a full fence.
+__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void spin_geq(const unsigned* p, unsigned target) {
@@ -481,10 +490,14 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
           if (p.mode == kFlags && s + 1 < p.count) {
             __syncwarp();
             if (lane == 0) {
-              __threadfence();
+              if (!p.relred) __threadfence();
               for (int c2 = 0; c2 < knext / kChunk; ++c2)
-                if (feeds(t * kRows, gv.n, knext, c2))
-                  atomicAdd(p.cnt + (s + 1) * kCntStride + c2, 1u);
+                if (feeds(t * kRows, gv.n, knext, c2)) {
+                  if (p.relred)
+                    red_release_add(p.cnt + (s + 1) * kCntStride + c2, 1u);
+                  else
+                    atomicAdd(p.cnt + (s + 1) * kCntStride + c2, 1u);
+                }
             }
           }
         }
@@ -612,7 +625,7 @@ static double median(std::vector<double> v) {
 }
 
 int main(int argc, char** argv) {
-  int reps = 15, stages = 16, copy_mb = 2048, hint = 0, packed = 0;
+  int reps = 15, stages = 16, copy_mb = 2048, hint = 0, packed = 0, relred = 0;
   bool shapes = true;
   uint64_t seed = static_cast<uint64_t>(time(nullptr));
   std::string variants = "stream,barrier,barrier_pf,flags,flags_pf,graph", json_path;
@@ -634,10 +647,11 @@ int main(int argc, char** argv) {
     else if (a == "--copy-mb") copy_mb = atoi(val());
     else if (a == "--evict-first") hint = 1;
     else if (a == "--packed") packed = 1;
+    else if (a == "--release-red") relred = 1;
     else {
       fprintf(stderr,
               "usage: %s [--reps N] [--stages S] [--variants v,...] [--no-shapes] [--seed N] "
-              "[--json PATH] [--copy-mb MB] [--evict-first] [--packed]\n",
+              "[--json PATH] [--copy-mb MB] [--evict-first] [--packed] [--release-red]\n",
               argv[0]);
       return 2;
     }
@@ -813,11 +827,12 @@ int main(int argc, char** argv) {
     fprintf(js,
             "{\"device\": \"%s\", \"sms\": %d, \"regs\": %d, \"local_bytes\": %d, "
             "\"smem_bytes\": %d, \"stages\": %d, \"evict_first\": %d, \"packed\": %d, "
-            "\"seed\": %llu, "
+            "\"release_red\": %d, \"seed\": %llu, "
             "\"copy_ceiling_tbps\": %.4f, "
             "\"copy_us\": %.2f, \"copy_mib\": %d, \"sequences\": [\n",
             prop.name, prop.multiProcessorCount, fa.numRegs, static_cast<int>(fa.localSizeBytes),
-            smem, stages, hint, packed, static_cast<unsigned long long>(seed), copy_tbps, copy_us,
+            smem, stages, hint, packed, relred, static_cast<unsigned long long>(seed), copy_tbps,
+            copy_us,
             copy_mb);
 
   struct Row {
@@ -893,7 +908,8 @@ int main(int argc, char** argv) {
       CK(cudaMemsetAsync(bar, 0, max_items * 4, st));
       CK(cudaMemsetAsync(cnt, 0, max_items * kCntStride * 4, st));
       unsigned epoch = 0;
-      Params prm{dg, ditems, n, mode, pf, 0, bar, cnt, expect, xin, stages, nomath, hint, packed};
+      Params prm{dg, ditems, n, mode, pf, 0, bar, cnt, expect, xin, stages, nomath, hint, packed,
+                 relred};
       cudaGraphExec_t exec = nullptr;
       if (mode == kNoWait) {  // one launch a GEMV, captured as a graph
         cudaGraph_t gr;
