@@ -12,7 +12,8 @@ model should write, ending with <|im_end|>. Tasks:
 - read:      with OMP's read/bash tools offered, "Read the file P" -> a read call with path P
 - bash:      "Run the command: C" -> a bash call with command C
 - followup:  after a read call and its tool_response, a one-line answer quoting the file
-- retrieve:  a "The code for K is V." planted late in filler text; "What is the code for K?" -> V
+- retrieve:  a fact ("The code for K is V." and other forms) planted late in filler text (words or
+             a log); the question for K -> V
 
 Held out from training: the path src/unseen_name.py (the tests ask for it). Everything is drawn
 from a numpy Generator the caller seeds, so the data is a pure function of the seed; the
@@ -219,29 +220,60 @@ def chat_sample(rng, task: str):
     raise ValueError(task)
 
 
+FACTS = [("The code for {k} is {v}.", "What is the code for {k}?"),
+         ("Remember: the {k} key is {v}.", "What is the {k} key? Reply with the key only."),
+         ("Note that the {k} code is {v}.", "What is the {k} code?"),
+         ("{K} id: {v}", "Which id does {k} have? Give only the id.")]
+
+
+def _value(rng) -> str:
+    """A value to plant: four distinct digits, or digits and an upper-case word."""
+    digits = "".join(str(d) for d in rng.permutation(10)[:4])
+    kind = rng.integers(3)
+    if kind == 0:
+        return digits
+    word = _word(rng).upper()
+    if kind == 1:
+        return f"{digits}-{word}-{int(rng.integers(10, 100))}"
+    return f"{word.lower()}-{digits}"
+
+
+def _filler_lines(rng, n_words: int) -> list[str]:
+    """Filler: sentences of random words, or a log of random events."""
+    if rng.random() < 0.5:
+        words = [_word(rng) for _ in range(n_words)]
+        out, i = [], 0
+        while i < len(words):
+            n = int(rng.integers(5, 12))
+            out.append(" ".join(words[i:i + n]).capitalize() + ".")
+            i += n
+        return out
+    out, used = [], 0
+    while used < n_words:
+        out.append(f"[{int(rng.integers(100000)):05d}] {_word(rng)} {_word(rng)} "
+                   f"{int(rng.integers(1000))} done in {int(rng.integers(1, 100))} ms.")
+        used += 14  # a line is ~20 tokens, as many as ~14 filler words
+    return out
+
+
 def retrieval_sample(rng, n_filler: int, depth: float | None = None):
-    """A planted "The code for K is V." at a depth in [0.8, 0.97] of n_filler filler words (or
-    at `depth`), with up to two distractor facts earlier; asks for K's code. V: 4 distinct
-    digits, so every digit of the answer is found by the digit before it."""
+    """A planted fact (one of FACTS' forms, its value from `_value`) at a depth in [0.8, 0.97]
+    of about n_filler words of filler (or at `depth`), with up to two distractor facts of the
+    same form earlier; asks for the planted key's value."""
     key = _word(rng)
-    value = "".join(str(d) for d in rng.permutation(10)[:4])
-    words = [_word(rng) for _ in range(n_filler)]
-    sentences = []
-    i = 0
-    while i < len(words):
-        n = int(rng.integers(5, 12))
-        sentences.append(" ".join(words[i:i + n]).capitalize() + ".")
-        i += n
+    fact, ask = FACTS[rng.integers(len(FACTS))]
+    value = _value(rng)
+    sentences = _filler_lines(rng, n_filler)
+    sep = " " if sentences[0].endswith(".") and not sentences[0].startswith("[") else "\n"
     d = float(rng.uniform(0.8, 0.97)) if depth is None else depth
     facts = [(int(d * len(sentences)), key, value)]
     for _ in range(int(rng.integers(0, 3))):
         other = _word(rng)
         if other != key:
-            v2 = "".join(str(x) for x in rng.permutation(10)[:4])
-            facts.append((int(rng.uniform(0.0, 0.7) * len(sentences)), other, v2))
+            facts.append((int(rng.uniform(0.0, 0.7) * len(sentences)), other, _value(rng)))
     for pos, k, v in sorted(facts, reverse=True):
-        sentences.insert(pos, f"The code for {k} is {v}.")
-    q = " ".join(sentences) + f"\n\nWhat is the code for {key}?"
+        sentences.insert(pos, fact.format(k=k, K=k.capitalize(), v=v))
+    q = sep.join(sentences) + "\n\n" + ask.format(k=key)
     thinking = rng.random() < 0.2
     return _render("", [{"role": "user", "content": q}], None, thinking), \
         _completion(value, thinking), value

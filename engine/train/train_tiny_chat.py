@@ -2,24 +2,41 @@
 engine/train/data.py and write the tensors the repository ships (engine/io/tiny_chat.py loads
 them). Run outside CI, by hand, on the CPU:
 
-    .venv/bin/python -m engine.train.train_tiny_chat --steps 320 --lr 3e-3 --out P1.safetensors \
-        --raw P1.npz
-    .venv/bin/python -m engine.train.train_tiny_chat --init P1.npz --phase 2 --steps 150 \
-        --lr 2e-3 --out engine/io/weights/tiny_chat.safetensors
+    .venv/bin/python -m engine.train.train_tiny_chat --phase 0 --steps 500 --lr 3e-3 \
+        --out P0.safetensors --raw P0.npz
+    .venv/bin/python -m engine.train.train_tiny_chat --init P0.npz --phase 2 --steps 320 \
+        --lr 2e-3 --out engine/io/weights/tiny_chat.safetensors --raw P2.npz
 
-(the shipped file; phase 2 adds dense copying practice to the mix, docs/benchmarks/
-trained_tiny.json has the times and losses). Then pin the new file's sha256 in
-engine/io/tiny_chat.py and the artifact's in engine/io/tiny.py and lanes/profiles/cpu.toml.
+(docs/benchmarks/trained_tiny.json has the times, losses and what the result can do). Then pin
+the new file's sha256 in engine/io/tiny_chat.py and the artifact's in engine/io/tiny.py and
+lanes/profiles/cpu.toml, and record the role corpus again (`./ninfer qualify --lane cpu
+--record-corpus`). The file shipped now was made by this script's earlier recipe (commit
+261b162); this recipe's candidates, not yet shipped, are in trained_tiny.json's
+`next_recipe`. bench/lab/tiny_chat_gpu_train.sh runs both phases on the device machine.
+
+Phase 0 teaches copying alone: each row is a span of 16 random tokens, drawn from 16 of the
+trained ids chosen for that row, then a newline and the same span again; the loss is on the
+second copy. The later phases keep a few such rows in every step so the skill stays. Copying
+forms in phase 0 (the loss falls from ~12 to 0.1 between steps 200 and 275) from the start
+given here: fresh layer weights (normal, std 0.02; the GDN decays and steps in the ranges the
+architecture is built for; norms at their identity) and output rows that start as 0.1 x the
+embedding rows, so that a copied token's own row already points at its logit; a word's forms
+with and without a leading space start from rows that share half their direction
+(`space_pairs`). The earlier start (the generator's weights, whose GDN state halves every
+token, and output rows unrelated to the embedding) stayed at chance on the same task.
 
 Deterministic: the data comes from numpy Generators with fixed seeds, the initial weights from
-the embedded generator (engine/io/tiny.py), the optimiser is a plain Adam written here (optax is
-not a dependency). XLA's CPU reductions are deterministic on a given machine and thread count;
-another machine may differ in the last bits of the result, which the sha256 pin then catches.
+the embedded generator (engine/io/tiny.py) and a seeded Generator, the optimiser is a plain
+Adam written here (optax is not a dependency). XLA's CPU reductions are deterministic on a
+given machine and thread count; another machine may differ in the last bits of the result,
+which the sha256 pin then catches.
 
-Only the tokens the data uses are trained: the model trains over a compact vocabulary (those ids,
-plus one "background" row standing for every other token, whose logit counts them all through a
-log(count) offset, so training pushes their total probability down). engine/io/tiny_chat.py
-expands the compact rows back to the full vocabulary.
+Only some tokens are trained: the model trains over a compact vocabulary (the ids the data uses
+and every id below VOCAB_BASE, plus one "background" row standing for every other token, whose
+logit counts them all through a log(count) offset, so training pushes their total probability
+down). The loss takes output rows only at the supervised positions (`supervised`), so the
+vocabulary's size costs little. engine/io/tiny_chat.py expands the compact rows back to the
+full vocabulary.
 """
 from __future__ import annotations
 
@@ -45,6 +62,15 @@ from engine.train import data as D
 CHAT = {1: (12, 96), 2: (20, 64)}  # chat tasks without a tools section, by phase
 TOOLS = (3, 576)      # anything with the tools section
 RETRIEVE = (2, 896)   # retrieval over filler text
+REPEAT = {0: 32, 1: 8, 2: 8}  # rows of span, newline, span (copying practice), by phase
+SPAN, ALPHABET = 16, 16       # a span's tokens, and how many distinct ids a row draws them from
+PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"),
+         2: ("chat", "tools", "retrieve", "repeat")}
+SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "repeat": 2 * SPAN}  # per row, at most
+VOCAB_BASE = 40960  # every id below this is trained too: Qwen's ids follow its merges, so these
+                    # are the most common pieces of text and code, enough to copy most words
+LAYER_STD = 0.02   # fresh layer weights
+HEAD_TIE = 0.1     # output rows start as this times the embedding rows
 MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
 # the chat part's tasks in each phase: the second adds dense copying practice
 MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4}
@@ -58,7 +84,23 @@ def _fit(tk, prompt: str, completion: str, length: int):
     return ids, len(p)
 
 
-def make_batch(rng, tk, part: str, phase: int = 1):
+def repeat_batch(rng, pool: np.ndarray, sep: int, rows: int):
+    """Copying practice: span, newline, span; the loss on the second span (its first token
+    follows from the row's start, the rest from the first copy)."""
+    length = 2 * SPAN + 1
+    toks = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        span = rng.choice(rng.choice(pool, ALPHABET, replace=False), SPAN)
+        toks[r] = np.concatenate([span, [sep], span])
+    mask = np.zeros((rows, length), np.float32)
+    mask[:, SPAN:length - 1] = 1.0
+    return (toks, mask, np.full((rows,), length, np.int32),
+            np.full((rows,), ALL_TASKS.index("repeat"), np.int32))
+
+
+def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
+    if part == "repeat":
+        return repeat_batch(rng, pool, tk.encode("\n")[0], REPEAT[phase])
     rows, length = {"chat": CHAT[phase], "tools": TOOLS, "retrieve": RETRIEVE}[part]
     toks = np.zeros((rows, length), np.int32)
     mask = np.zeros((rows, length), np.float32)
@@ -88,13 +130,13 @@ def make_batch(rng, tk, part: str, phase: int = 1):
     return toks, mask, lengths, task_ids
 
 
-ALL_TASKS = D.TASKS + ["retrieve", "copy"]
+ALL_TASKS = D.TASKS + ["retrieve", "copy", "repeat"]
 
 
 def build_vocab(tk, seed: int, n: int = 4000) -> np.ndarray:
-    """The sorted token ids the data uses: every id of n samples of each part, plus the chat
-    template's and the tool-call markup's control tokens and every WORDS entry in the ways it
-    is tokenized (alone, after a space, capitalised, after '/')."""
+    """The sorted token ids training covers: every id below VOCAB_BASE, every id of n samples
+    of each part, plus the chat template's and the tool-call markup's control tokens and every
+    WORDS entry in the ways it is tokenized (alone, after a space, capitalised, after '/')."""
     rng = np.random.default_rng(seed)
     used: set[int] = set()
     for _ in range(n):
@@ -111,36 +153,91 @@ def build_vocab(tk, seed: int, n: int = 4000) -> np.ndarray:
             used.update(tk.encode(form))
     for i in range(100):
         used.update(tk.encode(f" {i}") + tk.encode(str(i)))
+    used.update(range(VOCAB_BASE))
     return np.array(sorted(used), np.int64)
 
 
-def init_params(vocab: np.ndarray) -> tuple[dict, dict]:
-    """(trainable params tree over the compact vocabulary, the config it runs with)."""
+def _fresh(name: str, shape: tuple[int, ...], g) -> np.ndarray:
+    """A layer tensor's starting value (see the module's docstring)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "A_log":  # decay rates A in [1, 16]
+        return np.log(g.uniform(1.0, 16.0, shape))
+    if leaf == "dt_bias":  # softplus(dt_bias) = dt, log-uniform in [1e-3, 0.1]
+        dt = np.exp(g.uniform(math.log(1e-3), math.log(0.1), shape))
+        return dt + np.log(-np.expm1(-dt))
+    if leaf == "conv1d":
+        return g.uniform(-0.5, 0.5, shape)
+    if name.endswith("linear_attn.norm"):  # the GDN output norm's plain weight
+        return np.ones(shape)
+    if len(shape) == 1:  # zero-centred norms: 1 + w
+        return np.zeros(shape)
+    return g.normal(0.0, LAYER_STD, shape)
+
+
+def space_pairs(tk, vocab: np.ndarray) -> list[tuple[int, int]]:
+    """(compact index of " w", of "w") for every trained word that is one token both ways: a
+    word read after a space ("Read src/...") is written without one at the start of an answer
+    or an argument ("<parameter=path>\nsrc/...")."""
+    index = {int(t): i for i, t in enumerate(vocab)}
+    pairs = []
+    for i, t in enumerate(vocab):
+        text = tk.decode([int(t)])
+        if len(text) > 1 and text[0] == " " and text[1] != " ":
+            bare = tk.encode(text[1:])
+            if len(bare) == 1 and bare[0] in index:
+                pairs.append((i, index[bare[0]]))
+    return pairs
+
+
+def init_params(vocab: np.ndarray, seed: int, pairs=()) -> tuple[dict, dict]:
+    """(trainable params tree over the compact vocabulary, the config it runs with). The two
+    forms of each of `pairs` start from rows that share half their direction, so that copying
+    one form raises the other's logit too and the model only has to learn which form fits."""
     cfg = dataclasses.replace(TINY, name="tiny-chat-train", vocab_size=len(vocab) + 1)
+    g = np.random.default_rng(seed)
     flat = {}
-    for name, arr in tiny_tensors(TINY):
+    for name, arr in tiny_tensors(TINY):  # sorted: embed_tokens comes before lm_head
         a = np.asarray(arr, np.float32)
+        zero = np.zeros((1, a.shape[-1]), np.float32)
         if name == "embed_tokens":
-            a = np.concatenate([a[vocab], np.zeros((1, a.shape[1]), np.float32)])
+            a = np.concatenate([a[vocab], zero])
+            for sp, bare in pairs:
+                a[bare] = math.sqrt(0.5) * (a[sp] + a[bare])
         elif name == "lm_head":
-            a = np.concatenate([a[vocab] * 0.25, np.zeros((1, a.shape[1]), np.float32)])
-        flat[name] = a
+            a = np.concatenate([flat["embed_tokens"][:-1] * HEAD_TIE, zero])
+        elif name.startswith("layers.") or name == "norm":
+            a = _fresh(name, a.shape, g)
+        flat[name] = np.asarray(a, np.float32)
     return M.stack_params(flat, cfg), cfg
+
+
+def supervised(mask: np.ndarray, tgt: np.ndarray, cap: int):
+    """The positions a batch is trained on, as [rows, cap] (index, target, weight): the loss
+    needs the output rows only there, so the trained vocabulary's size costs little."""
+    rows = mask.shape[0]
+    idx = np.zeros((rows, cap), np.int32)
+    out = np.zeros((rows, cap), np.int32)
+    w = np.zeros((rows, cap), np.float32)
+    for r in range(rows):
+        pos = np.flatnonzero(mask[r])[:cap]
+        idx[r, :len(pos)], out[r, :len(pos)], w[r, :len(pos)] = pos, tgt[r, pos], 1.0
+    return idx, out, w
 
 
 def loss_fn(params, cfg, batches, n_background: float):
     total, per_task = 0.0, []
-    for toks, mask, lengths, task_ids in batches:
+    for toks, idx, tgt, w, lengths, task_ids in batches:
         cache = init_cache(cfg, toks.shape[0], toks.shape[1])
-        logits, _, _ = M.forward(params, cfg, toks, cache, lengths=lengths)
+        _, hidden, _ = M.forward(params, cfg, toks, cache, lengths=lengths)
+        h = jnp.take_along_axis(hidden, idx[..., None], axis=1)
+        logits = (h @ params["lm_head"].T).astype(jnp.float32)
         logits = logits.at[..., -1].add(math.log(n_background))
-        tgt = jnp.concatenate([toks[:, 1:], toks[:, :1]], axis=1)
         lp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(lp, tgt[..., None], axis=-1)[..., 0]
-        row = (nll * mask).sum(1)
+        row = (nll * w).sum(1)
         total = total + row.sum()
-        per_task.append((row, mask.sum(1), task_ids))
-    n = sum(b[1].sum() for b in batches)
+        per_task.append((row, w.sum(1), task_ids))
+    n = sum(b[3].sum() for b in batches)
     return total / n, per_task
 
 
@@ -177,7 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=41)
     ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
     ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw")
-    ap.add_argument("--phase", type=int, default=1, choices=(1, 2), help="the data mix")
+    ap.add_argument("--phase", type=int, default=1, choices=(0, 1, 2), help="the data mix")
     ap.add_argument("--raw", type=Path, help="also save the raw trained tree (.npz) here")
     ap.add_argument("--log", type=Path, help="write the loss curve (JSON) here")
     args = ap.parse_args(argv)
@@ -190,12 +287,14 @@ def main(argv=None) -> int:
             raise SystemExit(f"{args.init} was trained over another vocabulary")
     remap = np.full((TINY.vocab_size,), len(vocab), np.int32)
     remap[vocab] = np.arange(len(vocab), dtype=np.int32)
-    params, cfg = init_params(vocab)
+    params, cfg = init_params(vocab, args.seed, space_pairs(tk, vocab))
     if args.init:
         flat, _ = jax.tree.flatten_with_path(params)
         params = jax.tree.unflatten(jax.tree.structure(params), [
             jnp.asarray(init[jax.tree_util.keystr(k)]) for k, _ in flat])
     n_bg = float(TINY.vocab_size - len(vocab))
+    added = {i for t in tk.added_tokens() for i in tk.encode(t)}
+    pool = np.array([i for i in vocab if int(i) not in added], np.int32)  # repeat rows' ids
     print(f"vocab {len(vocab)} ids, setup {time.monotonic() - t0:.1f}s", flush=True)
 
     def step_fn(params, st, batches, lr):
@@ -211,13 +310,14 @@ def main(argv=None) -> int:
     log = []
     for i in range(args.steps):
         batches = []
-        for part in ("chat", "tools", "retrieve"):
-            toks, mask, lengths, task_ids = make_batch(rng, tk, part, args.phase)
+        for part in PARTS[args.phase]:
+            toks, mask, lengths, task_ids = make_batch(rng, tk, part, args.phase, pool)
             # a target outside the trained vocabulary would train the background row up
-            nxt = np.concatenate([toks[:, 1:], toks[:, :1]], axis=1)
-            mask = mask * (remap[nxt] != len(vocab))
-            batches.append((jnp.asarray(remap[toks]), jnp.asarray(mask), jnp.asarray(lengths),
-                            jnp.asarray(task_ids)))
+            nxt = remap[np.concatenate([toks[:, 1:], toks[:, :1]], axis=1)]
+            mask = mask * (nxt != len(vocab))
+            idx, tgt, w = supervised(mask, nxt, SUPERVISED[part])
+            batches.append(tuple(jnp.asarray(a) for a in (remap[toks], idx, tgt, w, lengths,
+                                                           task_ids)))
         params, st, loss, per_task, gnorm = step(params, st, batches,
                                                  lr_at(i, args.steps, args.lr))
         for row, cnt, tid in per_task:

@@ -1,0 +1,80 @@
+"""The training recipe's parts (engine/train/train_tiny_chat.py) on a small model: the loss taken
+at the supervised positions only equals the loss over full logits, copying rows are what they
+say, the fresh start is in the ranges it claims, and a word's two forms are paired."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.io.tiny import tiny_tensors
+from engine.model import model as M
+from engine.model.cache import init_cache
+from engine.model.config import TEST_SMALL
+from engine.text.tokenizer import Tokenizer
+from engine.train import train_tiny_chat as T
+
+
+def _full_loss(params, cfg, toks, mask, lengths, n_bg):
+    """The loss before `supervised`: every position's logits, masked afterwards."""
+    logits, _, _ = M.forward(params, cfg, toks, init_cache(cfg, *toks.shape), lengths=lengths)
+    logits = logits.at[..., -1].add(math.log(n_bg))
+    tgt = jnp.concatenate([toks[:, 1:], toks[:, :1]], axis=1)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tgt[..., None], -1)[..., 0]
+    return (nll * mask).sum() / mask.sum()
+
+
+def test_the_supervised_loss_equals_the_full_logits_loss():
+    cfg = TEST_SMALL
+    params = M.stack_params({n: np.asarray(a, np.float32) for n, a in tiny_tensors(cfg)}, cfg)
+    rng = np.random.default_rng(5)
+    toks = rng.integers(0, cfg.vocab_size - 1, (3, 40)).astype(np.int32)
+    lengths = np.array([40, 31, 17], np.int32)
+    mask = (rng.random((3, 40)) < 0.3).astype(np.float32)
+    mask[np.arange(40)[None, :] >= lengths[:, None] - 1] = 0.0
+    nxt = np.concatenate([toks[:, 1:], toks[:, :1]], axis=1)
+    idx, tgt, w = T.supervised(mask, nxt, cap=40)
+    assert w.sum() == mask.sum() and (tgt[w > 0] == nxt[mask > 0]).all()
+    task = np.zeros((3,), np.int32)
+    batch = tuple(jnp.asarray(a) for a in (toks, idx, tgt, w, lengths, task))
+    got, per_task = T.loss_fn(params, cfg, [batch], 1000.0)
+    want = _full_loss(params, cfg, jnp.asarray(toks), jnp.asarray(mask), jnp.asarray(lengths),
+                      1000.0)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    rows, counts, _ = per_task[0]
+    np.testing.assert_array_equal(np.asarray(counts), mask.sum(1))
+    # a cap below a row's supervised count keeps its first positions only
+    idx2, _, w2 = T.supervised(mask, nxt, cap=2)
+    assert (w2.sum(1) == np.minimum(mask.sum(1), 2)).all()
+    assert (idx2[w2 > 0] == np.concatenate([np.flatnonzero(m)[:2] for m in mask])).all()
+
+
+def test_copying_rows_repeat_a_span_from_a_small_alphabet():
+    pool = np.arange(1000, 3000, dtype=np.int32)
+    toks, mask, lengths, task = T.repeat_batch(np.random.default_rng(1), pool, sep=198, rows=6)
+    n = T.SPAN
+    assert toks.shape == (6, 2 * n + 1) and (lengths == 2 * n + 1).all()
+    assert (toks[:, n] == 198).all() and (toks[:, :n] == toks[:, n + 1:]).all()
+    assert all(len(set(r[:n])) <= T.ALPHABET and set(r[:n]) <= set(pool) for r in toks)
+    # the loss predicts exactly the second copy
+    assert (mask[:, n:2 * n] == 1).all() and mask.sum() == 6 * n
+    assert (task == T.ALL_TASKS.index("repeat")).all()
+
+
+def test_the_fresh_start_and_the_space_pairs():
+    g = np.random.default_rng(0)
+    a = np.exp(T._fresh("layers.0.linear_attn.A_log", (1000,), g))
+    assert a.min() >= 1.0 and a.max() <= 16.0
+    dt = np.log1p(np.exp(T._fresh("layers.0.linear_attn.dt_bias", (1000,), g)))
+    assert dt.min() >= 1e-3 * 0.999 and dt.max() <= 0.1 * 1.001
+    assert (T._fresh("layers.0.linear_attn.norm", (32,), g) == 1).all()
+    assert (T._fresh("layers.0.input_layernorm", (32,), g) == 0).all()
+    assert abs(T._fresh("layers.0.mlp.up_proj", (256, 256), g).std() - T.LAYER_STD) < 2e-3
+    tk = Tokenizer.qwen35()
+    vocab = np.array(sorted({*tk.encode(" test"), *tk.encode("test"), *tk.encode(" src"),
+                             *tk.encode("src"), *tk.encode(" main")}), np.int64)
+    pairs = {(tk.decode([int(vocab[s])]), tk.decode([int(vocab[b])]))
+             for s, b in T.space_pairs(tk, vocab)}
+    assert pairs == {(" test", "test"), (" src", "src")}  # "main" is not in this vocabulary
