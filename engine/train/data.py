@@ -227,7 +227,8 @@ FACTS = [("The code for {k} is {v}.", "What is the code for {k}?"),
 
 
 def _value(rng) -> str:
-    """A value to plant: four distinct digits, or digits and an upper-case word."""
+    """A value to plant: four distinct digits, alone or joined by hyphens to a word (and two
+    more digits after an upper-case one)."""
     digits = "".join(str(d) for d in rng.permutation(10)[:4])
     kind = rng.integers(3)
     if kind == 0:
@@ -238,8 +239,8 @@ def _value(rng) -> str:
     return f"{word.lower()}-{digits}"
 
 
-def _filler_lines(rng, n_words: int) -> list[str]:
-    """Filler: sentences of random words, or a log of random events."""
+def _filler_lines(rng, n_words: int) -> tuple[list[str], str]:
+    """Filler and what joins its lines: sentences of random words, or a log of random events."""
     if rng.random() < 0.5:
         words = [_word(rng) for _ in range(n_words)]
         out, i = [], 0
@@ -247,13 +248,13 @@ def _filler_lines(rng, n_words: int) -> list[str]:
             n = int(rng.integers(5, 12))
             out.append(" ".join(words[i:i + n]).capitalize() + ".")
             i += n
-        return out
+        return out, " "
     out, used = [], 0
     while used < n_words:
         out.append(f"[{int(rng.integers(100000)):05d}] {_word(rng)} {_word(rng)} "
                    f"{int(rng.integers(1000))} done in {int(rng.integers(1, 100))} ms.")
         used += 14  # a line is ~20 tokens, as many as ~14 filler words
-    return out
+    return out, "\n"
 
 
 def retrieval_sample(rng, n_filler: int, depth: float | None = None):
@@ -263,8 +264,7 @@ def retrieval_sample(rng, n_filler: int, depth: float | None = None):
     key = _word(rng)
     fact, ask = FACTS[rng.integers(len(FACTS))]
     value = _value(rng)
-    sentences = _filler_lines(rng, n_filler)
-    sep = " " if sentences[0].endswith(".") and not sentences[0].startswith("[") else "\n"
+    sentences, sep = _filler_lines(rng, n_filler)
     d = float(rng.uniform(0.8, 0.97)) if depth is None else depth
     facts = [(int(d * len(sentences)), key, value)]
     for _ in range(int(rng.integers(0, 3))):
