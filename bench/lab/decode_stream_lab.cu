@@ -555,24 +555,27 @@ __global__ void fill_codes(uint4* p, int64_t n16, uint64_t seed) {
   }
 }
 
-// Scales near 1 / (sd(code) sqrt(K)): x keeps its size along the chain.
-__global__ void fill_scales(float* p, int64_t n, int k, uint64_t seed) {
+// Scale i of a GEMV with k inputs: near 1 / (sd(code) sqrt(K)), so x keeps its size along
+// the chain.
+__device__ __forceinline__ float scale_value(int64_t i, int k, uint64_t seed) {
   const float base = 1.0f / (4.61f * sqrtf(static_cast<float>(k)));
+  return base * (0.5f + (mix(seed * 0x2545F4914F6CDD1Dull + i) >> 8) * (1.0f / 16777216.0f));
+}
+
+__global__ void fill_scales(float* p, int64_t n, int k, uint64_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    p[i] = base * (0.5f + (mix(seed * 0x2545F4914F6CDD1Dull + i) >> 8) * (1.0f / 16777216.0f));
+    p[i] = scale_value(i, k, seed);
 }
 
 // --packed: the same scale values as fill_scales, written where packed_scale puts them (the
 // codes' fill covers the whole stage layout first, scale slots included).
 __global__ void fill_scales_packed(uint8_t* w, int n, int k, uint64_t seed) {
-  const float base = 1.0f / (4.61f * sqrtf(static_cast<float>(k)));
   const int64_t total = static_cast<int64_t>(n) * (k / 64);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int row = static_cast<int>(i / (k / 64)), gi = static_cast<int>(i % (k / 64));
-    *reinterpret_cast<float*>(w + packed_scale(row, gi, k)) =
-        base * (0.5f + (mix(seed * 0x2545F4914F6CDD1Dull + i) >> 8) * (1.0f / 16777216.0f));
+    *reinterpret_cast<float*>(w + packed_scale(row, gi, k)) = scale_value(i, k, seed);
   }
 }
 
