@@ -104,7 +104,7 @@ class Memory:
             pool = pk.copy_pages(self.cache.pool, np.asarray(src, np.int32),
                                  np.asarray(dst, np.int32))
             self.cache = self.cache._replace(pool=pool)
-        self.cache = self.cache._replace(block_table=jnp.asarray(self.table))
+        self.cache = self.cache._replace(block_table=self._device_table())
 
     def rollback(self, cuts) -> None:
         """Cut each (seq, n_tokens) of `cuts` back to its first n_tokens KV slots (a verify
@@ -112,7 +112,7 @@ class Memory:
         for seq, n in cuts:
             seq.table.truncate(n)
             self.table[seq.slot] = seq.table.as_row(self.max_pages)
-        self.cache = self.cache._replace(block_table=jnp.asarray(self.table))
+        self.cache = self.cache._replace(block_table=self._device_table())
 
     def snapshot(self, seq, principal: str | None, n_tokens: int, kind: str,
                  one_off: bool = False, session: str | None = None) -> bool:
@@ -191,10 +191,19 @@ class Memory:
         snap.pages.release()
 
     # ---- helpers --------------------------------------------------------------------------
+    def _device_table(self) -> jax.Array:
+        """The block table as the next step reads it, from a host copy of its own. The CPU
+        backend may alias a 64-byte-aligned numpy buffer instead of copying it, and reads it
+        only when the step runs: handed `self.table` itself, a step still queued behind the
+        last one would see the rows the host writes for the step after it (a prefill piece's
+        K/V went to the copy-on-write page that the next piece's `prepare` put in the row,
+        and the snapshot's page kept zeros)."""
+        return jax.device_put(self.table.copy())
+
     def _set_row(self, row: int, table: PageTable, pos: int) -> None:
         self.table[row] = table.as_row(self.max_pages)
         p, mp = sc.set_position(self.cache.pos, self.cache.mtp_pos, np.int32(row), np.int32(pos))
-        self.cache = self.cache._replace(pos=p, mtp_pos=mp, block_table=jnp.asarray(self.table))
+        self.cache = self.cache._replace(pos=p, mtp_pos=mp, block_table=self._device_table())
         if self.cache.mtp_hidden is not None:
             # a stored state carries no pending MTP input: the row's first draft starts from
             # zero, never from the row's previous sequence (engine/model/model.py mtp_track)
