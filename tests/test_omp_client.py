@@ -214,9 +214,11 @@ def test_omp_runs_a_tool_the_model_called_and_chains_its_output(server, make_cli
     """The model calls OMP's own `read` tool; OMP runs it and sends the function_call_output
     chained by previous_response_id, and the turn completes on its own. The proxy still asks
     the server for the call (tool_choice names `read` on the first request, with room for a
-    whole call): tiny-chat answers "Read the readme." with text, not a call (it never learned to
-    copy a path from its prompt), so the call comes from constrained decoding; OMP's tool runs
-    for real, and the turn after it ends with the model's own stop."""
+    whole call): tiny-chat copies a path from a request in its training's form, but OMP's own
+    prompt (its long instructions and tool texts, a system reminder before the request) is
+    outside what it learned, and it answers "Read the file notes.txt" there with text, so the
+    call comes from constrained decoding; OMP's tool runs for real, and the turn after it ends
+    with the model's own stop."""
     def force_read(n, body):
         if n == 0:
             body = dict(body, tool_choice={"type": "function", "name": "read"},

@@ -75,9 +75,8 @@ def test_different_prompts_get_their_own_answers(client):
 
 
 def test_read_request_gets_a_read_call(client):
-    """Asked to read a file it never saw, with OMP's read and bash offered, it calls `read`
-    with a path argument. (Which path: see docs/benchmarks/trained_tiny.json; it does not
-    copy the prompt's path yet.)"""
+    """Asked to read a file it never saw (a path in no training row), with OMP's read and bash
+    offered, it calls `read` with exactly that path, copied from the prompt."""
     assert D.HELD_OUT_PATH == "src/unseen_name.py"
     r = ask(client, "Read the file src/unseen_name.py", tools=TOOLS,
             instructions="You are a coding agent.")
@@ -85,7 +84,7 @@ def test_read_request_gets_a_read_call(client):
     assert r.status == "completed" and len(calls) == 1, r.output
     assert calls[0].name == "read"
     args = json.loads(calls[0].arguments)
-    assert set(args) == {"path"} and args["path"]
+    assert args == {"path": "src/unseen_name.py"}
 
 
 def test_a_changed_byte_in_the_trained_tensors_is_refused(tmp_path):

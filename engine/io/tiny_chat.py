@@ -5,8 +5,9 @@ pinned here by its sha256.
 The file holds what training changed, int8 per row (`engine.ops.quant`'s int8_row rule) where a
 tensor is a matrix, fp32 where it is a vector:
 - every weight of the eight decoder layers and the final norm;
-- `embed_rows` / `lm_head_rows`: the embedding and output rows of the `vocab` token ids the
-  training data uses, and `lm_head_background`, the one output row every other token shares.
+- `embed_rows` / `lm_head_rows`: the embedding and output rows of the `vocab` token ids
+  training covered (every id below 40,960 in the shipped file), and `lm_head_background`, the
+  one output row every other token shares.
 The rest comes from rules: the other embedding rows and the MTP head are the `tiny` generator's
 (engine/io/tiny.py; nothing was trained there), and every untrained token's output row is the
 background row, which training pushed below the trained tokens' logits (its logit was counted
@@ -28,7 +29,7 @@ import numpy as np
 from engine.model.config import TINY
 
 WEIGHTS = Path(__file__).parent / "weights" / "tiny_chat.safetensors"
-WEIGHTS_SHA256 = "19cb79777edf954c20641023e8d2b48ef8c63d4f4909c80afc4d0900bf184ae8"
+WEIGHTS_SHA256 = "50f97c53d32c4480001b3f4b1b0effad81ab6ed2947fef25e3fe0770a1ad1afa"
 TINY_CHAT = dataclasses.replace(TINY, name="tiny-chat")
 
 

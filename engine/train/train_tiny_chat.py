@@ -4,15 +4,14 @@ them). Run outside CI, by hand, on the CPU:
 
     .venv/bin/python -m engine.train.train_tiny_chat --phase 0 --steps 500 --lr 3e-3 \
         --out P0.safetensors --raw P0.npz
-    .venv/bin/python -m engine.train.train_tiny_chat --init P0.npz --phase 2 --steps 320 \
+    .venv/bin/python -m engine.train.train_tiny_chat --init P0.npz --phase 2 --steps 1200 \
         --lr 2e-3 --out engine/io/weights/tiny_chat.safetensors --raw P2.npz
 
 (docs/benchmarks/trained_tiny.json has the times, losses and what the result can do). Then pin
 the new file's sha256 in engine/io/tiny_chat.py and the artifact's in engine/io/tiny.py and
 lanes/profiles/cpu.toml, and record the role corpus again (`./ninfer qualify --lane cpu
---record-corpus`). The file shipped now was made by this script's earlier recipe (commit
-261b162); this recipe's candidates, not yet shipped, are in trained_tiny.json's
-`next_recipe`. bench/lab/tiny_chat_gpu_train.sh runs both phases on the device machine.
+--record-corpus`). The shipped file is this recipe's, phase 2 run for 1,200 steps on the
+device machine (bench/lab/tiny_chat_gpu_train.sh runs both phases there).
 
 Phase 0 teaches copying alone: each row is a span of 16 random tokens, drawn from 16 of the
 trained ids chosen for that row, then a newline and the same span again; the loss is on the
