@@ -1,0 +1,48 @@
+"""Where the served tiny-chat's retrieval breaks: the qualification's retrieval prompt (its
+filler, planted line and question, lanes/qualify_phases.py) at growing lengths, on a server of
+the cpu lane's model, greedy; prints the lines of filler, the prompt tokens and the answer.
+
+    .venv/bin/python bench/lab/retrieval_by_length.py
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import httpx  # noqa: E402
+
+from lanes.qualify_phases import SECRET, _filler  # noqa: E402
+from tests.serverproc import start_server  # noqa: E402
+PLANTED = f"Note: the vault code is {SECRET}. Keep it.\n"
+QUESTION = "\nWhat is the vault code? Answer with the code only."
+LINES = (0, 2, 8, 24, 64, 128, 256, 320)  # lines of filler; the last is ~9K tokens
+
+
+def prompt(n: int) -> str:
+    """The qualification's layout: n filler lines, the planted line at ~95% depth."""
+    after = max(2, n // 20) if n else 0
+    return ("".join(_filler(i) for i in range(n - after)) + PLANTED
+            + "".join(_filler(i) for i in range(n - after, n)) + QUESTION)
+
+
+def main() -> int:
+    srv = start_server(Path(tempfile.mkdtemp()), "--checkpoints", "off", model=None)
+    try:
+        h = {"Authorization": f"Bearer {srv.key}"}
+        for n in LINES:
+            r = httpx.post(srv.base_url + "/v1/responses", headers=h, timeout=600,
+                           json={"model": "tiny-chat", "input": prompt(n),
+                                 "max_output_tokens": 24, "temperature": 0}).json()
+            ans = "".join(c.get("text", "") for it in r["output"] if it["type"] == "message"
+                          for c in it["content"])
+            print(n, r["usage"]["input_tokens"], repr(ans[:40]), SECRET in ans, flush=True)
+    finally:
+        srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
