@@ -46,7 +46,7 @@ class Memory:
         self.alloc = PageAllocator(num_pages, page_size, page_bytes)
         pool = pk.init_kv_pool(cfg, num_pages, page_size, kv_dtype, mtp=mtp)
         self.table = np.zeros((batch, self.max_pages), np.int32)
-        self.cache: PagedCache = init_paged_cache(cfg, pool, self.table, conv_dtype)
+        self.cache: PagedCache = init_paged_cache(cfg, pool, self.table.copy(), conv_dtype)
         if mtp:  # MTP drafting: every forward keeps the MTP layer's KV current (model.py)
             self.cache = self.cache._replace(
                 mtp_hidden=jnp.zeros((batch, cfg.hidden_size), conv_dtype))
@@ -91,7 +91,7 @@ class Memory:
 
     def prepare(self, seqs, n_tokens: int) -> None:
         """Room for `n_tokens` more tokens in each sequence's pages, copies done on the device."""
-        src, dst = [], []
+        src, dst, changed = [], [], False
         for seq in seqs:
             while not seq.table.can_append(n_tokens):
                 if not self._evict_one():
@@ -99,12 +99,16 @@ class Memory:
             plan = seq.table.append(n_tokens)
             src += list(plan.src_ids)
             dst += list(plan.dst_ids)
-            self.table[seq.slot] = seq.table.as_row(self.max_pages)
+            row = seq.table.as_row(self.max_pages)
+            if not np.array_equal(row, self.table[seq.slot]):
+                self.table[seq.slot] = row
+                changed = True
         if src:
             pool = pk.copy_pages(self.cache.pool, np.asarray(src, np.int32),
                                  np.asarray(dst, np.int32))
             self.cache = self.cache._replace(pool=pool)
-        self.cache = self.cache._replace(block_table=self._device_table())
+        if changed:  # most decode steps stay within their pages: the device's table holds
+            self.cache = self.cache._replace(block_table=self._device_table())
 
     def rollback(self, cuts) -> None:
         """Cut each (seq, n_tokens) of `cuts` back to its first n_tokens KV slots (a verify
