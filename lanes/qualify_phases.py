@@ -44,6 +44,16 @@ def _filler(i: int) -> str:
             f"{i * 13 % 997} in {i * 7 % 89} ms.\n")
 
 
+def retrieval_text(n: int) -> tuple[str, str]:
+    """(the filler before the planted line, the whole prompt) for n filler lines: the vault code
+    at ~95% depth (after the first n - max(2, n // 20) lines), the question at the end."""
+    after = max(2, n // 20) if n else 0
+    head = "".join(_filler(i) for i in range(n - after))
+    planted = f"Note: the vault code is {SECRET}. Keep it.\n"
+    question = "\nWhat is the vault code? Answer with the code only."
+    return head, head + planted + "".join(_filler(i) for i in range(n - after, n)) + question
+
+
 def retrieval(lane: LaneUnderTest, profile) -> dict:
     from engine.text.tokenizer import Tokenizer
 
@@ -51,12 +61,7 @@ def retrieval(lane: LaneUnderTest, profile) -> dict:
     want = (profile.context_tokens - 512 if profile.gpu
             else max(RETRIEVAL_MIN_TOKENS, profile.context_tokens // 4))
     line_tokens = len(tok.encode(_filler(1000)))
-    planted = f"Note: the vault code is {SECRET}. Keep it.\n"
-    question = "\nWhat is the vault code? Answer with the code only."
-    n = want // line_tokens + 8
-    after = max(2, n // 20)  # the planted line sits at ~95% depth
-    head = "".join(_filler(i) for i in range(n - after))
-    text = head + planted + "".join(_filler(i) for i in range(n - after, n)) + question
+    head, text = retrieval_text(want // line_tokens + 8)
     r = lane.respond({"input": text, "max_output_tokens": 24, "temperature": 0,
                       "prompt_cache_key": "qualify-retrieval"})
     total = r["usage"]["input_tokens"]

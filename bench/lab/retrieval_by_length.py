@@ -14,18 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx  # noqa: E402
 
-from lanes.qualify_phases import SECRET, _filler  # noqa: E402
+from lanes.qualify_phases import SECRET, retrieval_text  # noqa: E402
 from tests.serverproc import start_server  # noqa: E402
-PLANTED = f"Note: the vault code is {SECRET}. Keep it.\n"
-QUESTION = "\nWhat is the vault code? Answer with the code only."
+
 LINES = (0, 2, 8, 24, 64, 128, 256, 320)  # lines of filler; the last is ~9K tokens
-
-
-def prompt(n: int) -> str:
-    """The qualification's layout: n filler lines, the planted line at ~95% depth."""
-    after = max(2, n // 20) if n else 0
-    return ("".join(_filler(i) for i in range(n - after)) + PLANTED
-            + "".join(_filler(i) for i in range(n - after, n)) + QUESTION)
 
 
 def main() -> int:
@@ -34,7 +26,7 @@ def main() -> int:
         h = {"Authorization": f"Bearer {srv.key}"}
         for n in LINES:
             r = httpx.post(srv.base_url + "/v1/responses", headers=h, timeout=600,
-                           json={"model": "tiny-chat", "input": prompt(n),
+                           json={"model": "tiny-chat", "input": retrieval_text(n)[1],
                                  "max_output_tokens": 24, "temperature": 0}).json()
             ans = "".join(c.get("text", "") for it in r["output"] if it["type"] == "message"
                           for c in it["content"])
