@@ -57,7 +57,8 @@ class Engine:
                                capacity_tokens=min(capacity_tokens or context_tokens *
                                                    max_concurrency,
                                                    context_tokens * max_concurrency),
-                               prefill_chunk=prefill_chunk)
+                               prefill_chunk=prefill_chunk,
+                               short_piece=self.plan.short_piece)
         self.runner = ModelRunner(model, self.plan, batch=max_concurrency,
                                   prefill_chunk=prefill_chunk)
         self.sampler = BatchSampler(batch=max_concurrency, n_vocab=model.tokenizer.vocab_size,

@@ -52,6 +52,11 @@ class KernelPlan:
     # (engine/kernels/qgemm.py) in place of a dequantized copy; 0: none (wider pieces are
     # compute-bound, where cuBLAS over the copy is faster).
     int4_gemm_rows: int = 0
+    # A prefill piece of at most this many tokens (a short new turn, or the remainder of a
+    # longer one) runs this wide instead of padded to the 64-token floor, so that its matmuls
+    # take the decode GEMV (`gemv`, at most qgemv.MAX_ROWS rows) and its GDN step the
+    # recurrent kernel; 0: every piece at least 64 wide. One more compiled width.
+    short_piece: int = 0
     # A decode step's MLP: "separate" (its GEMVs as `gemv` says, SwiGLU and the residual in
     # XLA) or "cuda" (the CUDA op: gate|up then down, chained by programmatic dependent launch).
     mlp: str = "separate"
@@ -108,6 +113,9 @@ class KernelPlan:
             if f.name in CHOICES and v not in CHOICES[f.name]:
                 raise PlanError(f"plan field {f.name!r} must be one of "
                                 f"{list(CHOICES[f.name])}, got {v!r}")
+        if isinstance(self.short_piece, bool):
+            raise PlanError(f"plan field 'short_piece' must be one of "
+                            f"{list(CHOICES['short_piece'])}, got {self.short_piece!r}")
         for name in ("unroll_blocks", "attn_prep", "attn_merge", "chain_decode",
                      "narrow_decode", "xla_gpu_graphs"):
             if not isinstance(getattr(self, name), bool):
@@ -194,13 +202,15 @@ CHOICES: dict[str, tuple] = {
     "prefill_attention": ("xla", "flash"),
     "decode_attention": ("xla", "paged"),
     "paged_merge": ("reduce", "chain"),
+    "short_piece": (0, 2, 4, 8),
 }
 
 REFERENCE = KernelPlan()
 PALLAS = KernelPlan(gemv="pallas", block_loop="views", gdn_decode="fused", gdn_prefill="pallas",
                     prefill_attention="flash", decode_attention="paged")
 H200 = dataclasses.replace(PALLAS, gemv="cuda", mlp="cuda", norms="fused", attn_prep=True,
-                           gdn_conv_write="swap", xla_gpu_graphs=True, cuda_arch="90")
+                           gdn_conv_write="swap", xla_gpu_graphs=True, cuda_arch="90",
+                           short_piece=8)
 PRESETS: dict[str, KernelPlan] = {"reference": REFERENCE, "pallas": PALLAS, "h200": H200}
 
 

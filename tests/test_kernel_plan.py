@@ -163,6 +163,40 @@ def test_h200_lowering_matches_the_golden_list():
     assert got == want
 
 
+def test_h200_short_piece_takes_the_decode_gemv_and_the_recurrent_gdn_kernel():
+    """A short new turn (at most the plan's short_piece tokens) runs one 8-wide piece whose
+    projections are the CUDA GEMV's calls and whose GDN step is the recurrent kernel: no
+    dequantized weight copy and no matmul over one, unlike the 64-wide piece it replaces."""
+    import jax
+    import jax.numpy as jnp
+
+    import engine.model.model as M
+    from engine.model.config import QWEN38_27B as cfg
+    from engine.runtime.scheduler import piece, piece_widths
+    from tests import lowering_inventory as inv
+    from tests.kernel_checks import cuda_module_text
+
+    assert H200.short_piece == 8 and REFERENCE.short_piece == PALLAS.short_piece == 0
+    assert piece(4, 8192, H200.short_piece) == (4, 8) and piece(9, 8192, 8) == (9, 64)
+    assert piece(4, 8192) == (4, 64) and piece_widths(8192, 8)[-2:] == [64, 8]
+    params, cache = inv._abstract_params(cfg), inv._abstract_cache(cfg, inv.BATCH)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    fn = lambda p, t, c, n, r: M.forward_rows(p, cfg, t, c, r, lengths=n, plan=H200)  # noqa
+    real = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        texts = {w: cuda_module_text(fn, params, i32(1, w), cache, i32(1), i32(1))
+                 for w in (8, 64)}
+    finally:
+        jax.default_backend = real
+    short, wide = (inv.summarize(texts[w]) for w in (8, 64))
+    gemv = lambda calls: sum(n for k, n in calls.items() if k.startswith("ninfer_int4_gemv"))  # noqa
+    assert gemv(short) >= 8 and gemv(wide) == 1  # every layer's projections / lm_head alone
+    assert "__gpu$xla.gpu.triton gdn_recurrent" in short
+    assert not any("gdn_chunk" in k for k in short) and "stablehlo.dot_general" not in texts[8]
+    assert "stablehlo.dot_general" in texts[64]
+
+
 def test_reference_and_pallas_outputs_are_bit_identical_to_the_tree_before_plans():
     """Equal to the before-plans tree's run recorded for a machine of this kind; on a kind not
     recorded yet, to that tree's outputs computed here from the clone's history."""

@@ -73,7 +73,8 @@ class ModelRunner:
         over all rows."""
         narrow = 1 if self.B > 1 else self.B
         decode = [(n, 1) for n in range(1, self.B)] if self.narrow_decode else []
-        return ([(narrow, w) for w in piece_widths(self.prefill_chunk)] + decode
+        return ([(narrow, w) for w in piece_widths(self.prefill_chunk, self.plan.short_piece)]
+                + decode
                 + [(self.B, 1)])
 
     def forward(self, tokens, cache, lengths, rows=None):

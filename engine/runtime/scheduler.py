@@ -74,12 +74,13 @@ class Step:
 
 class Scheduler:
     def __init__(self, *, max_concurrency: int, max_queue: int, queue_timeout_s: float,
-                 capacity_tokens: int, prefill_chunk: int):
+                 capacity_tokens: int, prefill_chunk: int, short_piece: int = 0):
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.capacity_tokens = capacity_tokens
         self.prefill_chunk = prefill_chunk
+        self.short_piece = short_piece  # the plan's short_piece (engine/plan.py)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_concurrency))
@@ -141,7 +142,7 @@ class Scheduler:
             limit = seq.prefill_remaining
             if seq.computed < seq.breakpoint:
                 limit = min(limit, seq.breakpoint - seq.computed)
-            size, width = piece(limit, self.prefill_chunk)
+            size, width = piece(limit, self.prefill_chunk, self.short_piece)
             step = Step("prefill", (seq,), start=seq.computed, size=size, width=width)
         else:
             return None
@@ -177,24 +178,28 @@ def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def piece(remaining: int, chunk: int) -> tuple[int, int]:
+def piece(remaining: int, chunk: int, short: int = 0) -> tuple[int, int]:
     """(size, width) of the next prefill piece: the largest power of two <= min(remaining,
     chunk) while that is at least the floor (MIN_PIECE, or the chunk if smaller), else all of
-    the remaining tokens in one piece padded to the floor. A bounded set of compiled widths,
-    and at most one forward call for a remainder below the floor."""
+    the remaining tokens in one piece padded to the floor, or to `short` (a plan's
+    short_piece) where they fit in that. A bounded set of compiled widths, and at most one
+    forward call for a remainder below the floor."""
     floor = min(MIN_PIECE, _pow2_floor(chunk))
     n = min(remaining, chunk)
+    if n <= short < floor:
+        return n, short
     if n >= floor:
         size = _pow2_floor(n)
         return size, size
     return n, floor
 
 
-def piece_widths(chunk: int) -> list[int]:
-    """Every width `piece` can return for this chunk, largest first (what warmup compiles)."""
+def piece_widths(chunk: int, short: int = 0) -> list[int]:
+    """Every width `piece` can return for this chunk (and short piece width), largest first
+    (what warmup compiles)."""
     floor, w = min(MIN_PIECE, _pow2_floor(chunk)), _pow2_floor(chunk)
     widths = []
     while w >= floor:
         widths.append(w)
         w >>= 1
-    return widths
+    return widths + ([short] if 0 < short < floor else [])
