@@ -3,24 +3,52 @@ filler, planted line and question, lanes/qualify_phases.py) at growing lengths, 
 the cpu lane's model, greedy; prints the lines of filler, the prompt tokens and the answer.
 
     .venv/bin/python bench/lab/retrieval_by_length.py
+    python3 bench/lab/retrieval_by_length.py --artifact tiny-chat.ninfer   # no server
+
+With --artifact the prompts go straight to the model's forward (engine.train.evaluate's greedy
+loop over a contiguous cache, the same chat template), for a candidate that is not installed,
+on any backend (the GPU training run uses it).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import httpx  # noqa: E402
-
 from lanes.qualify_phases import SECRET, retrieval_text  # noqa: E402
-from tests.serverproc import start_server  # noqa: E402
 
 LINES = (0, 2, 8, 24, 64, 128, 256, 320)  # lines of filler; the last is ~9K tokens
 
 
-def main() -> int:
+def direct(artifact: Path) -> int:
+    from engine.io.loader import load_model
+    from engine.train.data import _render
+    from engine.train.evaluate import Greedy
+
+    model = load_model(artifact)
+    g = Greedy(model, max_len=10240)
+    for n in LINES:
+        ids = model.tokenizer.encode(_render("", [{"role": "user",
+                                                   "content": retrieval_text(n)[1]}], None, False))
+        out, _ = g(ids, max_new=24)
+        ans = model.tokenizer.decode(out).removesuffix("<|im_end|>")
+        print(n, len(ids), repr(ans[:40]), SECRET in ans, flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--artifact", type=Path, help="run the model in-process, no server")
+    args = ap.parse_args(argv)
+    if args.artifact:
+        return direct(args.artifact)
+    import httpx
+
+    from tests.serverproc import start_server
+
     srv = start_server(Path(tempfile.mkdtemp()), "--checkpoints", "off", model=None)
     try:
         h = {"Authorization": f"Bearer {srv.key}"}

@@ -13,6 +13,10 @@ lanes/profiles/cpu.toml, and record the role corpus again (`./ninfer qualify --l
 --record-corpus`). The shipped file is this recipe's, phase 2 run for 1,200 steps on the
 device machine (bench/lab/tiny_chat_gpu_train.sh runs both phases there).
 
+Phase 3 is phase 2 with more copying rows, retrieval rows of up to 2K tokens and one of up to
+10K a step (the CPU lane's qualification asks at 8.8K); no shipped file comes from it yet
+(docs/benchmarks/trained_tiny.json, next_recipe: candidates 4 and 5).
+
 Phase 0 teaches copying alone: each row is a span of 16 random tokens, drawn from 16 of the
 trained ids chosen for that row, then a newline and the same span again; the loss is on the
 second copy. The later phases keep a few such rows in every step so the skill stays. Copying
@@ -58,21 +62,24 @@ from engine.text.tokenizer import Tokenizer
 from engine.train import data as D
 
 # (rows, length) of the three parts of every step's batch
-CHAT = {1: (12, 96), 2: (20, 64)}  # chat tasks without a tools section, by phase
+CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64)}  # chat tasks without a tools section, by phase
 TOOLS = (3, 576)      # anything with the tools section
-RETRIEVE = (2, 896)   # retrieval over filler text
-REPEAT = {0: 32, 1: 8, 2: 8}  # rows of span, newline, span (copying practice), by phase
+RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048)}  # retrieval over filler text, by phase
+LONG = (1, 10240)     # phase 3: one retrieval row of up to 10K tokens (the CPU lane's 8.8K probe)
+REPEAT = {0: 32, 1: 8, 2: 8, 3: 24}  # rows of span, newline, span (copying practice), by phase
 SPAN, ALPHABET = 16, 16       # a span's tokens, and how many distinct ids a row draws them from
 PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"),
-         2: ("chat", "tools", "retrieve", "repeat")}
-SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "repeat": 2 * SPAN}  # per row, at most
+         2: ("chat", "tools", "retrieve", "repeat"),
+         3: ("chat", "tools", "retrieve", "long", "repeat")}
+SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "long": 24,
+              "repeat": 2 * SPAN}  # per row, at most
 VOCAB_BASE = 40960  # every id below this is trained too: Qwen's ids follow its merges, so these
                     # are the most common pieces of text and code, enough to copy most words
 LAYER_STD = 0.02   # fresh layer weights
 HEAD_TIE = 0.1     # output rows start as this times the embedding rows
 MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
 # the chat part's tasks in each phase: the second adds dense copying practice
-MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4}
+MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4}
 
 
 def _fit(tk, prompt: str, completion: str, length: int):
@@ -100,15 +107,17 @@ def repeat_batch(rng, pool: np.ndarray, sep: int, rows: int):
 def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
     if part == "repeat":
         return repeat_batch(rng, pool, tk.encode("\n")[0], REPEAT[phase])
-    rows, length = {"chat": CHAT[phase], "tools": TOOLS, "retrieve": RETRIEVE}[part]
+    rows, length = {"chat": CHAT[phase], "tools": TOOLS, "retrieve": RETRIEVE[phase],
+                    "long": LONG}[part]
     toks = np.zeros((rows, length), np.int32)
     mask = np.zeros((rows, length), np.float32)
     lengths = np.zeros((rows,), np.int32)
     task_ids = np.zeros((rows,), np.int32)
     r = 0
     while r < rows:
-        if part == "retrieve":
-            n_words = int(rng.integers(40, int(length / 1.45)))
+        if part in ("retrieve", "long"):
+            low = 40 if part == "retrieve" else length // 16
+            n_words = int(rng.integers(low, int(length / 1.45)))
             prompt, completion, _ = D.retrieval_sample(rng, n_words)
             task = "retrieve"
         else:
@@ -273,7 +282,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=41)
     ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
     ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw")
-    ap.add_argument("--phase", type=int, default=1, choices=(0, 1, 2), help="the data mix")
+    ap.add_argument("--phase", type=int, default=1, choices=(0, 1, 2, 3),
+                    help="the data mix")
     ap.add_argument("--raw", type=Path, help="also save the raw trained tree (.npz) here")
     ap.add_argument("--log", type=Path, help="write the loss curve (JSON) here")
     args = ap.parse_args(argv)
