@@ -52,10 +52,10 @@ class KernelPlan:
     # (engine/kernels/qgemm.py) in place of a dequantized copy; 0: none (wider pieces are
     # compute-bound, where cuBLAS over the copy is faster).
     int4_gemm_rows: int = 0
-    # A prefill piece of at most this many tokens (a short new turn, or the remainder of a
-    # longer one) runs this wide instead of padded to the 64-token floor, so that its matmuls
-    # take the decode GEMV (`gemv`, at most qgemv.MAX_ROWS rows) and its GDN step the
-    # recurrent kernel; 0: every piece at least 64 wide. One more compiled width.
+    # Prefill pieces this wide for a short remainder (a short new turn, or the end of a longer
+    # one: up to scheduler.SHORT_PIECES of them) instead of one padded to the 64-token floor,
+    # so that their matmuls take the decode GEMV (`gemv`, at most qgemv.MAX_ROWS rows) and
+    # their GDN step the recurrent kernel; 0: every piece at least 64 wide. One more width.
     short_piece: int = 0
     # A decode step's MLP: "separate" (its GEMVs as `gemv` says, SwiGLU and the residual in
     # XLA) or "cuda" (the CUDA op: gate|up then down, chained by programmatic dependent launch).

@@ -145,13 +145,14 @@ def test_padded_remainder_generates_the_same_tokens(tiny_model):
 
 
 def test_short_piece_generates_the_same_tokens(tiny_model):
-    """A plan's short_piece: a 69-token prompt with chunk 64 runs as 64, then 5 in a piece 8
-    wide (not 64), and gives the greedy tokens of the token-by-token prefill; the engine's
-    compiled widths include the short one."""
-    ids = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:69]
-    assert len(ids) == 69
+    """A plan's short_piece: a 77-token prompt with chunk 64 runs as 64, then its 13 left in
+    two pieces 8 wide (not one padded to 64), and gives the greedy tokens of the token-by-token
+    prefill; the engine's compiled widths include the short one."""
+    ids = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:77]
+    assert len(ids) == 77
     plan = dataclasses.replace(REFERENCE, short_piece=8)
-    assert piece(5, 64, plan.short_piece) == (5, 8) and piece(9, 64, 8) == (9, 64)
+    assert piece(13, 64, plan.short_piece) == (8, 8) and piece(5, 64, 8) == (5, 8)
+    assert piece(17, 64, 8) == (17, 64)
     ref, _ = greedy_tokens(tiny_model, ids, 8, prefill_chunk=1)
     shapes, widths = [], []
 
@@ -168,7 +169,7 @@ def test_short_piece_generates_the_same_tokens(tiny_model):
                               before_start=watch)
     assert done.finish_reason == "length" and got == ref
     assert (1, 8) in shapes and (1, 64) in shapes
-    assert widths[:2] == [64, 8] and set(widths[2:]) == {1}
+    assert widths[:3] == [64, 8, 8] and set(widths[3:]) == {1}
 
 
 @pytest.mark.parametrize("rows,narrow", [(1, False), (2, False), (2, True)],

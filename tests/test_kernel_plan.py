@@ -177,7 +177,8 @@ def test_h200_short_piece_takes_the_decode_gemv_and_the_recurrent_gdn_kernel():
     from tests.kernel_checks import cuda_module_text
 
     assert H200.short_piece == 8 and REFERENCE.short_piece == PALLAS.short_piece == 0
-    assert piece(4, 8192, H200.short_piece) == (4, 8) and piece(9, 8192, 8) == (9, 64)
+    assert piece(4, 8192, H200.short_piece) == (4, 8) and piece(13, 8192, 8) == (8, 8)
+    assert piece(17, 8192, 8) == (17, 64)
     assert piece(4, 8192) == (4, 64) and piece_widths(8192, 8)[-2:] == [64, 8]
     params, cache = inv._abstract_params(cfg), inv._abstract_cache(cfg, inv.BATCH)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731

@@ -61,6 +61,10 @@ class Sequence:
 # Prefill pieces shorter than this run as one right-padded piece of this width (64: the
 # attention kernels' query tile), so a remainder costs one forward call and no shape of its own.
 MIN_PIECE = 64
+# A remainder of at most this many short pieces runs as short pieces: a piece 8 wide costs
+# 19-20 ms on a 32K session and a padded 64-wide one 47 ms on the H200, 60 on the H100
+# (docs/benchmarks/short_piece.json), so two short ones still cost less and three do not.
+SHORT_PIECES = 2
 
 
 @dataclass(frozen=True)
@@ -181,13 +185,14 @@ def _pow2_floor(n: int) -> int:
 def piece(remaining: int, chunk: int, short: int = 0) -> tuple[int, int]:
     """(size, width) of the next prefill piece: the largest power of two <= min(remaining,
     chunk) while that is at least the floor (MIN_PIECE, or the chunk if smaller), else all of
-    the remaining tokens in one piece padded to the floor, or to `short` (a plan's
-    short_piece) where they fit in that. A bounded set of compiled widths, and at most one
-    forward call for a remainder below the floor."""
+    the remaining tokens in one piece padded to the floor; or, with `short` (a plan's
+    short_piece), a remainder of at most SHORT_PIECES * short tokens in pieces `short` wide.
+    A bounded set of compiled widths, and at most SHORT_PIECES forward calls for a remainder
+    below the floor."""
     floor = min(MIN_PIECE, _pow2_floor(chunk))
     n = min(remaining, chunk)
-    if n <= short < floor:
-        return n, short
+    if short < floor and n <= SHORT_PIECES * short:
+        return min(n, short), short
     if n >= floor:
         size = _pow2_floor(n)
         return size, size
