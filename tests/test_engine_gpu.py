@@ -40,3 +40,57 @@ def test_two_sequences_together_equal_each_alone_on_gpu(bf16_model, plan):
             assert len(toks) == 64 and len(set(toks)) >= 8  # not a collapsed continuation
     finally:
         eng.stop()
+
+
+@pytest.mark.gpu
+def test_short_piece_matches_the_padded_piece_on_gpu(bf16_model):
+    """The h200 plan's short pieces (engine/plan.py short_piece): after a 64-token history,
+    a 5-token remainder run 8 wide (the decode GEMV, the recurrent GDN kernel) gives the last
+    token's logits, position and GDN states of the same remainder padded to 64 (the prefill
+    path), within bf16's bound; and an engine with short pieces gives the greedy tokens of one
+    without them."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import engine.model.model as M
+    from engine.kernels import cuda_ops
+    from tests.engine_runs import greedy_tokens
+    from engine.ops import paged_kv as pk
+    from tests.kernel_checks import assert_close
+
+    plan = H200
+    assert on_gpu() and plan.short_piece == 8
+    cuda_ops.require(plan)
+    cfg, params = bf16_model.cfg, bf16_model.params
+
+    def fresh_cache():
+        pool = pk.init_kv_pool(cfg, 4, pk.PAGE_SIZE, jnp.bfloat16)
+        return M.init_paged_cache(cfg, pool, np.arange(4, dtype=np.int32).reshape(1, 4),
+                                  jnp.bfloat16)
+
+    ids = bf16_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:69]
+    fwd = M.jit_forward()
+
+    def run(width: int):
+        _, _, cache = fwd(params, cfg, jnp.asarray([ids[:64]], jnp.int32), fresh_cache(),
+                          lengths=jnp.asarray([64], jnp.int32), last_only=True, plan=plan)
+        tok = np.zeros((1, width), np.int32)
+        tok[0, :5] = ids[64:]
+        logits, _, cache = fwd(params, cfg, jnp.asarray(tok), cache,
+                               lengths=jnp.asarray([5], jnp.int32), last_only=True, plan=plan)
+        return jax.device_get(logits[0, 0]).astype(np.float32), jax.device_get(cache)
+
+    (short, c8), (padded, c64) = run(8), run(64)
+    assert_close(short, padded, jnp.bfloat16)
+    assert list(c8.pos) == list(c64.pos) == [69]
+    for name in ("conv", "rec"):
+        assert_close(np.asarray(getattr(c8, name), np.float32),
+                     np.asarray(getattr(c64, name), np.float32), jnp.bfloat16)
+    kw = dict(context_tokens=512, prefill_chunk=64, max_concurrency=1)
+    with_short, _ = greedy_tokens(bf16_model, ids[:77], 16, plan=plan, **kw)
+    without, _ = greedy_tokens(bf16_model, ids[:77], 16,
+                               plan=dataclasses.replace(plan, short_piece=0), **kw)
+    assert with_short == without
