@@ -92,9 +92,14 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
                             for n, b in sorted(opened.cuda_libraries().items())])
     cuda_libs = sorted(opened.cuda_libraries())
     del opened
+    # the image installs the lock over its base and runs the bundle: both must fit
+    problems = M.lock_problems(lock.name, lock.read_text(), bundle["jax"])
+    if problems:
+        raise BuildError(f"lane {name}: " + "; ".join(problems))
     t0 = time.monotonic()
-    # every image carries its lane's bundle; the CPU image serves from it (a GPU lane's
-    # forwards are exported with this machine's JAX, which its CUDA JAX does not take yet)
+    # every image carries its lane's bundle, exported with the JAX its lock installs; the CPU
+    # image serves from it, a GPU lane's image compiles its forwards live (its exported CUDA
+    # forwards have not been run on a GPU yet)
     common = dict(tree=tree, lock=lock, profile_name=name, epoch=epoch, cache_dir=cache,
                   bundle=out / "engine-bundle.tar")
     if profile.gpu:

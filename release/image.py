@@ -37,15 +37,17 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from release.manifest import IMAGE_PYTHON
 from release.oci import Layer, write_layout
 
 LOCK_PATH = Path(__file__).resolve().parent / "base_debian.lock"
-BASE_ROOTS = ("python3.11-minimal", "libpython3.11-stdlib", "libstdc++6", "libgcc-s1")
+BASE_ROOTS = (f"python{IMAGE_PYTHON}-minimal", f"libpython{IMAGE_PYTHON}-stdlib", "libstdc++6",
+              "libgcc-s1")
 BASE_EXCLUDED = frozenset({"dpkg", "install-info", "tar", "perl", "perl-base",
                            "perl-modules-5.36", "libperl5.36", "mailcap", "mime-support",
                            "debconf"})
 BASE_DROPPED = ("usr/share/man", "usr/share/info", "usr/share/lintian")  # docs pages only
-PYTHON = "/usr/bin/python3.11"
+PYTHON = f"/usr/bin/python{IMAGE_PYTHON}"
 SITE = "opt/ninfer/site-packages"
 APP = "opt/ninfer/app"
 STATE = "var/lib/ninfer"
@@ -54,8 +56,8 @@ GZIP_LEVEL = 1
 PIP_PLATFORM = tuple(a for glibc in range(36, 4, -1)
                      for a in ("--platform", f"manylinux_2_{glibc}_x86_64")) + (
     "--platform", "manylinux2014_x86_64", "--platform", "manylinux2010_x86_64",
-    "--platform", "manylinux1_x86_64", "--implementation", "cp", "--python-version", "3.11",
-    "--abi", "cp311")
+    "--platform", "manylinux1_x86_64", "--implementation", "cp", "--python-version", IMAGE_PYTHON,
+    "--abi", "cp" + IMAGE_PYTHON.replace(".", ""))
 LABEL_DEPS = "org.ninfer.dependencies"
 
 

@@ -3,8 +3,9 @@
     requirements.lock      requirements.in      Python 3.11, Linux x86_64, CPU JAX
     requirements-dev.lock  requirements-dev.in  the same plus tests and release tools
                                                 (the .in constrains it by requirements.lock)
-    requirements-gpu.lock  requirements-gpu.in  Python 3.12, manylinux_2_31 x86_64 wheels,
-                                                JAX with CUDA 13; every package it shares with
+    requirements-gpu.lock  requirements-gpu.in  Python 3.11 (the GPU images' bookworm base),
+                                                manylinux_2_31 x86_64 wheels, the release's JAX
+                                                with CUDA 13; every package it shares with
                                                 requirements.lock (all but those the .in pins)
                                                 keeps that pin
 
@@ -56,7 +57,7 @@ TARGETS = (
     Target("requirements.lock", "requirements.in", "3.11", "CPU JAX"),
     Target("requirements-dev.lock", "requirements-dev.in", "3.11",
            "CPU JAX, tests and release tools"),
-    Target("requirements-gpu.lock", "requirements-gpu.in", "3.12", "GPU lanes, JAX with CUDA",
+    Target("requirements-gpu.lock", "requirements-gpu.in", "3.11", "GPU lanes, JAX with CUDA",
            base="requirements.lock", base_in="requirements.in", platform=CROSS_PLATFORM),
 )
 _BY_LOCK = {t.lock: t for t in TARGETS}

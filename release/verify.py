@@ -8,6 +8,7 @@ the manifest only as far as --manifest-sha256 pins it):
   blobs, manifest and config digests are the ones the manifest binds; both SBOMs pass their
   validators (spdx-tools; the CycloneDX JSON schema);
 - each resolved profile binds a loopback host and a fixed port, with no remote model source;
+- each lane's lock installs the JAX that exported its bundle, for its image's Python;
 - compatibility.json states the released profiles' lanes, cards and contexts;
 - no released document names a private path or a placeholder;
 - each lane's status follows from its receipt: a lane without one, or with one made on
@@ -130,6 +131,13 @@ def check_lane(root: Path, name: str, e: dict, r: Report) -> list[str]:
                 open_bundle(root / b["path"], expect_lane=name)
             except Exception as ex:  # the bundle's own check names the file inside it
                 r.fail(b["path"], "bundle contents", str(ex))
+    lock_rel = f"locks/{e.get('lock')}"
+    if (root / lock_rel).is_file():
+        for problem in M.lock_problems(str(e.get("lock")), (root / lock_rel).read_text(),
+                                       b.get("jax")):
+            r.fail(lock_rel, "lock runs the bundle", problem)
+    else:
+        r.fail(lock_rel, "lane lock", f"lane {name} names {e.get('lock')!r}, not in locks/")
     oci = e["oci"]
     for problem in verify_layout(root / oci["path"]):
         r.fail(oci["path"], "OCI layout", problem)

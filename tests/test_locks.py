@@ -53,12 +53,14 @@ def test_locks_name_no_mirror_and_keep_the_runtime_pins():
     assert dev["torch"] == "2.13.0+cpu"
     assert dev["spdx-tools"] == "0.8.5" and dev["cyclonedx-python-lib"].startswith("11.12.")
     assert dev["uv"] == lock.UV_VERSION
-    assert {k for k in cpu if gpu.get(k) != cpu[k]} == {"jax", "jaxlib"}
+    # the GPU lock keeps every CPU pin, JAX included: a GPU lane's image runs its bundle's
+    # forwards, exported by the release's JAX, over its bookworm base's python3.11
+    assert {k for k in cpu if gpu.get(k) != cpu[k]} == set()
     assert gpu["jax"] == gpu["jaxlib"] == gpu["jax-cuda13-plugin"] == gpu["jax-cuda13-pjrt"] \
-        == "0.11.2"
+        == cpu["jax"] == "0.10.2"
     head = texts["requirements-gpu.lock"].splitlines()[0]
     cuda = gpu["nvidia-cuda-runtime"]
-    assert "Python 3.12" in head and "CUDA 13" in head and cuda.startswith("13.") and cuda in head
+    assert "Python 3.11" in head and "CUDA 13" in head and cuda.startswith("13.") and cuda in head
     assert "Python 3.11" in texts["requirements.lock"].splitlines()[0]
 
 
@@ -236,3 +238,19 @@ def test_lock_check_re_resolves_without_writing(tmp_path):
     assert re.search(r"requirements-dev\.lock: stale .*wcwidth - -> ", err), err
     assert "requirements-gpu.lock: dirty: wcwidth (from requirements.in) is not pinned" in err
     assert {n: (tmp_path / n).read_bytes() for n in LOCKS} == before
+
+
+def test_a_lane_lock_must_run_its_bundle_in_its_image():
+    """release.manifest.lock_problems, which the build and the verifier apply to every lane:
+    the lock's JAX is the one that exported the bundle, its Python the image base's."""
+    from release.manifest import IMAGE_PYTHON, lock_problems
+
+    for name in ("requirements.lock", "requirements-gpu.lock"):
+        assert lock_problems(name, (ROOT / name).read_text(), "0.10.2") == []
+    old = (ROOT / "requirements-gpu.lock").read_text().replace(
+        f"Python {IMAGE_PYTHON},", "Python 3.12,", 1).replace("\njax==0.10.2 ", "\njax==0.11.2 ")
+    assert lock_problems("requirements-gpu.lock", old, "0.10.2") == [
+        "requirements-gpu.lock installs jax 0.11.2 but the bundle's forwards were exported with "
+        "jax 0.10.2",
+        f"requirements-gpu.lock is for Python 3.12 but the image's base runs Python "
+        f"{IMAGE_PYTHON}"]

@@ -162,6 +162,14 @@ def test_edited_documents_are_caught_even_when_rehashed(releases, tmp_path):
     assert any("no private paths or placeholders" in f for f in verify(copy))
 
     shutil.copy(a / "lanes/cpu/profile.json", prof)
+    lock = copy / "locks/requirements.lock"
+    saved = lock.read_bytes()
+    lock.write_bytes(saved.replace(b"\njax==0.10.2 ", b"\njax==0.11.2 "))
+    rehash()
+    assert any("locks/requirements.lock: lock runs the bundle: requirements.lock installs jax "
+               "0.11.2 but the bundle's forwards were exported with jax 0.10.2" in f
+               for f in verify(copy)), verify(copy)
+    lock.write_bytes(saved)
     receipt = {"format": M.RECEIPT_FORMAT, "lane": "cpu", "verdict": "pass",
                "bundle_sha256": "0" * 64, "synthetic_weights": False,
                "profile_sha256": json.loads(prof.read_text())["profile_sha256"]}
