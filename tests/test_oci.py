@@ -315,3 +315,32 @@ def _root_of(proc_dir: Path) -> Path | None:
         return Path(os.readlink(proc_dir / "root"))
     except OSError:
         return None
+
+
+@pytest.mark.slow
+def test_a_gpu_lane_image_runs_its_lock_on_its_base_python(tmp_path):
+    """A GPU lane's image with its dependency layer (GBs of CUDA 13 wheels from
+    requirements-gpu.lock; ~2.5 min with the wheels cached): unpacked with umoci, the bookworm
+    base's python3.11 imports the lock's JAX with its CUDA plugin, at the version that exports
+    the lane's bundle (release.manifest.lock_problems, which the build applies)."""
+    from release.image import PYTHON, gpu_image
+    from release.lock import pins
+
+    lock = ROOT / "requirements-gpu.lock"
+    d = gpu_image(tmp_path / "oci", tree=ROOT, lock=lock, profile_name="rtx5090", epoch=0,
+                  with_dependencies=True)
+    assert verify_layout(tmp_path / "oci") == [] and len(d["layers"]) == 3
+    cfg = json.loads(_blob(tmp_path / "oci", d["config"]).read_bytes())["config"]
+    assert cfg["Labels"]["org.ninfer.dependencies"] == "built"
+    bundle = tmp_path / "bundle"
+    subprocess.run(["umoci", "unpack", "--image", f"{tmp_path / 'oci'}:rtx5090", str(bundle)],
+                   check=True, capture_output=True)
+    env = dict(e.split("=", 1) for e in cfg["Env"])
+    probe = ("import importlib.metadata as m, jax; print(jax.__version__, "
+             "m.version('jaxlib'), m.version('jax-cuda13-plugin'), m.version('jax-cuda13-pjrt'))")
+    out = subprocess.run(["unshare", "--root", str(bundle / "rootfs"), PYTHON, "-c", probe],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = pins(lock)["jax"]
+    assert want == pins(ROOT / "requirements.lock")["jax"]  # the JAX that exports bundles
+    assert out.stdout.split() == [want] * 4
