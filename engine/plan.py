@@ -210,7 +210,7 @@ PALLAS = KernelPlan(gemv="pallas", block_loop="views", gdn_decode="fused", gdn_p
                     prefill_attention="flash", decode_attention="paged")
 H200 = dataclasses.replace(PALLAS, gemv="cuda", mlp="cuda", norms="fused", attn_prep=True,
                            gdn_conv_write="swap", xla_gpu_graphs=True, cuda_arch="90",
-                           short_piece=8)
+                           short_piece=8, int4_gemm_rows=64)
 PRESETS: dict[str, KernelPlan] = {"reference": REFERENCE, "pallas": PALLAS, "h200": H200}
 
 
