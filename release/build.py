@@ -93,7 +93,7 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
     cuda_libs = sorted(opened.cuda_libraries())
     del opened
     # the image installs the lock over its base and runs the bundle: both must fit
-    problems = M.lock_problems(lock.name, lock.read_text(), bundle["jax"])
+    problems = M.lock_problems(lock, bundle["jax"])
     if problems:
         raise BuildError(f"lane {name}: " + "; ".join(problems))
     t0 = time.monotonic()

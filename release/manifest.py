@@ -48,20 +48,20 @@ IMAGE_PYTHON = "3.11"  # the lanes' image base's python (release/image.py: bookw
 _LOCK_PYTHON = re.compile(r"^# \S+\.lock: Python (\d+\.\d+)", re.M)
 
 
-def lock_problems(lock_name: str, lock_text: str, bundle_jax: str) -> list[str]:
+def lock_problems(lock: Path, bundle_jax: str) -> list[str]:
     """Why a lane's lock cannot run its bundle in its image: the lock installs another JAX than
     the one that exported the bundle's forwards (a bundle is refused by any other), or names
     another Python than the image's base."""
-    from release.lock import _pins_text
+    from release.lock import pins
 
     out = []
-    jax = _pins_text(lock_text).get("jax")
+    jax = pins(lock).get("jax")
     if jax != bundle_jax:
-        out.append(f"{lock_name} installs jax {jax} but the bundle's forwards were exported "
+        out.append(f"{lock.name} installs jax {jax} but the bundle's forwards were exported "
                    f"with jax {bundle_jax}")
-    m = _LOCK_PYTHON.search(lock_text)
+    m = _LOCK_PYTHON.search(Path(lock).read_text())
     if not m or m.group(1) != IMAGE_PYTHON:
-        out.append(f"{lock_name} is for Python {m.group(1) if m else '(unstated)'} but the "
+        out.append(f"{lock.name} is for Python {m.group(1) if m else '(unstated)'} but the "
                    f"image's base runs Python {IMAGE_PYTHON}")
     return out
 

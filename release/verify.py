@@ -133,8 +133,7 @@ def check_lane(root: Path, name: str, e: dict, r: Report) -> list[str]:
                 r.fail(b["path"], "bundle contents", str(ex))
     lock_rel = f"locks/{e.get('lock')}"
     if (root / lock_rel).is_file():
-        for problem in M.lock_problems(str(e.get("lock")), (root / lock_rel).read_text(),
-                                       b.get("jax")):
+        for problem in M.lock_problems(root / lock_rel, b.get("jax")):
             r.fail(lock_rel, "lock runs the bundle", problem)
     else:
         r.fail(lock_rel, "lane lock", f"lane {name} names {e.get('lock')!r}, not in locks/")

@@ -240,16 +240,17 @@ def test_lock_check_re_resolves_without_writing(tmp_path):
     assert {n: (tmp_path / n).read_bytes() for n in LOCKS} == before
 
 
-def test_a_lane_lock_must_run_its_bundle_in_its_image():
+def test_a_lane_lock_must_run_its_bundle_in_its_image(tmp_path):
     """release.manifest.lock_problems, which the build and the verifier apply to every lane:
     the lock's JAX is the one that exported the bundle, its Python the image base's."""
     from release.manifest import IMAGE_PYTHON, lock_problems
 
     for name in ("requirements.lock", "requirements-gpu.lock"):
-        assert lock_problems(name, (ROOT / name).read_text(), "0.10.2") == []
-    old = (ROOT / "requirements-gpu.lock").read_text().replace(
-        f"Python {IMAGE_PYTHON},", "Python 3.12,", 1).replace("\njax==0.10.2 ", "\njax==0.11.2 ")
-    assert lock_problems("requirements-gpu.lock", old, "0.10.2") == [
+        assert lock_problems(ROOT / name, "0.10.2") == []
+    old = tmp_path / "requirements-gpu.lock"
+    old.write_text((ROOT / "requirements-gpu.lock").read_text().replace(
+        f"Python {IMAGE_PYTHON},", "Python 3.12,", 1).replace("\njax==0.10.2 ", "\njax==0.11.2 "))
+    assert lock_problems(old, "0.10.2") == [
         "requirements-gpu.lock installs jax 0.11.2 but the bundle's forwards were exported with "
         "jax 0.10.2",
         f"requirements-gpu.lock is for Python 3.12 but the image's base runs Python "

@@ -61,7 +61,7 @@ from engine.model.config import TINY
 from engine.text.tokenizer import Tokenizer
 from engine.train import data as D
 
-# (rows, length) of the three parts of every step's batch
+# (rows, length) of the parts of every step's batch
 CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64)}  # chat tasks without a tools section, by phase
 TOOLS = (3, 576)      # anything with the tools section
 RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048)}  # retrieval over filler text, by phase
