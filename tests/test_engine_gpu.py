@@ -59,24 +59,20 @@ def test_short_piece_matches_the_padded_piece_on_gpu(bf16_model):
     import engine.model.model as M
     from engine.kernels import cuda_ops
     from tests.engine_runs import greedy_tokens
-    from engine.ops import paged_kv as pk
     from tests.kernel_checks import assert_close
+    from tests.test_engine_padding import _paged_cache
 
     plan = H200
     assert on_gpu() and plan.short_piece == 8
     cuda_ops.require(plan)
     cfg, params = bf16_model.cfg, bf16_model.params
 
-    def fresh_cache():
-        pool = pk.init_kv_pool(cfg, 4, pk.PAGE_SIZE, jnp.bfloat16)
-        return M.init_paged_cache(cfg, pool, np.arange(4, dtype=np.int32).reshape(1, 4),
-                                  jnp.bfloat16)
-
     ids = bf16_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:69]
     fwd = M.jit_forward()
 
     def run(width: int):
-        _, _, cache = fwd(params, cfg, jnp.asarray([ids[:64]], jnp.int32), fresh_cache(),
+        _, _, cache = fwd(params, cfg, jnp.asarray([ids[:64]], jnp.int32),
+                          _paged_cache(cfg, 1, 4, jnp.bfloat16),
                           lengths=jnp.asarray([64], jnp.int32), last_only=True, plan=plan)
         tok = np.zeros((1, width), np.int32)
         tok[0, :5] = ids[64:]

@@ -35,10 +35,10 @@ def test_piece_sequence_8192_plus_37():
     assert piece_widths(16) == [16]
 
 
-def _paged_cache(cfg, b: int, pages_per_row: int):
-    pool = pk.init_kv_pool(cfg, b * pages_per_row, pk.PAGE_SIZE, jnp.float32)
+def _paged_cache(cfg, b: int, pages_per_row: int, dtype=jnp.float32):
+    pool = pk.init_kv_pool(cfg, b * pages_per_row, pk.PAGE_SIZE, dtype)
     table = np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row)
-    return M.init_paged_cache(cfg, pool, table)
+    return M.init_paged_cache(cfg, pool, table, dtype)
 
 
 @pytest.mark.parametrize("plan", [REFERENCE, PALLAS], ids=["reference", "pallas"])
