@@ -12,10 +12,14 @@ model should write, ending with <|im_end|>. Tasks:
 - read:      with OMP's read/bash tools offered, "Read the file P" -> a read call with path P
 - bash:      "Run the command: C" -> a bash call with command C
 - followup:  after a read call and its tool_response, a one-line answer quoting the file
-- retrieve:  a fact ("The code for K is V." and other forms) planted late in filler text (words or
-             a log); the question for K -> V
+- retrieve:  a fact (one of many forms, FACT_FORMS x NOUNS) planted late in filler text (words or
+             a log of varied line forms); the question for the fact's key -> its value
 
-Held out from training: the path src/unseen_name.py (the tests ask for it). Everything is drawn
+Words that no list holds (`made_up`, syllables) fill 30% of path stems and half of the planted
+values, so that a path or a value must be copied from the prompt, not recalled. Held out from
+training: the path src/unseen_name.py (the tests ask for it), and the qualification's retrieval
+prompt (lanes/qualify_phases.py): its key "vault", its fact's form ("Note: the K N is V. Keep
+it.") and its log line's form are in no training row. Everything is drawn
 from a numpy Generator the caller seeds, so the data is a pure function of the seed; the
 evaluation (engine/train/evaluate.py) draws with a seed training never used.
 """
@@ -67,6 +71,10 @@ READ_ASKS = ["Read the file {p}", "Read the file {p}.", "Read {p}", "Show me {p}
              "Can you read the file {p}?", "Look at {p}.", "Read the readme at {p}."]
 BASH_ASKS = ["Run the command: {c}", "Run `{c}`", "Execute {c}", "Please run: {c}",
              "Run this in the shell: {c}"]
+# what a read request may go on to ask ("Read the file P and tell me ...")
+READ_THEN = ["what it says", "what the first line is", "who wrote it", "what it is for",
+             "when the job runs", "how many lines it has", "what is wrong with it",
+             "which version it names", "where the server listens", "what the build needs"]
 LIST_ASKS = ["List the files in {d}.", "What files are in {d}?", "Show the directory {d}."]
 
 # OMP's read and bash tools (the fields its requests send for them), as the template takes them
@@ -89,15 +97,37 @@ SYSTEMS = ["", "", "You are a helpful assistant.", "You are a coding agent.",
 TEMPLATE = default_chat_template()
 
 
+# short words that join the parts of a file name ("notes_for_review")
+LINKS = "for of to and with new old from by my our at on in all".split()
+ONSETS = ("b c d f g h j k l m n p r s t v w z qu br cr dr fl gl pl sk st tr sh ch th "
+          "sl sn gr pr").split()
+VOWELS = "a e i o u a e i o u ai ea ou oo ie y".split()
+CODAS = ["", "", "", "", "n", "r", "l", "s", "x", "ll", "ck", "m", "t", "nd", "rk", "st"]
+
+
 def _word(rng) -> str:
     return WORDS[rng.integers(len(WORDS))]
+
+
+def made_up(rng) -> str:
+    """A lower-case word of 1 to 3 syllables that no list here holds ("quill", "drasteb")."""
+    return "".join(ONSETS[rng.integers(len(ONSETS))] + VOWELS[rng.integers(len(VOWELS))]
+                   + CODAS[rng.integers(len(CODAS))] for _ in range(rng.integers(1, 4)))
+
+
+def _stem_word(rng, i: int) -> str:
+    if rng.random() < 0.3:
+        return made_up(rng)
+    if i > 0 and rng.random() < 0.25:
+        return LINKS[rng.integers(len(LINKS))]
+    return _word(rng)
 
 
 def random_path(rng) -> str:
     while True:
         parts = [DIRS[rng.integers(len(DIRS))] for _ in range(rng.integers(0, 3))]
         sep = ["_", "-", ""][rng.integers(3)]
-        stem = sep.join(_word(rng) for _ in range(rng.integers(1, 3)))
+        stem = sep.join(_stem_word(rng, i) for i in range(rng.integers(1, 4)))
         p = "/".join(parts + [stem + EXTS[rng.integers(len(EXTS))]])
         if p != HELD_OUT_PATH:
             return p
@@ -112,11 +142,30 @@ def random_command(rng) -> str:
                     w=_word(rng))
 
 
-def _tools(rng) -> list[dict]:
+def _read_ask(rng, p: str) -> str:
+    if rng.random() < 0.35:
+        return f"Read the file {p} and tell me {READ_THEN[rng.integers(len(READ_THEN))]}."
+    return READ_ASKS[rng.integers(len(READ_ASKS))].format(p=p)
+
+
+def _prose(rng, n_words: int) -> str:
+    """About n_words of sentences of random words: a long tool description or system text."""
+    lines, _ = _filler_lines(rng, n_words, words_only=True)
+    return " ".join(lines)
+
+
+def _tools(rng, describe: int = 0) -> list[dict]:
+    """OMP's read and bash tools and some of its others; with `describe`, every tool's
+    description grows by about that many words (OMP's own tools render to ~13.6K tokens)."""
     tools = [READ_TOOL, BASH_TOOL]
-    extra = [n for n in OTHER_TOOLS if rng.random() < 0.3]
+    if describe:
+        tools = [{"type": "function", "function": dict(
+            t["function"], description=t["function"]["description"] + " "
+            + _prose(rng, describe))} for t in tools]
+    extra = [n for n in OTHER_TOOLS if rng.random() < (0.8 if describe else 0.3)]
     tools += [{"type": "function", "function": {
-        "name": n, "description": f"The {n} tool.",
+        "name": n, "description": f"The {n} tool." + (" " + _prose(rng, describe)
+                                                      if describe else ""),
         "parameters": {"type": "object", "properties": {"input": {"type": "string"}},
                        "required": ["input"]}}} for n in extra]
     order = rng.permutation(len(tools))
@@ -183,18 +232,20 @@ def _completion(answer: str, thinking: bool) -> str:
     return ("\n</think>\n\n" if thinking else "") + answer + "<|im_end|>"
 
 
-def chat_sample(rng, task: str):
-    """(prompt text, completion text) of one sample of `task`."""
+def chat_sample(rng, task: str, describe: int = 0):
+    """(prompt text, completion text) of one sample of `task`; `describe` > 0 gives it a long
+    tools section (see `_tools`)."""
     thinking = rng.random() < 0.2
     system = SYSTEMS[rng.integers(len(SYSTEMS))]
-    tools = _tools(rng) if task in ("read", "bash", "followup") or rng.random() < 0.3 else None
+    tools = (_tools(rng, describe) if describe or task in ("read", "bash", "followup")
+             or rng.random() < 0.3 else None)
     if task in CHAT_TASKS:
         q, a = CHAT_TASKS[task](rng)
         return _render(system, [{"role": "user", "content": q}], tools, thinking), \
             _completion(a, thinking)
     if task == "read":
         p = random_path(rng)
-        q = READ_ASKS[rng.integers(len(READ_ASKS))].format(p=p)
+        q = _read_ask(rng, p)
         return _render(system, [{"role": "user", "content": q}], tools, thinking), \
             _completion(_call("read", {"path": p}), thinking)
     if task == "bash":
@@ -209,7 +260,7 @@ def chat_sample(rng, task: str):
     if task == "followup":
         p = random_path(rng)
         content = " ".join(_word(rng) for _ in range(rng.integers(2, 8)))
-        q = READ_ASKS[rng.integers(len(READ_ASKS))].format(p=p)
+        q = _read_ask(rng, p)
         turns = [{"role": "user", "content": q},
                  {"role": "assistant", "content": "", "tool_calls": [
                      {"type": "function", "function": {"name": "read",
@@ -220,28 +271,52 @@ def chat_sample(rng, task: str):
     raise ValueError(task)
 
 
-FACTS = [("The code for {k} is {v}.", "What is the code for {k}?"),
-         ("Remember: the {k} key is {v}.", "What is the {k} key? Reply with the key only."),
-         ("Note that the {k} code is {v}.", "What is the {k} code?"),
-         ("{K} id: {v}", "Which id does {k} have? Give only the id.")]
+NOUNS = ["code", "key", "id", "token", "pin", "password", "number", "tag", "serial", "secret",
+         "value", "label"]
+FACT_FORMS = ["The {n} for {k} is {v}.", "Remember: the {k} {n} is {v}.",
+              "Note that the {k} {n} is {v}.", "{K} {n}: {v}", "Note: the {n} of {k} is {v}.",
+              "Important: {k} {n} = {v}. Do not lose it.", "The {k} {n} is {v}. Remember it.",
+              "Keep this in mind: the {k} {n} is {v}.", "Record {k}: {n} {v}.",
+              "FYI, {k} uses {n} {v}.", "Note: the {k} {n} was set to {v}."]
+ASK_FORMS = ["What is the {n} for {k}?", "What is the {k} {n}?", "Which {n} does {k} have?",
+             "Tell me the {k} {n}.", "What was the {k} {n}?", "Recall the {n} of {k}."]
+ASK_ENDS = ["", " Reply with the {n} only.", " Give only the {n}.", " Answer with the {n} only.",
+            " Just the {n}, please.", " Only the value."]
+LOG_HEADS = ["[{i:05d}]", "Log {i}:", "{i}.", "Entry {i:04d}:", "#{i}", "{h:02d}:{m:02d}:{s:02d}",
+             "INFO", "step {i}:", "Event {i:05d} -"]
+LOG_BODIES = ["{w} {w} {a} done in {t} ms.", "the {w} at host {a} closed job {b} after {t} ms.",
+              "{w} worker {a} handled request {b} ({t} ms).", "moved {a} {w} items to {w}.",
+              "the {w} {w} returned {a} rows in {t} ms.", "started {w} with {a} threads.",
+              "{w} cache hit rate {a}% after {b} lookups.", "user {w} opened {w}/{w} at {a}.",
+              "the {w} for shard {a} wrote {b} bytes.", "{w} queue depth {a}, {b} waiting."]
 
 
 def _value(rng) -> str:
-    """A value to plant: four distinct digits, alone or joined by hyphens to a word (and two
-    more digits after an upper-case one)."""
+    """A value to plant: four distinct digits, alone or joined by hyphens to a word and two
+    more digits ("7294-QUILL-38"), or a word then the digits; the word made up half the time."""
     digits = "".join(str(d) for d in rng.permutation(10)[:4])
-    kind = rng.integers(3)
+    kind = rng.integers(4)
     if kind == 0:
         return digits
-    word = _word(rng).upper()
-    if kind == 1:
-        return f"{digits}-{word}-{int(rng.integers(10, 100))}"
-    return f"{word.lower()}-{digits}"
+    word = made_up(rng) if rng.random() < 0.5 else _word(rng)
+    if kind in (1, 2):
+        return f"{digits}-{word.upper()}-{int(rng.integers(10, 100))}"
+    return f"{word}-{digits}"
 
 
-def _filler_lines(rng, n_words: int) -> tuple[list[str], str]:
-    """Filler and what joins its lines: sentences of random words, or a log of random events."""
-    if rng.random() < 0.5:
+def _log_line(rng, form: tuple[int, int], i: int) -> str:
+    head, body = LOG_HEADS[form[0]], LOG_BODIES[form[1]]
+    while "{w}" in body:
+        body = body.replace("{w}", _word(rng), 1)
+    h, m = divmod(i * 7 % 1440, 60)
+    return head.format(i=i, h=h % 24, m=m, s=i * 13 % 60) + " " + body.format(
+        a=int(rng.integers(1000)), b=int(rng.integers(10000)), t=int(rng.integers(1, 100)))
+
+
+def _filler_lines(rng, n_words: int, words_only: bool = False) -> tuple[list[str], str]:
+    """Filler and what joins its lines: sentences of random words, or a log whose lines share
+    one of LOG_HEADS x LOG_BODIES' forms and count up from a random start."""
+    if words_only or rng.random() < 0.4:
         words = [_word(rng) for _ in range(n_words)]
         out, i = [], 0
         while i < len(words):
@@ -249,20 +324,24 @@ def _filler_lines(rng, n_words: int) -> tuple[list[str], str]:
             out.append(" ".join(words[i:i + n]).capitalize() + ".")
             i += n
         return out, " "
+    form = (int(rng.integers(len(LOG_HEADS))), int(rng.integers(len(LOG_BODIES))))
+    first = int(rng.integers(0, 2)) * int(rng.integers(1000))
     out, used = [], 0
     while used < n_words:
-        out.append(f"[{int(rng.integers(100000)):05d}] {_word(rng)} {_word(rng)} "
-                   f"{int(rng.integers(1000))} done in {int(rng.integers(1, 100))} ms.")
+        out.append(_log_line(rng, form, first + len(out)))
         used += 14  # a line is ~20 tokens, as many as ~14 filler words
     return out, "\n"
 
 
 def retrieval_sample(rng, n_filler: int, depth: float | None = None):
-    """A planted fact (one of FACTS' forms, its value from `_value`) at a depth in [0.8, 0.97]
+    """A planted fact (one of FACT_FORMS, its value from `_value`) at a depth in [0.8, 0.97]
     of about n_filler words of filler (or at `depth`), with up to two distractor facts of the
     same form earlier; asks for the planted key's value."""
-    key = _word(rng)
-    fact, ask = FACTS[rng.integers(len(FACTS))]
+    key = made_up(rng) if rng.random() < 0.3 else _word(rng)
+    noun = NOUNS[rng.integers(len(NOUNS))]
+    fact = FACT_FORMS[rng.integers(len(FACT_FORMS))].replace("{n}", noun)
+    ask = (ASK_FORMS[rng.integers(len(ASK_FORMS))] + ASK_ENDS[rng.integers(len(ASK_ENDS))]
+           ).replace("{n}", noun)
     value = _value(rng)
     sentences, sep = _filler_lines(rng, n_filler)
     d = float(rng.uniform(0.8, 0.97)) if depth is None else depth

@@ -13,9 +13,9 @@ lanes/profiles/cpu.toml, and record the role corpus again (`./ninfer qualify --l
 --record-corpus`). The shipped file is this recipe's, phase 2 run for 1,200 steps on the
 device machine (bench/lab/tiny_chat_gpu_train.sh runs both phases there).
 
-Phase 3 is phase 2 with more copying rows, retrieval rows of up to 2K tokens and one of up to
-10K a step (the CPU lane's qualification asks at 8.8K); no shipped file comes from it yet
-(docs/benchmarks/trained_tiny.json, next_recipe: candidates 4 and 5).
+Phase 3 is phase 2 with more copying rows, retrieval rows of up to 2K tokens and one long row
+of up to 10K a step (the CPU lane's qualification asks at 8.8K): a retrieval, or a tool turn
+under tool descriptions as long as OMP's (docs/benchmarks/trained_tiny.json, next_recipe).
 
 Phase 0 teaches copying alone: each row is a span of 16 random tokens, drawn from 16 of the
 trained ids chosen for that row, then a newline and the same span again; the loss is on the
@@ -65,7 +65,8 @@ from engine.train import data as D
 CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64)}  # chat tasks without a tools section, by phase
 TOOLS = (3, 576)      # anything with the tools section
 RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048)}  # retrieval over filler text, by phase
-LONG = (1, 10240)     # phase 3: one retrieval row of up to 10K tokens (the CPU lane's 8.8K probe)
+LONG = (1, 10240)     # phase 3: one long row, up to 10K tokens (the CPU lane's 8.8K probe)
+LONG_TOOLS = 0.4      # the share of long rows that are tool turns under long tool texts
 REPEAT = {0: 32, 1: 8, 2: 8, 3: 24}  # rows of span, newline, span (copying practice), by phase
 SPAN, ALPHABET = 16, 16       # a span's tokens, and how many distinct ids a row draws them from
 PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"),
@@ -115,7 +116,12 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
     task_ids = np.zeros((rows,), np.int32)
     r = 0
     while r < rows:
-        if part in ("retrieve", "long"):
+        if part == "long" and rng.random() < LONG_TOOLS:
+            # a read, bash or follow-up turn under a tools section as long as OMP's
+            task = MIX_TOOLS[rng.integers(4)]
+            describe = int(rng.integers(40, int(length / 1.45 / 9)))
+            prompt, completion = D.chat_sample(rng, task, describe)
+        elif part in ("retrieve", "long"):
             low = 40 if part == "retrieve" else length // 16
             n_words = int(rng.integers(low, int(length / 1.45)))
             prompt, completion, _ = D.retrieval_sample(rng, n_words)
