@@ -91,3 +91,67 @@ def test_short_piece_matches_the_padded_piece_on_gpu(bf16_model):
     without, _ = greedy_tokens(bf16_model, ids[:77], 16,
                                plan=dataclasses.replace(plan, short_piece=0), **kw)
     assert len(with_short) == len(without) == 16 and with_short[0] == without[0]
+
+
+# What release/build.py does for a GPU lane, in a process of its own: the forwards of an engine of
+# the h200 plan exported for "cuda", one file per (rows, width).
+_EXPORT_FOR_CUDA = """
+import sys
+from pathlib import Path
+
+from engine.engine import Engine
+from engine.io.loader import load_model
+from engine.plan import H200
+from engine.runtime.exported import export_forwards
+
+model = load_model(Path(sys.argv[1]), compute_dtype="bfloat16", kv_dtype="bfloat16")
+eng = Engine(model, plan=H200, context_tokens=256, prefill_chunk=32, max_concurrency=2,
+             max_queue=2)
+for (rows, width), blob in export_forwards(eng.runner, eng.mem.cache, "cuda").items():
+    (Path(sys.argv[2]) / f"{rows}x{width}.jaxexport").write_bytes(blob)
+"""
+
+
+@pytest.mark.gpu
+def test_cuda_exports_give_the_live_tokens_on_gpu(bf16_model, embedded_models_dir, tmp_path):
+    """A GPU lane's bundle holds forwards exported for "cuda". Exported in another process,
+    loaded here without tracing the model, they give the live-jitted h200 engine's 36 greedy
+    tokens. The release exports on a machine with no GPU under the lock's jax 0.10.2, whose
+    Triton lowering needs no device; under jax 0.11 it needs one (or an abstract device:
+    "No supported GPU devices found"), so there the exporting process sees the GPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.kernels import cuda_ops
+    from tests.engine_runs import greedy_tokens
+
+    assert on_gpu()
+    cuda_ops.require(H200)
+    import jax
+
+    old = tuple(int(n) for n in jax.__version__.split(".")[:2]) < (0, 11)
+    env = dict(os.environ, JAX_PLATFORMS="cpu" if old else "cuda")
+    subprocess.run([sys.executable, "-c", _EXPORT_FOR_CUDA,
+                    str(embedded_models_dir / "tiny.ninfer"), str(tmp_path)],
+                   env=env, cwd=Path(__file__).resolve().parent.parent, check=True,
+                   timeout=600)
+    blobs = {tuple(int(n) for n in f.stem.split("x")): f.read_bytes()
+             for f in tmp_path.glob("*.jaxexport")}
+    kw = dict(plan=H200, context_tokens=256, prefill_chunk=32, max_concurrency=2,
+              max_queue=2)
+    ids = bf16_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]
+    live, _ = greedy_tokens(bf16_model, ids, 36, **kw)
+    counts = {}
+
+    def load(engine):
+        engine.load_exported(blobs)
+
+        def refuse(*a, **k):
+            raise AssertionError("the model was traced: a forward did not come from the exports")
+        engine.runner._jit_fwd = engine.runner._jit_rows = refuse
+        counts.update(engine.exec_counts)
+    got, done = greedy_tokens(bf16_model, ids, 36, before_start=load, **kw)
+    assert sorted(blobs) and counts["exported"] == len(blobs) and counts["compiled"] == 0
+    assert done.finish_reason == "length" and got == live
