@@ -7,15 +7,21 @@
 #   bash bench/lab/tiny_chat_gpu_train.sh STEPS2 MINUTES2 [PHASE2 [EVAL]]
 # PHASE2: the second run's data mix (engine/train/train_tiny_chat.py PARTS; default 2); EVAL 0
 # stops after the weights (the device call's time goes to training; evaluate on the CPU).
+# INIT=FILE (a carried file of an earlier run's --out) continues from it without phase 0;
+# LR sets the second run's peak learning rate (default 2e-3).
 set -u
 steps2=${1:-1200}; minutes2=${2:-5.5}; phase2=${3:-2}; run_eval=${4:-1}
 export XLA_FLAGS=--xla_gpu_deterministic_ops=true PYTHONUNBUFFERED=1
 py=python3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-$py -m engine.train.train_tiny_chat --phase 0 --steps 500 --lr 3e-3 --out /tmp/P0.safetensors \
-  --raw /tmp/P0.npz --log "$OUT/P0.json" > "$OUT/P0.log" 2>&1 || { tail -20 "$OUT/P0.log"; exit 3; }
-tail -1 "$OUT/P0.log" | cut -c1-200
-$py -m engine.train.train_tiny_chat --init /tmp/P0.npz --phase "$phase2" --steps "$steps2" --lr 2e-3 \
+init=${INIT:-}; lr=${LR:-2e-3}
+if [ -z "$init" ]; then
+  $py -m engine.train.train_tiny_chat --phase 0 --steps 500 --lr 3e-3 --out /tmp/P0.safetensors \
+    --raw /tmp/P0.npz --log "$OUT/P0.json" > "$OUT/P0.log" 2>&1 || { tail -20 "$OUT/P0.log"; exit 3; }
+  tail -1 "$OUT/P0.log" | cut -c1-200
+  init=/tmp/P0.npz
+fi
+$py -m engine.train.train_tiny_chat --init "$init" --phase "$phase2" --steps "$steps2" --lr "$lr" \
   --minutes "$minutes2" --out /tmp/P2.safetensors --log "$OUT/P2.json" > "$OUT/P2.log" 2>&1 \
   || { tail -20 "$OUT/P2.log"; exit 4; }
 tail -2 "$OUT/P2.log" | cut -c1-400

@@ -15,7 +15,9 @@ device machine (bench/lab/tiny_chat_gpu_train.sh runs both phases there).
 
 Phase 3 is phase 2 with more copying rows, retrieval rows of up to 2K tokens and one long row
 of up to 10K a step (the CPU lane's qualification asks at 8.8K): a retrieval, or a tool turn
-under tool descriptions as long as OMP's (docs/benchmarks/trained_tiny.json, next_recipe).
+under tool descriptions as long as OMP's. Phase 4 continues phase 3's result (--init the file
+it wrote) with more long retrievals, of 3.4K tokens and up, and short rows whose fact has little
+or no filler around it (docs/benchmarks/trained_tiny.json has the runs).
 
 Phase 0 teaches copying alone: each row is a span of 16 random tokens, drawn from 16 of the
 trained ids chosen for that row, then a newline and the same span again; the loss is on the
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -62,16 +65,17 @@ from engine.text.tokenizer import Tokenizer
 from engine.train import data as D
 
 # (rows, length) of the parts of every step's batch
-CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64)}  # chat tasks without a tools section, by phase
+CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64), 4: (20, 64)}  # chat tasks without a tools section, by phase
 TOOLS = (3, 576)      # anything with the tools section
-RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048)}  # retrieval over filler text, by phase
+RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048), 4: (3, 2048)}  # retrieval over filler text, by phase
 LONG = (1, 10240)     # phase 3: one long row, up to 10K tokens (the CPU lane's 8.8K probe)
-LONG_TOOLS = 0.4      # the share of long rows that are tool turns under long tool texts
-REPEAT = {0: 32, 1: 8, 2: 8, 3: 24}  # rows of span, newline, span (copying practice), by phase
+LONG_TOOLS = {3: 0.4, 4: 0.2}  # the share of long rows that are tool turns under long tool texts
+REPEAT = {0: 32, 1: 8, 2: 8, 3: 24, 4: 24}  # rows of span, newline, span (copying practice), by phase
 SPAN, ALPHABET = 16, 16       # a span's tokens, and how many distinct ids a row draws them from
 PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"),
          2: ("chat", "tools", "retrieve", "repeat"),
-         3: ("chat", "tools", "retrieve", "long", "repeat")}
+         3: ("chat", "tools", "retrieve", "long", "repeat"),
+         4: ("chat", "tools", "retrieve", "long", "repeat")}
 SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "long": 24,
               "repeat": 2 * SPAN}  # per row, at most
 VOCAB_BASE = 40960  # every id below this is trained too: Qwen's ids follow its merges, so these
@@ -80,7 +84,8 @@ LAYER_STD = 0.02   # fresh layer weights
 HEAD_TIE = 0.1     # output rows start as this times the embedding rows
 MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
 # the chat part's tasks in each phase: the second adds dense copying practice
-MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4}
+MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4,
+            4: D.TASKS[:4] + ["copy"] * 4}
 
 
 def _fit(tk, prompt: str, completion: str, length: int):
@@ -116,13 +121,16 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
     task_ids = np.zeros((rows,), np.int32)
     r = 0
     while r < rows:
-        if part == "long" and rng.random() < LONG_TOOLS:
+        if part == "long" and rng.random() < LONG_TOOLS[phase]:
             # a read, bash or follow-up turn under a tools section as long as OMP's
             task = MIX_TOOLS[rng.integers(4)]
             describe = int(rng.integers(40, int(length / 1.45 / 9)))
             prompt, completion = D.chat_sample(rng, task, describe)
         elif part in ("retrieve", "long"):
-            low = 40 if part == "retrieve" else length // 16
+            if part == "long":  # phase 4: the long rows' retrievals from 3.4K tokens up
+                low = length // 16 if phase < 4 else length // 3
+            else:  # phase 4: half the short rows' facts with little or no filler
+                low = 40 if phase < 4 else int(rng.integers(0, 2)) * 40
             n_words = int(rng.integers(low, int(length / 1.45)))
             prompt, completion, _ = D.retrieval_sample(rng, n_words)
             task = "retrieve"
@@ -225,6 +233,24 @@ def init_params(vocab: np.ndarray, seed: int, pairs=()) -> tuple[dict, dict]:
     return M.stack_params(flat, cfg), cfg
 
 
+def shipped_tree(path: Path, n_vocab: int) -> dict:
+    """A file of --out as --raw's {keystr: array, "vocab"} over the compact vocabulary: its
+    int8 rows dequantized, the background embedding row (which the file leaves out) zero, the
+    untrained MTP head the generator's."""
+    from engine.io.tiny_chat import load_trained
+
+    t = load_trained(path, hashlib.sha256(Path(path).read_bytes()).hexdigest())
+    flat = {k: v for k, v in t.items() if k.startswith("layers.") or k == "norm"}
+    flat.update((k, np.asarray(v, np.float32)) for k, v in tiny_tensors(TINY)
+                if k.startswith("mtp."))  # the generator's, as init_params leaves them
+    flat["embed_tokens"] = np.concatenate([t["embed_rows"], np.zeros_like(t["embed_rows"][:1])])
+    flat["lm_head"] = np.concatenate([t["lm_head_rows"], t["lm_head_background"][None]])
+    cfg = dataclasses.replace(TINY, name="tiny-chat-train", vocab_size=n_vocab + 1)
+    tree = M.stack_params(flat, cfg)
+    out, _ = jax.tree.flatten_with_path(tree)
+    return {"vocab": t["vocab"], **{jax.tree_util.keystr(k): np.asarray(v) for k, v in out}}
+
+
 def supervised(mask: np.ndarray, tgt: np.ndarray, cap: int):
     """The positions a batch is trained on, as [rows, cap] (index, target, weight): the loss
     needs the output rows only there, so the trained vocabulary's size costs little."""
@@ -287,8 +313,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=41)
     ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
-    ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw")
-    ap.add_argument("--phase", type=int, default=1, choices=(0, 1, 2, 3),
+    ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw, or from "
+                    "a file of --out (.safetensors: its int8 matrices dequantized)")
+    ap.add_argument("--phase", type=int, default=1, choices=(0, 1, 2, 3, 4),
                     help="the data mix")
     ap.add_argument("--raw", type=Path, help="also save the raw trained tree (.npz) here")
     ap.add_argument("--log", type=Path, help="write the loss curve (JSON) here")
@@ -297,7 +324,8 @@ def main(argv=None) -> int:
     tk = Tokenizer.qwen35()
     vocab = build_vocab(tk, args.seed)
     if args.init:
-        init = np.load(args.init)
+        init = (np.load(args.init) if args.init.suffix == ".npz"
+                else shipped_tree(args.init, len(vocab)))
         if not np.array_equal(init["vocab"], vocab):
             raise SystemExit(f"{args.init} was trained over another vocabulary")
     remap = np.full((TINY.vocab_size,), len(vocab), np.int32)
