@@ -97,15 +97,14 @@ def build_lane(stage: Path, tree: Path, name: str, *, epoch: int, version: str, 
     if problems:
         raise BuildError(f"lane {name}: " + "; ".join(problems))
     t0 = time.monotonic()
-    # every image carries its lane's bundle, exported with the JAX its lock installs; the CPU
-    # image serves from it, a GPU lane's image compiles its forwards live (its exported CUDA
-    # forwards have not been run on a GPU yet)
+    # every image carries its lane's bundle, exported with the JAX its lock installs, and
+    # serves from it (CUDA exports run on a GPU: tests/test_engine_gpu.py)
     common = dict(tree=tree, lock=lock, profile_name=name, epoch=epoch, cache_dir=cache,
-                  bundle=out / "engine-bundle.tar")
+                  bundle=out / "engine-bundle.tar", serve_bundle=True)
     if profile.gpu:
         digests = image.gpu_image(out / "oci", with_dependencies=gpu_layers, **common)
     else:
-        digests = image.cpu_image(out / "oci", serve_bundle=True, **common)
+        digests = image.cpu_image(out / "oci", **common)
     log(f"lane {name}: OCI image in {time.monotonic() - t0:.1f} s")
 
     # paths relative to the lane's directory; a CUDA op library by its path inside the bundle

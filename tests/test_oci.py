@@ -235,6 +235,8 @@ def test_gpu_images_without_dependencies(cpu_images):
         cfg = json.loads(_blob(layout, d["config"]).read_bytes())["config"]
         assert cfg["Labels"]["org.ninfer.dependencies"] == "not-built"
         assert cfg["Entrypoint"][cfg["Entrypoint"].index("--lane") + 1] == lane
+        assert cfg["Entrypoint"][cfg["Entrypoint"].index("--bundle") + 1] \
+            == "/opt/ninfer/engine-bundle.tar"  # it serves its bundle's CUDA forwards
 
 
 def _free_port() -> int:
