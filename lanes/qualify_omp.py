@@ -120,15 +120,17 @@ def tool_turn(lane: LaneUnderTest, profile, tmp: Path) -> dict:
     calls = [f for f in frames if f.get("type") == "tool_execution_end"]
     starts = [f for f in frames if f.get("type") == "tool_execution_start"]
     reply = _last_assistant(frames)
+    args = [(f.get("toolName"), f.get("args", f.get("arguments", {}))) for f in starts]
     out = {"omp_exit": code, "tools_run": [f.get("toolName") for f in calls],
+           "calls": [{"tool": n, "args": json.dumps(a)[:200]} for n, a in args],
            "stop_reason": reply.get("stopReason")}
-    read = [f for f in starts if f.get("toolName") == "read"
-            and TOOL_FILE in json.dumps(f.get("args", f.get("arguments", {})))]
+    read = [a for n, a in args if n == "read" and TOOL_FILE in json.dumps(a)]
     if code != 0:
         raise PhaseFailure(f"omp exited {code}: {err.strip()[-300:]}", out)
     if not read:
-        raise PhaseFailure(f"the model did not call `read` with {TOOL_FILE} (tools run: "
-                           f"{out['tools_run'] or 'none'})", out)
+        raise PhaseFailure(f"the model did not call `read` with {TOOL_FILE} (calls: "
+                           f"{[(c['tool'], c['args'][:80]) for c in out['calls']] or 'none'})",
+                           out)
     if reply.get("stopReason") != "stop":
         raise PhaseFailure(f"the turn after the tool did not end on its own (stopReason "
                            f"{reply.get('stopReason')!r})", out)
