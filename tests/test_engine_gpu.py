@@ -124,12 +124,14 @@ def test_cuda_exports_give_the_live_tokens_on_gpu(bf16_model, embedded_models_di
     import sys
     from pathlib import Path
 
+    import jax
+
     from engine.kernels import cuda_ops
     from tests.engine_runs import greedy_tokens
+    from tests.test_bundle import _no_tracing
 
     assert on_gpu()
     cuda_ops.require(H200)
-    import jax
 
     old = tuple(int(n) for n in jax.__version__.split(".")[:2]) < (0, 11)
     env = dict(os.environ, JAX_PLATFORMS="cpu" if old else "cuda")
@@ -147,10 +149,7 @@ def test_cuda_exports_give_the_live_tokens_on_gpu(bf16_model, embedded_models_di
 
     def load(engine):
         engine.load_exported(blobs)
-
-        def refuse(*a, **k):
-            raise AssertionError("the model was traced: a forward did not come from the exports")
-        engine.runner._jit_fwd = engine.runner._jit_rows = refuse
+        _no_tracing(engine)
         counts.update(engine.exec_counts)
     got, done = greedy_tokens(bf16_model, ids, 36, before_start=load, **kw)
     assert sorted(blobs) and counts["exported"] == len(blobs) and counts["compiled"] == 0

@@ -65,17 +65,16 @@ from engine.text.tokenizer import Tokenizer
 from engine.train import data as D
 
 # (rows, length) of the parts of every step's batch
-CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64), 4: (20, 64)}  # chat tasks without a tools section, by phase
+CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64)}  # chat tasks without a tools section, by phase
 TOOLS = (3, 576)      # anything with the tools section
-RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048), 4: (3, 2048)}  # retrieval over filler text, by phase
+RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048)}  # retrieval over filler text, by phase
 LONG = (1, 10240)     # phase 3: one long row, up to 10K tokens (the CPU lane's 8.8K probe)
 LONG_TOOLS = {3: 0.4, 4: 0.2}  # the share of long rows that are tool turns under long tool texts
-REPEAT = {0: 32, 1: 8, 2: 8, 3: 24, 4: 24}  # rows of span, newline, span (copying practice), by phase
+REPEAT = {0: 32, 1: 8, 2: 8, 3: 24}  # rows of span, newline, span (copying practice), by phase
 SPAN, ALPHABET = 16, 16       # a span's tokens, and how many distinct ids a row draws them from
 PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"),
          2: ("chat", "tools", "retrieve", "repeat"),
-         3: ("chat", "tools", "retrieve", "long", "repeat"),
-         4: ("chat", "tools", "retrieve", "long", "repeat")}
+         3: ("chat", "tools", "retrieve", "long", "repeat")}
 SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "long": 24,
               "repeat": 2 * SPAN}  # per row, at most
 VOCAB_BASE = 40960  # every id below this is trained too: Qwen's ids follow its merges, so these
@@ -84,8 +83,9 @@ LAYER_STD = 0.02   # fresh layer weights
 HEAD_TIE = 0.1     # output rows start as this times the embedding rows
 MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
 # the chat part's tasks in each phase: the second adds dense copying practice
-MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4,
-            4: D.TASKS[:4] + ["copy"] * 4}
+MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4}
+for _table in (CHAT, RETRIEVE, REPEAT, PARTS, MIX_CHAT):
+    _table[4] = _table[3]  # phase 4 keeps phase 3's parts; make_batch changes what they draw
 
 
 def _fit(tk, prompt: str, completion: str, length: int):
