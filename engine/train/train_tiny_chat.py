@@ -17,7 +17,9 @@ Phase 3 is phase 2 with more copying rows, retrieval rows of up to 2K tokens and
 of up to 10K a step (the CPU lane's qualification asks at 8.8K): a retrieval, or a tool turn
 under tool descriptions as long as OMP's. Phase 4 continues phase 3's result (--init the file
 it wrote) with more long retrievals, of 3.4K tokens and up, and short rows whose fact has little
-or no filler around it (docs/benchmarks/trained_tiny.json has the runs).
+or no filler around it. Phase 5 continues phase 3's result with long rows of up to 16K tokens,
+half of them tool turns, the retrievals from 4K tokens up: OMP's own prompt is 13.6K tokens
+before the user's request (docs/benchmarks/trained_tiny.json has the runs).
 
 Phase 0 teaches copying alone: each row is a span of 16 random tokens, drawn from 16 of the
 trained ids chosen for that row, then a newline and the same span again; the loss is on the
@@ -68,8 +70,11 @@ from engine.train import data as D
 CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64)}  # chat tasks without a tools section, by phase
 TOOLS = (3, 576)      # anything with the tools section
 RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048)}  # retrieval over filler text, by phase
-LONG = (1, 10240)     # phase 3: one long row, up to 10K tokens (the CPU lane's 8.8K probe)
-LONG_TOOLS = {3: 0.4, 4: 0.2}  # the share of long rows that are tool turns under long tool texts
+# phase 3: one long row a step, up to 10K tokens (the CPU lane's 8.8K probe); phase 5: up to
+# 16K (OMP's own prompt is 13.6K tokens before the user's words)
+LONG = {3: (1, 10240), 4: (1, 10240), 5: (1, 16384)}
+LONG_TOOLS = {3: 0.4, 4: 0.2, 5: 0.5}  # the share of long rows that are tool turns
+LONG_LOW = {3: 16, 4: 3, 5: 6}  # a long retrieval's filler: from length // this words up
 REPEAT = {0: 32, 1: 8, 2: 8, 3: 24}  # rows of span, newline, span (copying practice), by phase
 SPAN, ALPHABET = 16, 16       # a span's tokens, and how many distinct ids a row draws them from
 PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"),
@@ -85,7 +90,7 @@ MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
 # the chat part's tasks in each phase: the second adds dense copying practice
 MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4}
 for _table in (CHAT, RETRIEVE, REPEAT, PARTS, MIX_CHAT):
-    _table[4] = _table[3]  # phase 4 keeps phase 3's parts; make_batch changes what they draw
+    _table[4] = _table[5] = _table[3]  # phases 4-5 keep phase 3's parts; what they draw differs
 
 
 def _fit(tk, prompt: str, completion: str, length: int):
@@ -114,7 +119,7 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
     if part == "repeat":
         return repeat_batch(rng, pool, tk.encode("\n")[0], REPEAT[phase])
     rows, length = {"chat": CHAT[phase], "tools": TOOLS, "retrieve": RETRIEVE[phase],
-                    "long": LONG}[part]
+                    "long": LONG.get(phase)}[part]
     toks = np.zeros((rows, length), np.int32)
     mask = np.zeros((rows, length), np.float32)
     lengths = np.zeros((rows,), np.int32)
@@ -127,10 +132,10 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
             describe = int(rng.integers(40, int(length / 1.45 / 9)))
             prompt, completion = D.chat_sample(rng, task, describe)
         elif part in ("retrieve", "long"):
-            if part == "long":  # phase 4: the long rows' retrievals from 3.4K tokens up
-                low = length // 16 if phase < 4 else length // 3
+            if part == "long":  # phases 4-5: the long rows' retrievals from 3.4K-4K tokens up
+                low = length // LONG_LOW[phase]
             else:  # phase 4: half the short rows' facts with little or no filler
-                low = 40 if phase < 4 else int(rng.integers(0, 2)) * 40
+                low = 40 if phase != 4 else int(rng.integers(0, 2)) * 40
             n_words = int(rng.integers(low, int(length / 1.45)))
             prompt, completion, _ = D.retrieval_sample(rng, n_words)
             task = "retrieve"
@@ -315,7 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
     ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw, or from "
                     "a file of --out (.safetensors: its int8 matrices dequantized)")
-    ap.add_argument("--phase", type=int, default=1, choices=(0, 1, 2, 3, 4),
+    ap.add_argument("--phase", type=int, default=1, choices=(0, 1, 2, 3, 4, 5),
                     help="the data mix")
     ap.add_argument("--raw", type=Path, help="also save the raw trained tree (.npz) here")
     ap.add_argument("--log", type=Path, help="write the loss curve (JSON) here")
