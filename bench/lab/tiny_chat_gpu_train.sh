@@ -6,7 +6,9 @@
 # bench/lab/retrieval_by_length.py --artifact). Usage (device tool):
 #   bash bench/lab/tiny_chat_gpu_train.sh STEPS2 MINUTES2 [PHASE2 [EVAL]]
 # PHASE2: the second run's data mix (engine/train/train_tiny_chat.py PARTS; default 2); EVAL 0
-# stops after the weights (the device call's time goes to training; evaluate on the CPU).
+# stops after the weights (the device call's time goes to training; evaluate on the CPU); EVAL
+# probe runs only the OMP screen: with PROBE=FILE (a capture of bench/lab/omp_tool_prompt.py),
+# the candidate on OMP's tool-turn prompt.
 # INIT=FILE (a carried file of an earlier run's --out) continues from it without phase 0;
 # LR sets the second run's peak learning rate (default 2e-3).
 set -u
@@ -34,6 +36,11 @@ sed -i "s/^WEIGHTS_SHA256 = \"[0-9a-f]*\"/WEIGHTS_SHA256 = \"$(cut -d' ' -f1 "$O
   engine/io/tiny_chat.py
 $py -c "from pathlib import Path; from engine.io.loader import build_embedded; \
 print(build_embedded('tiny-chat', Path('/tmp/tc.ninfer')))" || exit 5
+if [ -n "${PROBE:-}" ]; then
+  timeout 100 $py bench/lab/omp_tool_prompt.py probe "$PROBE" --artifact /tmp/tc.ninfer \
+    2>&1 | tail -1 | tee "$OUT/omp_probe.json"
+fi
+[ "$run_eval" = probe ] && exit 0
 timeout 150 $py -m engine.train.evaluate --artifact /tmp/tc.ninfer --n 10 --n-long 2 \
   --out "$OUT/eval.json" > /dev/null 2>&1; echo "eval rc=$?"
 timeout 200 $py bench/lab/retrieval_by_length.py --artifact /tmp/tc.ninfer > "$OUT/probe.log" 2>&1
