@@ -31,3 +31,25 @@ def greedy_tokens(model, ids, n: int, before_start=None, **engine_kw):
                 return toks, ev
     finally:
         eng.stop()
+
+
+def no_tracing(engine):
+    """Make any fall-back to the jitted (tracing) forward fail."""
+    def refuse(*a, **k):
+        raise AssertionError("the model was traced: a forward did not come from the exports")
+    engine.runner._jit_fwd = engine.runner._jit_rows = refuse
+
+
+def exported_and_live(model, ids, n: int, blobs: dict, **engine_kw):
+    """n greedy tokens of an engine that runs `blobs` (export_forwards' files, loaded without
+    tracing), and of one that jits live. Returns (exported tokens, live tokens, the exported
+    engine's exec_counts, its DoneEvent)."""
+    live, _ = greedy_tokens(model, ids, n, **engine_kw)
+    counts = {}
+
+    def load(engine):
+        engine.load_exported(blobs)
+        no_tracing(engine)
+        counts.update(engine.exec_counts)
+    got, done = greedy_tokens(model, ids, n, before_start=load, **engine_kw)
+    return got, live, counts, done

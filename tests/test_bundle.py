@@ -20,18 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_runs import greedy_tokens
+from tests.engine_runs import exported_and_live
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 SMALL = dict(context_tokens=256, prefill_chunk=32, max_concurrency=2, max_queue=2)
-
-
-def _no_tracing(engine):
-    """Make any fall-back to the jitted (tracing) forward fail the test."""
-    def refuse(*a, **k):
-        raise AssertionError("the model was traced: a forward did not come from the exports")
-    engine.runner._jit_fwd = engine.runner._jit_rows = refuse
 
 
 @pytest.mark.release  # ~1 minute of compiling: the release tier's, beside the lane-shape one
@@ -46,14 +39,7 @@ def test_exported_forwards_give_the_live_engines_greedy_tokens(tiny_model):
     assert export_forwards(source.runner, source.mem.cache, "cpu") == blobs  # reproducible
     assert not any(b"test_bundle.py" in b or str(REPO).encode() in b for b in blobs.values())
 
-    live, _ = greedy_tokens(tiny_model, ids, 36, **SMALL)
-    counts = {}
-
-    def load(engine):
-        engine.load_exported(blobs)
-        _no_tracing(engine)
-        counts.update(engine.exec_counts)
-    got, done = greedy_tokens(tiny_model, ids, 36, before_start=load, **SMALL)
+    got, live, counts, done = exported_and_live(tiny_model, ids, 36, blobs, **SMALL)
     assert counts["exported"] == len(blobs) and counts["compiled"] == 0
     assert done.finish_reason == "length" and len(got) == 36
     assert got == live
@@ -229,13 +215,8 @@ def test_cpu_lane_bundle_forwards_give_the_live_tokens(cpu_bundle, shared_state_
               plan=p.plan, max_queue=2)
     ids = tiny_model.tokenizer.encode(PROMPT * 3)[:300]  # pieces of 256 and 64 (44 padded)
     blobs = open_bundle(d / "a.tar", expect_lane="cpu").forwards("cpu")
-    live, _ = greedy_tokens(tiny_model, ids, 33, **kw)
-
-    def load(engine):
-        engine.load_exported(blobs)
-        _no_tracing(engine)
-    got, _ = greedy_tokens(tiny_model, ids, 33, before_start=load, **kw)
-    assert got == live and len(got) == 33
+    got, live, counts, _ = exported_and_live(tiny_model, ids, 33, blobs, **kw)
+    assert got == live and len(got) == 33 and counts["compiled"] == 0
 
 
 @pytest.mark.release

@@ -127,8 +127,7 @@ def test_cuda_exports_give_the_live_tokens_on_gpu(bf16_model, embedded_models_di
     import jax
 
     from engine.kernels import cuda_ops
-    from tests.engine_runs import greedy_tokens
-    from tests.test_bundle import _no_tracing
+    from tests.engine_runs import exported_and_live
 
     assert on_gpu()
     cuda_ops.require(H200)
@@ -144,13 +143,6 @@ def test_cuda_exports_give_the_live_tokens_on_gpu(bf16_model, embedded_models_di
     kw = dict(plan=H200, context_tokens=256, prefill_chunk=32, max_concurrency=2,
               max_queue=2)
     ids = bf16_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]
-    live, _ = greedy_tokens(bf16_model, ids, 36, **kw)
-    counts = {}
-
-    def load(engine):
-        engine.load_exported(blobs)
-        _no_tracing(engine)
-        counts.update(engine.exec_counts)
-    got, done = greedy_tokens(bf16_model, ids, 36, before_start=load, **kw)
+    got, live, counts, done = exported_and_live(bf16_model, ids, 36, blobs, **kw)
     assert sorted(blobs) and counts["exported"] == len(blobs) and counts["compiled"] == 0
     assert done.finish_reason == "length" and got == live

@@ -48,8 +48,7 @@ def check(src: Path, json_out: Path | None) -> int:
     from engine.io.loader import load_model
     from engine.kernels import cuda_ops
     from engine.plan import H200
-    from tests.engine_runs import greedy_tokens
-    from tests.test_bundle import _no_tracing
+    from tests.engine_runs import exported_and_live
 
     cuda_ops.require(H200)
     model = load_model(_tiny(Path(tempfile.mkdtemp())), compute_dtype="bfloat16",
@@ -58,15 +57,7 @@ def check(src: Path, json_out: Path | None) -> int:
              for f in src.glob("*.jaxexport")}
     kw = dict(plan=H200, context_tokens=256, prefill_chunk=32, max_concurrency=2, max_queue=2)
     ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]
-    live, _ = greedy_tokens(model, ids, 36, **kw)
-    counts = {}
-
-    def load(engine):
-        engine.load_exported(blobs)
-        _no_tracing(engine)
-        counts.update(engine.exec_counts)
-
-    got, done = greedy_tokens(model, ids, 36, before_start=load, **kw)
+    got, live, counts, done = exported_and_live(model, ids, 36, blobs, **kw)
     result = {"exported_by_jax": (src / "jax_version").read_text().strip(),
               "run_under_jax": jax.__version__, "device": jax.devices()[0].device_kind,
               "blobs": sorted(f"{r}x{w}" for r, w in blobs), "exec_counts": counts,
