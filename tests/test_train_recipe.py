@@ -1,6 +1,7 @@
 """The training recipe's parts (engine/train/train_tiny_chat.py) on a small model: the loss taken
 at the supervised positions only equals the loss over full logits, copying rows are what they
-say, the fresh start is in the ranges it claims, and a word's two forms are paired."""
+say, the fresh start is in the ranges it claims, a word's two forms are paired, and a tool
+request after a date and a directory still calls with the request's own path."""
 from __future__ import annotations
 
 import math
@@ -61,6 +62,29 @@ def test_copying_rows_repeat_a_span_from_a_small_alphabet():
     # the loss predicts exactly the second copy
     assert (mask[:, n:2 * n] == 1).all() and mask.sum() == 6 * n
     assert (task == T.ALL_TASKS.index("repeat")).all()
+
+
+def test_a_reminder_before_the_request_leaves_the_call_on_the_requested_path():
+    """Phase 7 puts a date and a working directory before half the requests (as OMP does); the
+    read call's path is the one the request names, never the reminder's values, and the phases
+    before it draw no reminder."""
+    import re
+
+    from engine.train import data as D
+
+    rng = np.random.default_rng(5)
+    seen = 0
+    for _ in range(40):
+        prompt, completion = D.chat_sample(rng, "read", remind=1.0)
+        user = prompt.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
+        date = re.search(r"20\d\d-\d\d-\d\d", user)
+        path = re.search(r"<parameter=path>\n(.*)\n</parameter>", completion).group(1)
+        assert date and user.index(date.group()) < user.index(path)  # the reminder comes first
+        assert user.count(path) == 1 and date.group() not in path
+        seen += 1
+    assert seen == 40
+    assert "20" not in D.chat_sample(np.random.default_rng(5), "greet")[0].split("user")[-1]
+    assert T.REMIND.get(5, 0.0) == 0.0 and T.REMIND[7] > 0
 
 
 def test_the_fresh_start_and_the_space_pairs():

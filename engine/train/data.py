@@ -232,20 +232,41 @@ def _completion(answer: str, thinking: bool) -> str:
     return ("\n</think>\n\n" if thinking else "") + answer + "<|im_end|>"
 
 
-def chat_sample(rng, task: str, describe: int = 0):
+# What an agent client may put before the user's words: today's date and the working
+# directory, which a tool call's arguments must not be copied from (the first is OMP's form).
+REMINDERS = ["<system-reminder>\nToday: {d}; current working directory: '{w}'. Do not repeat "
+             "this information in your reply.\n</system-reminder>",
+             "<system-reminder>\nDate: {d}. Working directory: {w}.\n</system-reminder>\n",
+             "<env>\ndate={d}\ncwd={w}\n</env>\n", "[context: {d}, in {w}]\n",
+             "<system-reminder>\nIt is {d}. You are in {w}; {n} files changed since the last "
+             "turn.\n</system-reminder>"]
+
+
+def reminder(rng) -> str:
+    """One of REMINDERS with a random date, directory and count."""
+    d = f"{rng.integers(2019, 2031)}-{rng.integers(1, 13):02d}-{rng.integers(1, 29):02d}"
+    parts = ["tmp", f"tmp{made_up(rng)}{rng.integers(10, 99)}", _word(rng), "work"] \
+        if rng.random() < 0.5 else ["home", _word(rng), DIRS[rng.integers(len(DIRS))]]
+    w = "/" + "/".join(parts)
+    return REMINDERS[rng.integers(len(REMINDERS))].format(d=d, w=w, n=rng.integers(2, 40))
+
+
+def chat_sample(rng, task: str, describe: int = 0, remind: float = 0.0):
     """(prompt text, completion text) of one sample of `task`; `describe` > 0 gives it a long
-    tools section (see `_tools`)."""
+    tools section (see `_tools`); with probability `remind` the user's words come after a
+    `reminder` (a date and a directory)."""
     thinking = rng.random() < 0.2
     system = SYSTEMS[rng.integers(len(SYSTEMS))]
     tools = (_tools(rng, describe) if describe or task in ("read", "bash", "followup")
              or rng.random() < 0.3 else None)
+    before = reminder(rng) if remind and rng.random() < remind else ""
     if task in CHAT_TASKS:
         q, a = CHAT_TASKS[task](rng)
-        return _render(system, [{"role": "user", "content": q}], tools, thinking), \
+        return _render(system, [{"role": "user", "content": before + q}], tools, thinking), \
             _completion(a, thinking)
     if task == "read":
         p = random_path(rng)
-        q = _read_ask(rng, p)
+        q = before + _read_ask(rng, p)
         return _render(system, [{"role": "user", "content": q}], tools, thinking), \
             _completion(_call("read", {"path": p}), thinking)
     if task == "bash":
@@ -255,12 +276,12 @@ def chat_sample(rng, task: str, describe: int = 0):
         else:
             c = random_command(rng)
             q = BASH_ASKS[rng.integers(len(BASH_ASKS))].format(c=c)
-        return _render(system, [{"role": "user", "content": q}], tools, thinking), \
+        return _render(system, [{"role": "user", "content": before + q}], tools, thinking), \
             _completion(_call("bash", {"command": c}), thinking)
     if task == "followup":
         p = random_path(rng)
         content = " ".join(_word(rng) for _ in range(rng.integers(2, 8)))
-        q = _read_ask(rng, p)
+        q = before + _read_ask(rng, p)
         turns = [{"role": "user", "content": q},
                  {"role": "assistant", "content": "", "tool_calls": [
                      {"type": "function", "function": {"name": "read",

@@ -19,8 +19,9 @@ under tool descriptions as long as OMP's. Phase 4 continues phase 3's result (--
 it wrote) with more long retrievals, of 3.4K tokens and up, and short rows whose fact has little
 or no filler around it. Phase 5 continues phase 3's result with long rows of up to 16K tokens,
 half of them tool turns, the retrievals from 4K tokens up: OMP's own prompt is 13.6K tokens
-before the user's request. Phase 6 is phase 5 with 70% tool turns among the long rows
-(docs/benchmarks/trained_tiny.json has the runs).
+before the user's request. Phase 6 is phase 5 with 70% tool turns among the long rows; phase 7
+puts a date and a working directory before half the requests, as OMP does (candidate 9 copied
+its year as the path to read). docs/benchmarks/trained_tiny.json has the runs.
 
 Phase 0 teaches copying alone: each row is a span of 16 random tokens, drawn from 16 of the
 trained ids chosen for that row, then a newline and the same span again; the loss is on the
@@ -71,18 +72,16 @@ from engine.train import data as D
 CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64)}  # chat tasks without a tools section, by phase
 TOOLS = (3, 576)      # anything with the tools section
 RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048)}  # retrieval over filler text, by phase
-# phase 3: one long row a step, up to 10K tokens (the CPU lane's 8.8K probe); phase 5: up to
-# 16K (OMP's own prompt is 13.6K tokens before the user's words)
-LONG = {3: (1, 10240), 4: (1, 10240), 5: (1, 16384), 6: (1, 16384)}
-LONG_TOOLS = {3: 0.4, 4: 0.2, 5: 0.5, 6: 0.7}  # the share of long rows that are tool turns
-LONG_LOW = {3: 16, 4: 3, 5: 6, 6: 6}  # a long retrieval's filler: from length // this words up
+# one long row a step: to 10K tokens (the CPU lane's 8.8K probe), from phase 5 16K (OMP's 13.6K)
+LONG = {3: (1, 10240), 4: (1, 10240), 5: (1, 16384), 6: (1, 16384), 7: (1, 16384)}
+LONG_TOOLS = {3: 0.4, 4: 0.2, 5: 0.5, 6: 0.7, 7: 0.7}  # the share of long rows: tool turns
+LONG_LOW = {3: 16, 4: 3, 5: 6, 6: 6, 7: 6}  # a long retrieval's filler: from length // this words
+REMIND = {7: 0.5}  # the share of chat and tool rows whose request follows a date and directory
 REPEAT = {0: 32, 1: 8, 2: 8, 3: 24}  # rows of span, newline, span (copying practice), by phase
 SPAN, ALPHABET = 16, 16       # a span's tokens, and how many distinct ids a row draws them from
-PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"),
-         2: ("chat", "tools", "retrieve", "repeat"),
-         3: ("chat", "tools", "retrieve", "long", "repeat")}
-SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "long": 24,
-              "repeat": 2 * SPAN}  # per row, at most
+PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"), 2: ("chat", "tools",
+         "retrieve", "repeat"), 3: ("chat", "tools", "retrieve", "long", "repeat")}
+SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "long": 24, "repeat": 2 * SPAN}  # a row
 VOCAB_BASE = 40960  # every id below this is trained too: Qwen's ids follow its merges, so these
                     # are the most common pieces of text and code, enough to copy most words
 LAYER_STD = 0.02   # fresh layer weights
@@ -90,8 +89,8 @@ HEAD_TIE = 0.1     # output rows start as this times the embedding rows
 MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
 # the chat part's tasks in each phase: the second adds dense copying practice
 MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4}
-for _table in (CHAT, RETRIEVE, REPEAT, PARTS, MIX_CHAT):
-    _table[4] = _table[5] = _table[6] = _table[3]  # phases 4-6: phase 3's parts, drawn otherwise
+for _table in (CHAT, RETRIEVE, REPEAT, PARTS, MIX_CHAT):  # phases 4-7: phase 3's parts, drawn
+    _table.update(dict.fromkeys((4, 5, 6, 7), _table[3]))  # otherwise (make_batch)
 
 
 def _fit(tk, prompt: str, completion: str, length: int):
@@ -131,7 +130,7 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
             # a read, bash or follow-up turn under a tools section as long as OMP's
             task = MIX_TOOLS[rng.integers(4)]
             describe = int(rng.integers(40, int(length / 1.45 / 9)))
-            prompt, completion = D.chat_sample(rng, task, describe)
+            prompt, completion = D.chat_sample(rng, task, describe, REMIND.get(phase, 0.0))
         elif part in ("retrieve", "long"):
             if part == "long":  # phases 4-5: the long rows' retrievals from 3.4K-4K tokens up
                 low = length // LONG_LOW[phase]
@@ -143,7 +142,7 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
         else:
             names = MIX_CHAT[phase] if part == "chat" else MIX_TOOLS
             task = names[rng.integers(len(names))]
-            prompt, completion = D.chat_sample(rng, task)
+            prompt, completion = D.chat_sample(rng, task, remind=REMIND.get(phase, 0.0))
             if part == "chat" and "<tools>" in prompt:
                 continue
         fit = _fit(tk, prompt, completion, length)
@@ -321,7 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
     ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw, or from "
                     "a file of --out (.safetensors: its int8 matrices dequantized)")
-    ap.add_argument("--phase", type=int, default=1, choices=tuple(range(7)),
+    ap.add_argument("--phase", type=int, default=1, choices=tuple(range(8)),
                     help="the data mix")
     ap.add_argument("--raw", type=Path, help="also save the raw trained tree (.npz) here")
     ap.add_argument("--log", type=Path, help="write the loss curve (JSON) here")
