@@ -1,7 +1,8 @@
 """The training recipe's parts (engine/train/train_tiny_chat.py) on a small model: the loss taken
 at the supervised positions only equals the loss over full logits, copying rows are what they
-say, the fresh start is in the ranges it claims, a word's two forms are paired, and a tool
-request after a date and a directory still calls with the request's own path."""
+say (at the start of a row and after long filler), the fresh start is in the ranges it
+claims, a word's two forms are paired, and a tool request after a date and a directory still
+calls with the request's own path."""
 from __future__ import annotations
 
 import math
@@ -15,6 +16,7 @@ from engine.model import model as M
 from engine.model.cache import init_cache
 from engine.model.config import TEST_SMALL
 from engine.text.tokenizer import Tokenizer
+from engine.train import batches as B
 from engine.train import train_tiny_chat as T
 
 
@@ -36,7 +38,7 @@ def test_the_supervised_loss_equals_the_full_logits_loss():
     mask = (rng.random((3, 40)) < 0.3).astype(np.float32)
     mask[np.arange(40)[None, :] >= lengths[:, None] - 1] = 0.0
     nxt = np.concatenate([toks[:, 1:], toks[:, :1]], axis=1)
-    idx, tgt, w = T.supervised(mask, nxt, cap=40)
+    idx, tgt, w = B.supervised(mask, nxt, cap=40)
     assert w.sum() == mask.sum() and (tgt[w > 0] == nxt[mask > 0]).all()
     task = np.zeros((3,), np.int32)
     batch = tuple(jnp.asarray(a) for a in (toks, idx, tgt, w, lengths, task))
@@ -47,21 +49,45 @@ def test_the_supervised_loss_equals_the_full_logits_loss():
     rows, counts, _ = per_task[0]
     np.testing.assert_array_equal(np.asarray(counts), mask.sum(1))
     # a cap below a row's supervised count keeps its first positions only
-    idx2, _, w2 = T.supervised(mask, nxt, cap=2)
+    idx2, _, w2 = B.supervised(mask, nxt, cap=2)
     assert (w2.sum(1) == np.minimum(mask.sum(1), 2)).all()
     assert (idx2[w2 > 0] == np.concatenate([np.flatnonzero(m)[:2] for m in mask])).all()
 
 
 def test_copying_rows_repeat_a_span_from_a_small_alphabet():
     pool = np.arange(1000, 3000, dtype=np.int32)
-    toks, mask, lengths, task = T.repeat_batch(np.random.default_rng(1), pool, sep=198, rows=6)
-    n = T.SPAN
+    toks, mask, lengths, task = B.repeat_batch(np.random.default_rng(1), pool, sep=198, rows=6)
+    n = B.SPAN
     assert toks.shape == (6, 2 * n + 1) and (lengths == 2 * n + 1).all()
     assert (toks[:, n] == 198).all() and (toks[:, :n] == toks[:, n + 1:]).all()
-    assert all(len(set(r[:n])) <= T.ALPHABET and set(r[:n]) <= set(pool) for r in toks)
+    assert all(len(set(r[:n])) <= B.ALPHABET and set(r[:n]) <= set(pool) for r in toks)
     # the loss predicts exactly the second copy
     assert (mask[:, n:2 * n] == 1).all() and mask.sum() == 6 * n
-    assert (task == T.ALL_TASKS.index("repeat")).all()
+    assert (task == B.ALL_TASKS.index("repeat")).all()
+
+
+def test_late_copying_rows_copy_a_span_after_long_filler():
+    """Phase 8's long copying rows: filler of thousands of tokens, then span, newline, span,
+    the loss on the second span only; the phases before it draw none."""
+    pool = np.arange(1000, 3000, dtype=np.int32)
+    tk = Tokenizer.qwen35()
+    rng = np.random.default_rng(2)
+    late = 0
+    for _ in range(12):
+        toks, mask, lengths, task = B.make_batch(rng, tk, "long", 8, pool)
+        if task[0] != B.ALL_TASKS.index("late_repeat"):
+            continue
+        late += 1
+        n, row = B.SPAN, toks[0, :lengths[0]]
+        first, second = row[-2 * n - 1:-n - 1], row[-n:]
+        assert (first == second).all() and set(first) <= set(pool) and row[-n - 1] == 198
+        assert lengths[0] - 2 * n - 1 >= 16384 // 8 and lengths[0] <= 16384
+        assert np.flatnonzero(mask[0]).tolist() == list(range(lengths[0] - n - 1,
+                                                              lengths[0] - 1))
+    assert late >= 1
+    rng = np.random.default_rng(2)
+    assert all(B.make_batch(rng, tk, "long", 5, pool)[3][0] != B.ALL_TASKS.index("late_repeat")
+               for _ in range(12))
 
 
 def test_a_reminder_before_the_request_leaves_the_call_on_the_requested_path():
@@ -84,7 +110,7 @@ def test_a_reminder_before_the_request_leaves_the_call_on_the_requested_path():
         seen += 1
     assert seen == 40
     assert "20" not in D.chat_sample(np.random.default_rng(5), "greet")[0].split("user")[-1]
-    assert T.REMIND.get(5, 0.0) == 0.0 and T.REMIND[7] > 0
+    assert B.REMIND.get(5, 0.0) == 0.0 and B.REMIND[7] > 0
 
 
 def test_the_fresh_start_and_the_space_pairs():

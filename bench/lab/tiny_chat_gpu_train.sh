@@ -5,7 +5,7 @@
 # eval.json, probe.log (the qualification's own retrieval prompt by length,
 # bench/lab/retrieval_by_length.py --artifact). Usage (device tool):
 #   bash bench/lab/tiny_chat_gpu_train.sh STEPS2 MINUTES2 [PHASE2 [EVAL]]
-# PHASE2: the second run's data mix (engine/train/train_tiny_chat.py PARTS; default 2); EVAL 0
+# PHASE2: the second run's data mix (engine/train/batches.py PARTS; default 2); EVAL 0
 # stops after the weights (the device call's time goes to training; evaluate on the CPU); EVAL
 # probe runs only the OMP screen: with PROBE=FILE (a capture of bench/lab/omp_tool_prompt.py),
 # the candidate on OMP's tool-turn prompt.

@@ -21,7 +21,9 @@ or no filler around it. Phase 5 continues phase 3's result with long rows of up 
 half of them tool turns, the retrievals from 4K tokens up: OMP's own prompt is 13.6K tokens
 before the user's request. Phase 6 is phase 5 with 70% tool turns among the long rows; phase 7
 puts a date and a working directory before half the requests, as OMP does (candidate 9 copied
-its year as the path to read). docs/benchmarks/trained_tiny.json has the runs.
+its year as the path to read). Phase 8 makes 30% of the long rows copying rows after 4K-16K
+tokens of filler (engine/train/batches.py late_repeat). docs/benchmarks/trained_tiny.json has
+the runs.
 
 Phase 0 teaches copying alone: each row is a span of 16 random tokens, drawn from 16 of the
 trained ids chosen for that row, then a newline and the same span again; the loss is on the
@@ -67,97 +69,12 @@ from engine.model.cache import init_cache
 from engine.model.config import TINY
 from engine.text.tokenizer import Tokenizer
 from engine.train import data as D
+from engine.train.batches import ALL_TASKS, PARTS, SUPERVISED, make_batch, supervised
 
-# (rows, length) of the parts of every step's batch
-CHAT = {1: (12, 96), 2: (20, 64), 3: (20, 64)}  # chat tasks without a tools section, by phase
-TOOLS = (3, 576)      # anything with the tools section
-RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048)}  # retrieval over filler text, by phase
-# one long row a step: to 10K tokens (the CPU lane's 8.8K probe), from phase 5 16K (OMP's 13.6K)
-LONG = {3: (1, 10240), 4: (1, 10240), 5: (1, 16384), 6: (1, 16384), 7: (1, 16384)}
-LONG_TOOLS = {3: 0.4, 4: 0.2, 5: 0.5, 6: 0.7, 7: 0.7}  # the share of long rows: tool turns
-LONG_LOW = {3: 16, 4: 3, 5: 6, 6: 6, 7: 6}  # a long retrieval's filler: from length // this words
-REMIND = {7: 0.5}  # the share of chat and tool rows whose request follows a date and directory
-REPEAT = {0: 32, 1: 8, 2: 8, 3: 24}  # rows of span, newline, span (copying practice), by phase
-SPAN, ALPHABET = 16, 16       # a span's tokens, and how many distinct ids a row draws them from
-PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"), 2: ("chat", "tools",
-         "retrieve", "repeat"), 3: ("chat", "tools", "retrieve", "long", "repeat")}
-SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "long": 24, "repeat": 2 * SPAN}  # a row
 VOCAB_BASE = 40960  # every id below this is trained too: Qwen's ids follow its merges, so these
                     # are the most common pieces of text and code, enough to copy most words
 LAYER_STD = 0.02   # fresh layer weights
 HEAD_TIE = 0.1     # output rows start as this times the embedding rows
-MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
-# the chat part's tasks in each phase: the second adds dense copying practice
-MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4}
-for _table in (CHAT, RETRIEVE, REPEAT, PARTS, MIX_CHAT):  # phases 4-7: phase 3's parts, drawn
-    _table.update(dict.fromkeys((4, 5, 6, 7), _table[3]))  # otherwise (make_batch)
-
-
-def _fit(tk, prompt: str, completion: str, length: int):
-    p, c = tk.encode(prompt), tk.encode(completion)
-    ids = p + c
-    if len(ids) > length:
-        return None
-    return ids, len(p)
-
-
-def repeat_batch(rng, pool: np.ndarray, sep: int, rows: int):
-    """Copying practice: span, newline, span; the loss on the second span (its first token
-    follows from the row's start, the rest from the first copy)."""
-    length = 2 * SPAN + 1
-    toks = np.zeros((rows, length), np.int32)
-    for r in range(rows):
-        span = rng.choice(rng.choice(pool, ALPHABET, replace=False), SPAN)
-        toks[r] = np.concatenate([span, [sep], span])
-    mask = np.zeros((rows, length), np.float32)
-    mask[:, SPAN:length - 1] = 1.0
-    return (toks, mask, np.full((rows,), length, np.int32),
-            np.full((rows,), ALL_TASKS.index("repeat"), np.int32))
-
-
-def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
-    if part == "repeat":
-        return repeat_batch(rng, pool, tk.encode("\n")[0], REPEAT[phase])
-    rows, length = {"chat": CHAT[phase], "tools": TOOLS, "retrieve": RETRIEVE[phase],
-                    "long": LONG.get(phase)}[part]
-    toks = np.zeros((rows, length), np.int32)
-    mask = np.zeros((rows, length), np.float32)
-    lengths = np.zeros((rows,), np.int32)
-    task_ids = np.zeros((rows,), np.int32)
-    r = 0
-    while r < rows:
-        if part == "long" and rng.random() < LONG_TOOLS[phase]:
-            # a read, bash or follow-up turn under a tools section as long as OMP's
-            task = MIX_TOOLS[rng.integers(4)]
-            describe = int(rng.integers(40, int(length / 1.45 / 9)))
-            prompt, completion = D.chat_sample(rng, task, describe, REMIND.get(phase, 0.0))
-        elif part in ("retrieve", "long"):
-            if part == "long":  # phases 4-5: the long rows' retrievals from 3.4K-4K tokens up
-                low = length // LONG_LOW[phase]
-            else:  # phase 4: half the short rows' facts with little or no filler
-                low = 40 if phase != 4 else int(rng.integers(0, 2)) * 40
-            n_words = int(rng.integers(low, int(length / 1.45)))
-            prompt, completion, _ = D.retrieval_sample(rng, n_words)
-            task = "retrieve"
-        else:
-            names = MIX_CHAT[phase] if part == "chat" else MIX_TOOLS
-            task = names[rng.integers(len(names))]
-            prompt, completion = D.chat_sample(rng, task, remind=REMIND.get(phase, 0.0))
-            if part == "chat" and "<tools>" in prompt:
-                continue
-        fit = _fit(tk, prompt, completion, length)
-        if fit is None:
-            continue
-        ids, n_prompt = fit
-        toks[r, :len(ids)] = ids
-        mask[r, n_prompt - 1:len(ids) - 1] = 1.0  # predict each completion token
-        lengths[r] = len(ids)
-        task_ids[r] = ALL_TASKS.index(task)
-        r += 1
-    return toks, mask, lengths, task_ids
-
-
-ALL_TASKS = D.TASKS + ["retrieve", "copy", "repeat"]
 
 
 def build_vocab(tk, seed: int, n: int = 4000) -> np.ndarray:
@@ -256,19 +173,6 @@ def shipped_tree(path: Path, n_vocab: int) -> dict:
     return {"vocab": t["vocab"], **{jax.tree_util.keystr(k): np.asarray(v) for k, v in out}}
 
 
-def supervised(mask: np.ndarray, tgt: np.ndarray, cap: int):
-    """The positions a batch is trained on, as [rows, cap] (index, target, weight): the loss
-    needs the output rows only there, so the trained vocabulary's size costs little."""
-    rows = mask.shape[0]
-    idx = np.zeros((rows, cap), np.int32)
-    out = np.zeros((rows, cap), np.int32)
-    w = np.zeros((rows, cap), np.float32)
-    for r in range(rows):
-        pos = np.flatnonzero(mask[r])[:cap]
-        idx[r, :len(pos)], out[r, :len(pos)], w[r, :len(pos)] = pos, tgt[r, pos], 1.0
-    return idx, out, w
-
-
 def loss_fn(params, cfg, batches, n_background: float):
     total, per_task = 0.0, []
     for toks, idx, tgt, w, lengths, task_ids in batches:
@@ -320,7 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
     ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw, or from "
                     "a file of --out (.safetensors: its int8 matrices dequantized)")
-    ap.add_argument("--phase", type=int, default=1, choices=tuple(range(8)),
+    ap.add_argument("--phase", type=int, default=1, choices=tuple(range(9)),
                     help="the data mix")
     ap.add_argument("--raw", type=Path, help="also save the raw trained tree (.npz) here")
     ap.add_argument("--log", type=Path, help="write the loss curve (JSON) here")
