@@ -28,7 +28,7 @@ SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "long": 24, "repeat": 2 
 MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
 # the chat part's tasks in each phase: the second adds dense copying practice
 MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4}
-for _table in (CHAT, RETRIEVE, REPEAT, PARTS, MIX_CHAT):  # phases 4-7: phase 3's parts, drawn
+for _table in (CHAT, RETRIEVE, REPEAT, PARTS, MIX_CHAT):  # phases 4-8: phase 3's parts, drawn
     _table.update(dict.fromkeys((4, 5, 6, 7, 8), _table[3]))  # otherwise (make_batch)
 
 
@@ -40,14 +40,19 @@ def _fit(tk, prompt: str, completion: str, length: int):
     return ids, len(p)
 
 
+def _span_twice(rng, pool: np.ndarray, sep: int) -> list[int]:
+    """span, sep, span: SPAN ids drawn from ALPHABET ids of the pool chosen for this row."""
+    span = [int(t) for t in rng.choice(rng.choice(pool, ALPHABET, replace=False), SPAN)]
+    return span + [sep] + span
+
+
 def repeat_batch(rng, pool: np.ndarray, sep: int, rows: int):
     """Copying practice: span, newline, span; the loss on the second span (its first token
     follows from the row's start, the rest from the first copy)."""
     length = 2 * SPAN + 1
     toks = np.zeros((rows, length), np.int32)
     for r in range(rows):
-        span = rng.choice(rng.choice(pool, ALPHABET, replace=False), SPAN)
-        toks[r] = np.concatenate([span, [sep], span])
+        toks[r] = _span_twice(rng, pool, sep)
     mask = np.zeros((rows, length), np.float32)
     mask[:, SPAN:length - 1] = 1.0
     return (toks, mask, np.full((rows,), length, np.int32),
@@ -55,13 +60,11 @@ def repeat_batch(rng, pool: np.ndarray, sep: int, rows: int):
 
 
 def late_repeat(rng, tk, pool: np.ndarray, length: int):
-    """A copying row (span, newline, span) after filler of a quarter to all of `length`
-    tokens: (ids, where the loss starts)."""
+    """A copying row (span, newline, span) after filler of about a quarter to nine tenths of
+    `length` tokens: (ids, where the second span starts, i.e. the loss)."""
     lines, sep = D._filler_lines(rng, int(rng.integers(length // 6, int(length / 1.6))))
     filler = tk.encode(sep.join(lines) + "\n\n")[:length - 2 * SPAN - 1]
-    span = rng.choice(rng.choice(pool, ALPHABET, replace=False), SPAN)
-    nl = tk.encode("\n")[0]
-    return filler + [int(t) for t in span] + [nl] + [int(t) for t in span], len(filler) + SPAN + 1
+    return filler + _span_twice(rng, pool, tk.encode("\n")[0]), len(filler) + SPAN + 1
 
 
 def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
@@ -75,19 +78,16 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
     task_ids = np.zeros((rows,), np.int32)
     r = 0
     while r < rows:
+        fit = None
         if part == "long" and LATE_REPEAT.get(phase) and rng.random() < LATE_REPEAT[phase]:
-            ids, start = late_repeat(rng, tk, pool, length)
-            toks[r, :len(ids)], mask[r, start - 1:len(ids) - 1] = ids, 1.0
-            lengths[r], task_ids[r] = len(ids), ALL_TASKS.index("late_repeat")
-            r += 1
-            continue
-        if part == "long" and rng.random() < LONG_TOOLS[phase]:
+            fit, task = late_repeat(rng, tk, pool, length), "late_repeat"
+        elif part == "long" and rng.random() < LONG_TOOLS[phase]:
             # a read, bash or follow-up turn under a tools section as long as OMP's
             task = MIX_TOOLS[rng.integers(4)]
             describe = int(rng.integers(40, int(length / 1.45 / 9)))
             prompt, completion = D.chat_sample(rng, task, describe, REMIND.get(phase, 0.0))
         elif part in ("retrieve", "long"):
-            if part == "long":  # phases 4-5: the long rows' retrievals from 3.4K-4K tokens up
+            if part == "long":  # phases 4-8: the long rows' retrievals from 3.4K-4K tokens up
                 low = length // LONG_LOW[phase]
             else:  # phase 4: half the short rows' facts with little or no filler
                 low = 40 if phase != 4 else int(rng.integers(0, 2)) * 40
@@ -100,7 +100,7 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
             prompt, completion = D.chat_sample(rng, task, remind=REMIND.get(phase, 0.0))
             if part == "chat" and "<tools>" in prompt:
                 continue
-        fit = _fit(tk, prompt, completion, length)
+        fit = fit or _fit(tk, prompt, completion, length)
         if fit is None:
             continue
         ids, n_prompt = fit
