@@ -14,7 +14,7 @@ import json
 
 from server.errors import invalid
 from server.input_items import content_text
-from server.request_fields import (EFFORTS, common_fields, parallel_calls, parse_number,
+from server.request_model import (EFFORTS, common_fields, parallel_calls, parse_number,
                                    parse_seed, parse_text_format, parse_tool_choice,
                                    parse_tools)
 from server.request_model import Reasoning, ResponseRequest

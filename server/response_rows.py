@@ -8,7 +8,7 @@ Import inserts them into another store in one transaction, under that store's ow
 session ids; `check_import` finds every reason to refuse (another schema, a response id the
 receiver already holds) before anything is written.
 
-Row hashes (server/response_store_integrity.py): every exported row is checked against its
+Row hashes (server/response_store_values.py): every exported row is checked against its
 hash first (a damaged row is not carried away as if it were sound), and the receiver hashes the
 rows it inserted as they are stored there (its own principal and session ids are part of a
 response row's hash), so `row_hash` itself does not travel.
@@ -21,7 +21,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from server.response_store_integrity import check, rehash
+from server.response_store_values import check, rehash
 from server.response_store_schema import SCHEMA_VERSION, schema_version
 
 _BLOBS = {"prompt_token_ids", "token_ids"}

@@ -33,8 +33,8 @@ import time
 from contextlib import contextmanager, suppress
 from typing import Iterator
 
-from server.response_store_integrity import StoreCorrupt, check, rehash
-from server.response_store_items import (HistoryEntry, ResponseRecord, compact_json,
+from server.response_store_values import StoreCorrupt, check, rehash
+from server.response_store_values import (HistoryEntry, ResponseRecord, compact_json,
                                          input_item_ids, item_content_hash, pack_token_ids,
                                          unpack_token_ids)
 from server.response_store_replay import ReplayReads

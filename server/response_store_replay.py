@@ -4,8 +4,8 @@ against its hash. A mixin of `ResponseStore` (server/response_store.py), which o
 `_lock`."""
 from __future__ import annotations
 
-from server.response_store_integrity import check
-from server.response_store_items import item_content_hash, unpack_token_ids
+from server.response_store_values import check
+from server.response_store_values import item_content_hash, unpack_token_ids
 
 
 class ReplayReads:

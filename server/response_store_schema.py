@@ -26,7 +26,7 @@ import stat
 import time
 from pathlib import Path
 
-from server import response_store_integrity as integrity
+from server import response_store_values as integrity
 
 BUSY_TIMEOUT_S = 5.0
 JOURNAL_SIZE_LIMIT = 16 * 1024 * 1024  # the WAL is cut back to this after a checkpoint
@@ -103,7 +103,7 @@ _V2 = (
 )
 
 # Version 3: a hash of each row of responses, input_items and output_items, checked when the row
-# is read (server/response_store_integrity.py); the rows already stored are hashed as they are.
+# is read (server/response_store_values.py); the rows already stored are hashed as they are.
 
 # Migration hook: (version, statements). Append new versions; never edit a shipped one.
 MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = ((1, _V1), (2, _V2), (3, integrity.V3))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 
 from server.errors import APIError
-from server.response_store_integrity import fault_kind
+from server.response_store_values import fault_kind
 
 _OS_KINDS = {errno.ENOSPC: "full", errno.EDQUOT: "full", errno.EIO: "io", errno.EROFS: "io",
              errno.EACCES: "io", errno.EPERM: "io", errno.ENOTEMPTY: "io"}

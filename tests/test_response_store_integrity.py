@@ -1,4 +1,4 @@
-"""The response store's row hashes (server/response_store_integrity.py): a byte changed in any
+"""The response store's row hashes (server/response_store_values.py): a byte changed in any
 stored row is caught by every read that returns it; a store written before the hashes existed
 (schema version 2) is migrated with its rows hashed as they are; and a damaged file is refused
 when it is opened."""
@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from server.response_store import ResponseStore, StoreCorrupt, StoreError
-from server.response_store_integrity import fault_kind
+from server.response_store_values import fault_kind
 from server.response_store_schema import SCHEMA_VERSION
 from tests.faultfs import flip_text, smash_table_root
 from tests.test_response_store import make, turn

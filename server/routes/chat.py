@@ -17,7 +17,7 @@ from server.chat_completions import (completion_message, completion_usage, finis
                                      parse_chat_request)
 from server.errors import APIError
 from server.generation import Run, require_model
-from server.request_fields import json_body
+from server.request_model import json_body
 from server.request_model import ResponseRequest
 from server.response_objects import new_id
 from server.runtime import Runtime

@@ -12,7 +12,7 @@ from server import chains, offload
 from server.checkpoints import hooks as checkpoint_hooks
 from server.errors import APIError, invalid, model_loading, not_found
 from server.generation import Run, require_model
-from server.request_fields import json_body
+from server.request_model import json_body
 from server.request_model import parse_response_request
 from server.response_objects import EventStream, new_id
 from server.response_store import InvalidCursor

@@ -9,7 +9,7 @@ from sanic import Request, Sanic, response
 
 from server.checkpoints import hooks as checkpoint_hooks
 from server.errors import APIError, invalid, not_found
-from server.request_fields import json_body
+from server.request_model import json_body
 from server.request_model import MAX_SESSION_KEY_BYTES
 from server.runtime import Runtime
 from server.storage_faults import storage_error
