@@ -6,13 +6,22 @@ token, and only the new input rendered by the chat template. That sequence is wh
 stored state follows, so the continuation computes only the new tokens; and it is what the model
 actually saw, not a re-rendering that could tokenize differently. When the instructions changed
 (or token ids are missing), the conversation is rendered whole from the stored items.
+
+The work is CPU-heavy in proportion to the request (a 31 MB chat message: ~30 s of
+tokenization), and on the event loop it would stop every other request, `/health` included.
+So parsing, rendering and tokenizing run on worker threads (`off_loop`: the tokenizer and the
+JSON parser release little of the GIL, but the loop still gets its turns), and each principal
+has PER_PRINCIPAL such tasks at a time (`work_slot`): one client's large requests queue behind
+each other instead of taking every worker thread.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import weakref
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.io.loader import LoadedModel
 from engine.text.chat import ChatTemplateError, render_chat
@@ -20,11 +29,15 @@ from engine.text.guard import ContentGuard
 from engine.text.tokenizer import id_list
 from server.errors import invalid
 from server.generation import context_exceeded
-from server.output_items import split_token_ids
 from server.input_items import items_to_messages, reasoning_text
+from server.output_items import split_token_ids
 from server.request_model import ResponseRequest
 from server.response_objects import ResponseState
 from server.response_store import ResponseRecord, ResponseStore, item_content_hash
+
+if TYPE_CHECKING:
+    from server.runtime import Runtime
+
 
 END_OF_TURN = "<|im_end|>\n"
 
@@ -262,3 +275,76 @@ def response_from_record(rec: ResponseRecord) -> dict:
         "truncation": "disabled",
         "metadata": rec.params.get("metadata") or {}, "usage": rec.usage, "output_text": text,
     }
+
+# What the Responses routes tell the checkpointer: restore before submit, save after a response
+# was stored, and the deletions (a response, a session). Each is a no-op when the server runs
+# without a checkpointer (`Runtime.checkpointer`).
+
+
+async def checkpoint_restore(rt: Runtime, principal: str, session: str | None,
+                             prompt) -> str | None:
+    """Before submitting: restore the session's checkpoint if its state is not resident.
+    A request without a prompt_cache_key is in its parent's session."""
+    ck = rt.checkpointer
+    if ck is None:
+        return None
+    if session is None and prompt.parent_id is not None:
+        rec = await asyncio.to_thread(rt.response_store.get, principal, prompt.parent_id)
+        session = rec.prompt_cache_key if rec is not None else None
+    if session is None:
+        return None
+    try:
+        return await asyncio.to_thread(ck.restore_for, principal, session, prompt.ids)
+    except Exception as e:  # a restore problem is a miss: the request recomputes
+        return f"restore_error:{type(e).__name__}"
+
+
+async def checkpoint_response_stored(rt: Runtime, principal: str, rec) -> None:
+    """After a response was stored: its state is the session head; queue a save."""
+    ck = rt.checkpointer
+    if ck is None or rec.prompt_cache_key is None:
+        return
+    seq = await asyncio.to_thread(rt.response_store.token_sequence, principal, rec.id)
+    if seq is not None:
+        ck.after_response(principal, rec.prompt_cache_key, rec.id,
+                          fed_tokens(rec.status, seq))
+
+
+async def checkpoint_response_deleted(rt: Runtime, principal: str, rec) -> None:
+    ck = rt.checkpointer
+    if ck is not None and rec is not None:
+        await asyncio.to_thread(ck.response_deleted, principal, rec.prompt_cache_key, rec.id)
+
+
+async def checkpoint_session_purged(rt: Runtime, principal: str, session: str) -> int:
+    """Delete the session's checkpoints; the number of generations removed. Before the model
+    is loaded (no checkpointer yet) the store itself is purged. Raises OSError."""
+    ck = rt.checkpointer
+    if ck is not None:
+        return await asyncio.to_thread(ck.purge, principal, session)
+    if rt.checkpoint_store is not None:
+        return await asyncio.to_thread(rt.checkpoint_store.purge, principal, session)
+    return 0
+
+
+PER_PRINCIPAL = 2
+INLINE_BYTES = 64 * 1024  # a body this small is parsed on the loop: a thread costs more
+
+_slots: dict[str, asyncio.Semaphore] = {}
+
+
+@asynccontextmanager
+async def work_slot(principal: str):
+    """Hold one of the principal's PER_PRINCIPAL slots for heavy request work."""
+    sem = _slots.get(principal)
+    if sem is None:
+        sem = _slots[principal] = asyncio.Semaphore(PER_PRINCIPAL)
+    async with sem:
+        yield
+
+
+async def off_loop(fn, *args, size: int | None = None):
+    """fn(*args) on a worker thread, or inline when `size` (the input's bytes) is small."""
+    if size is not None and size <= INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)

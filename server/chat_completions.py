@@ -14,10 +14,9 @@ import json
 
 from server.errors import invalid
 from server.input_items import content_text
-from server.request_model import (EFFORTS, common_fields, parallel_calls, parse_number,
-                                   parse_seed, parse_text_format, parse_tool_choice,
-                                   parse_tools)
-from server.request_model import Reasoning, ResponseRequest
+from server.request_model import (EFFORTS, Reasoning, ResponseRequest, common_fields,
+                                   parallel_calls, parse_number, parse_seed, parse_text_format,
+                                   parse_tool_choice, parse_tools)
 
 _KNOWN = {"model", "messages", "stream", "stream_options", "max_tokens",
           "max_completion_tokens", "temperature", "top_p", "n", "tools", "tool_choice",

@@ -12,13 +12,12 @@ import time
 
 from sanic import Request, Sanic, response
 
-from server import chains, offload
+from server import chains
 from server.chat_completions import (completion_message, completion_usage, finish_reason,
                                      parse_chat_request)
 from server.errors import APIError
 from server.generation import Run, require_model
-from server.request_model import json_body
-from server.request_model import ResponseRequest
+from server.request_model import ResponseRequest, json_body
 from server.response_objects import new_id
 from server.runtime import Runtime
 
@@ -32,7 +31,7 @@ async def _begin(rt: Runtime, request: Request, req: ResponseRequest) -> Run:
     """Put a parsed request on the engine: its conversation rendered whole."""
     trace = request.ctx.trace = rt.obs.new_request(request.ctx.principal, new_id("resp"))
     m = require_model(rt, req.model)
-    async with offload.slot(request.ctx.principal):  # rendering and tokenizing: off the loop
+    async with chains.work_slot(request.ctx.principal):  # rendering and tokenizing: off the loop
         prompt = await asyncio.to_thread(chains.render_full, m, list(req.messages), req,
                                          rt.context_tokens)
     return await Run.begin(rt, m, req, trace, request.ctx.principal, prompt)
@@ -41,8 +40,8 @@ async def _begin(rt: Runtime, request: Request, req: ResponseRequest) -> Run:
 def register(app: Sanic, rt: Runtime) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        async with offload.slot(request.ctx.principal):
-            body, req = await offload.run(_parse, request.body, size=len(request.body or b""))
+        async with chains.work_slot(request.ctx.principal):
+            body, req = await chains.off_loop(_parse, request.body, size=len(request.body or b""))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         cid, created = new_id("chatcmpl"), int(time.time())
 

@@ -8,12 +8,10 @@ import sys
 
 from sanic import Request, Sanic, response
 
-from server import chains, offload
-from server.checkpoints import hooks as checkpoint_hooks
+from server import chains
 from server.errors import APIError, invalid, model_loading, not_found
 from server.generation import Run, require_model
-from server.request_model import json_body
-from server.request_model import parse_response_request
+from server.request_model import json_body, parse_response_request
 from server.response_objects import EventStream, new_id
 from server.response_store import InvalidCursor
 from server.runtime import Runtime
@@ -76,13 +74,13 @@ def register(app: Sanic, rt: Runtime) -> None:
     async def create_response(request: Request):
         trace = request.ctx.trace = rt.obs.new_request(request.ctx.principal, new_id("resp"))
         principal = request.ctx.principal
-        async with offload.slot(principal):  # parsing, rendering, tokenizing: off the loop
-            req = await offload.run(_parse, request.body, size=len(request.body or b""))
+        async with chains.work_slot(principal):  # parsing, rendering, tokenizing: off the loop
+            req = await chains.off_loop(_parse, request.body, size=len(request.body or b""))
             m = require_model(rt, req.model)
             req = chains.unseal_reasoning(req, rt.seal, principal, m.tokenizer)
             prompt = await chains.build_prompt(rt.response_store, m, req, principal,
                                                rt.context_tokens)
-        trace.checkpoint = await checkpoint_hooks.restore(rt, principal, req.prompt_cache_key,
+        trace.checkpoint = await chains.checkpoint_restore(rt, principal, req.prompt_cache_key,
                                                           prompt)
         run = await Run.begin(rt, m, req, trace, principal, prompt)
         state = run.state
@@ -100,7 +98,7 @@ def register(app: Sanic, rt: Runtime) -> None:
                     if fault is None:
                         raise
                     raise fault from None
-                await checkpoint_hooks.response_stored(rt, principal, rec)
+                await chains.checkpoint_response_stored(rt, principal, rec)
 
         try:
             if req.stream:
@@ -113,8 +111,8 @@ def register(app: Sanic, rt: Runtime) -> None:
 
     @app.post("/v1/responses/input_tokens")
     async def input_tokens(request: Request):
-        async with offload.slot(request.ctx.principal):
-            req = await offload.run(_parse, request.body, True, size=len(request.body or b""))
+        async with chains.work_slot(request.ctx.principal):
+            req = await chains.off_loop(_parse, request.body, True, size=len(request.body or b""))
             m = rt.model
             if m is None:
                 raise model_loading()
@@ -139,7 +137,7 @@ def register(app: Sanic, rt: Runtime) -> None:
             raise not_found(f"No response found with id '{response_id}'.")
         if seq is not None and rt.engine is not None:  # its model state goes too
             rt.engine.forget(principal, chains.fed_tokens(rec.status, seq))
-        await checkpoint_hooks.response_deleted(rt, principal, rec)
+        await chains.checkpoint_response_deleted(rt, principal, rec)
         return response.json({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/responses/<response_id:str>/cancel")

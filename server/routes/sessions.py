@@ -7,10 +7,9 @@ from urllib.parse import unquote
 
 from sanic import Request, Sanic, response
 
-from server.checkpoints import hooks as checkpoint_hooks
+from server import chains
 from server.errors import APIError, invalid, not_found
-from server.request_model import json_body
-from server.request_model import MAX_SESSION_KEY_BYTES
+from server.request_model import MAX_SESSION_KEY_BYTES, json_body
 from server.runtime import Runtime
 from server.storage_faults import storage_error
 
@@ -38,7 +37,7 @@ def register(app: Sanic, rt: Runtime) -> None:
         if rt.engine is not None:
             rt.engine.forget_session(principal, key)
         try:
-            gens = await checkpoint_hooks.session_purged(rt, principal, key)
+            gens = await chains.checkpoint_session_purged(rt, principal, key)
         except OSError as e:
             raise storage_error(rt.obs, "checkpoints", e, "purging the session's checkpoints",
                                 "Its stored responses were kept; retry the purge.") from None
