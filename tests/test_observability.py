@@ -1,5 +1,5 @@
 """Observability: Prometheus metrics (server/observability.py) and the JSONL request log
-(server/request_log.py). The log must never hold prompt/output text or keys."""
+(server/observability.py). The log must never hold prompt/output text or keys."""
 from __future__ import annotations
 
 import inspect
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.engine import DoneEvent
-from server import request_log
+from server import observability as request_log
 from server.observability import (EVENTS, OUTCOMES, Metrics, Observability, RequestLog,
                                   engine_stats, principal_digest, session_digest)
 
