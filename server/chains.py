@@ -30,9 +30,8 @@ from engine.text.tokenizer import id_list
 from server.errors import invalid
 from server.generation import context_exceeded
 from server.input_items import items_to_messages, reasoning_text
-from server.output_items import split_token_ids
 from server.request_model import ResponseRequest
-from server.response_objects import ResponseState
+from server.response_objects import ResponseState, split_token_ids
 from server.response_store import ResponseRecord, ResponseStore, item_content_hash
 
 if TYPE_CHECKING:

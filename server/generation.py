@@ -18,9 +18,8 @@ from engine.io.loader import LoadedModel
 from engine.runtime.sampling import SamplingParams
 from server.errors import APIError, invalid, model_loading, not_found
 from server.observability import Observability, RequestTrace
-from server.output_items import OutputAssembler
 from server.request_model import ResponseRequest
-from server.response_objects import ResponseState
+from server.response_objects import OutputAssembler, ResponseState
 from server.runtime import Runtime
 from server.token_logprobs import TokenLogprobs
 

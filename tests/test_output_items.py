@@ -9,10 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 from engine.text.chat import default_chat_template, render_chat
 from server.errors import APIError
-from server.output_items import OutputAssembler, split_token_ids
+from server.response_objects import EventStream, OutputAssembler, ResponseState, split_token_ids
 from server.input_items import items_to_messages
 from server.request_model import parse_response_request
-from server.response_objects import EventStream, ResponseState
 
 TOOLS = [{"type": "function", "name": "read", "description": "Read a file",
           "parameters": {"type": "object", "properties": {
