@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.io.loader import LoadedModel
-from engine.text.chat import ChatTemplateError, render_chat
-from engine.text.guard import ContentGuard
+from engine.text.chat import ChatTemplateError, ContentGuard, render_chat
 from engine.text.tokenizer import id_list
 from server.errors import invalid
 from server.generation import context_exceeded
@@ -59,7 +58,7 @@ _guards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def guard(m: LoadedModel) -> ContentGuard:
-    """The model's content guard (engine/text/guard.py): special-token text in a request stays
+    """The model's content guard (engine/text/chat.py): special-token text in a request stays
     text; only the template's structure makes control tokens."""
     g = _guards.get(m.tokenizer)
     if g is None:

@@ -1,12 +1,11 @@
 """Special-token text inside a request stays text: only the chat template's structure makes
-control tokens (engine/text/guard.py), with the real Qwen tokenizer and template."""
+control tokens (engine/text/chat.py), with the real Qwen tokenizer and template."""
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from engine.text.chat import default_chat_template, render_chat
-from engine.text.guard import ContentGuard
+from engine.text.chat import ContentGuard, default_chat_template, render_chat
 from engine.text.tokenizer import Tokenizer
 from tests.serverproc import start_server
 
@@ -114,7 +113,7 @@ def test_windowed_pre_tokenizing_normalizing_and_shielding_equal_the_whole(tok):
     windows a few characters wide, each equals the one-pass result."""
     import random
 
-    import engine.text.guard as G
+    import engine.text.chat as G
     import engine.text.tokenizer as T
 
     guard = ContentGuard(tok)
