@@ -1,6 +1,6 @@
 """Host-side memory managers and the serving loop's parts: KV page ownership (`pages`),
-recurrent-state images (`states`), the retention rule that decides what to keep (`retention`),
-the prefix index, the scheduler, `memory` tying them to the device cache, the executable store
+recurrent-state images (`states`), the prefix index with the retention rule that decides what
+to keep (`prefix`), the scheduler, `memory` tying them to the device cache, the executable store
 and per-request sampling (`sampling`); the engine's stages: its requests and events
 (`request`), the model runner (`runner`), a step's sampling dispatch (`batch_sampler`), the
 engine thread's loop (`loop`) with chained decode steps (`chain`), and the checkpoint interface

@@ -24,8 +24,7 @@ from engine.model.cache import PagedCache, init_paged_cache
 from engine.model.config import ModelConfig
 from engine.ops import paged_kv as pk
 from engine.runtime.pages import PageAllocator, PageTable, pages_for
-from engine.runtime.prefix import PrefixIndex, Snapshot
-from engine.runtime.retention import Role, retention_score
+from engine.runtime.prefix import PrefixIndex, Role, Snapshot, retention_score
 import engine.runtime.state_copy as sc
 from engine.runtime.states import StatePool, Tier
 
