@@ -36,19 +36,6 @@ _NUMBER = re.compile(r"([+-]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([+-]?[0-9]+))?")
 _PRECEDENCE = ("null", "boolean", "integer", "number", "object", "array", "string")
 
 
-def index_tools(tools: list[dict] | None) -> dict[str, dict]:
-    """Function name -> its parameters schema; accepts Responses and chat-completions shapes."""
-    out: dict[str, dict] = {}
-    for tool in tools or ():
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            continue
-        fn = tool["function"] if isinstance(tool.get("function"), dict) else tool
-        if isinstance(fn.get("name"), str):
-            params = fn.get("parameters")
-            out[fn["name"]] = params if isinstance(params, dict) else {}
-    return out
-
-
 def encode_arguments(params: list[tuple[str, str]], schema: dict | None
                      ) -> tuple[dict, str] | None:
     """[(name, raw text)] of one call -> (arguments, arguments_json), or None if malformed.

@@ -54,7 +54,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engine.text.toolargs import encode_arguments, index_tools
+from engine.text.toolargs import encode_arguments
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -66,6 +66,19 @@ _PARAM_CLOSE = "</parameter>"
 _WS = re.compile(r"\s*")
 _NAME = re.compile(r"([^<>\n]*)(>?)")
 _NESTED_OPEN = re.compile(r"\n<parameter=[^<>\n]+>(?=\n)")
+
+
+def index_tools(tools: list[dict] | None) -> dict[str, dict]:
+    """Function name -> its parameters schema; accepts Responses and chat-completions shapes."""
+    out: dict[str, dict] = {}
+    for tool in tools or ():
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            continue
+        fn = tool["function"] if isinstance(tool.get("function"), dict) else tool
+        if isinstance(fn.get("name"), str):
+            params = fn.get("parameters")
+            out[fn["name"]] = params if isinstance(params, dict) else {}
+    return out
 
 
 @dataclass(frozen=True)
