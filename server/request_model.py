@@ -211,7 +211,7 @@ MAX_ITEMS = 10_000
 # and in the checkpoint store; an id is ours ("resp_" + 32 hex) or a client's mistake.
 MAX_SESSION_KEY_BYTES = 512
 MAX_ID_CHARS = 128
-MAX_TOP_LOGPROBS = 20  # as the API documents (engine.runtime.batch_sampler's cap)
+MAX_TOP_LOGPROBS = 20  # as the API documents (engine.runtime.runner's cap)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 ["message.output_text.logprobs"]`, `top_logprobs`), in the Responses API's shape.
 
 The engine gives each sampled token its log-probability under the model's distribution (the raw
-logits at temperature 1) and its most likely alternatives (engine/runtime/batch_sampler.py). Here
+logits at temperature 1) and its most likely alternatives (engine/runtime/runner.py). Here
 each token becomes `{token, bytes, logprob, top_logprobs: [{token, bytes, logprob}]}` and is
 given to the message text it produced: the tokens decoded since the last text delta go with the
 next `text_delta` operation (streamed as that `response.output_text.delta`'s `logprobs`) and
