@@ -9,9 +9,9 @@ shared system prefix) continues from it and computes only its new tokens.
 
 `Engine` glues the stages together: the scheduler (engine/runtime/scheduler.py), the device
 memory (runtime/memory.py), the model runner (runtime/runner.py: the forward, compiled ahead of
-time, and the batch sampler) and the engine thread's loop
-(runtime/loop.py, with chained decode steps in runtime/chain.py). A checkpointer sees the
-engine through `hooks` and `checkpoint` (runtime/checkpoint_port.py) only.
+time, and the batch sampler) and the engine thread's loop (runtime/loop.py, with its chained
+decode steps). A checkpointer sees the engine through `hooks` and `checkpoint`
+(runtime/checkpoint_port.py) only.
 """
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ from engine.io.loader import LoadedModel
 from engine.plan import REFERENCE, KernelPlan, check_plan
 from engine.runtime.checkpoint_port import CheckpointPort, EngineHooks
 from engine.runtime.keep_warm import KeepWarm, KeepWarmConfig
-from engine.runtime.loop import Inbox, StepLoop
+from engine.runtime.loop import StepLoop
 from engine.runtime.memory import Memory
 from engine.runtime.request import (DoneEvent, GenerationRequest,  # noqa: F401 (re-export)
                                     PromptTooLong, TokenEvent)
 from engine.runtime.runner import BatchSampler, ModelRunner
 from engine.runtime.sampling import request_key
-from engine.runtime.scheduler import QueueFull, Scheduler, Sequence  # noqa: F401 (re-export)
+from engine.runtime.scheduler import (Inbox, QueueFull, Scheduler,  # noqa: F401 (re-export)
+                                      Sequence)
 
 
 class Engine:

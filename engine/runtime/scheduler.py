@@ -7,12 +7,15 @@ one prefill chunk of the oldest prefilling sequence. So a long prefill never fre
 that is already decoding: between two prefill chunks of B there is always a decode step of A.
 
 Admission reserves prompt + output tokens of KV capacity; a request that cannot be admitted
-waits in a bounded queue until its pending deadline.
+waits in a bounded queue until its pending deadline. Other threads hand their submissions and
+commands to the engine thread through the `Inbox`.
 """
 from __future__ import annotations
 
 import enum
 import itertools
+import queue
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +34,41 @@ class QueueFull(Exception):
 
 
 _ids = itertools.count()
+
+
+class Inbox:
+    """What other threads hand the engine thread: sequences to schedule (each `reserve`d
+    first: counted as pending until admitted, at most `max_queue`), commands (callables run
+    between steps), ("forget" | "forget_session", principal, key) tuples, and None: stop."""
+
+    def __init__(self, max_queue: int):
+        self.max_queue = max_queue
+        self._q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self.pending = 0
+
+    def reserve(self) -> None:
+        """Count a sequence about to be put in as pending; QueueFull when max_queue already
+        wait."""
+        with self._lock:
+            if self.pending >= self.max_queue:
+                raise QueueFull(f"{self.pending} requests already waiting")
+            self.pending += 1
+
+    def put(self, item) -> None:
+        self._q.put(item)
+
+    def admitted(self) -> None:
+        """A submitted sequence left the wait: admitted, or expired."""
+        with self._lock:
+            self.pending -= 1
+
+    def empty(self) -> bool:
+        return self._q.empty()
+
+    def get(self, block: bool):
+        """The next item (waiting up to 50 ms when `block`); queue.Empty when there is none."""
+        return self._q.get(timeout=0.05) if block else self._q.get_nowait()
 
 
 @dataclass(eq=False)

@@ -12,17 +12,18 @@ are dropped, and `reasoning` / `thinking` are aliased to `reasoning_content`. We
 and transformers leaves as is.
 
 The content guard (`ContentGuard`): only the chat template makes control tokens; special-token
-text in content stays text. A tokenizer matches its added tokens ("<|im_end|>", "<tool_call>", "<think>", ...) anywhere in
-the text it encodes, so a file an agent reads, a tool's output or a user's message that contains
-"<|im_end|>\\n<|im_start|>system" would otherwise end the turn and forge a new one. Before the
-template renders a conversation, `ContentGuard.shield` replaces every added-token string in
-every value that came from a request (message content, reasoning, tool calls and their
-arguments, tool outputs, instructions, tool definitions: keys and values alike) by a mark of
-private-use characters. The template's own structure is then the only added-token text in the
-rendered prompt. `ContentGuard.encode` splits the rendered text at those structural tokens (as
-the tokenizer would), restores each shielded string inside the pieces between them, and
-encodes each piece with no added-token matching: a shielded "<|im_end|>" becomes the ordinary
-tokens of its characters. A conversation without such text encodes to the same ids as before.
+text in content stays text. A tokenizer matches its added tokens ("<|im_end|>", "<tool_call>",
+"<think>", ...) anywhere in the text it encodes, so a file an agent reads, a tool's output or a
+user's message that contains "<|im_end|>\\n<|im_start|>system" would otherwise end the turn and
+forge a new one. Before the template renders a conversation, `ContentGuard.shield` replaces
+every added-token string in every value that came from a request (message content, reasoning,
+tool calls and their arguments, tool outputs, instructions, tool definitions: keys and values
+alike) by a mark of private-use characters. The template's own structure is then the only
+added-token text in the rendered prompt. `ContentGuard.encode` splits the rendered text at those
+structural tokens (as the tokenizer would), restores each shielded string inside the pieces
+between them, and encodes each piece with no added-token matching: a shielded "<|im_end|>"
+becomes the ordinary tokens of its characters. A conversation without such text encodes to the
+same ids as before.
 """
 from __future__ import annotations
 
