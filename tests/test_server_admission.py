@@ -2,6 +2,7 @@
 client that disconnects frees its slot."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -52,7 +53,13 @@ def test_queue_timeout_full_queue_and_disconnect(server):
 
     tb = threading.Thread(target=b)
     tb.start()
-    time.sleep(0.5)
+    # B is in the queue once the scheduler's gauge counts it (a fixed sleep could send C first
+    # on a loaded machine); B's own timeout is 2 s
+    deadline = time.monotonic() + 1.5
+    while not re.search(r'^ninfer_sequences\{state="waiting"\} 1\.0$',
+                        httpx.get(server.base_url + "/metrics", headers=headers).text, re.M):
+        assert time.monotonic() < deadline, "B never reached the queue"
+        time.sleep(0.02)
     # C finds the queue full: 429 at once
     c = httpx.post(url, json=body(4), headers=headers, timeout=60)
     assert c.status_code == 429 and c.json()["error"]["code"] == "server_overloaded"
