@@ -158,7 +158,7 @@ class Engine:
     def forget(self, principal: str, tokens) -> None:
         """Drop the stored state that follows exactly `tokens` for `principal` (asynchronous:
         done by the engine thread before its next step)."""
-        from engine.runtime.prefix import token_key
+        from engine.runtime.memory import token_key
 
         self.inbox.put(("forget", principal, token_key(principal, tokens)))
 

@@ -9,7 +9,7 @@ import pytest
 from engine.runtime.checkpoint_io import (RUN_PAGES, PageDigests, StagedPages, _chunks,
                                           export_snapshot, import_snapshot, page_spec,
                                           stage_pages)
-from engine.runtime.prefix import token_key
+from engine.runtime.memory import token_key
 from tests.test_engine_reuse import make_engine, meaningful, perturbed, run, turn
 
 

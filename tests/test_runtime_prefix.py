@@ -1,7 +1,7 @@
 """The prefix index finds the longest stored state a prompt continues, per principal only."""
 from __future__ import annotations
 
-from engine.runtime.prefix import PrefixIndex, Snapshot, token_key
+from engine.runtime.memory import PrefixIndex, Snapshot, token_key
 
 
 def test_longest_strict_prefix_per_principal():

@@ -1,5 +1,5 @@
 """Recurrent-state images: exact snapshots, bounded tiers, eviction order, the evict hook, pins
-(engine/runtime/states.py), and the retention rule (engine/runtime/prefix.py)."""
+(engine/runtime/states.py), and the retention rule (engine/runtime/memory.py)."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.model.config import QWEN38_27B, TEST_SMALL
 from engine.runtime import state_copy
-from engine.runtime.prefix import BASE_WEIGHT, Role, retention_score, retention_weight
+from engine.runtime.memory import BASE_WEIGHT, Role, retention_score, retention_weight
 from engine.runtime.states import StatePool, StatePoolError, Tier, state_image_bytes
 
 CFG = TEST_SMALL

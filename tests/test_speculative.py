@@ -18,7 +18,7 @@ import pytest
 from engine.constrain.compiler import ConstraintCompiler
 from engine.engine import DoneEvent, Engine, GenerationRequest
 from engine.runtime.drafters import MTP, LookupThenMTP, PromptLookup, lookup
-from engine.runtime.prefix import token_key
+from engine.runtime.memory import token_key
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import SpecConfig, check_speculative
 from lanes.profile import ProfileError, load_profile

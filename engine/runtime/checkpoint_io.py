@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.runtime.pages import PageTable, pages_for
-from engine.runtime.prefix import Role, Snapshot, retention_score, token_key
+from engine.runtime.memory import Role, Snapshot, retention_score, token_key
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.runtime.checkpoint_io import (PageDigests, SnapshotExport, export_snapshot,
                                           import_snapshot, page_spec, prepare_restore)
-from engine.runtime.prefix import Snapshot
+from engine.runtime.memory import Snapshot
 from engine.runtime.staging import release_pages, reserve_pages, write_run
 
 

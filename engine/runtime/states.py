@@ -10,7 +10,7 @@ tier: device -> host, host -> dropped. `on_evict(image)` is called before an ima
 eviction, while it can still be read (`read(image)`); that is where a checkpointer saves it.
 Pinned images (about to be restored into a running sequence) are never spilled or dropped.
 
-`weight` is any float, higher kept longer; use `prefix.retention_score`, whose values stay
+`weight` is any float, higher kept longer; use `memory.retention_score`, whose values stay
 comparable however long ago they were computed.
 """
 from __future__ import annotations

@@ -307,7 +307,7 @@ class Checkpointer:
         return res.to_dict()
 
     def _set_head(self, principal, session, response_id, tokens) -> Head:
-        from engine.runtime.prefix import token_key
+        from engine.runtime.memory import token_key
 
         tokens = np.asarray(tokens, np.int32)
         head = Head(response_id, tokens, token_key(principal, tokens))
