@@ -1,5 +1,6 @@
 """The import graphs of engine/ and server/: acyclic; the kernels never import the rooms that use
-them, and the server's route modules are imported by the app alone.
+them, and the server's route modules are imported by the app alone. And no product module is
+longer than 400 lines.
 
 Every `import` and `from ... import` in a module counts, wherever it is (inside functions too:
 a lazy import still ties the modules together), except those under `if TYPE_CHECKING:`.
@@ -242,3 +243,21 @@ def test_graph_builder_counts_package_inits(tmp_path):
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.m"] == {"pkg.sub", "pkg.sub.x"}
     assert strongly_connected(graph) == [["pkg.m", "pkg.sub"]]
+
+
+# The product's packages; generated protobuf code (`*_pb2.py`, `*_pb2_grpc.py`) aside.
+PRODUCT = ("engine", "server", "lanes", "release", "sbom")
+MAX_MODULE_LINES = 400
+
+
+def test_no_product_module_is_longer_than_the_cap():
+    long = {}
+    for package in PRODUCT:
+        for path in (ROOT / package).rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            n = len(path.read_text().splitlines())
+            if n > MAX_MODULE_LINES:
+                long[str(path.relative_to(ROOT))] = n
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+    assert (ROOT / "engine/runtime/loop.py").is_file()  # the walk looked at the tree
