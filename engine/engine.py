@@ -28,7 +28,7 @@ from engine.plan import REFERENCE, KernelPlan, check_plan
 from engine.runtime.checkpoint_port import CheckpointPort, EngineHooks
 from engine.runtime.keep_warm import KeepWarm, KeepWarmConfig
 from engine.runtime.loop import StepLoop
-from engine.runtime.memory import Memory
+from engine.runtime.memory import Memory, token_key
 from engine.runtime.request import (DoneEvent, GenerationRequest,  # noqa: F401 (re-export)
                                     PromptTooLong, TokenEvent)
 from engine.runtime.runner import BatchSampler, ModelRunner
@@ -158,8 +158,6 @@ class Engine:
     def forget(self, principal: str, tokens) -> None:
         """Drop the stored state that follows exactly `tokens` for `principal` (asynchronous:
         done by the engine thread before its next step)."""
-        from engine.runtime.memory import token_key
-
         self.inbox.put(("forget", principal, token_key(principal, tokens)))
 
     def forget_session(self, principal: str, session: str) -> None:

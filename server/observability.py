@@ -324,11 +324,11 @@ class Observability:
             done.prefill_s or done.decode_s or done.output_tokens)
         m.queue_wait.observe(done.queue_s)
         m.request_seconds.observe(total_s)
-        tps, computed = None, done.prompt_tokens - done.cached_tokens  # prefilled by this one
+        tps = None
         if admitted:
             m.prompt_tokens.inc(done.prompt_tokens)
             m.cached_tokens.inc(done.cached_tokens)
-            m.computed_tokens.inc(computed)
+            m.computed_tokens.inc(done.computed_tokens)
             m.output_tokens.inc(done.output_tokens)
             m.by_path.labels(done.path).inc()
             spec = getattr(done, "speculative", None)
@@ -349,7 +349,7 @@ class Observability:
         fields = dict(outcome=outcome, finish_reason=done.finish_reason,
                       prompt_tokens=done.prompt_tokens,
                       cached_tokens=done.cached_tokens if admitted else 0,
-                      computed_tokens=computed if admitted else 0,
+                      computed_tokens=done.computed_tokens if admitted else 0,
                       output_tokens=done.output_tokens, path=done.path if admitted else None,
                       queue_s=_r(done.queue_s), ttft_s=_r(ttft_s),
                       prefill_s=_r(done.prefill_s), decode_s=_r(done.decode_s),

@@ -9,7 +9,7 @@ import concurrent.futures
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -38,10 +38,10 @@ class LoadedModel:
     path: Path
     compute_dtype: object
     kv_dtype: object
-    model_id: str = field(init=False)  # the name requests give as `model`: cfg.name
 
-    def __post_init__(self):
-        self.model_id = self.cfg.name
+    @property
+    def model_id(self) -> str:
+        return self.cfg.name
 
 
 def embedded_path(state_dir: Path, name: str) -> Path:
