@@ -128,3 +128,53 @@ def test_the_fresh_start_and_the_space_pairs():
     pairs = {(tk.decode([int(vocab[s])]), tk.decode([int(vocab[b])]))
              for s, b in T.space_pairs(tk, vocab)}
     assert pairs == {(" test", "test"), (" src", "src")}  # "main" is not in this vocabulary
+
+
+
+def test_client_rows_render_as_the_server_renders_the_clients_request(tmp_path, tiny_model):
+    """Phase 9 renders tool rows in a captured client's own system text and tools: up to the
+    user's words the prompt is what the server renders for that client's request, the
+    reminder is the client's form, and the call's path is the request's."""
+    import json
+    import re
+
+    from engine.train import data as D
+    from server.chains import render_full
+    from server.request_model import parse_response_request
+
+    tools = [{"type": "function", "name": n, "description": f"The {n} tool: {n} things.",
+              "parameters": {"type": "object", "properties": {
+                  "i": {"type": "string", "description": "intent"},
+                  "path": {"type": "string"}}, "required": ["path", "i"]}}
+             for n in ("read", "bash", "find")]
+    body = {"model": "tiny", "instructions": "You are an agent.\n\n<rules>\n- act\n</rules>",
+            "tools": tools, "input": [{"role": "user", "content": [
+                {"type": "input_text", "text": D.reminder(np.random.default_rng(1), 0)},
+                {"type": "input_text", "text": "Read the file a_b.txt"}]}]}
+    req = parse_response_request(body)
+    ids = render_full(tiny_model, list(req.messages), req).ids
+    capture = tmp_path / "client.json"  # what bench/lab/omp_tool_prompt.py capture writes
+    capture.write_text(json.dumps({"ids": ids, "client": {
+        "system": req.messages[0]["content"], "tools": list(req.template_tools)}}))
+    client = B.load_client(capture)
+    assert client["tokens"] == len(ids)
+    served = tiny_model.tokenizer.decode(ids)
+    served_head = served.split("<|im_start|>user\n")[0]
+    rng = np.random.default_rng(3)
+    reminded = 0
+    for _ in range(20):
+        prompt, completion = D.chat_sample(rng, "read", client=client)
+        assert prompt.split("<|im_start|>user\n")[0] == served_head
+        user = prompt.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
+        path = re.search(r"<parameter=path>\n(.*)\n</parameter>", completion).group(1)
+        assert user.count(path) == 1 and not completion.startswith("\n</think>")
+        reminded += user.startswith("<system-reminder>\nToday: ")
+    assert 10 <= reminded < 20  # the client's reminder before most requests, not all
+    B.CLIENTS[:] = [client]
+    try:
+        toks, mask, _, _ = B.make_batch(np.random.default_rng(0), Tokenizer.qwen35(), "tools",
+                                        9, np.arange(100, 200, dtype=np.int32))
+        assert toks.shape == B.CLIENT_TOOLS and mask.sum() > 0
+    finally:
+        B.CLIENTS.clear()
+

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 ASK = "Read the file {f} and tell me when the train leaves."
 
 
-def capture(out: Path) -> int:
+def capture(out: Path, omp_args: list[str]) -> int:
     from lanes.qualify_omp import SYSTEM, TOOL_FILE
     from tests.omp_client import OmpClient, Provider
     from tests.recording_http import RecordingServer
@@ -36,7 +36,7 @@ def capture(out: Path) -> int:
         omp = OmpClient(tmp / "omp", [Provider("ninfer", proxy.api_url, srv.key,
                                                model="tiny-chat", max_tokens=64)])
         (omp.workdir / TOOL_FILE).write_text("The release train leaves at 16:40.\n")
-        omp.run_print(ASK.format(f=TOOL_FILE), *SYSTEM, "--mode", "json")
+        omp.run_print(ASK.format(f=TOOL_FILE), *SYSTEM, *omp_args, "--mode", "json")
     finally:
         proxy.stop()
         srv.stop()
@@ -48,7 +48,12 @@ def capture(out: Path) -> int:
     model = load_model(tmp / "state" / "models" / "tiny-chat.ninfer")
     req = parse_response_request(body)
     ids = render_full(model, list(req.messages), req).ids
-    out.write_text(json.dumps({"request": body, "ids": ids, "file": TOOL_FILE}))
+    # the client's own system text and tools as the template takes them: what training
+    # (engine/train/data.py load_client) renders some tool rows in
+    client = {"system": req.messages[0]["content"] if req.messages[0]["role"] == "system"
+              else "", "tools": list(req.template_tools)}
+    out.write_text(json.dumps({"request": body, "ids": ids, "file": TOOL_FILE,
+                               "client": client}))
     print(f"{out}: {len(ids)} prompt tokens")
     return 0
 
@@ -74,9 +79,11 @@ def main(argv=None) -> int:
     ap.add_argument("request", type=Path)
     ap.add_argument("--artifact", type=Path)
     ap.add_argument("--max-new", type=int, default=48)
+    ap.add_argument("--omp-args", default="", help="capture: more OMP arguments, space-separated "
+                    "(e.g. '--tools read,bash')")
     a = ap.parse_args(argv)
     if a.what == "capture":
-        return capture(a.request)
+        return capture(a.request, a.omp_args.split())
     return probe(a.request, a.artifact, a.max_new)
 
 

@@ -10,7 +10,9 @@
 # probe runs only the OMP screen: with PROBE=FILE (a capture of bench/lab/omp_tool_prompt.py),
 # the candidate on OMP's tool-turn prompt.
 # INIT=FILE (a carried file of an earlier run's --out) continues from it without phase 0;
-# LR sets the second run's peak learning rate (default 2e-3).
+# LR sets the second run's peak learning rate (default 2e-3); CLIENT="FILE..." passes each
+# file as --client (phase 9: captures of bench/lab/omp_tool_prompt.py); PROBE may name several
+# captures (space-separated), each probed in turn.
 set -u
 steps2=${1:-1200}; minutes2=${2:-5.5}; phase2=${3:-2}; run_eval=${4:-1}
 export XLA_FLAGS=--xla_gpu_deterministic_ops=true PYTHONUNBUFFERED=1
@@ -23,8 +25,9 @@ if [ -z "$init" ]; then
   tail -1 "$OUT/P0.log" | cut -c1-200
   init=/tmp/P0.npz
 fi
+clients=(); for c in ${CLIENT:-}; do clients+=(--client "$c"); done
 $py -m engine.train.train_tiny_chat --init "$init" --phase "$phase2" --steps "$steps2" --lr "$lr" \
-  --minutes "$minutes2" --out /tmp/P2.safetensors --log "$OUT/P2.json" > "$OUT/P2.log" 2>&1 \
+  --minutes "$minutes2" "${clients[@]}" --out /tmp/P2.safetensors --log "$OUT/P2.json" > "$OUT/P2.log" 2>&1 \
   || { tail -20 "$OUT/P2.log"; exit 4; }
 tail -2 "$OUT/P2.log" | cut -c1-400
 split -b 15M -d /tmp/P2.safetensors "$OUT/P2.part"
@@ -36,10 +39,10 @@ sed -i "s/^WEIGHTS_SHA256 = \"[0-9a-f]*\"/WEIGHTS_SHA256 = \"$(cut -d' ' -f1 "$O
   engine/io/tiny_chat.py
 $py -c "from pathlib import Path; from engine.io.loader import build_embedded; \
 print(build_embedded('tiny-chat', Path('/tmp/tc.ninfer')))" || exit 5
-if [ -n "${PROBE:-}" ]; then
-  timeout 100 $py bench/lab/omp_tool_prompt.py probe "$PROBE" --artifact /tmp/tc.ninfer \
-    2>&1 | tail -1 | tee "$OUT/omp_probe.json"
-fi
+for p in ${PROBE:-}; do
+  timeout 100 $py bench/lab/omp_tool_prompt.py probe "$p" --artifact /tmp/tc.ninfer \
+    2>&1 | tail -1 | tee -a "$OUT/omp_probe.json"
+done
 [ "$run_eval" = probe ] && exit 0
 timeout 150 $py -m engine.train.evaluate --artifact /tmp/tc.ninfer --n 10 --n-long 2 \
   --out "$OUT/eval.json" > /dev/null 2>&1; echo "eval rc=$?"

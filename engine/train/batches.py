@@ -3,6 +3,9 @@ step's parts (chat, tools, retrieval, one long row, copying rows), what each par
 phase, and the supervised positions the loss takes."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
 from engine.train import data as D
@@ -13,13 +16,18 @@ TOOLS = (3, 576)      # anything with the tools section
 RETRIEVE = {1: (2, 896), 2: (2, 896), 3: (3, 2048)}  # retrieval over filler text, by phase
 # one long row a step: to 10K tokens (the CPU lane's 8.8K probe), from phase 5 16K (OMP's 13.6K)
 LONG = {3: (1, 10240), 4: (1, 10240), 5: (1, 16384), 6: (1, 16384), 7: (1, 16384),
-        8: (1, 16384)}
-LONG_TOOLS = {3: 0.4, 4: 0.2, 5: 0.5, 6: 0.7, 7: 0.7, 8: 0.5}  # long rows: tool turns' share
-LONG_LOW = {3: 16, 4: 3, 5: 6, 6: 6, 7: 6, 8: 6}  # long retrievals' filler: from length // this
-REMIND = {7: 0.5, 8: 0.5}  # the share of chat and tool rows whose request follows a reminder
+        8: (1, 16384), 9: (1, 16384)}
+LONG_TOOLS = {3: 0.4, 4: 0.2, 5: 0.5, 6: 0.7, 7: 0.7, 8: 0.5, 9: 0.5}  # long rows: tool turns
+LONG_LOW = {3: 16, 4: 3, 5: 6, 6: 6, 7: 6, 8: 6, 9: 6}  # long retrievals' filler: length // this
+REMIND = {7: 0.5, 8: 0.5, 9: 0.5}  # the share of chat and tool rows after a reminder
 # the share of long rows that are a copying row after 4K-16K tokens of filler: OMP's path is
 # copied from a few tokens back at position 13.6K, where the copying rows (at 0-33) never go
-LATE_REPEAT = {8: 0.3}
+LATE_REPEAT = {8: 0.3, 9: 0.2}
+# phase 9: the share of tool rows (and of the long rows' tool turns) rendered in a captured
+# client's own prompt (CLIENTS, load_client: OMP's system text and tool texts, which
+# a model trained on our shorter tool texts does not act in), and the tool rows' length then
+CLIENT, CLIENT_TOOLS = {9: 0.8}, (2, 2304)
+CLIENTS: list[dict] = []  # set by the training script (--client, load_client)
 REPEAT = {0: 32, 1: 8, 2: 8, 3: 24}  # rows of span, newline, span (copying practice), by phase
 SPAN, ALPHABET = 16, 16       # a span's tokens, and how many distinct ids a row draws them from
 PARTS = {0: ("repeat",), 1: ("chat", "tools", "retrieve", "repeat"), 2: ("chat", "tools",
@@ -28,8 +36,26 @@ SUPERVISED = {"chat": 64, "tools": 128, "retrieve": 24, "long": 24, "repeat": 2 
 MIX_TOOLS = ["read", "read", "bash", "followup", "greet", "echo", "add", "lang"]
 # the chat part's tasks in each phase: the second adds dense copying practice
 MIX_CHAT = {1: D.TASKS[:4], 2: D.TASKS[:4] + ["copy"] * 4, 3: D.TASKS[:4] + ["copy"] * 4}
-for _table in (CHAT, RETRIEVE, REPEAT, PARTS, MIX_CHAT):  # phases 4-8: phase 3's parts, drawn
-    _table.update(dict.fromkeys((4, 5, 6, 7, 8), _table[3]))  # otherwise (make_batch)
+for _table in (CHAT, RETRIEVE, REPEAT, PARTS, MIX_CHAT):  # phases 4-9: phase 3's parts, drawn
+    _table.update(dict.fromkeys((4, 5, 6, 7, 8, 9), _table[3]))  # otherwise (make_batch)
+RETRIEVE[9] = (2, 2048)  # phase 9 trains on the CPU too (--long-tokens 0): fewer, shorter rows
+
+
+def load_client(path) -> dict:
+    """A captured agent client's prompt parts (bench/lab/omp_tool_prompt.py capture writes
+    them, from the real client's request as the server parses it): {"system": its system
+    text, "tools": its tools in the template's form, "tokens": the captured prompt's length}.
+    Training reads them from the capture; the client's text is not part of this repository."""
+    cap = json.loads(Path(path).read_text())
+    return {"system": cap["client"]["system"], "tools": cap["client"]["tools"],
+            "tokens": len(cap["ids"])}
+
+def _client(rng, phase: int, length: int) -> dict | None:
+    """A captured client whose prompt leaves room in a row of `length`, for CLIENT's share."""
+    fits = [c for c in CLIENTS if c["tokens"] + 200 <= length]
+    if not fits or rng.random() >= CLIENT.get(phase, 0.0):
+        return None
+    return fits[rng.integers(len(fits))]
 
 
 def _fit(tk, prompt: str, completion: str, length: int):
@@ -70,7 +96,8 @@ def late_repeat(rng, tk, pool: np.ndarray, length: int):
 def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
     if part == "repeat":
         return repeat_batch(rng, pool, tk.encode("\n")[0], REPEAT[phase])
-    rows, length = {"chat": CHAT[phase], "tools": TOOLS, "retrieve": RETRIEVE[phase],
+    tools = CLIENT_TOOLS if CLIENT.get(phase) and CLIENTS else TOOLS
+    rows, length = {"chat": CHAT[phase], "tools": tools, "retrieve": RETRIEVE[phase],
                     "long": LONG.get(phase)}[part]
     toks = np.zeros((rows, length), np.int32)
     mask = np.zeros((rows, length), np.float32)
@@ -85,7 +112,8 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
             # a read, bash or follow-up turn under a tools section as long as OMP's
             task = MIX_TOOLS[rng.integers(4)]
             describe = int(rng.integers(40, int(length / 1.45 / 9)))
-            prompt, completion = D.chat_sample(rng, task, describe, REMIND.get(phase, 0.0))
+            prompt, completion = D.chat_sample(rng, task, describe, REMIND.get(phase, 0.0),
+                                               _client(rng, phase, length))
         elif part in ("retrieve", "long"):
             if part == "long":  # phases 4-8: the long rows' retrievals from 3.4K-4K tokens up
                 low = length // LONG_LOW[phase]
@@ -97,7 +125,9 @@ def make_batch(rng, tk, part: str, phase: int = 1, pool=None):
         else:
             names = MIX_CHAT[phase] if part == "chat" else MIX_TOOLS
             task = names[rng.integers(len(names))]
-            prompt, completion = D.chat_sample(rng, task, remind=REMIND.get(phase, 0.0))
+            client = _client(rng, phase, length) if part == "tools" else None
+            prompt, completion = D.chat_sample(rng, task, remind=REMIND.get(phase, 0.0),
+                                               client=client)
             if part == "chat" and "<tools>" in prompt:
                 continue
         fit = fit or _fit(tk, prompt, completion, length)

@@ -242,24 +242,32 @@ REMINDERS = ["<system-reminder>\nToday: {d}; current working directory: '{w}'. D
              "turn.\n</system-reminder>"]
 
 
-def reminder(rng) -> str:
-    """One of REMINDERS with a random date, directory and count."""
+def reminder(rng, form: int | None = None) -> str:
+    """One of REMINDERS (or REMINDERS[form]) with a random date, directory and count."""
     d = f"{rng.integers(2019, 2031)}-{rng.integers(1, 13):02d}-{rng.integers(1, 29):02d}"
     parts = ["tmp", f"tmp{made_up(rng)}{rng.integers(10, 99)}", _word(rng), "work"] \
         if rng.random() < 0.5 else ["home", _word(rng), DIRS[rng.integers(len(DIRS))]]
     w = "/" + "/".join(parts)
-    return REMINDERS[rng.integers(len(REMINDERS))].format(d=d, w=w, n=rng.integers(2, 40))
+    form = rng.integers(len(REMINDERS)) if form is None else form
+    return REMINDERS[form].format(d=d, w=w, n=rng.integers(2, 40))
 
 
-def chat_sample(rng, task: str, describe: int = 0, remind: float = 0.0):
+
+def chat_sample(rng, task: str, describe: int = 0, remind: float = 0.0,
+                client: dict | None = None):
     """(prompt text, completion text) of one sample of `task`; `describe` > 0 gives it a long
     tools section (see `_tools`); with probability `remind` the user's words come after a
-    `reminder` (a date and a directory)."""
+    `reminder` (a date and a directory). `client` ({"system", "tools"}, a captured agent
+    client's own system text and tools, see batches.load_client) replaces both: the request is
+    rendered as that client sends it, after the client's reminder four times in five."""
     thinking = rng.random() < 0.2
     system = SYSTEMS[rng.integers(len(SYSTEMS))]
     tools = (_tools(rng, describe) if describe or task in ("read", "bash", "followup")
              or rng.random() < 0.3 else None)
     before = reminder(rng) if remind and rng.random() < remind else ""
+    if client is not None:
+        system, tools, thinking = client["system"], client["tools"], False
+        before = reminder(rng, 0) if rng.random() < 0.8 else ""
     if task in CHAT_TASKS:
         q, a = CHAT_TASKS[task](rng)
         return _render(system, [{"role": "user", "content": before + q}], tools, thinking), \

@@ -22,8 +22,11 @@ half of them tool turns, the retrievals from 4K tokens up: OMP's own prompt is 1
 before the user's request. Phase 6 is phase 5 with 70% tool turns among the long rows; phase 7
 puts a date and a working directory before half the requests, as OMP does (candidate 9 copied
 its year as the path to read). Phase 8 makes 30% of the long rows copying rows after 4K-16K
-tokens of filler (engine/train/batches.py late_repeat). docs/benchmarks/trained_tiny.json has
-the runs.
+tokens of filler (engine/train/batches.py late_repeat). Phase 9 renders most tool rows in a
+captured client's own system text and tool texts (--client: OMP's, captured from the pinned
+client by bench/lab/omp_tool_prompt.py; candidates 8 and 9, trained on our shorter tool texts,
+copy no path inside OMP's prompt even at 2K tokens), and holds the row all untrained ids share
+at zero, as serving does. docs/benchmarks/trained_tiny.json has the runs.
 
 Phase 0 teaches copying alone: each row is a span of 16 random tokens, drawn from 16 of the
 trained ids chosen for that row, then a newline and the same span again; the loss is on the
@@ -68,6 +71,7 @@ from engine.model import model as M
 from engine.model.cache import init_cache
 from engine.model.config import TINY
 from engine.text.tokenizer import Tokenizer
+from engine.train import batches as B
 from engine.train import data as D
 from engine.train.batches import ALL_TASKS, PARTS, SUPERVISED, make_batch, supervised
 
@@ -224,11 +228,25 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
     ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw, or from "
                     "a file of --out (.safetensors: its int8 matrices dequantized)")
-    ap.add_argument("--phase", type=int, default=1, choices=tuple(range(9)),
+    ap.add_argument("--phase", type=int, default=1, choices=tuple(range(10)),
                     help="the data mix")
+    ap.add_argument("--client", type=Path, action="append", default=[],
+                    help="phase 9: a captured client request (bench/lab/omp_tool_prompt.py "
+                    "capture) whose system text and tools some tool rows are rendered in")
+    ap.add_argument("--long-tokens", type=int, help="the long row's length instead of the "
+                    "phase's (0: no long row; the CPU cannot hold a 16K-token row's step)")
     ap.add_argument("--raw", type=Path, help="also save the raw trained tree (.npz) here")
     ap.add_argument("--log", type=Path, help="write the loss curve (JSON) here")
     args = ap.parse_args(argv)
+    if args.phase == 9 and not args.client:
+        ap.error("phase 9 needs at least one --client capture")
+    B.CLIENTS[:] = [B.load_client(c) for c in args.client]
+    parts = PARTS[args.phase]
+    if args.long_tokens is not None:
+        if args.long_tokens:
+            B.LONG[args.phase] = (1, args.long_tokens)
+        else:
+            parts = tuple(p for p in parts if p != "long")
     t0 = time.monotonic()
     tk = Tokenizer.qwen35()
     vocab = build_vocab(tk, args.seed)
@@ -252,6 +270,9 @@ def main(argv=None) -> int:
     def step_fn(params, st, batches, lr):
         (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, cfg, batches, n_bg)
+        # the row every untrained id embeds to stays zero: the shipped file leaves it out,
+        # and serving gives those ids zero rows (engine/io/tiny_chat.py trained_tensors)
+        grads["embed_tokens"] = grads["embed_tokens"].at[-1].set(0.0)
         params, st, gnorm = adam_update(params, grads, st, lr)
         return params, st, loss, per_task, gnorm
 
@@ -262,7 +283,7 @@ def main(argv=None) -> int:
     log = []
     for i in range(args.steps):
         batches = []
-        for part in PARTS[args.phase]:
+        for part in parts:
             toks, mask, lengths, task_ids = make_batch(rng, tk, part, args.phase, pool)
             # a target outside the trained vocabulary would train the background row up
             nxt = remap[np.concatenate([toks[:, 1:], toks[:, :1]], axis=1)]
