@@ -41,6 +41,7 @@ OPTIONAL_DEFAULTS = {
     "keep_warm": None,
     "speculative": None,
     "model_source": None,
+    "agent_tools": (),          # the agent client's tools the lane is qualified with; (): all
 }
 _CARD_KEYS = {"name": str, "memory_mib": int, "arch": str, "min_driver": str}
 _KEEP_WARM_KEYS = {"window_ms": int, "period_ms": int, "duty": float, "grace_ms": int}
@@ -87,6 +88,9 @@ class LaneProfile:
     keep_warm: tuple | None = None     # [keep_warm]: window_ms, period_ms, duty, grace_ms
     speculative: tuple | None = None   # [speculative]: method, draft_tokens
     model_source: tuple | None = None  # [model_source]: repository, revision, recipe, converter
+    # the agent client's tools the lane's model acts with (OMP runs with `--tools` these in
+    # qualification and in its tests); () offers every tool the client has
+    agent_tools: tuple = ()
 
     def __post_init__(self):
         def need(cond, msg):
@@ -147,6 +151,10 @@ class LaneProfile:
                 KeepWarmConfig(**dict(self.keep_warm))
             except (TypeError, ValueError) as e:
                 need(False, f"[keep_warm]: {e}")
+        need(isinstance(self.agent_tools, tuple) and len(set(self.agent_tools)) == len(
+            self.agent_tools) and all(isinstance(t, str) and t.isidentifier()
+                                      for t in self.agent_tools),
+             f"agent_tools must be distinct tool names, got {self.agent_tools!r}")
         card = dict(self.card or ())
         need(self.card is None or card.get("memory_mib", 0) > 0,
              "[card] memory_mib must be a positive integer")
@@ -205,6 +213,8 @@ def load_profile(name_or_path: str) -> LaneProfile:
                            f"missing fields {sorted(required - set(data))}")
     if "plan" in data:
         data["plan"] = plan_from_table(data["plan"], path)
+    if isinstance(data.get("agent_tools"), list):
+        data["agent_tools"] = tuple(data["agent_tools"])
     for key, spec in _TABLES.items():
         if key in data:
             data[key] = _table(data[key], key, spec, path)

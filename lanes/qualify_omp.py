@@ -44,7 +44,7 @@ def _closed_port() -> int:
 
 
 class Omp:
-    def __init__(self, lane: LaneUnderTest, root: Path):
+    def __init__(self, lane: LaneUnderTest, root: Path, tools: tuple = ()):
         from server import omp_config
 
         if omp_version() is None or not BUN.is_file():
@@ -56,6 +56,8 @@ class Omp:
                                        lane.model_id(), 32768, 96)
         omp_config.write_config(self.home / ".omp" / "agent", [provider], compaction=False)
         self.model = f"ninfer/{lane.model_id()}"
+        # the tools the lane's profile qualifies its model with (agent_tools; none: all)
+        self.tools = ("--tools", ",".join(tools)) if tools else ()
         dead = f"http://127.0.0.1:{_closed_port()}"
         self.env = {"HOME": str(self.home), "PATH": f"{BUN.parent}:/usr/bin:/bin",
                     "LANG": "C.UTF-8", "TMPDIR": str(root), "NO_COLOR": "1", "TERM": "dumb",
@@ -65,7 +67,7 @@ class Omp:
 
     def turn(self, prompt: str, timeout: float = 600.0) -> tuple[int | None, list[dict], str]:
         argv = [str(BUN), str(OMP_CLI), "--model", self.model, "-p", prompt, *SYSTEM,
-                "--mode", "json"]
+                *self.tools, "--mode", "json"]
         proc = subprocess.Popen(argv, cwd=self.work, env=self.env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -96,7 +98,7 @@ def _last_assistant(frames: list[dict]) -> dict:
 
 
 def agent_protocol(lane: LaneUnderTest, profile, tmp: Path) -> dict:
-    omp = Omp(lane, tmp / "omp-protocol")
+    omp = Omp(lane, tmp / "omp-protocol", profile.agent_tools)
     t0 = time.monotonic()
     code, frames, err = omp.turn("Say hello.")
     reply = _last_assistant(frames)
@@ -113,7 +115,7 @@ def agent_protocol(lane: LaneUnderTest, profile, tmp: Path) -> dict:
 
 
 def tool_turn(lane: LaneUnderTest, profile, tmp: Path) -> dict:
-    omp = Omp(lane, tmp / "omp-tool")
+    omp = Omp(lane, tmp / "omp-tool", profile.agent_tools)
     (omp.work / TOOL_FILE).write_text("The release train leaves at 16:40 from platform 3.\n")
     code, frames, err = omp.turn(f"Read the file {TOOL_FILE} and tell me when the train "
                                  f"leaves.")
@@ -121,7 +123,8 @@ def tool_turn(lane: LaneUnderTest, profile, tmp: Path) -> dict:
     starts = [f for f in frames if f.get("type") == "tool_execution_start"]
     reply = _last_assistant(frames)
     args = [(f.get("toolName"), f.get("args", f.get("arguments", {}))) for f in starts]
-    out = {"omp_exit": code, "tools_run": [f.get("toolName") for f in calls],
+    out = {"omp_exit": code, "omp_tools": list(profile.agent_tools) or "all",
+           "tools_run": [f.get("toolName") for f in calls],
            "calls": [{"tool": n, "args": json.dumps(a)[:200]} for n, a in args],
            "stop_reason": reply.get("stopReason")}
     read = [a for n, a in args if n == "read" and TOOL_FILE in json.dumps(a)]

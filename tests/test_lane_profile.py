@@ -36,14 +36,16 @@ def test_shipped_profile_runs_the_reference_plan_and_keeps_its_hash(tmp_path):
     assert explicit == cpu and explicit.canonical_hash() == cpu.canonical_hash()
     # The default stays out of the hash, so the plan left existing hashes (and checkpoint
     # fingerprints' profile hash) unchanged: the hash the cpu lane had before plans existed.
-    d = {k: v for k, v in cpu.to_dict().items() if k not in OPTIONAL_DEFAULTS}
+    d = {k: v for k, v in cpu.to_dict().items()
+         if k not in OPTIONAL_DEFAULTS or getattr(cpu, k) != OPTIONAL_DEFAULTS[k]}
     assert cpu.canonical_hash() == hashlib.sha256(
         json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     # the hash of the cpu lane's fields alone: 31fac853... before kernel plans (the tree at
-    # 96a3244, serving embedded:tiny), df7b9596... with the first trained tiny-chat, this one
-    # since tiny-chat copies from its prompt (the model's pin is a field of the profile)
-    assert cpu.canonical_hash() == ("cc321f8a8e8ad5578ba3d460b5ceda1f"
-                                    "df1cd47972d292f8a9b72dad6e46f690")
+    # 96a3244, serving embedded:tiny), df7b9596... with the first trained tiny-chat,
+    # cc321f8a... once tiny-chat copied from its prompt, this one since tiny-chat acts in
+    # OMP's prompt with OMP's read and bash tools (the model's pin and agent_tools are fields)
+    assert cpu.canonical_hash() == ("2973ab6c0c9393efeea98379af32440c"
+                                    "d59f1c0c254bd01b4802a19fb62b78b8")
 
 
 def test_preset_and_overrides_make_the_plan_and_hash_differently(tmp_path):
@@ -87,6 +89,14 @@ def test_required_fields_still_required_and_unknown_refused(tmp_path):
         load_profile(str(_toml(tmp_path, 'kernel = "pallas"')))
     with pytest.raises(ProfileError, match="plan must be a KernelPlan"):
         LaneProfile(**{**load_profile("cpu").__dict__, "plan": "h200"})
+
+
+@pytest.mark.parametrize("tools", ['["read", "read"]', '["read", 3]', '["read,bash"]', '"read"'])
+def test_agent_tools_must_be_distinct_tool_names(tmp_path, tools):
+    with pytest.raises(ProfileError, match="agent_tools must be distinct tool names"):
+        load_profile(str(_toml(tmp_path, f"agent_tools = {tools}", drop="agent_tools")))
+    # left out, the client offers every tool it has
+    assert load_profile(str(_toml(tmp_path, drop="agent_tools"))).agent_tools == ()
 
 
 def _serve(tmp_path, lane: Path, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -51,6 +51,10 @@ def _run_verify(d: Path, *extra) -> subprocess.CompletedProcess:
 
 
 def test_the_release_verifies_and_is_a_candidate_until_qualified(releases):
+    """The cpu lane's receipt (qualification/cpu.json, `./ninfer qualify --lane cpu` on the
+    tree it binds) makes it ready when it qualified this very bundle; a later change to the
+    tree makes it a candidate again, its blocker naming the receipt's field. The GPU lanes
+    have no receipt: the release stays a candidate and --require-ready names each."""
     a, _ = releases
     sha = M.sha256_file(a / "manifest.json")
     out = _run_verify(a, "--manifest-sha256", sha)
@@ -58,8 +62,13 @@ def test_the_release_verifies_and_is_a_candidate_until_qualified(releases):
     assert "verified (candidate)" in out.stdout
     out = _run_verify(a, "--require-ready")
     assert out.returncode == 1
-    for lane in ("cpu", "h200", "rtx3090", "rtx4090", "rtx5090"):
+    for lane in ("h200", "rtx3090", "rtx4090", "rtx5090"):
         assert f"no qualification receipt (qualification/{lane}.json)" in out.stdout
+    cpu = json.loads((a / "manifest.json").read_text())["lanes"]["cpu"]
+    assert cpu["receipt"] and cpu["receipt"]["path"] == "qualification/cpu.json"
+    assert "no qualification receipt (qualification/cpu.json)" not in out.stdout
+    assert cpu["status"] == "ready" or all("receipt field" in b for b in cpu["blockers"]), \
+        cpu["blockers"]
     out = _run_verify(a, "--manifest-sha256", "0" * 64)
     assert out.returncode == 1 and "FAIL manifest.json: --manifest-sha256" in out.stdout
 
@@ -173,7 +182,7 @@ def test_edited_documents_are_caught_even_when_rehashed(releases, tmp_path):
     receipt = {"format": M.RECEIPT_FORMAT, "lane": "cpu", "verdict": "pass",
                "bundle_sha256": "0" * 64, "synthetic_weights": False,
                "profile_sha256": json.loads(prof.read_text())["profile_sha256"]}
-    (copy / "qualification").mkdir()
+    (copy / "qualification").mkdir(exist_ok=True)
     (copy / "qualification/cpu.json").write_bytes(M.dumps(receipt))
     doc = rehash()
     doc["lanes"]["cpu"]["receipt"] = {"path": "qualification/cpu.json",

@@ -178,3 +178,19 @@ def test_client_rows_render_as_the_server_renders_the_clients_request(tmp_path, 
     finally:
         B.CLIENTS.clear()
 
+
+
+def test_untrained_ids_embed_to_zero_when_served():
+    """Training holds the row that every untrained id shares at zero (train_tiny_chat drops
+    its gradient); the served tensors give every untrained id a zero embedding, so a prompt
+    full of ids training never saw (an agent's tool texts) reads as it did in training."""
+    from engine.io import tiny_chat
+    from engine.io.tiny import tiny_tensors
+    from engine.model.config import TINY
+
+    t = tiny_chat.load_trained()
+    emb = next(a for n, a in tiny_chat.trained_tensors(tiny_tensors(TINY))
+               if n == "embed_tokens").astype(np.float32)
+    untrained = np.setdiff1d(np.arange(emb.shape[0]), t["vocab"])
+    assert len(untrained) > 0 and not emb[untrained].any()
+    assert np.abs(emb[t["vocab"]]).sum(1).min() > 0

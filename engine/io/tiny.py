@@ -103,7 +103,7 @@ EMBEDDED = {"tiny": TINY, "tiny-tools": TINY_TOOLS, "tiny-chat": TINY_CHAT}
 EMBEDDED_SHA256 = {
     "tiny": "26c34d35bd3da7440bc410de28004d05509c57c57b1f20d9ef7eff275696b19c",
     "tiny-tools": "7cfa6f7150a0bb60872cfcbef87a0e1904edf3cb38d201fc7c15bf52229f886f",
-    "tiny-chat": "57309d637971ac5a6ad57df581c11ac29a4bf29300227cf3bb60fa69f27f096e",
+    "tiny-chat": "3c0bccb205b7dbda46efb9cb86239ffeffff96ef4e8827c61993082dd55b127d",
 }
 
 

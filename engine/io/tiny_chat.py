@@ -29,7 +29,7 @@ import numpy as np
 from engine.model.config import TINY
 
 WEIGHTS = Path(__file__).parent / "weights" / "tiny_chat.safetensors"
-WEIGHTS_SHA256 = "50f97c53d32c4480001b3f4b1b0effad81ab6ed2947fef25e3fe0770a1ad1afa"
+WEIGHTS_SHA256 = "f6f7eb58d072897cc0caf8592255d7f8b6d2e7e6b0ae34d90f29a9c0f5576eda"
 TINY_CHAT = dataclasses.replace(TINY, name="tiny-chat")
 
 
@@ -112,7 +112,9 @@ def trained_tensors(generated: Iterator[tuple[str, np.ndarray]], path: Path = WE
     vocab = t["vocab"]
     for name, gen in generated:
         if name == "embed_tokens":
-            arr = np.asarray(gen, np.float32)
+            # as in training, where every untrained id shares one zero row: the generator's
+            # random rows would put noise into a prompt wherever such an id occurs
+            arr = np.zeros(gen.shape, np.float32)
             arr[vocab] = t["embed_rows"]
         elif name == "lm_head":
             arr = np.broadcast_to(t["lm_head_background"], gen.shape).copy()
