@@ -51,10 +51,11 @@ def _run_verify(d: Path, *extra) -> subprocess.CompletedProcess:
 
 
 def test_the_release_verifies_and_is_a_candidate_until_qualified(releases):
-    """The cpu lane's receipt (qualification/cpu.json, `./ninfer qualify --lane cpu` on the
-    tree it binds) makes it ready when it qualified this very bundle; a later change to the
-    tree makes it a candidate again, its blocker naming the receipt's field. The GPU lanes
-    have no receipt: the release stays a candidate and --require-ready names each."""
+    """The cpu lane has a receipt (qualification/cpu.json, `./ninfer qualify --lane cpu` on
+    the tree it binds): the lane is ready when that receipt passed and qualified this very
+    bundle, else a candidate whose blockers name the receipt's fields (a failed verdict, a
+    later change to the tree). The GPU lanes have no receipt: the release stays a candidate
+    and --require-ready names each."""
     a, _ = releases
     sha = M.sha256_file(a / "manifest.json")
     out = _run_verify(a, "--manifest-sha256", sha)
