@@ -12,6 +12,8 @@ import re
 
 import pytest
 
+from lanes.profile import load_profile
+from lanes.qualify_omp import TOOL_FILE
 from tests.omp_client import (OMP_VERSION, OmpClient, Provider, last_assistant,
                               omp_install)  # noqa: F401  (omp_install: a fixture)
 from tests.recording_http import RecordingServer, closed_port
@@ -214,11 +216,13 @@ def test_omp_runs_a_tool_the_model_called_and_chains_its_output(server, make_cli
     """The model calls OMP's own `read` tool; OMP runs it and sends the function_call_output
     chained by previous_response_id, and the turn completes on its own. The proxy still asks
     the server for the call (tool_choice names `read` on the first request, with room for a
-    whole call): with read and bash offered (the cpu lane's agent_tools) tiny-chat calls
-    `read` inside OMP's prompt, but its copy of the path is near a tie through the server
-    (unforced, one of two runs of this test wrote another file name), so the call comes from
-    constrained decoding; OMP's tool runs for real, and the turn after it ends with the model's
-    own stop."""
+    whole call): OMP offers the cpu lane's agent_tools (read and bash), the prompt tiny-chat
+    was trained in; there it calls `read`, but its copy of the path is near a tie through the
+    server (unforced, one of two runs of this test wrote another file name), so the call
+    comes from constrained decoding; OMP's tool reads the file for real, and the turn after
+    it ends with the model's own stop (with all of OMP's tools offered, a CI run's turn after
+    the tool ran to its output limit)."""
+    tools = load_profile("cpu").agent_tools
     def force_read(n, body):
         if n == 0:
             body = dict(body, tool_choice={"type": "function", "name": "read"},
@@ -229,9 +233,10 @@ def test_omp_runs_a_tool_the_model_called_and_chains_its_output(server, make_cli
     try:
         omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL,
                                     max_tokens=64)], stateful=True)
-        with omp.rpc(*SHORT_SYSTEM) as rpc:
+        (omp.workdir / TOOL_FILE).write_text("The night train leaves at 23:10.\n")
+        with omp.rpc(*SHORT_SYSTEM, "--tools", ",".join(tools)) as rpc:
             rpc.wait_for("ready", timeout=30)
-            frames = rpc.prompt("Read the readme.")
+            frames = rpc.prompt(f"Read the file {TOOL_FILE} and tell me when the train leaves.")
     finally:
         proxy.stop()
     first, second, *rest = proxy.requests
