@@ -50,6 +50,7 @@ def load_client(path) -> dict:
     return {"system": cap["client"]["system"], "tools": cap["client"]["tools"],
             "tokens": len(cap["ids"])}
 
+
 def _client(rng, phase: int, length: int) -> dict | None:
     """A captured client whose prompt leaves room in a row of `length`, for CLIENT's share."""
     fits = [c for c in CLIENTS if c["tokens"] + 200 <= length]

@@ -252,7 +252,6 @@ def reminder(rng, form: int | None = None) -> str:
     return REMINDERS[form].format(d=d, w=w, n=rng.integers(2, 40))
 
 
-
 def chat_sample(rng, task: str, describe: int = 0, remind: float = 0.0,
                 client: dict | None = None):
     """(prompt text, completion text) of one sample of `task`; `describe` > 0 gives it a long
