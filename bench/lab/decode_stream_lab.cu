@@ -7,7 +7,7 @@
 //        bench/lab/decode_stream_lab.cu -o decode_stream_lab
 //   ./decode_stream_lab [--reps 15] [--stages 16] [--variants stream,barrier,barrier_pf,
 //        flags,flags_pf,graph,feed] [--no-shapes] [--seed N] [--json out.json] [--copy-mb 2048]
-//        [--evict-first] [--packed] [--release-red]
+//        [--evict-first] [--packed] [--release-red] [--balanced] [--teams 1|2]
 //
 // What it measures, all in one process, as fractions of ceilings measured in the same run:
 // - the copy ceiling: a 2 GiB device-to-device cudaMemcpy, (bytes read + bytes written) / time;
@@ -31,7 +31,10 @@
 //   --evict-first puts an L2 evict_first policy on the bulk copies; --packed stores the
 //   weights a stage at a time (packed_code), so a stage is one bulk copy instead of 32;
 //   --release-red publishes flags with one red.release.gpu a chunk instead of a __threadfence
-//   and atomicAdds after each tile.
+//   and atomicAdds after each tile; --balanced splits each GEMV's stages evenly over the CTAs
+//   (stream-K: a tile cut between two CTAs leaves two partial row sums, added in a fixed order
+//   by whoever reads them); --teams 2 runs 16 consumer warps as two teams taking alternate
+//   ring slots.
 //
 // The body. One CTA an SM (persistent, cooperative launch), 8 consumer warps and one producer
 // thread. The producer walks the CTA's work in order and feeds a ring of shared-memory slots
@@ -77,7 +80,6 @@ namespace lab {
 constexpr int kRows = 16;                                    // a tile
 constexpr int kChunk = 1024;                                 // inputs a stage
 constexpr int kCW = 8;                                       // consumer warps
-constexpr int kThreads = (kCW + 1) * 32;                     // + the producer warp
 constexpr int kCodeRow = kChunk / 2;                         // 512 B of a row a stage
 constexpr int kCodeStride = kCodeRow + 32;                   // padded: rows 32 B apart mod 128
 constexpr int kScaleRow = kChunk / 64 * 4;                   // 64 B
@@ -88,13 +90,13 @@ constexpr int kStageTx = kRows * (kCodeRow + kScaleRow);     // 9216 bytes a sta
 constexpr int kMaxK = 17408;
 constexpr int kMaxChunks = kMaxK / kChunk;                   // 17
 constexpr int kXsWarp = kMaxChunks * 2 * 128;                // a warp's x: 2 groups a chunk
-constexpr int kRedBytes = 2 * kCW * kRows * 4;
 constexpr int kCntStride = 32;                               // counters an item
 
 struct Gemv {
   const uint8_t* w;  // [n, k/2]
   const float* s;    // [n, k/64]
   float* y;          // [n]
+  float* y1;         // [n] (--balanced): the second partial sum of a tile cut between CTAs
   int n, k;
 };
 
@@ -123,6 +125,7 @@ struct Params {
   int hint;    // bulk copies carry an L2 evict_first policy
   int packed;  // weights stored a stage at a time: one 9216-byte bulk copy a stage (--packed)
   int relred;  // flags published by red.release.gpu instead of __threadfence + atomicAdd
+  int balanced;  // stream-K split of each GEMV's stages over the CTAs (--balanced)
 };
 
 // --packed: a GEMV's codes and scales stored as the stages the ring takes, stage (t, c) of
@@ -262,13 +265,20 @@ __device__ __forceinline__ float clamp4(float v) { return fminf(fmaxf(v, -4.0f),
 // Chunk c of x into the warp's area, its groups 2w and 2w + 1, by 16 lanes (l = 0..15): group
 // gi = l / 8, lane-quad tt = (l % 8) / 2, word i = l % 2; 8 inputs from k = 64 G + 16 tt + 8 i,
 // stored as (x0, x4), (x1, x5), (x2, x6), (x3, x7) at [c * 2 + gi][tt][i].
-__device__ __forceinline__ void stage_chunk(uint4* xs, const float* src, int xn, int c, int w,
-                                            int l) {
+// With src1 (--balanced) the input is src + src1, the two partial sums of a cut tile.
+__device__ __forceinline__ void stage_chunk(uint4* xs, const float* src, const float* src1,
+                                            int xn, int c, int w, int l) {
   const int gi = l >> 3, tt = (l & 7) >> 1, i = l & 1;
   const int G = c * 16 + 2 * w + gi;
   const int k = (64 * G + 16 * tt + 8 * i) % xn;  // xn is a multiple of 8
-  const float4 a = __ldcg(reinterpret_cast<const float4*>(src + k));
-  const float4 b = __ldcg(reinterpret_cast<const float4*>(src + k + 4));
+  float4 a = __ldcg(reinterpret_cast<const float4*>(src + k));
+  float4 b = __ldcg(reinterpret_cast<const float4*>(src + k + 4));
+  if (src1) {
+    const float4 a1 = __ldcg(reinterpret_cast<const float4*>(src1 + k));
+    const float4 b1 = __ldcg(reinterpret_cast<const float4*>(src1 + k + 4));
+    a = make_float4(a.x + a1.x, a.y + a1.y, a.z + a1.z, a.w + a1.w);
+    b = make_float4(b.x + b1.x, b.y + b1.y, b.z + b1.z, b.w + b1.w);
+  }
   uint4 o;
   o.x = pack_h2(clamp4(a.x), clamp4(b.x));
   o.y = pack_h2(clamp4(a.y), clamp4(b.y));
@@ -277,26 +287,66 @@ __device__ __forceinline__ void stage_chunk(uint4* xs, const float* src, int xn,
   xs[(c * 2 + gi) * 8 + tt * 2 + i] = o;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
+// A CTA's share of item s, as segments (tile t, chunks [c0, c1)): round robin, whole tiles
+// t0, t0 + G, ... (t0 from the launch-wide tile count); --balanced, the stages [lo, hi) of the
+// item's nt x C, lo = nt C b / G (a stream-K split: every CTA gets the same number of stages,
+// within one, and a tile cut between two CTAs leaves two partial row sums, y and y1).
+struct Walk {
+  int64_t i, hi;
+  int t, nt, C, G;
+  bool bal;
+  __device__ Walk(const Item& it, const Gemv& gv, int b, int G_, bool bal_)
+      : t(0), nt(gv.n / kRows), C(gv.k / kChunk), G(G_), bal(bal_) {
+    const int64_t total = static_cast<int64_t>(nt) * C;
+    i = bal ? total * b / G : 0;
+    hi = bal ? total * (b + 1) / G : 0;
+    if (!bal) t = (b - it.tbase + G) % G;
+  }
+  __device__ bool empty() const { return bal ? i >= hi : t >= nt; }
+  __device__ bool next(int& tt, int& c0, int& c1) {
+    if (bal) {
+      if (i >= hi) return false;
+      tt = static_cast<int>(i / C);
+      c0 = static_cast<int>(i % C);
+      c1 = static_cast<int>(c0 + hi - i < C ? c0 + hi - i : C);
+      i += c1 - c0;
+      return true;
+    }
+    if (t >= nt) return false;
+    tt = t;
+    c0 = 0;
+    c1 = C;
+    t += G;
+    return true;
+  }
+};
+
+// TEAMS consumer teams of kCW warps: with 2, team j takes the ring's slots of parity j (the
+// stages alternate between the teams), so 4 warps a scheduler hide each other's latency.
+template <int TEAMS>
+__global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const Params p) {
+  constexpr int CW = kCW * TEAMS;
   extern __shared__ __align__(128) uint8_t smem[];
   const int S = p.stages;
   uint8_t* const ring = smem;
   uint8_t* const xs_base = smem + S * kSlotBytes;
-  float* const red = reinterpret_cast<float*>(xs_base + kCW * kXsWarp);
-  uint64_t* const full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(red) + kRedBytes);
+  float* const red = reinterpret_cast<float*>(xs_base + CW * kXsWarp);
+  uint64_t* const full =
+      reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(red) + 2 * CW * kRows * 4);
   uint64_t* const empty = full + S;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int G = gridDim.x, b = blockIdx.x;
+  const bool bal = p.balanced;
   if (threadIdx.x == 0) {
     for (int i = 0; i < S; ++i) {
       mbar_init(full + i, 1);
-      mbar_init(empty + i, kCW);
+      mbar_init(empty + i, kCW);  // one team reads a slot
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  if (warp == kCW) {  // the producer: one thread
+  if (warp == CW) {  // the producer: one thread
     if (lane != 0) return;
     uint64_t policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -305,18 +355,19 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
     for (int s = 0; s < p.count; ++s) {
       const Item it = p.items[s];
       const Gemv gv = p.gemvs[it.gemv];
-      const int C = gv.k / kChunk, nt = gv.n / kRows;
-      const int t0 = (b - it.tbase + G) % G;
-      if (t0 >= nt) continue;
+      Walk wk(it, gv, b, G, bal);
+      if (wk.empty()) continue;
       const bool dep = !p.prefetch && (p.mode == kBarrier || p.mode == kFlags) && s > 0 &&
                        it.prev >= 0;
       if (dep && p.mode == kBarrier) spin_geq(p.bar + s - 1, p.epoch * G);
       unsigned ready = (dep && p.mode == kFlags) ? 0u : ~0u;
       const int64_t rowb = gv.k / 2, rows = gv.k / 64;
-      for (int t = t0; t < nt; t += G) {
+      const int C = gv.k / kChunk;
+      int t, c0, c1;
+      while (wk.next(t, c0, c1)) {
         const uint8_t* wsrc = gv.w + static_cast<int64_t>(t) * kRows * rowb;
         const float* ssrc = gv.s + static_cast<int64_t>(t) * kRows * rows;
-        for (int c = 0; c < C; ++c) {
+        for (int c = c0; c < c1; ++c) {
           if (!((ready >> c) & 1u)) {
             spin_geq(p.cnt + s * kCntStride + c, p.epoch * p.expect[s * kCntStride + c]);
             ready |= 1u << c;
@@ -359,7 +410,8 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
     return;
   }
 
-  // The consumers: warp w owns groups 2w and 2w + 1 of every stage.
+  // The consumers: warp w of a team (gw) owns groups 2 gw and 2 gw + 1 of its stages.
+  const int team = warp / kCW, gw = warp % kCW;
   const int g = lane >> 2, tq = lane & 3;
   uint4* const xs = reinterpret_cast<uint4*>(xs_base + warp * kXsWarp);
   int slot = 0, par = 0;
@@ -367,37 +419,48 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
   for (int s = 0; s < p.count; ++s) {
     const Item it = p.items[s];
     const Gemv gv = p.gemvs[it.gemv];
-    const int C = gv.k / kChunk, nt = gv.n / kRows;
-    const int t0 = (b - it.tbase + G) % G;
+    const int C = gv.k / kChunk;
+    Walk wk(it, gv, b, G, bal);
     const bool has_prev = s > 0 && it.prev >= 0;
     const bool dep = (p.mode == kBarrier || p.mode == kFlags) && has_prev;
     const float* xsrc = p.xin;
+    const float* xsrc1 = nullptr;
     int xn = kMaxK;
     if (p.mode != kStream && it.prev >= 0) {
       xsrc = p.gemvs[it.prev].y;
+      if (bal) xsrc1 = p.gemvs[it.prev].y1;
       xn = p.gemvs[it.prev].n;
     }
     unsigned ready = 0;
-    if (t0 < nt) {
+    if (!wk.empty()) {
       if (!(dep && p.mode == kFlags)) {
         if (dep) {  // the grid barrier
           if (lane == 0) spin_geq(p.bar + s - 1, p.epoch * G);
           __syncwarp();
         }
-        for (int c = lane >> 4; c < C; c += 2) stage_chunk(xs, xsrc, xn, c, warp, lane & 15);
+        for (int c = lane >> 4; c < C; c += 2)
+          stage_chunk(xs, xsrc, xsrc1, xn, c, gw, lane & 15);
         __syncwarp();
         ready = ~0u;
       }
       // the next item's K (for the counters a tile feeds)
       const int knext = s + 1 < p.count ? p.gemvs[p.items[s + 1].gemv].k : 0;
-      for (int t = t0; t < nt; t += G) {
+      int t, c0, c1;
+      while (wk.next(t, c0, c1)) {
         float acc0 = 0.0f, acc1 = 0.0f;
-        for (int c = 0; c < C; ++c) {
+        for (int c = c0; c < c1; ++c) {
+          if (TEAMS > 1 && (slot & 1) != team) {  // the other team's stage
+            if (++slot == S) {
+              slot = 0;
+              ph ^= 1u;
+            }
+            continue;
+          }
           if (!((ready >> c) & 1u)) {
             if (lane == 0)
               spin_geq(p.cnt + s * kCntStride + c, p.epoch * p.expect[s * kCntStride + c]);
             __syncwarp();
-            if (lane < 16) stage_chunk(xs, xsrc, xn, c, warp, lane);
+            if (lane < 16) stage_chunk(xs, xsrc, xsrc1, xn, c, gw, lane);
             __syncwarp();
             ready |= 1u << c;
           }
@@ -416,23 +479,23 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
           float2 sg, sh;
           if (p.packed) {  // rows 512 B apart, units swizzled (packed_code, packed_scale)
             const uint8_t* cr = sl + g * kCodeRow + tq * 8;
-            const int u0 = ((2 * warp) ^ (g & 3)) * 32, u1 = ((2 * warp + 1) ^ (g & 3)) * 32;
+            const int u0 = ((2 * gw) ^ (g & 3)) * 32, u1 = ((2 * gw + 1) ^ (g & 3)) * 32;
             wg0 = *reinterpret_cast<const uint2*>(cr + u0);
             wg1 = *reinterpret_cast<const uint2*>(cr + u1);
             wh0 = *reinterpret_cast<const uint2*>(cr + 8 * kCodeRow + u0);
             wh1 = *reinterpret_cast<const uint2*>(cr + 8 * kCodeRow + u1);
-            const uint8_t* sr = sl + kRows * kCodeRow + ((warp ^ ((g >> 1) & 3)) * 8);
+            const uint8_t* sr = sl + kRows * kCodeRow + ((gw ^ ((g >> 1) & 3)) * 8);
             sg = *reinterpret_cast<const float2*>(sr + g * kScaleRow);
             sh = *reinterpret_cast<const float2*>(sr + (g + 8) * kScaleRow);
           } else {
-            const uint8_t* cg = sl + g * kCodeStride + warp * 64 + tq * 8;
+            const uint8_t* cg = sl + g * kCodeStride + gw * 64 + tq * 8;
             wg0 = *reinterpret_cast<const uint2*>(cg);
             wg1 = *reinterpret_cast<const uint2*>(cg + 32);
             wh0 = *reinterpret_cast<const uint2*>(cg + 8 * kCodeStride);
             wh1 = *reinterpret_cast<const uint2*>(cg + 8 * kCodeStride + 32);
-            sg = *reinterpret_cast<const float2*>(sl + kSlotCodes + g * kScaleStride + warp * 8);
+            sg = *reinterpret_cast<const float2*>(sl + kSlotCodes + g * kScaleStride + gw * 8);
             sh = *reinterpret_cast<const float2*>(sl + kSlotCodes + (g + 8) * kScaleStride +
-                                                  warp * 8);
+                                                  gw * 8);
           }
           const uint4* xq = xs + c * 16 + tq * 2;
           const uint4 x00 = xq[0], x01 = xq[1], x10 = xq[8], x11 = xq[9];
@@ -442,7 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
             slot = 0;
             ph ^= 1u;
           }
-          // group 2w
+          // group 2 gw
           {
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             uint32_t pa[4], pb[4];
@@ -457,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
             acc0 = fmaf(sg.x, d[0], acc0);
             acc1 = fmaf(sh.x, d[2], acc1);
           }
-          // group 2w + 1
+          // group 2 gw + 1
           {
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             uint32_t pa[4], pb[4];
@@ -473,19 +536,26 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
             acc1 = fmaf(sh.y, d[2], acc1);
           }
         }
-        // The tile's rows: 8 warps' sums added by warp 0 in a fixed order.
-        float* rb = red + par * kCW * kRows;
+        // The segment's rows: the CW warps' sums added by warp 0 in a fixed order; a segment
+        // that starts a tile writes y, one that ends a cut tile writes y1 (--balanced).
+        float* rb = red + par * CW * kRows;
         if (tq == 0) {
           rb[warp * kRows + g] = acc0;
           rb[warp * kRows + g + 8] = acc1;
         }
-        asm volatile("bar.sync 1, %0;" ::"n"(kCW * 32) : "memory");
+        asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
         if (warp == 0) {
           if (lane < kRows) {
             float sum = rb[lane];
 #pragma unroll
-            for (int w2 = 1; w2 < kCW; ++w2) sum += rb[w2 * kRows + lane];
-            gv.y[t * kRows + lane] = sum;
+            for (int w2 = 1; w2 < CW; ++w2) sum += rb[w2 * kRows + lane];
+            const int row = t * kRows + lane;
+            if (c0 == 0) {
+              gv.y[row] = sum;
+              if (bal && c1 == C) gv.y1[row] = 0.0f;
+            } else {
+              gv.y1[row] = sum;
+            }
           }
           if (p.mode == kFlags && s + 1 < p.count) {
             __syncwarp();
@@ -516,9 +586,11 @@ __global__ void __launch_bounds__(kThreads, 1) stream_gemv(const Params p) {
 
 // ---- reference, data, ceilings ----
 
-// f64 reference of one GEMV from x[k] = clamp(src[k mod xn]) (f32, not rounded to f16): a warp
+// f64 reference of one GEMV from x[k] = clamp(src[k mod xn] (+ src1[k mod xn])) (f32, not
+// rounded to f16): a warp
 // a row.
-__global__ void reference(Gemv g, const float* src, int xn, double* out, int packed) {
+__global__ void reference(Gemv g, const float* src, const float* src1, int xn, double* out,
+                          int packed) {
   const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= g.n) return;
   double acc = 0.0;
@@ -528,8 +600,10 @@ __global__ void reference(Gemv g, const float* src, int xn, double* out, int pac
     for (int bb = 0; bb < 32; ++bb) {
       const int byte = packed ? g.w[packed_code(row, gi * 32 + bb, g.k)] : cb[bb];
       const int k = 64 * gi + 2 * bb;
-      part += static_cast<double>((byte & 15) - 8) * clamp4(src[k % xn]);
-      part += static_cast<double>((byte >> 4) - 8) * clamp4(src[(k + 1) % xn]);
+      const float x0 = src1 ? src[k % xn] + src1[k % xn] : src[k % xn];
+      const float x1 = src1 ? src[(k + 1) % xn] + src1[(k + 1) % xn] : src[(k + 1) % xn];
+      part += static_cast<double>((byte & 15) - 8) * clamp4(x0);
+      part += static_cast<double>((byte >> 4) - 8) * clamp4(x1);
     }
     acc += part * (packed ? *reinterpret_cast<const float*>(g.w + packed_scale(row, gi, g.k))
                           : g.s[static_cast<int64_t>(row) * (g.k / 64) + gi]);
@@ -628,7 +702,8 @@ static double median(std::vector<double> v) {
 }
 
 int main(int argc, char** argv) {
-  int reps = 15, stages = 16, copy_mb = 2048, hint = 0, packed = 0, relred = 0;
+  int reps = 15, stages = 16, copy_mb = 2048, hint = 0, packed = 0, relred = 0, balanced = 0,
+      teams = 1;
   bool shapes = true;
   uint64_t seed = static_cast<uint64_t>(time(nullptr));
   std::string variants = "stream,barrier,barrier_pf,flags,flags_pf,graph", json_path;
@@ -651,32 +726,38 @@ int main(int argc, char** argv) {
     else if (a == "--evict-first") hint = 1;
     else if (a == "--packed") packed = 1;
     else if (a == "--release-red") relred = 1;
+    else if (a == "--balanced") balanced = 1;
+    else if (a == "--teams") teams = atoi(val());
     else {
       fprintf(stderr,
               "usage: %s [--reps N] [--stages S] [--variants v,...] [--no-shapes] [--seed N] "
-              "[--json PATH] [--copy-mb MB] [--evict-first] [--packed] [--release-red]\n",
+              "[--json PATH] [--copy-mb MB] [--evict-first] [--packed] [--release-red] "
+              "[--balanced] [--teams 1|2]\n",
               argv[0]);
       return 2;
     }
   }
-  if (reps < 3 || stages < 2) {
-    fprintf(stderr, "--reps >= 3, --stages >= 2\n");
+  if (reps < 3 || stages < 2 || (teams != 1 && teams != 2) || (teams == 2 && stages % 2)) {
+    fprintf(stderr, "--reps >= 3, --stages >= 2, --teams 1 or 2 (2: an even --stages)\n");
     return 2;
   }
+  const int threads = (kCW * teams + 1) * 32;
+  auto kern = teams == 2 ? stream_gemv<2> : stream_gemv<1>;
 
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  const int smem = stages * kSlotBytes + kCW * kXsWarp + kRedBytes + 2 * stages * 8;
+  const int smem =
+      stages * kSlotBytes + kCW * teams * (kXsWarp + 2 * kRows * 4) + 2 * stages * 8;
   if (smem > static_cast<int>(prop.sharedMemPerBlockOptin)) {
     fprintf(stderr, "--stages %d needs %d B of shared memory, the card has %zu\n", stages, smem,
             prop.sharedMemPerBlockOptin);
     return 2;
   }
-  CK(cudaFuncSetAttribute(stream_gemv, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int occ = 0;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, stream_gemv, kThreads, smem));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, threads, smem));
   cudaFuncAttributes fa;
-  CK(cudaFuncGetAttributes(&fa, stream_gemv));
+  CK(cudaFuncGetAttributes(&fa, kern));
   const int grid = prop.multiProcessorCount;  // one CTA an SM
   if (occ < 1) {
     fprintf(stderr, "no CTA fits an SM\n");
@@ -698,6 +779,11 @@ int main(int argc, char** argv) {
     layers.push_back({5120, 17408, "down"});
   }
   layers.push_back({248320, 5120, "lm_head"});
+  for (const Layer& L : layers)  // a cut tile has two parts at most: a CTA's share >= a tile
+    if (balanced && static_cast<int64_t>(L.n / kRows) * (L.k / kChunk) / grid < L.k / kChunk) {
+      fprintf(stderr, "--balanced: %s gives a CTA less than a tile on %d SMs\n", L.name, grid);
+      return 2;
+    }
   const int total = static_cast<int>(layers.size());
   std::vector<int64_t> woff(total), soff(total), wbytes(total), yoff(total);
   int64_t bytes = 0, ys = 0;
@@ -712,10 +798,11 @@ int main(int argc, char** argv) {
     ys += (layers[j].n + 63) / 64 * 64;
   }
   uint8_t* wbuf;
-  float *ybuf, *xin;
+  float *ybuf, *y1buf, *xin;
   unsigned *bar, *cnt, *expect, *sink;
   CK(cudaMalloc(&wbuf, bytes));
   CK(cudaMalloc(&ybuf, ys * 4));
+  CK(cudaMalloc(&y1buf, ys * 4));
   CK(cudaMalloc(&xin, kMaxK * 4));
   const int max_items = 512;
   CK(cudaMalloc(&bar, max_items * 4));
@@ -741,7 +828,7 @@ int main(int argc, char** argv) {
   std::vector<Gemv> hg(total);
   for (int j = 0; j < total; ++j)
     hg[j] = Gemv{wbuf + woff[j], reinterpret_cast<const float*>(wbuf + soff[j]), ybuf + yoff[j],
-                 layers[j].n, layers[j].k};
+                 y1buf + yoff[j], layers[j].n, layers[j].k};
   Gemv* dg;
   CK(cudaMalloc(&dg, total * sizeof(Gemv)));
   CK(cudaMemcpy(dg, hg.data(), total * sizeof(Gemv), cudaMemcpyHostToDevice));
@@ -786,7 +873,7 @@ int main(int argc, char** argv) {
   printf("device %s, %d SMs, L2 %d MB; kernel: %d regs, %d B local, %d B smem (%d stages), "
          "grid %d x %d\n",
          prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, fa.numRegs,
-         static_cast<int>(fa.localSizeBytes), smem, stages, grid, kThreads);
+         static_cast<int>(fa.localSizeBytes), smem, stages, grid, threads);
   printf("copy ceiling: %.1f us for %d MiB -> %.3f TB/s (read + written)\n", copy_us, copy_mb,
          copy_tbps);
   fflush(stdout);
@@ -830,11 +917,12 @@ int main(int argc, char** argv) {
     fprintf(js,
             "{\"device\": \"%s\", \"sms\": %d, \"regs\": %d, \"local_bytes\": %d, "
             "\"smem_bytes\": %d, \"stages\": %d, \"evict_first\": %d, \"packed\": %d, "
-            "\"release_red\": %d, \"seed\": %llu, "
+            "\"release_red\": %d, \"balanced\": %d, \"teams\": %d, \"seed\": %llu, "
             "\"copy_ceiling_tbps\": %.4f, "
             "\"copy_us\": %.2f, \"copy_mib\": %d, \"sequences\": [\n",
             prop.name, prop.multiProcessorCount, fa.numRegs, static_cast<int>(fa.localSizeBytes),
-            smem, stages, hint, packed, relred, static_cast<unsigned long long>(seed), copy_tbps,
+            smem, stages, hint, packed, relred, balanced, teams, static_cast<unsigned long long>(seed),
+            copy_tbps,
             copy_us,
             copy_mb);
 
@@ -908,11 +996,15 @@ int main(int argc, char** argv) {
         fprintf(stderr, "unknown variant %s\n", v.c_str());
         return 2;
       }
+      if (balanced && mode == kFlags) {  // a cut tile has no single finisher to publish it
+        fprintf(stderr, "--balanced does not take the flags variants\n");
+        return 2;
+      }
       CK(cudaMemsetAsync(bar, 0, max_items * 4, st));
       CK(cudaMemsetAsync(cnt, 0, max_items * kCntStride * 4, st));
       unsigned epoch = 0;
       Params prm{dg, ditems, n, mode, pf, 0, bar, cnt, expect, xin, stages, nomath, hint, packed,
-                 relred};
+                 relred, balanced};
       cudaGraphExec_t exec = nullptr;
       if (mode == kNoWait) {  // one launch a GEMV, captured as a graph
         cudaGraph_t gr;
@@ -921,7 +1013,10 @@ int main(int argc, char** argv) {
           Params one = prm;
           one.items = ditems + s;
           one.count = 1;
-          stream_gemv<<<grid, kThreads, smem, st>>>(one);
+          if (teams == 2)
+            stream_gemv<2><<<grid, threads, smem, st>>>(one);
+          else
+            stream_gemv<1><<<grid, threads, smem, st>>>(one);
         }
         CK(cudaStreamEndCapture(st, &gr));
         CK(cudaGraphInstantiate(&exec, gr, 0));
@@ -934,8 +1029,8 @@ int main(int argc, char** argv) {
         }
         prm.epoch = ++epoch;
         void* args[] = {&prm};
-        CK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(stream_gemv), grid,
-                                       kThreads, args, smem, st));
+        CK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kern), grid, threads, args,
+                                       smem, st));
       };
       const std::vector<double> us = time_it(launch, reps);
       const double med = median(us);
@@ -945,10 +1040,15 @@ int main(int argc, char** argv) {
       // The check: poisoned outputs, one launch, sampled GEMVs against f64; then a second
       // poisoned launch, every output compared bitwise.
       CK(cudaMemsetAsync(ybuf, 0xff, ys * 4, st));
+      CK(cudaMemsetAsync(y1buf, 0xff, ys * 4, st));
       launch();
       CK(cudaStreamSynchronize(st));
-      std::vector<float> y1(ys), y2(ys);
+      std::vector<float> y1(ys), y2(ys), p1(ys), p2(ys);
       CK(cudaMemcpy(y1.data(), ybuf, ys * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(p1.data(), y1buf, ys * 4, cudaMemcpyDeviceToHost));
+      std::vector<float> yc = y1;  // the GEMVs' outputs, the partials added when balanced
+      if (balanced)
+        for (int64_t i = 0; i < ys; ++i) yc[i] = y1[i] + p1[i];
       std::vector<int> sample;
       for (int s : {0, 1, 2, 3, 12, 13, 14, 15, 100, n - 2, n - 1})
         if (s >= 0 && s < n && std::find(sample.begin(), sample.end(), s) == sample.end())
@@ -957,19 +1057,21 @@ int main(int argc, char** argv) {
       for (int s : sample) {
         const int j = q.g[s];
         const float* src = xin;
+        const float* src1 = nullptr;
         int xn = kMaxK;
         if (mode != kStream && s > 0) {
           src = hg[q.g[s - 1]].y;
+          if (balanced) src1 = hg[q.g[s - 1]].y1;
           xn = layers[q.g[s - 1]].n;
         }
-        reference<<<(layers[j].n + 7) / 8, 256, 0, st>>>(hg[j], src, xn, dref, packed);
+        reference<<<(layers[j].n + 7) / 8, 256, 0, st>>>(hg[j], src, src1, xn, dref, packed);
         CK(cudaGetLastError());
         std::vector<double> ref(layers[j].n);
         CK(cudaMemcpyAsync(ref.data(), dref, layers[j].n * 8, cudaMemcpyDeviceToHost, st));
         CK(cudaStreamSynchronize(st));
         double num = 0, den = 0;
         for (int r = 0; r < layers[j].n; ++r) {
-          const double dlt = y1[yoff[j] + r] - ref[r];
+          const double dlt = yc[yoff[j] + r] - ref[r];
           num += dlt * dlt;
           den += ref[r] * ref[r];
         }
@@ -977,13 +1079,16 @@ int main(int argc, char** argv) {
         worst = std::isnan(e) || std::isnan(worst) ? NAN : std::max(worst, e);
       }
       CK(cudaMemsetAsync(ybuf, 0xff, ys * 4, st));
+      CK(cudaMemsetAsync(y1buf, 0xff, ys * 4, st));
       launch();
       CK(cudaStreamSynchronize(st));
       CK(cudaMemcpy(y2.data(), ybuf, ys * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(p2.data(), y1buf, ys * 4, cudaMemcpyDeviceToHost));
       bool det = true;
       for (int s = 0; s < n && det; ++s) {
         const int j = q.g[s];
-        det = !memcmp(y1.data() + yoff[j], y2.data() + yoff[j], layers[j].n * 4);
+        det = !memcmp(y1.data() + yoff[j], y2.data() + yoff[j], layers[j].n * 4) &&
+              (!balanced || !memcmp(p1.data() + yoff[j], p2.data() + yoff[j], layers[j].n * 4));
       }
       if (exec) CK(cudaGraphExecDestroy(exec));
 
