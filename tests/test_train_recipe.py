@@ -180,6 +180,31 @@ def test_client_rows_render_as_the_server_renders_the_clients_request(tmp_path, 
 
 
 
+def test_client_rows_redraw_the_machine_description():
+    """A capture holds one machine's <workstation> lines (kernel, distribution, CPU,
+    terminal); phase 9's client rows redraw them, so the model sees other machines' values
+    there and everything else of the client's text unchanged."""
+    system = ("Be terse.\n\n<workstation>\n- OS: linux 6.18.44-fc-v1272\n- Distro: Linux\n"
+              "- Kernel: #1 SMP PREEMPT_DYNAMIC @0\n- Arch: x64\n- CPU: Intel(R) Xeon(R) "
+              "Processor @ 2.80GHz\n- Terminal: dumb\n- Model: ninfer/tiny\n</workstation>\n"
+              "Tail text.")
+    rng = np.random.default_rng(5)
+    drawn = [B.workstation(rng, system) for _ in range(40)]
+    keep = lambda s: [ln for ln in s.splitlines()  # noqa: E731
+                      if not ln.startswith(tuple(f"- {k}: " for k in B.MACHINE))]
+    assert all(keep(d) == keep(system) for d in drawn)
+    cpus = {ln for d in drawn for ln in d.splitlines() if ln.startswith("- CPU: ")}
+    oses = {ln for d in drawn for ln in d.splitlines() if ln.startswith("- OS: linux 6.")}
+    assert len(cpus) == len(B.MACHINE["CPU"][1]) and len(oses) > 20
+    B.CLIENTS[:] = [{"system": system, "tools": [], "tokens": 100}]
+    try:
+        c = B._client(np.random.default_rng(0), 9, 2304) or B._client(
+            np.random.default_rng(1), 9, 2304)
+        assert c is not None and keep(c["system"]) == keep(system)
+    finally:
+        B.CLIENTS.clear()
+
+
 def test_untrained_ids_embed_to_zero_when_served():
     """Training holds the row that every untrained id shares at zero (train_tiny_chat drops
     its gradient); the served tensors give every untrained id a zero embedding, so a prompt

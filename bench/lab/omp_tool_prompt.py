@@ -60,17 +60,46 @@ def capture(out: Path, omp_args: list[str]) -> int:
 
 def probe(request: Path, artifact: Path, max_new: int) -> int:
     from engine.io.loader import load_model
-    from engine.train.evaluate import Greedy
     model = load_model(artifact)
     captured = json.loads(request.read_text())
     ids, path = captured["ids"], captured["file"]
-    g = Greedy(model, max_len=-(-len(ids) // 256) * 256 + max_new + 8)
-    out, _ = g(ids, max_new=max_new)
+    out, margins = _greedy_margins(model, ids, max_new)
     text = model.tokenizer.decode(out)
     called = "<function=read>" in text and path in text
+    # the smallest gap between the chosen token's logit and the runner-up's up to the end of
+    # the call: how near a tie the call is (a served run's other chunking can flip a tie)
+    end = next((i for i in range(len(out)) if "</function>" in model.tokenizer.decode(
+        out[:i + 1])), len(out) - 1)
     print(json.dumps({"prompt_tokens": len(ids), "read_call_with_path": called,
+                      "min_margin": round(min(margins[:end + 1]), 3),
                       "output": text[:300]}))
     return 0 if called else 1
+
+
+def _greedy_margins(model, ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """engine.train.evaluate.Greedy's decoding, with each step's top-1 minus top-2 logit."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from engine.model import model as M
+
+    cfg, params = model.cfg, model.params
+    cache = M.init_cache(cfg, 1, -(-len(ids) // 256) * 256 + max_new + 8)
+    toks = np.zeros((1, -(-len(ids) // 256) * 256), np.int32)
+    toks[0, :len(ids)] = ids
+    fwd = M.jit_forward()
+    logits, _, cache = fwd(params, cfg, jnp.asarray(toks), cache,
+                           lengths=jnp.asarray([len(ids)], jnp.int32), last_only=True)
+    out, margins, eos = [], [], set(model.tokenizer.eos_ids)
+    for _ in range(max_new):
+        top2 = np.sort(np.asarray(logits[0, -1], np.float32))[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        t = int(jnp.argmax(logits[0, -1]))
+        out.append(t)
+        if t in eos:
+            break
+        logits, _, cache = fwd(params, cfg, jnp.asarray([[t]], jnp.int32), cache)
+    return out, margins
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ phase, and the supervised positions the loss takes."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -52,11 +53,34 @@ def load_client(path) -> dict:
 
 
 def _client(rng, phase: int, length: int) -> dict | None:
-    """A captured client whose prompt leaves room in a row of `length`, for CLIENT's share."""
+    """A captured client whose prompt leaves room in a row of `length`, for CLIENT's share,
+    its machine description redrawn (workstation)."""
     fits = [c for c in CLIENTS if c["tokens"] + 200 <= length]
     if not fits or rng.random() >= CLIENT.get(phase, 0.0):
         return None
-    return fits[rng.integers(len(fits))]
+    c = fits[rng.integers(len(fits))]
+    return {**c, "system": workstation(rng, c["system"])}
+
+
+# What a client says about the machine it runs on differs from machine to machine (OMP's
+# <workstation> block: kernel, distribution, CPU, terminal); a capture holds one machine's.
+MACHINE = {"OS": ("linux 6.{a}.{b}-{c}", ("generic", "arch1-1", "fc-v1272", "cloud-amd64", "1")),
+           "Distro": ("{c}", ("Linux", "Ubuntu 24.04.1 LTS", "Debian GNU/Linux 12 (bookworm)",
+                              "Fedora Linux 41", "Arch Linux", "NixOS 24.11")),
+           "Kernel": ("#{a} SMP PREEMPT_DYNAMIC {c}", ("@0", "Debian", "Ubuntu", "Thu Oct 3")),
+           "CPU": ("{c}", ("Intel(R) Xeon(R) Processor @ 2.80GHz", "AMD EPYC 7B13 64-Core "
+                           "Processor", "AMD Ryzen 9 7950X 16-Core Processor", "13th Gen Intel(R)"
+                           " Core(TM) i7-13700K", "AMD EPYC 9654 96-Core Processor")),
+           "Terminal": ("{c}", ("dumb", "xterm-256color", "tmux-256color"))}
+
+
+def workstation(rng, system: str) -> str:
+    """`system` with each MACHINE line's value redrawn (other text unchanged)."""
+    def one(m):
+        form, choices = MACHINE[m.group(1)]
+        return f"- {m.group(1)}: " + form.format(a=rng.integers(1, 19), b=rng.integers(0, 80),
+                                                   c=choices[rng.integers(len(choices))])
+    return re.sub(r"^- (" + "|".join(MACHINE) + r"): .*$", one, system, flags=re.M)
 
 
 def _fit(tk, prompt: str, completion: str, length: int):

@@ -225,6 +225,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=41)
+    ap.add_argument("--data-seed", type=int, help="the data's seed (default: --seed + the "
+                    "phase); --seed also fixes the vocabulary, so a run that continues another "
+                    "keeps --seed and draws new data with this")
     ap.add_argument("--minutes", type=float, default=0.0, help="stop early at this wall time")
     ap.add_argument("--init", type=Path, help="start from a raw tree (.npz) of --raw, or from "
                     "a file of --out (.safetensors: its int8 matrices dequantized)")
@@ -278,7 +281,8 @@ def main(argv=None) -> int:
 
     step = jax.jit(step_fn, donate_argnums=(0, 1))
     st = adam_init(params)
-    rng = np.random.default_rng(args.seed + args.phase)
+    data_seed = args.seed + args.phase if args.data_seed is None else args.data_seed
+    rng = np.random.default_rng(data_seed)
     sums = {t: [0.0, 0.0] for t in ALL_TASKS}
     log = []
     for i in range(args.steps):
@@ -314,7 +318,7 @@ def main(argv=None) -> int:
     from engine.io.tiny_chat import save_trained
 
     save_trained(args.out, params, vocab, meta={
-        "steps": log[-1]["step"], "seed": args.seed, "lr": args.lr,
+        "steps": log[-1]["step"], "seed": args.seed, "data_seed": data_seed, "lr": args.lr,
         "wall_s": round(time.monotonic() - t0, 1), "final": log[-1]})
     if args.log:
         args.log.write_text(json.dumps(log, indent=1))
