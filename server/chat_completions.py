@@ -69,7 +69,7 @@ _NEUTRAL = {"stop": (None, [], ""), "logprobs": (None, False), "top_logprobs": (
             "n": (None, 1)}
 
 
-def parse_chat_request(body) -> ResponseRequest:
+def parse_chat_request(body, defaults: dict | None = None) -> ResponseRequest:
     model, stream = common_fields(body, _KNOWN)
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == x and type(body[name]) is type(x)
@@ -106,8 +106,10 @@ def parse_chat_request(body) -> ResponseRequest:
     seed = parse_seed(body)
     return ResponseRequest(
         model=model, messages=tuple(_messages(body)), stream=stream, max_output_tokens=mt,
-        temperature=parse_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=parse_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, store=False,
+        temperature=parse_number(body, "temperature", (defaults or {}).get("temperature", 1.0),
+                                 0.0, 2.0),
+        top_p=parse_number(body, "top_p", (defaults or {}).get("top_p", 1.0), 0.0, 1.0) or 1.0,
+        store=False,
         previous_response_id=None, prompt_cache_key=None, tools=tools,
         tool_choice=parse_tool_choice({"tool_choice": tc}, tools),
         text_format=parse_text_format({"text": {"format": rf}} if rf is not None else {}),

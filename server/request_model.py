@@ -315,7 +315,7 @@ def _refuse_unsupported(body: dict) -> None:
                       "on its request", param="background", code="unsupported_value")
 
 
-def parse_response_request(body) -> ResponseRequest:
+def parse_response_request(body, defaults: dict | None = None) -> ResponseRequest:
     model, stream = common_fields(body, _KNOWN)
     _refuse_unsupported(body)
     store = body.get("store", True)
@@ -363,8 +363,9 @@ def parse_response_request(body) -> ResponseRequest:
     return ResponseRequest(
         model=model, messages=tuple(messages), stream=stream, max_output_tokens=mot,
         instructions=instructions, input_items=tuple(items),
-        temperature=parse_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=parse_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        temperature=parse_number(body, "temperature", (defaults or {}).get("temperature", 1.0),
+                                 0.0, 2.0),
+        top_p=parse_number(body, "top_p", (defaults or {}).get("top_p", 1.0), 0.0, 1.0) or 1.0,
         store=store, previous_response_id=prev, prompt_cache_key=pck, metadata=metadata,
         tools=tools, tool_choice=parse_tool_choice(body, tools),
         text_format=parse_text_format(body), reasoning=_reasoning(body), include=tuple(include),

@@ -52,3 +52,8 @@ class Runtime:
     # (max responses per principal, max age in seconds): applied at start and then hourly
     retention: tuple[int | None, float | None] = (None, None)
     seal: ReasoningSeal = field(default_factory=lambda: ReasoningSeal(secrets.token_bytes(32)))
+
+    def sampling_defaults(self) -> dict:
+        """The served model's sampling defaults (its artifact's extra.generation), for a
+        request that names no temperature or top_p; {} while the model loads."""
+        return self.model.generation if self.model is not None else {}

@@ -42,14 +42,12 @@ class RecordingServer:
 
     With `upstream` unset it is a decoy answering `status` to everything (CONNECT included, so
     it can stand as an HTTPS proxy). With `upstream` set it forwards each request there and
-    streams the answer back unchanged. `rewrite(n, body) -> body` may change the JSON body of
-    the n-th forwarded request (from 0) before it goes upstream; `requests` keeps what the
+    streams the request there and the answer back unchanged; `requests` keeps what the
     client sent.
     """
     upstream: str | None = None
     status: int = 500
     retry_after: int | None = None  # the decoy's Retry-After header, if any
-    rewrite: object = None
     requests: list[Recorded] = field(default_factory=list)
 
     def __post_init__(self):
@@ -94,12 +92,8 @@ class RecordingServer:
     def _forward(self, handler, rec: Recorded) -> None:
         headers = {k: v for k, v in handler.headers.items()
                    if k.lower() not in ("host", "content-length", "connection", "accept-encoding")}
-        content = rec.body
-        if self.rewrite is not None and content:
-            n = sum(1 for r in self.requests if r.body) - 1
-            content = json.dumps(self.rewrite(n, json.loads(content))).encode()
         with httpx.stream(handler.command, self.upstream + handler.path, headers=headers,
-                          content=content, timeout=600) as r:
+                          content=rec.body, timeout=600) as r:
             rec.status = r.status_code
             handler.send_response(r.status_code)
             for k, v in r.headers.items():

@@ -44,8 +44,8 @@ def test_shipped_profile_runs_the_reference_plan_and_keeps_its_hash(tmp_path):
     # 96a3244, serving embedded:tiny), df7b9596... with the first trained tiny-chat,
     # cc321f8a... once tiny-chat copied from its prompt, this one since tiny-chat acts in
     # OMP's prompt with OMP's read and bash tools (the model's pin and agent_tools are fields)
-    assert cpu.canonical_hash() == ("2973ab6c0c9393efeea98379af32440c"
-                                    "d59f1c0c254bd01b4802a19fb62b78b8")
+    assert cpu.canonical_hash() == ("83532caefe880400ab40e9bdbeece037"
+                                    "0172efb92eb5f69dffc420a3d36a06c4")
 
 
 def test_preset_and_overrides_make_the_plan_and_hash_differently(tmp_path):

@@ -98,3 +98,45 @@ def test_a_changed_byte_in_the_trained_tensors_is_refused(tmp_path):
         tiny_chat.load_trained(bad)
     with pytest.raises(tiny_chat.TrainedWeightsError, match="missing"):
         tiny_chat.load_trained(tmp_path / "absent.safetensors")
+
+
+def test_a_request_naming_no_temperature_samples_with_the_models_default(server, client):
+    """tiny-chat's artifact carries its sampling defaults (extra.generation: temperature 0, as
+    it was trained and evaluated): OMP sends no temperature, so its turns are greedy, and its
+    copy of a path holds. A request that names a temperature keeps its own, in both APIs."""
+    from engine.io.artifact import open_artifact
+
+    with open_artifact(server.state_dir / "models" / "tiny-chat.ninfer") as art:
+        assert art.extra == {"generation": {"temperature": 0.0}}
+    plain = dict(model="tiny-chat", input="Read the file notes_for_review.txt", tools=TOOLS,
+                 max_output_tokens=64)
+    runs = [client.responses.create(**plain) for _ in range(3)]
+    assert {r.temperature for r in runs} == {0.0}
+    calls = [[json.loads(o.arguments) for o in r.output if o.type == "function_call"]
+             for r in runs]
+    assert calls == [[{"path": "notes_for_review.txt"}]] * 3, calls
+    assert client.responses.create(**plain, temperature=0.7).temperature == 0.7
+    chat = client.chat.completions.create(model="tiny-chat", max_tokens=16,
+                                          messages=[{"role": "user", "content": "Say hello."}])
+    assert chat.choices[0].message.content == ask(client, "Say hello.").output_text
+
+
+def test_an_artifact_with_bad_sampling_defaults_is_refused(tmp_path):
+    from engine.io.artifact import ArtifactError, write_artifact
+    from engine.io.loader import build_qwen35_tokenizer_json, generation_defaults, load_model
+    from engine.io.tiny import embedded_tensors
+    from engine.model.config import TINY
+    from engine.text.chat import TEMPLATE_DIR
+
+    assert generation_defaults(None, "x") == {}
+    assert generation_defaults({"generation": {"top_p": 1}}, "x") == {"top_p": 1.0}
+    for bad in ({"temperature": 3}, {"temperature": "0"}, {"seed": 1}, {"top_p": 0}, [0.5],
+                {"temperature": True}):
+        with pytest.raises(ArtifactError, match="extra.generation"):
+            generation_defaults({"generation": bad}, "x")
+    path = tmp_path / "bad.ninfer"
+    write_artifact(path, TINY, embedded_tensors(TINY),
+                   tokenizer_json=build_qwen35_tokenizer_json(), chat_template=(TEMPLATE_DIR / "qwen3_5_chat.jinja").read_text(),
+                   extra={"generation": {"temperature": -1}})
+    with pytest.raises(ArtifactError, match="extra.generation"):
+        load_model(path)

@@ -9,7 +9,7 @@ import concurrent.futures
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -38,6 +38,8 @@ class LoadedModel:
     path: Path
     compute_dtype: object
     kv_dtype: object
+    # sampling defaults the artifact carries (extra.generation: temperature, top_p)
+    generation: dict = field(default_factory=dict)
 
     @property
     def model_id(self) -> str:
@@ -50,7 +52,7 @@ def embedded_path(state_dir: Path, name: str) -> Path:
 
 def build_embedded(name: str, out: Path) -> str:
     """Write the embedded model `name` to `out`; returns its sha256."""
-    from engine.io.tiny import EMBEDDED, embedded_config, embedded_tensors
+    from engine.io.tiny import EMBEDDED, GENERATION, embedded_config, embedded_tensors
 
     if name not in EMBEDDED:
         raise ArtifactError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
@@ -59,8 +61,24 @@ def build_embedded(name: str, out: Path) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_artifact(out, cfg, embedded_tensors(cfg), tokenizer_json=build_qwen35_tokenizer_json(),
                    chat_template=template,
-                   source={"kind": "embedded", "description": f"engine.tiny:{name}"})
+                   source={"kind": "embedded", "description": f"engine.tiny:{name}"},
+                   extra={"generation": GENERATION[name]} if name in GENERATION else None)
     return open_artifact(out, verify=True).sha256
+
+
+def generation_defaults(extra, where) -> dict:
+    """An artifact's `extra.generation` checked: {"temperature": 0..2, "top_p": (0, 1]}, each
+    optional; {} when the artifact carries none."""
+    gen = (extra or {}).get("generation") if isinstance(extra, dict) else None
+    if gen is None:
+        return {}
+    limits = {"temperature": (0.0, 2.0), "top_p": (1e-6, 1.0)}
+    if not isinstance(gen, dict) or set(gen) - set(limits) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool)
+            and limits[k][0] <= v <= limits[k][1] for k, v in gen.items()):
+        raise ArtifactError(f"{where}: extra.generation must map temperature (0-2) and top_p "
+                            f"(0-1] to numbers, got {gen!r}")
+    return {k: float(v) for k, v in gen.items()}
 
 
 def embedded_pin(name: str) -> str:
@@ -194,6 +212,7 @@ class ModelLoad:
         try:
             if art.tokenizer_json is None or art.chat_template is None:
                 raise ArtifactError(f"{path}: the artifact carries no tokenizer or chat template")
+            generation = generation_defaults(art.extra, path)
             dt = _DTYPES[compute_dtype]
             host = {name: _host_value(art.load(name), dt) for name in art.tensor_names}
             abstract = M.stack_params(host, art.config,
@@ -201,7 +220,7 @@ class ModelLoad:
             self.abstract = LoadedModel(
                 cfg=art.config, params=abstract, tokenizer=Tokenizer(art.tokenizer_json),
                 chat_template=art.chat_template, sha256="", path=Path(path),
-                compute_dtype=dt, kv_dtype=_KV_DTYPES[kv_dtype])
+                compute_dtype=dt, kv_dtype=_KV_DTYPES[kv_dtype], generation=generation)
         except BaseException:
             art.close()
             raise
@@ -273,7 +292,8 @@ class ModelLoad:
         a = self.abstract
         return LoadedModel(cfg=a.cfg, params=params, tokenizer=a.tokenizer,
                            chat_template=a.chat_template, sha256=art.sha256, path=a.path,
-                           compute_dtype=a.compute_dtype, kv_dtype=a.kv_dtype)
+                           compute_dtype=a.compute_dtype, kv_dtype=a.kv_dtype,
+                           generation=a.generation)
 
 
 def start_load(path: Path, *, compute_dtype: str = "float32", kv_dtype: str = "float32",

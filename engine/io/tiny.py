@@ -103,8 +103,15 @@ EMBEDDED = {"tiny": TINY, "tiny-tools": TINY_TOOLS, "tiny-chat": TINY_CHAT}
 EMBEDDED_SHA256 = {
     "tiny": "26c34d35bd3da7440bc410de28004d05509c57c57b1f20d9ef7eff275696b19c",
     "tiny-tools": "7cfa6f7150a0bb60872cfcbef87a0e1904edf3cb38d201fc7c15bf52229f886f",
-    "tiny-chat": "3c0bccb205b7dbda46efb9cb86239ffeffff96ef4e8827c61993082dd55b127d",
+    "tiny-chat": "a9549f70d15ba2e1be2e5fd82d1376275b3326f4e075871bd405fdde071b6449",
 }
+
+
+# An embedded model's sampling defaults (the artifact's `extra.generation`): what a request
+# that names no temperature or top_p samples with. tiny-chat was trained and evaluated greedy
+# (engine/train/evaluate.py); sampled at temperature 1 its copy of a path into a tool call
+# goes wrong in about half of OMP's turns (docs/benchmarks/trained_tiny.json).
+GENERATION = {"tiny-chat": {"temperature": 0.0}}
 
 
 def embedded_config(name: str) -> ModelConfig:

@@ -22,9 +22,9 @@ from server.response_objects import new_id
 from server.runtime import Runtime
 
 
-def _parse(raw: bytes | None):
+def _parse(raw: bytes | None, defaults: dict | None = None):
     body = json_body(raw)
-    return body, parse_chat_request(body)
+    return body, parse_chat_request(body, defaults)
 
 
 async def _begin(rt: Runtime, request: Request, req: ResponseRequest) -> Run:
@@ -41,7 +41,8 @@ def register(app: Sanic, rt: Runtime) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         async with chains.work_slot(request.ctx.principal):
-            body, req = await chains.off_loop(_parse, request.body, size=len(request.body or b""))
+            body, req = await chains.off_loop(_parse, request.body, rt.sampling_defaults(),
+                                              size=len(request.body or b""))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         cid, created = new_id("chatcmpl"), int(time.time())
 

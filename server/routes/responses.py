@@ -20,11 +20,13 @@ from server.storage_faults import storage_error
 RETENTION_INTERVAL_S = 3600.0
 
 
-def _parse(raw: bytes | None, count_only: bool = False):
+def _parse(raw: bytes | None, count_only: bool = False, defaults: dict | None = None):
+    """The body as a ResponseRequest; `defaults`: the served model's sampling defaults, for
+    a request that names no temperature or top_p."""
     body = json_body(raw)
     if count_only and isinstance(body, dict):
         body = {"stream": False, **body}
-    return parse_response_request(body)
+    return parse_response_request(body, defaults)
 
 
 async def _retention_loop(rt: Runtime) -> None:
@@ -75,7 +77,8 @@ def register(app: Sanic, rt: Runtime) -> None:
         trace = request.ctx.trace = rt.obs.new_request(request.ctx.principal, new_id("resp"))
         principal = request.ctx.principal
         async with chains.work_slot(principal):  # parsing, rendering, tokenizing: off the loop
-            req = await chains.off_loop(_parse, request.body, size=len(request.body or b""))
+            req = await chains.off_loop(_parse, request.body, False, rt.sampling_defaults(),
+                                        size=len(request.body or b""))
             m = require_model(rt, req.model)
             req = chains.unseal_reasoning(req, rt.seal, principal, m.tokenizer)
             prompt = await chains.build_prompt(rt.response_store, m, req, principal,
