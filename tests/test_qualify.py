@@ -5,11 +5,10 @@ profile hash, the model pin) and state every phase.
 
 The phases that do not depend on what the model can do must pass on any model (the managed
 start, restart exactness, rollback both ways, protected state, fresh sessions, the role corpus
-against its recording). On the cpu lane's trained tiny-chat retrieval passes and OMP's tool
-turn calls `read`, but its path is not always exact (one qualification run of five copied
-notes_for_review.txt as 'notes_for awaken.txt'), so the tool turn's verdict is not asserted
-here. A failing phase must give a failed receipt (exit 1, the phase named), never a missing
-one. Bad input
+against its recording). On the cpu lane's trained tiny-chat every phase passes: retrieval,
+and OMP's tool turn, unforced, with the exact path (OMP names no temperature, so the model
+samples with its artifact's default, greedy). A failing phase must give a failed receipt
+(exit 1, the phase named), never a missing one. Bad input
 (an unknown lane, a lane whose preflight fails, an instance that is not the lane's profile)
 exits 78 with a failed receipt naming the reason."""
 from __future__ import annotations
@@ -100,6 +99,9 @@ def test_the_cpu_receipt_binds_the_release_and_states_every_phase(cpu_receipt, t
     assert phases["decode"]["measurements"]["decode_tokens_per_s"] > 0
     tool = phases["tool_turn"]["measurements"]
     assert tool["omp_tools"] == list(profile.agent_tools) and "read" in tool["tools_run"]
+    if receipt["model"]["id"] == "tiny-chat":  # the lane's trained model: the receipt passes
+        assert [json.loads(c["args"])["path"] for c in tool["calls"]] == ["notes_for_review.txt"]
+        assert receipt["verdict"] == "pass" and r.returncode == 0, receipt["reason"]
 
 
 def test_a_failed_phase_fails_the_receipt_and_is_named(cpu_receipt):
