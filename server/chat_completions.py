@@ -15,7 +15,7 @@ import json
 from server.errors import invalid
 from server.input_items import content_text
 from server.request_model import (EFFORTS, Reasoning, ResponseRequest, common_fields,
-                                   parallel_calls, parse_number, parse_seed, parse_text_format,
+                                   parallel_calls, parse_sampling, parse_seed, parse_text_format,
                                    parse_tool_choice, parse_tools)
 
 _KNOWN = {"model", "messages", "stream", "stream_options", "max_tokens",
@@ -106,10 +106,7 @@ def parse_chat_request(body, defaults: dict | None = None) -> ResponseRequest:
     seed = parse_seed(body)
     return ResponseRequest(
         model=model, messages=tuple(_messages(body)), stream=stream, max_output_tokens=mt,
-        temperature=parse_number(body, "temperature", (defaults or {}).get("temperature", 1.0),
-                                 0.0, 2.0),
-        top_p=parse_number(body, "top_p", (defaults or {}).get("top_p", 1.0), 0.0, 1.0) or 1.0,
-        store=False,
+        **parse_sampling(body, defaults), store=False,
         previous_response_id=None, prompt_cache_key=None, tools=tools,
         tool_choice=parse_tool_choice({"tool_choice": tc}, tools),
         text_format=parse_text_format({"text": {"format": rf}} if rf is not None else {}),

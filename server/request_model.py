@@ -19,6 +19,14 @@ MAX_TOOLS = 256
 MAX_NAME = 128
 
 
+def parse_sampling(body: dict, defaults: dict | None) -> dict:
+    """temperature and top_p of a request (both APIs); a field the body does not name takes
+    the served model's default (`defaults`, its artifact's extra.generation), else 1.0."""
+    d = defaults or {}
+    return {"temperature": parse_number(body, "temperature", d.get("temperature", 1.0), 0.0, 2.0),
+            "top_p": parse_number(body, "top_p", d.get("top_p", 1.0), 0.0, 1.0) or 1.0}
+
+
 def parse_number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     v = body.get(name)
     if v is None:
@@ -363,10 +371,8 @@ def parse_response_request(body, defaults: dict | None = None) -> ResponseReques
     return ResponseRequest(
         model=model, messages=tuple(messages), stream=stream, max_output_tokens=mot,
         instructions=instructions, input_items=tuple(items),
-        temperature=parse_number(body, "temperature", (defaults or {}).get("temperature", 1.0),
-                                 0.0, 2.0),
-        top_p=parse_number(body, "top_p", (defaults or {}).get("top_p", 1.0), 0.0, 1.0) or 1.0,
-        store=store, previous_response_id=prev, prompt_cache_key=pck, metadata=metadata,
+        **parse_sampling(body, defaults), store=store, previous_response_id=prev,
+        prompt_cache_key=pck, metadata=metadata,
         tools=tools, tool_choice=parse_tool_choice(body, tools),
         text_format=parse_text_format(body), reasoning=_reasoning(body), include=tuple(include),
         seed=seed, logprobs=logprobs,

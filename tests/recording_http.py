@@ -41,9 +41,8 @@ class RecordingServer:
     """An HTTP server on a loopback port, in a thread, that records every request.
 
     With `upstream` unset it is a decoy answering `status` to everything (CONNECT included, so
-    it can stand as an HTTPS proxy). With `upstream` set it forwards each request there and
-    streams the request there and the answer back unchanged; `requests` keeps what the
-    client sent.
+    it can stand as an HTTPS proxy). With `upstream` set it forwards each request there
+    unchanged and streams the answer back unchanged; `requests` keeps what the client sent.
     """
     upstream: str | None = None
     status: int = 500

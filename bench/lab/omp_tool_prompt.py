@@ -60,10 +60,13 @@ def capture(out: Path, omp_args: list[str]) -> int:
 
 def probe(request: Path, artifact: Path, max_new: int) -> int:
     from engine.io.loader import load_model
+    from engine.train.evaluate import Greedy
     model = load_model(artifact)
     captured = json.loads(request.read_text())
     ids, path = captured["ids"], captured["file"]
-    out, margins = _greedy_margins(model, ids, max_new)
+    g = Greedy(model, max_len=-(-len(ids) // 256) * 256 + max_new + 8)
+    g.margins = margins = []
+    out, _ = g(ids, max_new=max_new)
     text = model.tokenizer.decode(out)
     called = "<function=read>" in text and path in text
     # the smallest gap between the chosen token's logit and the runner-up's up to the end of
@@ -74,32 +77,6 @@ def probe(request: Path, artifact: Path, max_new: int) -> int:
                       "min_margin": round(min(margins[:end + 1]), 3),
                       "output": text[:300]}))
     return 0 if called else 1
-
-
-def _greedy_margins(model, ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    """engine.train.evaluate.Greedy's decoding, with each step's top-1 minus top-2 logit."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from engine.model import model as M
-
-    cfg, params = model.cfg, model.params
-    cache = M.init_cache(cfg, 1, -(-len(ids) // 256) * 256 + max_new + 8)
-    toks = np.zeros((1, -(-len(ids) // 256) * 256), np.int32)
-    toks[0, :len(ids)] = ids
-    fwd = M.jit_forward()
-    logits, _, cache = fwd(params, cfg, jnp.asarray(toks), cache,
-                           lengths=jnp.asarray([len(ids)], jnp.int32), last_only=True)
-    out, margins, eos = [], [], set(model.tokenizer.eos_ids)
-    for _ in range(max_new):
-        top2 = np.sort(np.asarray(logits[0, -1], np.float32))[-2:]
-        margins.append(float(top2[1] - top2[0]))
-        t = int(jnp.argmax(logits[0, -1]))
-        out.append(t)
-        if t in eos:
-            break
-        logits, _, cache = fwd(params, cfg, jnp.asarray([[t]], jnp.int32), cache)
-    return out, margins
 
 
 def main(argv=None) -> int:

@@ -29,6 +29,7 @@ class Greedy:
         self.m, self.max_len = model, max_len
         self.fwd = M.jit_forward()
         self.trained = None
+        self.margins = None  # a list: each step's top-1 minus top-2 logit is appended
 
     def __call__(self, ids: list[int], max_new: int = 48):
         cfg, params = self.m.cfg, self.m.params
@@ -44,6 +45,9 @@ class Greedy:
             lp = jax.nn.softmax(logits[0, -1])
             if self.trained is not None:
                 worst = max(worst, float(1.0 - lp[self.trained].sum()))
+            if self.margins is not None:
+                top2 = jax.lax.top_k(logits[0, -1], 2)[0]
+                self.margins.append(float(top2[0] - top2[1]))
             t = int(jnp.argmax(logits[0, -1]))
             out.append(t)
             if t in eos:
