@@ -118,8 +118,12 @@ class OmpClient:
     """OMP in its own HOME and working directory under `root`, pointed at `providers`."""
 
     def __init__(self, root: Path, providers: Sequence[Provider], *, stateful: bool = False,
-                 **config):
+                 modules: Path = NODE_MODULES, **config):
+        """`modules`: the node_modules OMP and Bun run from (another OMP version's install,
+        tests/omp_versions.py); the pinned one by default."""
         default = providers[0]
+        self.bun = modules / BUN.relative_to(NODE_MODULES)
+        self.cli = modules / OMP_CLI.relative_to(NODE_MODULES)
         self.home, self.workdir = root / "home", root / "work"
         agent = self.home / ".omp" / "agent"
         agent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +134,7 @@ class OmpClient:
         omp_config.write_config(agent, providers, **config)  # what `./ninfer omp-config` writes
         self.model_arg = f"{default.id}/{default.model}"
         self.egress = RecordingServer(status=502)
-        self.env = {"HOME": str(self.home), "PATH": f"{BUN.parent}:/usr/bin:/bin",
+        self.env = {"HOME": str(self.home), "PATH": f"{self.bun.parent}:/usr/bin:/bin",
                     "LANG": "C.UTF-8", "TMPDIR": str(root), "NO_COLOR": "1", "TERM": "dumb",
                     "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1"}
         for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
@@ -139,7 +143,7 @@ class OmpClient:
             self.env["PI_OPENAI_STATEFUL"] = "1"
 
     def argv(self, *args: str) -> list[str]:
-        return [str(BUN), str(OMP_CLI), "--model", self.model_arg, *args]
+        return [str(self.bun), str(self.cli), "--model", self.model_arg, *args]
 
     # Turn timeouts are generous: OMP's eleven tool definitions render to ~13.6K prompt tokens,
     # which the tiny model prefills on CPU once per server (later turns reuse that system turn).

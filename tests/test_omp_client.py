@@ -317,3 +317,41 @@ def test_default_system_prompt_turn(server, proxy, make_client):
     assert len(body["instructions"]) > 10_000
     # tiny-chat ends its reply itself, under OMP's whole prompt too
     assert last_assistant(result.frames())["stopReason"] == "stop"
+
+
+@pytest.mark.slow
+def test_newest_installable_omp_version(server, proxy, make_client, tmp_path):
+    """The newest OMP release above the pin that installs unmodified talks to the server as the
+    pinned one does; each newer release that does not install is recorded with npm's reason
+    (tests/omp_versions.py; the last survey is docs/benchmarks/omp_versions.json)."""
+    from dataclasses import asdict
+
+    from tests import omp_versions
+
+    record = omp_versions.survey(tmp_path / "npm")
+    print(json.dumps(record, indent=1))
+    # The control: the method resolves the pinned version, so a newer one's failure is its own.
+    assert record["control"]["ok"], record
+    assert all(a["ok"] or a["reason"] for a in record["tried"]), record
+    newest = record["newest_resolving"]
+    if newest is None:  # every newer release fails to resolve: the pin is the newest that installs
+        assert all(not a["ok"] for a in record["tried"]), record
+        return
+    attempt, modules = omp_versions.install(newest, tmp_path / "install")
+    assert attempt.ok, asdict(attempt)
+    omp = make_client([Provider("ninfer", proxy.api_url, server.key, model=MODEL)],
+                      modules=modules)
+    result = omp.run_print("Say hello.", *SHORT_SYSTEM, "--mode", "json")
+    assert result.returncode == 0, result.describe()
+    (req,) = proxy.requests
+    assert (req.method, req.path, req.status) == ("POST", "/v1/responses", 200)
+    assert req.headers["User-Agent"] == f"omp/{newest}"
+    body = req.json()
+    assert body["model"] == MODEL and body["stream"] is True
+    assert user_texts(body["input"][-1])[-1] == "Say hello."
+    events = req.events()
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    reply = last_assistant(result.frames())
+    assert reply["stopReason"] == STOP_REASON[events[-1]["type"]] == "stop"
+    assert [c["text"] for c in reply["content"]] == [streamed]
+    assert_nothing_left_loopback(omp)
