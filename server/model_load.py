@@ -112,6 +112,7 @@ def load_in_background(rt, profile, args, t_start: float) -> None:
         gc.collect()
         gc.freeze()
         rt.model, rt.engine = model, engine
+        rt.sampling_defaults = model.generation
         if rt.checkpointer is not None:
             threading.Thread(target=_prepare_restore, args=(engine,), daemon=True,
                              name="ninfer-prepare-restore").start()

@@ -32,6 +32,9 @@ class Runtime:
     response_store: ResponseStore | None = None
     engine: Engine | None = None
     model: LoadedModel | None = None
+    # the served model's sampling defaults (its artifact's extra.generation), for a request
+    # that names no temperature or top_p: set with `model`, {} until then
+    sampling_defaults: dict = field(default_factory=dict)
     load_error: str | None = None  # why the model failed to load, once it did
     # the lane's serving profile (`/v1/ninfer/status`, `ninfer ctl status`); None in tests
     profile: LaneProfile | None = None
@@ -52,8 +55,3 @@ class Runtime:
     # (max responses per principal, max age in seconds): applied at start and then hourly
     retention: tuple[int | None, float | None] = (None, None)
     seal: ReasoningSeal = field(default_factory=lambda: ReasoningSeal(secrets.token_bytes(32)))
-
-    def sampling_defaults(self) -> dict:
-        """The served model's sampling defaults (its artifact's extra.generation), for a
-        request that names no temperature or top_p; {} while the model loads."""
-        return self.model.generation if self.model is not None else {}

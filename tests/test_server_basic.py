@@ -88,6 +88,25 @@ def test_streaming_matches_non_streaming_under_greedy(client):
     assert final.id == events[0].response.id
 
 
+def test_start_and_streamed_responses_leave_no_error_or_warning_in_the_log(server, client):
+    """The server's log from its start through a streamed response of each API holds no
+    error, warning or traceback (Sanic logs an ERROR when a route that streamed also returns
+    its response, and a DeprecationWarning for a listener that takes the loop)."""
+    import time
+
+    events = list(client.responses.create(model="tiny", input="Count to three.", stream=True,
+                                          temperature=0, max_output_tokens=8))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Count to three."}], stream=True,
+        temperature=0, max_tokens=8))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    time.sleep(0.5)  # the log reaches `server.log` through a reader thread
+    bad = [line for line in server.log
+           if any(w in line for w in ("ERROR", "Warning", "WARNING", "Traceback"))]
+    assert not bad, bad
+
+
 def test_bad_requests_get_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="tiny", input=[], max_output_tokens=4)

@@ -41,7 +41,7 @@ def register(app: Sanic, rt: Runtime) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         async with chains.work_slot(request.ctx.principal):
-            body, req = await chains.off_loop(_parse, request.body, rt.sampling_defaults(),
+            body, req = await chains.off_loop(_parse, request.body, rt.sampling_defaults,
                                               size=len(request.body or b""))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         cid, created = new_id("chatcmpl"), int(time.time())
@@ -102,4 +102,4 @@ def register(app: Sanic, rt: Runtime) -> None:
         finally:
             run.close()
         await resp.eof()
-        return resp
+        return None  # streamed: nothing more to send

@@ -40,7 +40,9 @@ async def _retention_loop(rt: Runtime) -> None:
         await asyncio.sleep(RETENTION_INTERVAL_S)
 
 
-async def _stream(request: Request, run: Run, persist):
+async def _stream(request: Request, run: Run, persist) -> None:
+    """Send the response as server-sent events; the route then returns nothing (Sanic
+    logs an error for a route that streamed and also returns its response)."""
     resp = await request.respond(content_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     es = EventStream(run.state)
@@ -63,12 +65,11 @@ async def _stream(request: Request, run: Run, persist):
     else:
         await resp.send(es.terminal())
     await resp.eof()
-    return resp
 
 
 def register(app: Sanic, rt: Runtime) -> None:
     @app.before_server_start
-    async def start_retention(app_, _loop):
+    async def start_retention(app_):
         if rt.response_store is not None and any(rt.retention):
             app_.add_task(_retention_loop(rt), name="ninfer-retention")
 
@@ -77,7 +78,7 @@ def register(app: Sanic, rt: Runtime) -> None:
         trace = request.ctx.trace = rt.obs.new_request(request.ctx.principal, new_id("resp"))
         principal = request.ctx.principal
         async with chains.work_slot(principal):  # parsing, rendering, tokenizing: off the loop
-            req = await chains.off_loop(_parse, request.body, False, rt.sampling_defaults(),
+            req = await chains.off_loop(_parse, request.body, False, rt.sampling_defaults,
                                         size=len(request.body or b""))
             m = require_model(rt, req.model)
             req = chains.unseal_reasoning(req, rt.seal, principal, m.tokenizer)
@@ -105,7 +106,8 @@ def register(app: Sanic, rt: Runtime) -> None:
 
         try:
             if req.stream:
-                return await _stream(request, run, persist)
+                await _stream(request, run, persist)
+                return None
             await run.complete(None)
             await persist()
         finally:
