@@ -10,7 +10,10 @@ and OMP's tool turn, unforced, with the exact path (OMP names no temperature, so
 samples with its artifact's default, greedy). A failing phase must give a failed receipt
 (exit 1, the phase named), never a missing one. Bad input
 (an unknown lane, a lane whose preflight fails, an instance that is not the lane's profile)
-exits 78 with a failed receipt naming the reason."""
+exits 78 with a failed receipt naming the reason.
+
+The two tests on the real receipt run in the release tier (`./ninfer test --release`, which CI
+runs after the default tier): the qualification takes 4 to 5 minutes of one test process."""
 from __future__ import annotations
 
 import json
@@ -51,6 +54,7 @@ def cpu_receipt(tmp_path_factory):
     return r, receipt
 
 
+@pytest.mark.release  # the whole qualification: 4 to 5 minutes
 def test_the_cpu_receipt_binds_the_release_and_states_every_phase(cpu_receipt, tmp_path):
     from release.bundle import build_bundle
 
@@ -104,6 +108,7 @@ def test_the_cpu_receipt_binds_the_release_and_states_every_phase(cpu_receipt, t
         assert receipt["verdict"] == "pass" and r.returncode == 0, receipt["reason"]
 
 
+@pytest.mark.release
 def test_a_failed_phase_fails_the_receipt_and_is_named(cpu_receipt):
     r, receipt = cpu_receipt
     failed = [n for n, p in receipt["phases"].items() if p["verdict"] == "fail"]
