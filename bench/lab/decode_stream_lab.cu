@@ -6,8 +6,8 @@
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -Xptxas -v \
 //        bench/lab/decode_stream_lab.cu -o decode_stream_lab
 //   ./decode_stream_lab [--reps 15] [--stages 16] [--variants stream,barrier,barrier_pf,
-//        flags,flags_pf,graph,feed,barrier_nx,barrier_b4] [--no-shapes] [--seed N] [--json out.json] [--copy-mb 2048]
-//        [--evict-first] [--packed] [--release-red] [--balanced] [--teams 1|2]
+//        flags,flags_pf,graph,feed,barrier_nx] [--no-shapes] [--seed N] [--json out.json]
+//        [--copy-mb 2048] [--evict-first] [--packed] [--release-red] [--balanced] [--teams 1|2]
 //
 // What it measures, all in one process, as fractions of ceilings measured in the same run:
 // - the copy ceiling: a 2 GiB device-to-device cudaMemcpy, (bytes read + bytes written) / time;
@@ -31,9 +31,6 @@
 //     barrier_nx  diagnostic: barrier_pf, but after each barrier the consumers keep the x they
 //                 staged once from the fixed input instead of restaging it from the previous
 //                 GEMV's output (the wait without the restage; its error is meaningless).
-//     barrier_b4  barrier_pf with the restage's loads issued four chunks at a time before any
-//                 is converted (stage_batched), so a boundary waits about one L2 round trip
-//                 for four chunks instead of one for each (not with --balanced).
 //   --evict-first puts an L2 evict_first policy on the bulk copies; --packed stores the
 //   weights a stage at a time (packed_code), so a stage is one bulk copy instead of 32;
 //   --release-red publishes flags with one red.release.gpu a chunk instead of a __threadfence
@@ -133,7 +130,6 @@ struct Params {
   int relred;  // flags published by red.release.gpu instead of __threadfence + atomicAdd
   int balanced;  // stream-K split of each GEMV's stages over the CTAs (--balanced)
   int norestage;  // barrier_nx: x staged once (all kMaxK inputs), never after a barrier
-  int batched;    // barrier_b4: the restage's loads four chunks at a time (stage_batched)
 };
 
 // --packed: a GEMV's codes and scales stored as the stages the ring takes, stage (t, c) of
@@ -295,38 +291,6 @@ __device__ __forceinline__ void stage_chunk(uint4* xs, const float* src, const f
   xs[(c * 2 + gi) * 8 + tt * 2 + i] = o;
 }
 
-// stage_chunk for every chunk c < C, as the warp's 32 lanes take them (half h = lane / 16
-// takes c = h, h + 2, ...), with each lane's loads of four of its chunks issued before any of
-// them is converted and stored: the latencies overlap instead of adding up.
-__device__ __forceinline__ void stage_batched(uint4* xs, const float* src, int xn, int C, int w,
-                                              int lane) {
-  const int l = lane & 15, gi = l >> 3, tt = (l & 7) >> 1, i = l & 1;
-  for (int cb = lane >> 4; cb < C; cb += 8) {
-    float4 a[4], b[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int c = cb + 2 * j;
-      if (c < C) {
-        const int k = (64 * (c * 16 + 2 * w + gi) + 16 * tt + 8 * i) % xn;
-        a[j] = __ldcg(reinterpret_cast<const float4*>(src + k));
-        b[j] = __ldcg(reinterpret_cast<const float4*>(src + k + 4));
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int c = cb + 2 * j;
-      if (c < C) {
-        uint4 o;
-        o.x = pack_h2(clamp4(a[j].x), clamp4(b[j].x));
-        o.y = pack_h2(clamp4(a[j].y), clamp4(b[j].y));
-        o.z = pack_h2(clamp4(a[j].z), clamp4(b[j].z));
-        o.w = pack_h2(clamp4(a[j].w), clamp4(b[j].w));
-        xs[(c * 2 + gi) * 8 + tt * 2 + i] = o;
-      }
-    }
-  }
-}
-
 // A CTA's share of item s, as segments (tile t, chunks [c0, c1)): round robin, whole tiles
 // t0, t0 + G, ... (t0 from the launch-wide tile count); --balanced, the stages [lo, hi) of the
 // item's nt x C, lo = nt C b / G (a stream-K split: every CTA gets the same number of stages,
@@ -483,10 +447,7 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
           if (lane == 0) spin_geq(p.bar + s - 1, p.epoch * G);
           __syncwarp();
         }
-        if (p.batched) {
-          stage_batched(xs, xsrc, xn, C, gw, lane);
-          __syncwarp();
-        } else if (!p.norestage) {
+        if (!p.norestage) {
           for (int c = lane >> 4; c < C; c += 2)
             stage_chunk(xs, xsrc, xsrc1, xn, c, gw, lane & 15);
           __syncwarp();
@@ -1034,13 +995,12 @@ int main(int argc, char** argv) {
 
     bool first_v = true;
     for (const std::string& v : vlist) {
-      int mode, pf, nomath = 0, norestage = 0, batched = 0;
+      int mode, pf, nomath = 0, norestage = 0;
       if (v == "stream") mode = kStream, pf = 1;
       else if (v == "feed") mode = kStream, pf = 1, nomath = 1;
       else if (v == "barrier") mode = kBarrier, pf = 0;
       else if (v == "barrier_pf") mode = kBarrier, pf = 1;
       else if (v == "barrier_nx") mode = kBarrier, pf = 1, norestage = 1;
-      else if (v == "barrier_b4") mode = kBarrier, pf = 1, batched = 1;
       else if (v == "flags") mode = kFlags, pf = 0;
       else if (v == "flags_pf") mode = kFlags, pf = 1;
       else if (v == "graph") mode = kNoWait, pf = 1;
@@ -1048,16 +1008,15 @@ int main(int argc, char** argv) {
         fprintf(stderr, "unknown variant %s\n", v.c_str());
         return 2;
       }
-      if (balanced && (mode == kFlags || batched)) {  // flags: a cut tile has no single
-        // finisher to publish it; barrier_b4 stages one partial sum
-        fprintf(stderr, "--balanced does not take the flags variants or barrier_b4\n");
+      if (balanced && mode == kFlags) {  // a cut tile has no single finisher to publish it
+        fprintf(stderr, "--balanced does not take the flags variants\n");
         return 2;
       }
       CK(cudaMemsetAsync(bar, 0, max_items * 4, st));
       CK(cudaMemsetAsync(cnt, 0, max_items * kCntStride * 4, st));
       unsigned epoch = 0;
       Params prm{dg, ditems, n, mode, pf, 0, bar, cnt, expect, xin, stages, nomath, hint, packed,
-                 relred, balanced, norestage, batched};
+                 relred, balanced, norestage};
       cudaGraphExec_t exec = nullptr;
       if (mode == kNoWait) {  // one launch a GEMV, captured as a graph
         cudaGraph_t gr;
