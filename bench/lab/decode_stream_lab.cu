@@ -8,6 +8,7 @@
 //   ./decode_stream_lab [--reps 15] [--stages 16] [--variants stream,barrier,barrier_pf,
 //        flags,flags_pf,graph,feed,barrier_nx] [--no-shapes] [--seed N] [--json out.json]
 //        [--copy-mb 2048] [--evict-first] [--packed] [--release-red] [--balanced] [--teams 1|2]
+//        [--x-shared] [--y-half]
 //
 // What it measures, all in one process, as fractions of ceilings measured in the same run:
 // - the copy ceiling: a 2 GiB device-to-device cudaMemcpy, (bytes read + bytes written) / time;
@@ -37,7 +38,12 @@
 //   and atomicAdds after each tile; --balanced splits each GEMV's stages evenly over the CTAs
 //   (stream-K: a tile cut between two CTAs leaves two partial row sums, added in a fixed order
 //   by whoever reads them); --teams 2 runs 16 consumer warps as two teams taking alternate
-//   ring slots.
+//   ring slots. --x-shared (with --teams 2): the two warps of the teams that own the same
+//   groups keep one copy of x and stage half of it each, synchronized by a named barrier of
+//   the pair (the restage reads x once a CTA instead of once a team); --y-half: a GEMV's
+//   epilogue also writes its output clamped and rounded to f16, and the next GEMV's restage
+//   reads that (8 bytes a 4 inputs instead of 16; the same f16 x bit for bit, so the same sums).
+//   Both are template parameters of the body, so the default body compiles as before.
 //
 // The body. One CTA an SM (persistent, cooperative launch), 8 consumer warps and one producer
 // thread. The producer walks the CTA's work in order and feeds a ring of shared-memory slots
@@ -100,6 +106,7 @@ struct Gemv {
   const float* s;    // [n, k/64]
   float* y;          // [n]
   float* y1;         // [n] (--balanced): the second partial sum of a tile cut between CTAs
+  __half* y16;       // [n] (--y-half): clamp(y) in f16, what the next GEMV's x is made of
   int n, k;
 };
 
@@ -291,6 +298,27 @@ __device__ __forceinline__ void stage_chunk(uint4* xs, const float* src, const f
   xs[(c * 2 + gi) * 8 + tt * 2 + i] = o;
 }
 
+// stage_chunk from y16 (--y-half): the 8 inputs are one 16-byte load of f16 already clamped and
+// rounded; byte permutes put them in the stage's (x0, x4), (x1, x5), ... order.
+__device__ __forceinline__ void stage_chunk16(uint4* xs, const __half* src, int xn, int c, int w,
+                                              int l) {
+  const int gi = l >> 3, tt = (l & 7) >> 1, i = l & 1;
+  const int k = (64 * (c * 16 + 2 * w + gi) + 16 * tt + 8 * i) % xn;
+  const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src + k));
+  uint4 o;
+  o.x = __byte_perm(v.x, v.z, 0x5410);
+  o.y = __byte_perm(v.x, v.z, 0x7632);
+  o.z = __byte_perm(v.y, v.w, 0x5410);
+  o.w = __byte_perm(v.y, v.w, 0x7632);
+  xs[(c * 2 + gi) * 8 + tt * 2 + i] = o;
+}
+
+// The named barrier of the pair of warps (one a team) that own groups 2 gw, 2 gw + 1
+// (--x-shared); ids 2..9 (0: __syncthreads, 1: the consumers' row-sum barrier).
+__device__ __forceinline__ void pair_sync(int gw) {
+  asm volatile("bar.sync %0, 64;" ::"r"(2 + gw) : "memory");
+}
+
 // A CTA's share of item s, as segments (tile t, chunks [c0, c1)): round robin, whole tiles
 // t0, t0 + G, ... (t0 from the launch-wide tile count); --balanced, the stages [lo, hi) of the
 // item's nt x C, lo = nt C b / G (a stream-K split: every CTA gets the same number of stages,
@@ -327,9 +355,11 @@ struct Walk {
 
 // TEAMS consumer teams of kCW warps: with 2, team j takes the ring's slots of parity j (the
 // stages alternate between the teams), so 4 warps a scheduler hide each other's latency.
-template <int TEAMS>
+// XS: bit 0 --x-shared (with two teams), bit 1 --y-half.
+template <int TEAMS, int XS>
 __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const Params p) {
   constexpr int CW = kCW * TEAMS;
+  constexpr bool kShared = (XS & 1) && TEAMS > 1, kHalf = (XS & 2) != 0;
   extern __shared__ __align__(128) uint8_t smem[];
   const int S = p.stages;
   uint8_t* const ring = smem;
@@ -417,14 +447,26 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
   // The consumers: warp w of a team (gw) owns groups 2 gw and 2 gw + 1 of its stages.
   const int team = warp / kCW, gw = warp % kCW;
   const int g = lane >> 2, tq = lane & 3;
-  uint4* const xs = reinterpret_cast<uint4*>(xs_base + warp * kXsWarp);
+  uint4* const xs = reinterpret_cast<uint4*>(xs_base + (kShared ? gw : warp) * kXsWarp);
+  // x's chunks [0, C) into xs: a warp's two halves take alternate chunks; with kShared the
+  // pair's two warps take alternate pairs of them, after both have read the x before
+  auto restage = [&](const float* src, const float* src1, const __half* src16, int xn, int C) {
+    if (kShared) pair_sync(gw);
+    for (int c = (kShared ? 2 * team : 0) + (lane >> 4); c < C; c += kShared ? 4 : 2) {
+      if (kHalf && src16)
+        stage_chunk16(xs, src16, xn, c, gw, lane & 15);
+      else
+        stage_chunk(xs, src, src1, xn, c, gw, lane & 15);
+    }
+    if (kShared)
+      pair_sync(gw);
+    else
+      __syncwarp();
+  };
   int slot = 0, par = 0;
   uint32_t ph = 0;
-  if (p.norestage) {  // barrier_nx: every chunk any GEMV reads, once, from the fixed input
-    for (int c = lane >> 4; c < kMaxChunks; c += 2)
-      stage_chunk(xs, p.xin, nullptr, kMaxK, c, gw, lane & 15);
-    __syncwarp();
-  }
+  // barrier_nx: every chunk any GEMV reads, once, from the fixed input
+  if (p.norestage) restage(p.xin, nullptr, nullptr, kMaxK, kMaxChunks);
   for (int s = 0; s < p.count; ++s) {
     const Item it = p.items[s];
     const Gemv gv = p.gemvs[it.gemv];
@@ -434,9 +476,11 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
     const bool dep = (p.mode == kBarrier || p.mode == kFlags) && has_prev;
     const float* xsrc = p.xin;
     const float* xsrc1 = nullptr;
+    const __half* xsrc16 = nullptr;
     int xn = kMaxK;
     if (p.mode != kStream && it.prev >= 0) {
       xsrc = p.gemvs[it.prev].y;
+      if (kHalf) xsrc16 = p.gemvs[it.prev].y16;
       if (bal) xsrc1 = p.gemvs[it.prev].y1;
       xn = p.gemvs[it.prev].n;
     }
@@ -447,11 +491,7 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
           if (lane == 0) spin_geq(p.bar + s - 1, p.epoch * G);
           __syncwarp();
         }
-        if (!p.norestage) {
-          for (int c = lane >> 4; c < C; c += 2)
-            stage_chunk(xs, xsrc, xsrc1, xn, c, gw, lane & 15);
-          __syncwarp();
-        }
+        if (!p.norestage) restage(xsrc, xsrc1, xsrc16, xn, C);
         ready = ~0u;
       }
       // the next item's K (for the counters a tile feeds)
@@ -471,7 +511,12 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
             if (lane == 0)
               spin_geq(p.cnt + s * kCntStride + c, p.epoch * p.expect[s * kCntStride + c]);
             __syncwarp();
-            if (lane < 16) stage_chunk(xs, xsrc, xsrc1, xn, c, gw, lane);
+            if (lane < 16) {  // flags: never kShared (the host refuses it)
+              if (kHalf && xsrc16)
+                stage_chunk16(xs, xsrc16, xn, c, gw, lane);
+              else
+                stage_chunk(xs, xsrc, xsrc1, xn, c, gw, lane);
+            }
             __syncwarp();
             ready |= 1u << c;
           }
@@ -563,6 +608,7 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
             const int row = t * kRows + lane;
             if (c0 == 0) {
               gv.y[row] = sum;
+              if (kHalf) gv.y16[row] = __float2half_rn(clamp4(sum));
               if (bal && c1 == C) gv.y1[row] = 0.0f;
             } else {
               gv.y1[row] = sum;
@@ -714,7 +760,7 @@ static double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   int reps = 15, stages = 16, copy_mb = 2048, hint = 0, packed = 0, relred = 0, balanced = 0,
-      teams = 1;
+      teams = 1, xshared = 0, yhalf = 0;
   bool shapes = true;
   uint64_t seed = static_cast<uint64_t>(time(nullptr));
   std::string variants = "stream,barrier,barrier_pf,flags,flags_pf,graph", json_path;
@@ -739,11 +785,13 @@ int main(int argc, char** argv) {
     else if (a == "--release-red") relred = 1;
     else if (a == "--balanced") balanced = 1;
     else if (a == "--teams") teams = atoi(val());
+    else if (a == "--x-shared") xshared = 1;
+    else if (a == "--y-half") yhalf = 1;
     else {
       fprintf(stderr,
               "usage: %s [--reps N] [--stages S] [--variants v,...] [--no-shapes] [--seed N] "
               "[--json PATH] [--copy-mb MB] [--evict-first] [--packed] [--release-red] "
-              "[--balanced] [--teams 1|2]\n",
+              "[--balanced] [--teams 1|2] [--x-shared] [--y-half]\n",
               argv[0]);
       return 2;
     }
@@ -752,8 +800,18 @@ int main(int argc, char** argv) {
     fprintf(stderr, "--reps >= 3, --stages >= 2, --teams 1 or 2 (2: an even --stages)\n");
     return 2;
   }
+  if ((xshared && teams != 2) || (balanced && (xshared || yhalf))) {
+    fprintf(stderr, "--x-shared needs --teams 2; --balanced takes neither --x-shared nor "
+                    "--y-half\n");
+    return 2;
+  }
   const int threads = (kCW * teams + 1) * 32;
-  auto kern = teams == 2 ? stream_gemv<2> : stream_gemv<1>;
+  using Kern = void (*)(const Params);
+  const Kern kerns[2][4] = {{stream_gemv<1, 0>, stream_gemv<1, 0>, stream_gemv<1, 2>,
+                             stream_gemv<1, 2>},
+                            {stream_gemv<2, 0>, stream_gemv<2, 1>, stream_gemv<2, 2>,
+                             stream_gemv<2, 3>}};
+  const Kern kern = kerns[teams - 1][xshared + 2 * yhalf];
 
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -810,10 +868,12 @@ int main(int argc, char** argv) {
   }
   uint8_t* wbuf;
   float *ybuf, *y1buf, *xin;
+  __half* y16buf;
   unsigned *bar, *cnt, *expect, *sink;
   CK(cudaMalloc(&wbuf, bytes));
   CK(cudaMalloc(&ybuf, ys * 4));
   CK(cudaMalloc(&y1buf, ys * 4));
+  CK(cudaMalloc(&y16buf, ys * 2));
   CK(cudaMalloc(&xin, kMaxK * 4));
   const int max_items = 512;
   CK(cudaMalloc(&bar, max_items * 4));
@@ -839,7 +899,7 @@ int main(int argc, char** argv) {
   std::vector<Gemv> hg(total);
   for (int j = 0; j < total; ++j)
     hg[j] = Gemv{wbuf + woff[j], reinterpret_cast<const float*>(wbuf + soff[j]), ybuf + yoff[j],
-                 y1buf + yoff[j], layers[j].n, layers[j].k};
+                 y1buf + yoff[j], y16buf + yoff[j], layers[j].n, layers[j].k};
   Gemv* dg;
   CK(cudaMalloc(&dg, total * sizeof(Gemv)));
   CK(cudaMemcpy(dg, hg.data(), total * sizeof(Gemv), cudaMemcpyHostToDevice));
@@ -928,14 +988,12 @@ int main(int argc, char** argv) {
     fprintf(js,
             "{\"device\": \"%s\", \"sms\": %d, \"regs\": %d, \"local_bytes\": %d, "
             "\"smem_bytes\": %d, \"stages\": %d, \"evict_first\": %d, \"packed\": %d, "
-            "\"release_red\": %d, \"balanced\": %d, \"teams\": %d, \"seed\": %llu, "
-            "\"copy_ceiling_tbps\": %.4f, "
+            "\"release_red\": %d, \"balanced\": %d, \"teams\": %d, \"x_shared\": %d, "
+            "\"y_half\": %d, \"seed\": %llu, \"copy_ceiling_tbps\": %.4f, "
             "\"copy_us\": %.2f, \"copy_mib\": %d, \"sequences\": [\n",
             prop.name, prop.multiProcessorCount, fa.numRegs, static_cast<int>(fa.localSizeBytes),
-            smem, stages, hint, packed, relred, balanced, teams, static_cast<unsigned long long>(seed),
-            copy_tbps,
-            copy_us,
-            copy_mb);
+            smem, stages, hint, packed, relred, balanced, teams, xshared, yhalf,
+            static_cast<unsigned long long>(seed), copy_tbps, copy_us, copy_mb);
 
   struct Row {
     std::string seq, var;
@@ -1008,8 +1066,9 @@ int main(int argc, char** argv) {
         fprintf(stderr, "unknown variant %s\n", v.c_str());
         return 2;
       }
-      if (balanced && mode == kFlags) {  // a cut tile has no single finisher to publish it
-        fprintf(stderr, "--balanced does not take the flags variants\n");
+      if ((balanced || xshared) && mode == kFlags) {  // balanced: a cut tile has no single
+        // finisher to publish it; x-shared: the flags stage a chunk a warp, lazily
+        fprintf(stderr, "neither --balanced nor --x-shared takes the flags variants\n");
         return 2;
       }
       CK(cudaMemsetAsync(bar, 0, max_items * 4, st));
@@ -1025,10 +1084,7 @@ int main(int argc, char** argv) {
           Params one = prm;
           one.items = ditems + s;
           one.count = 1;
-          if (teams == 2)
-            stream_gemv<2><<<grid, threads, smem, st>>>(one);
-          else
-            stream_gemv<1><<<grid, threads, smem, st>>>(one);
+          kern<<<grid, threads, smem, st>>>(one);
         }
         CK(cudaStreamEndCapture(st, &gr));
         CK(cudaGraphInstantiate(&exec, gr, 0));
@@ -1053,6 +1109,7 @@ int main(int argc, char** argv) {
       // poisoned launch, every output compared bitwise.
       CK(cudaMemsetAsync(ybuf, 0xff, ys * 4, st));
       CK(cudaMemsetAsync(y1buf, 0xff, ys * 4, st));
+      CK(cudaMemsetAsync(y16buf, 0xff, ys * 2, st));
       launch();
       CK(cudaStreamSynchronize(st));
       std::vector<float> y1(ys), y2(ys), p1(ys), p2(ys);
@@ -1092,6 +1149,7 @@ int main(int argc, char** argv) {
       }
       CK(cudaMemsetAsync(ybuf, 0xff, ys * 4, st));
       CK(cudaMemsetAsync(y1buf, 0xff, ys * 4, st));
+      CK(cudaMemsetAsync(y16buf, 0xff, ys * 2, st));
       launch();
       CK(cudaStreamSynchronize(st));
       CK(cudaMemcpy(y2.data(), ybuf, ys * 4, cudaMemcpyDeviceToHost));
