@@ -11,7 +11,8 @@ names refuses it (`machine_problems`), it never runs something else.
 
 Named presets (`PRESETS`), variants by `dataclasses.replace` or `with_overrides` (what a lane
 profile's `[plan]` table gives):
-- `reference`: the plain-JAX references everywhere (the CPU lane, the tests' oracle path).
+- `reference`: the plain-JAX references everywhere (the tests' oracle path).
+- `cpu`: the CPU lane's: `reference` with the logits a live row at a time (`head_rows`).
 - `pallas`: the portable Pallas kernels (Triton on a GPU, the Pallas interpreter on a CPU, as
   the kernel tests run them), no CUDA op: GEMV, paged attention decode and prefill, flash
   prefill, the fused GDN decode kernel with the state stacks updated in place, the chunked GDN
@@ -100,6 +101,12 @@ class KernelPlan:
     chain_decode: bool = True
     # In an engine of several rows, a decode step of fewer live rows runs over those alone.
     narrow_decode: bool = False
+    # The logits at a step's last positions as one matrix-vector product a live row (a row of
+    # length 0 is skipped and gets zeros) instead of one product over every row. XLA:CPU
+    # multiplies one row by tiny-chat's 248,320 x 256 f32 lm_head in 9 ms and two in 15-17
+    # (another kernel), so a lone session in an engine of two rows pays for the idle one; each
+    # row's logits stay those of a one-row product whichever rows are live.
+    head_rows: bool = False
     # XLA's CUDA graphs for the decode step (GPU_GRAPH_FLAGS), set before JAX starts.
     xla_gpu_graphs: bool = False
     # The CUDA ops' build (gemv "cuda" or mlp "cuda"): the GPU architecture the library is
@@ -117,7 +124,7 @@ class KernelPlan:
             raise PlanError(f"plan field 'short_piece' must be one of "
                             f"{list(CHOICES['short_piece'])}, got {self.short_piece!r}")
         for name in ("unroll_blocks", "attn_prep", "attn_merge", "chain_decode",
-                     "narrow_decode", "xla_gpu_graphs"):
+                     "narrow_decode", "head_rows", "xla_gpu_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"plan field {name!r} must be true or false, "
                                 f"got {getattr(self, name)!r}")
@@ -206,12 +213,14 @@ CHOICES: dict[str, tuple] = {
 }
 
 REFERENCE = KernelPlan()
+CPU = KernelPlan(head_rows=True)
 PALLAS = KernelPlan(gemv="pallas", block_loop="views", gdn_decode="fused", gdn_prefill="pallas",
                     prefill_attention="flash", decode_attention="paged")
 H200 = dataclasses.replace(PALLAS, gemv="cuda", mlp="cuda", norms="fused", attn_prep=True,
                            gdn_conv_write="swap", xla_gpu_graphs=True, cuda_arch="90",
                            short_piece=8, int4_gemm_rows=64)
-PRESETS: dict[str, KernelPlan] = {"reference": REFERENCE, "pallas": PALLAS, "h200": H200}
+PRESETS: dict[str, KernelPlan] = {"reference": REFERENCE, "cpu": CPU, "pallas": PALLAS,
+                                  "h200": H200}
 
 
 def preset(name: str) -> KernelPlan:

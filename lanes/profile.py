@@ -205,7 +205,8 @@ def load_profile(name_or_path: str) -> LaneProfile:
         raise ProfileError(f"{path}: not valid TOML: {e}") from None
     if "kernels" in data:
         raise ProfileError(f"{path}: 'kernels' is replaced by the [plan] table (preset = "
-                           f"\"reference\", \"pallas\" or \"h200\", plus fields to override)")
+                           f"\"reference\", \"cpu\", \"pallas\" or \"h200\", plus fields to "
+                           f"override)")
     fields = {f.name for f in dataclasses.fields(LaneProfile)}
     required = fields - set(OPTIONAL_DEFAULTS)
     if not required <= set(data) <= fields:

@@ -43,7 +43,7 @@ def test_cpu_suite_writes_its_results_file(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((tmp_path / "cpu.json").read_text())
     assert res["suite"] == "cpu" and res["command"].startswith("./ninfer bench cpu")
-    assert res["plan"]["preset"] == "reference" and len(res["commit"]["sha"]) == 40
+    assert res["plan"]["preset"] == "cpu" and len(res["commit"]["sha"]) == 40
     f = res["figures"]
     assert 200 < f["prompt_tokens"] < 400 and f["peer"]["prompt_tokens"] == f["prompt_tokens"]
     assert f["ttft_s"] > 0 and f["decode_tok_s"] > 0 and f["peer"]["decode_tok_s"] > 0

@@ -268,6 +268,42 @@ def test_the_block_loop_form_alone_changes_no_bit():
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
 
 
+def test_head_rows_gives_each_live_row_its_own_product_and_an_idle_row_zeros():
+    """head_rows (the cpu lane's plan): the last positions' logits a live row at a time. They
+    equal the one product over every row within f32 rounding; a row's logits are the same
+    bits whatever the other row holds and whether it is live; an idle row (length 0) gets
+    zeros; logits at every position (last_only off) are the one product, unchanged."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import engine.model.model as M
+    from engine.model.config import TEST_SMALL as cfg
+    from engine.model.params import random_flat_params, stack_params
+
+    params = stack_params(random_flat_params(cfg, seed=7), cfg)
+    rows = dataclasses.replace(REFERENCE, head_rows=True)
+    rng = np.random.default_rng(3)
+    a, b = (jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 12)), jnp.int32) for _ in range(2))
+
+    def logits(tokens, lengths, plan, last_only=True):
+        out, _, _ = M.forward(params, cfg, tokens, M.init_cache(cfg, 2, 32),
+                              lengths=jnp.asarray(lengths, jnp.int32), last_only=last_only,
+                              plan=plan)
+        return np.asarray(out)
+
+    pair = jnp.concatenate([a, b])
+    each, batched = logits(pair, [12, 9], rows), logits(pair, [12, 9], REFERENCE)
+    assert each.shape == batched.shape == (2, 1, cfg.vocab_size)
+    np.testing.assert_allclose(each, batched, rtol=1e-5, atol=1e-5)
+    other = logits(jnp.concatenate([a, b[:, ::-1]]), [12, 12], rows)
+    idle = logits(pair, [12, 0], rows)
+    np.testing.assert_array_equal(each[0], other[0])
+    np.testing.assert_array_equal(each[0], idle[0])
+    assert not idle[1].any()
+    np.testing.assert_array_equal(logits(pair, [12, 9], rows, last_only=False),
+                                  logits(pair, [12, 9], REFERENCE, last_only=False))
+
+
 @pytest.mark.slow
 def test_the_h200_plans_cuda_ops_build_with_its_flags(tmp_path, monkeypatch):
     """The CUDA ops' source builds with the plan's nvcc flags for its architecture (nvcc on

@@ -2,6 +2,7 @@
 validation when the profile loads, and the canonical hash."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.plan import H200, PALLAS, REFERENCE
+from engine.plan import CPU, H200, PALLAS, REFERENCE
 from lanes.profile import (OPTIONAL_DEFAULTS, PROFILE_DIR, LaneProfile, ProfileError,
                            load_profile)
 
@@ -20,7 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _toml(tmp_path, extra: str = "", drop: str | None = None):
-    text = (PROFILE_DIR / "cpu.toml").read_text()
+    """The cpu profile without its own plan (and without `drop`), then `extra`."""
+    text = "\n".join(x for x in (PROFILE_DIR / "cpu.toml").read_text().splitlines()
+                     if not x.startswith("plan ="))
     if drop:
         text = "\n".join(x for x in text.splitlines() if not x.startswith(f"{drop} ="))
     p = tmp_path / "lane.toml"
@@ -28,24 +31,31 @@ def _toml(tmp_path, extra: str = "", drop: str | None = None):
     return p
 
 
-def test_shipped_profile_runs_the_reference_plan_and_keeps_its_hash(tmp_path):
+def test_shipped_profile_runs_the_cpu_plan_and_pins_its_hash(tmp_path):
     cpu = load_profile("cpu")
-    assert cpu.plan == REFERENCE
-    # Naming the reference preset explicitly is the same profile: same canonical hash.
-    explicit = load_profile(str(_toml(tmp_path, '[plan]\npreset = "reference"')))
+    assert cpu.plan == CPU == dataclasses.replace(REFERENCE, head_rows=True)
+    # The reference preset with the field overridden is the same profile: same canonical hash.
+    explicit = load_profile(str(_toml(tmp_path, '[plan]\npreset = "reference"\n'
+                                                'head_rows = true')))
     assert explicit == cpu and explicit.canonical_hash() == cpu.canonical_hash()
-    # The default stays out of the hash, so the plan left existing hashes (and checkpoint
-    # fingerprints' profile hash) unchanged: the hash the cpu lane had before plans existed.
-    d = {k: v for k, v in cpu.to_dict().items()
-         if k not in OPTIONAL_DEFAULTS or getattr(cpu, k) != OPTIONAL_DEFAULTS[k]}
-    assert cpu.canonical_hash() == hashlib.sha256(
+    # Without the table the profile runs the reference plan, and that default stays out of
+    # the hash, so plans left existing hashes (and checkpoint fingerprints' profile hash)
+    # unchanged: the hash of the cpu lane's fields alone.
+    bare = load_profile(str(_toml(tmp_path)))
+    assert bare.plan == REFERENCE
+    d = {k: v for k, v in bare.to_dict().items()
+         if k not in OPTIONAL_DEFAULTS or getattr(bare, k) != OPTIONAL_DEFAULTS[k]}
+    assert bare.canonical_hash() == hashlib.sha256(
         json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    # the hash of the cpu lane's fields alone: 31fac853... before kernel plans (the tree at
-    # 96a3244, serving embedded:tiny), df7b9596... with the first trained tiny-chat,
-    # cc321f8a... once tiny-chat copied from its prompt, this one since tiny-chat acts in
-    # OMP's prompt with OMP's read and bash tools (the model's pin and agent_tools are fields)
-    assert cpu.canonical_hash() == ("83532caefe880400ab40e9bdbeece037"
-                                    "0172efb92eb5f69dffc420a3d36a06c4")
+    # that hash: 31fac853... before kernel plans (the tree at 96a3244, serving embedded:tiny),
+    # df7b9596... with the first trained tiny-chat, cc321f8a... once tiny-chat copied from its
+    # prompt, this one since tiny-chat acts in OMP's prompt with OMP's read and bash tools (the
+    # model's pin and agent_tools are fields)
+    assert bare.canonical_hash() == ("83532caefe880400ab40e9bdbeece037"
+                                     "0172efb92eb5f69dffc420a3d36a06c4")
+    # the shipped lane's, with its plan table (head_rows: its logits a live row at a time)
+    assert cpu.canonical_hash() == ("0b493d3b3e7033d1c4c852d0a4e89295"
+                                    "4dd053f0a23d3df031ecabd6ff0d85c4")
 
 
 def test_preset_and_overrides_make_the_plan_and_hash_differently(tmp_path):
@@ -64,7 +74,7 @@ def test_preset_and_overrides_make_the_plan_and_hash_differently(tmp_path):
 
 @pytest.mark.parametrize("table,match", [
     ('[plan]\npreset = "h100"', r"\[plan\] preset: unknown kernel plan preset 'h100'; known: "
-                                r"\['h200', 'pallas', 'reference'\]"),
+                                r"\['cpu', 'h200', 'pallas', 'reference'\]"),
     ('[plan]\ngemv = "triton"', r"\[plan\]: plan field 'gemv' must be one of "
                                 r"\['xla', 'pallas', 'cuda'\], got 'triton'"),
     ('[plan]\npreset = "pallas"\ngdn_decode = "fast"', r"plan field 'gdn_decode' must be one of"),

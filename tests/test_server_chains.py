@@ -194,11 +194,11 @@ def test_status_input_tokens_and_session_purge(server):
     from lanes.profile import load_profile
 
     assert st["lane"]["profile_sha256"] == load_profile("cpu").canonical_hash()
-    from engine.plan import REFERENCE
+    from engine.plan import CPU
 
-    # the effective kernel plan: the cpu lane's reference preset, every field, its digest
-    assert st["plan"]["preset"] == "reference" and st["plan"]["digest"] == REFERENCE.digest()
-    assert {k: st["plan"][k] for k in REFERENCE.to_dict()} == REFERENCE.to_dict()
+    # the effective kernel plan: the cpu lane's cpu preset, every field, its digest
+    assert st["plan"]["preset"] == "cpu" and st["plan"]["digest"] == CPU.digest()
+    assert {k: st["plan"][k] for k in CPU.to_dict()} == CPU.to_dict()
     body = {"model": "tiny", "input": "Count the tokens.", "instructions": "Answer briefly.",
             "max_output_tokens": 2}
     n = httpx.post(server.api_url + "/responses/input_tokens", json=body,
