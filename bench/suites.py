@@ -7,7 +7,7 @@ the physical limit and to a peer on the same machine); `--chart` also draws them
 
 cpu: the embedded model's shapes on this machine's CPU, through the real server. A transformers
 Qwen3_5ForCausalLM of those shapes (random fp32 weights) is saved, converted with
-`./ninfer convert`, and served by `./ninfer serve --model` on the cpu lane (its reference plan);
+`./ninfer convert`, and served by `./ninfer serve --model` on the cpu lane (its plan, `cpu`);
 a ~4.6K-token prompt streams through the OpenAI SDK (time to first token, then the decode rate
 between the first and the last token), then transformers itself runs the same weights on the
 same token count: one forward over the prompt (its prefill) and greedy steps with its cache (its
@@ -184,7 +184,6 @@ def run_cpu(args) -> dict:
     from tokenizers import Tokenizer
 
     from engine.model.config import TINY
-    from engine.plan import REFERENCE
     from lanes.profile import load_profile
     from tests.serverproc import start_server
 
@@ -233,7 +232,7 @@ def run_cpu(args) -> dict:
     ratios = {"ttft_over_peer_prefill": ttft / peer["prefill_s"],
               "decode_over_peer": decode / peer["decode_tok_s"],
               "decode_of_roofline": decode / roof}
-    return record("cpu", args.argv, REFERENCE, figures, ratios)
+    return record("cpu", args.argv, lane.plan, figures, ratios)
 
 
 def _speculative_cpu(lane) -> dict:
