@@ -9,7 +9,7 @@ import pytest
 
 from engine.engine import (DoneEvent, Engine, GenerationRequest, PromptTooLong, QueueFull,
                            TokenEvent)
-from engine.plan import REFERENCE
+from engine.plan import CPU, REFERENCE
 from engine.runtime.sampling import SamplingParams
 
 
@@ -18,13 +18,17 @@ def model(tiny_model):
     return tiny_model
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["padded", "narrow"])
+@pytest.fixture(scope="module", params=["padded", "narrow", "head_rows"])
 def engine(model, request):
     """An engine of two rows; "narrow": a decode step of one row runs over that row alone
-    (the plan's narrow_decode), so a sequence alone and two at once run different forwards."""
+    (the plan's narrow_decode), so a sequence alone and two at once run different forwards;
+    "head_rows": the cpu lane's plan, the logits a live row at a time."""
+    plan = {"padded": REFERENCE, "narrow": dataclasses.replace(REFERENCE, narrow_decode=True),
+            "head_rows": CPU}[request.param]
     eng = Engine(model, context_tokens=2048, prefill_chunk=64, max_concurrency=2, max_queue=4,
-                 plan=dataclasses.replace(REFERENCE, narrow_decode=request.param))
-    assert eng.runner.narrow_decode is request.param
+                 plan=plan)
+    assert eng.runner.narrow_decode is (request.param == "narrow")
+    assert eng.plan.head_rows is (request.param == "head_rows")
     eng.start()
     yield eng
     eng.stop()
