@@ -22,10 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _toml(tmp_path, extra: str = "", drop: str | None = None):
     """The cpu profile without its own plan (and without `drop`), then `extra`."""
+    dropped = tuple(f"{k} =" for k in ("plan", drop) if k)
     text = "\n".join(x for x in (PROFILE_DIR / "cpu.toml").read_text().splitlines()
-                     if not x.startswith("plan ="))
-    if drop:
-        text = "\n".join(x for x in text.splitlines() if not x.startswith(f"{drop} ="))
+                     if not x.startswith(dropped))
     p = tmp_path / "lane.toml"
     p.write_text(text + "\n" + extra)
     return p

@@ -127,19 +127,17 @@ def _head(params, cfg: ModelConfig, h, lengths, last_only: bool,
         idx = jnp.maximum(lengths - 1, 0)[:, None, None]
         h = jnp.take_along_axis(h, idx, axis=1)
         if plan.head_rows and h.shape[0] > 1:
-            return _head_rows(params["lm_head"], h, lengths, plan)
+            return _head_rows(params["lm_head"], h, lengths, cfg.vocab_size, plan)
     return linear(h, params["lm_head"], plan).astype(jnp.float32)
 
 
-def _head_rows(w, h, lengths, plan: KernelPlan):
+def _head_rows(w, h, lengths, vocab: int, plan: KernelPlan):
     """The plan's head_rows: [B, 1, V] logits of h [B, 1, H], one live row at a time, the same
     one-row product whatever the other rows hold; rows of length 0 get zeros."""
-    shape = jax.eval_shape(lambda r: linear(r, w, plan), h[:1]).shape[1:]
-
     def one(args):
         row, n = args
         return lax.cond(n > 0, lambda r: linear(r[None], w, plan)[0].astype(jnp.float32),
-                        lambda r: jnp.zeros(shape, jnp.float32), row)
+                        lambda r: jnp.zeros((1, vocab), jnp.float32), row)
     return lax.map(one, (h, lengths))
 
 
