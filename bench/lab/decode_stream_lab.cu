@@ -6,7 +6,7 @@
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -Xptxas -v \
 //        bench/lab/decode_stream_lab.cu -o decode_stream_lab
 //   ./decode_stream_lab [--reps 15] [--stages 16] [--variants stream,barrier,barrier_pf,
-//        flags,flags_pf,graph,feed,barrier_nx] [--no-shapes] [--seed N] [--json out.json]
+//        flags,flags_pf,graph,pdl,feed,barrier_nx] [--no-shapes] [--seed N] [--json out.json]
 //        [--copy-mb 2048] [--evict-first] [--packed] [--release-red] [--balanced] [--teams 1|2]
 //        [--x-shared] [--y-half]
 //
@@ -27,6 +27,11 @@
 //     flags_pf    flags, weights streamed ahead of the dependency ("mode 5");
 //     graph       one launch of the same kernel per GEMV, as a CUDA graph (the kernel-per-op
 //                 form; the launch boundary is the dependency);
+//     pdl         graph, each launch a programmatic dependent of the one before: it starts as
+//                 soon as that one's CTAs have begun and left room (two CTAs fit an SM when
+//                 --stages is small enough), streams its weights into the ring, and its
+//                 consumers wait (griddepcontrol.wait) only before reading x: mode 5 across
+//                 a launch boundary, the kernel-per-op form the engine could take op by op;
 //     feed        diagnostic: stream, but consumers release every slot unread (the ring's
 //                 feed alone, no arithmetic; its sums are wrong and its error is meaningless).
 //     barrier_nx  diagnostic: barrier_pf, but after each barrier the consumers keep the x they
@@ -137,6 +142,7 @@ struct Params {
   int relred;  // flags published by red.release.gpu instead of __threadfence + atomicAdd
   int balanced;  // stream-K split of each GEMV's stages over the CTAs (--balanced)
   int norestage;  // barrier_nx: x staged once (all kMaxK inputs), never after a barrier
+  int pdl;  // pdl: launched as the previous launch's programmatic dependent; x waits for it
 };
 
 // --packed: a GEMV's codes and scales stored as the stages the ring takes, stage (t, c) of
@@ -379,6 +385,9 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  // pdl: the next launch may start now (its CTAs land where this one leaves room, stream their
+  // weights and wait before reading x)
+  if (p.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   if (warp == CW) {  // the producer: one thread
     if (lane != 0) return;
@@ -491,6 +500,8 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
           if (lane == 0) spin_geq(p.bar + s - 1, p.epoch * G);
           __syncwarp();
         }
+        // pdl: the previous launch (whose output is x) complete and its writes visible
+        if (p.pdl && it.prev >= 0) asm volatile("griddepcontrol.wait;" ::: "memory");
         if (!p.norestage) restage(xsrc, xsrc1, xsrc16, xn, C);
         ready = ~0u;
       }
@@ -942,9 +953,9 @@ int main(int argc, char** argv) {
   CK(cudaFree(csrc));
   CK(cudaFree(cdst));
   printf("device %s, %d SMs, L2 %d MB; kernel: %d regs, %d B local, %d B smem (%d stages), "
-         "grid %d x %d\n",
+         "grid %d x %d, %d CTAs fit an SM\n",
          prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, fa.numRegs,
-         static_cast<int>(fa.localSizeBytes), smem, stages, grid, threads);
+         static_cast<int>(fa.localSizeBytes), smem, stages, grid, threads, occ);
   printf("copy ceiling: %.1f us for %d MiB -> %.3f TB/s (read + written)\n", copy_us, copy_mb,
          copy_tbps);
   fflush(stdout);
@@ -1053,7 +1064,7 @@ int main(int argc, char** argv) {
 
     bool first_v = true;
     for (const std::string& v : vlist) {
-      int mode, pf, nomath = 0, norestage = 0;
+      int mode, pf, nomath = 0, norestage = 0, pdl = 0;
       if (v == "stream") mode = kStream, pf = 1;
       else if (v == "feed") mode = kStream, pf = 1, nomath = 1;
       else if (v == "barrier") mode = kBarrier, pf = 0;
@@ -1062,6 +1073,7 @@ int main(int argc, char** argv) {
       else if (v == "flags") mode = kFlags, pf = 0;
       else if (v == "flags_pf") mode = kFlags, pf = 1;
       else if (v == "graph") mode = kNoWait, pf = 1;
+      else if (v == "pdl") mode = kNoWait, pf = 1, pdl = 1;
       else {
         fprintf(stderr, "unknown variant %s\n", v.c_str());
         return 2;
@@ -1075,16 +1087,32 @@ int main(int argc, char** argv) {
       CK(cudaMemsetAsync(cnt, 0, max_items * kCntStride * 4, st));
       unsigned epoch = 0;
       Params prm{dg, ditems, n, mode, pf, 0, bar, cnt, expect, xin, stages, nomath, hint, packed,
-                 relred, balanced, norestage};
+                 relred, balanced, norestage, 0};
       cudaGraphExec_t exec = nullptr;
-      if (mode == kNoWait) {  // one launch a GEMV, captured as a graph
+      if (mode == kNoWait) {  // one launch a GEMV, captured as a graph (pdl: chained)
         cudaGraph_t gr;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
         for (int s = 0; s < n; ++s) {
           Params one = prm;
           one.items = ditems + s;
           one.count = 1;
-          kern<<<grid, threads, smem, st>>>(one);
+          if (pdl && s > 0) {  // a programmatic dependent of the launch before it
+            one.pdl = 1;
+            cudaLaunchAttribute at[1];
+            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            at[0].val.programmaticStreamSerializationAllowed = 1;
+            cudaLaunchConfig_t cf = {};
+            cf.gridDim = dim3(grid);
+            cf.blockDim = dim3(threads);
+            cf.dynamicSmemBytes = smem;
+            cf.stream = st;
+            cf.attrs = at;
+            cf.numAttrs = 1;
+            CK(cudaLaunchKernelEx(&cf, kern, one));
+          } else {
+            one.pdl = pdl;  // the first launch triggers its dependent too
+            kern<<<grid, threads, smem, st>>>(one);
+          }
         }
         CK(cudaStreamEndCapture(st, &gr));
         CK(cudaGraphInstantiate(&exec, gr, 0));
