@@ -2,7 +2,10 @@
 planes), gzipped, for reading off the GPU: whether the device waits for the host's launches.
 
     python3 bench/trace_step.py --out $OUT/trace_step.xplane.pb.gz [--steps 3] [--unroll] \
-        [--plan h200] [--set field=value,...]
+        [--plan h200] [--set field=value,...] [--context 1024] [--width 1[,8,64]]
+
+(--width: tokens a forward, at position --context: 1 is a decode step, more a prefill piece
+such as a short new turn's; several widths write a trace each, FILE.wN.xplane.pb.gz.)
 
 (the steps run the kernel plan of --plan, engine/plan.py, default h200, with --set's fields.)
 
@@ -48,25 +51,32 @@ def record(args) -> None:
     cfg, dt = QWEN38_27B, jnp.bfloat16
     params = random_params(cfg, dt, "int4_g64")
     fwd = M.jit_forward()
-    cache = random_paged_cache(cfg, args.context, dt, 1)
-    tok = jnp.ones((1, 1), jnp.int32)
+    widths = [int(w) for w in str(args.width).split(",")]
+    for width in widths:
+        # a piece of `width` tokens at position `context` (1: a decode step), run again on
+        # the same position each time
+        cache = random_paged_cache(cfg, args.context + width, dt, 1)
+        tok = jnp.ones((1, width), jnp.int32)
+        n = jnp.full((1,), width, jnp.int32)
 
-    def step(c):
-        c = c._replace(pos=jnp.full((1,), args.context, jnp.int32))
-        logits, _, c = fwd(params, cfg, tok, c, last_only=True,
-                           plan=plan)
-        jax.block_until_ready(logits)
-        return c
+        def step(c):
+            c = c._replace(pos=jnp.full((1,), args.context, jnp.int32))
+            logits, _, c = fwd(params, cfg, tok, c, lengths=n, last_only=True, plan=plan)
+            jax.block_until_ready(logits)
+            return c
 
-    for _ in range(3):
-        cache = step(cache)
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(args.steps):
-                cache = step(cache)
-        with open(newest_xplane(d), "rb") as src, gzip.open(args.out, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    print(f"trace of {args.steps} steps: {args.out} ({os.path.getsize(args.out)} bytes)")
+        for _ in range(3):
+            cache = step(cache)
+        out = args.out if len(widths) == 1 else args.out.replace(".xplane", f".w{width}.xplane")
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                for _ in range(args.steps):
+                    cache = step(cache)
+            with open(newest_xplane(d), "rb") as src, gzip.open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        del cache
+        print(f"trace of {args.steps} steps of width {width} at {args.context}: {out} "
+              f"({os.path.getsize(out)} bytes)")
 
 
 def load(path: str):
@@ -240,6 +250,8 @@ def main() -> None:
     ap.add_argument("--out", default="trace_step.xplane.pb.gz")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--width", default="1", help="tokens a traced forward: 1 (a decode "
+                    "step) or a prefill piece's width; several, comma-separated, a trace each")
     ap.add_argument("--unroll", action="store_true")
     from bench.plan_args import add_plan_args
 
