@@ -27,16 +27,18 @@ def history(tiny_model):
     return rng.integers(1000, 60000, size=N + 1).astype(np.int32)  # x_0..x_N
 
 
-def _paged(model, tokens):
-    """Feed tokens[:N] through a paged MTP-tracking cache as the engine does; returns it."""
+def _paged(model, tokens, rows: int = 1):
+    """Feed tokens[:N] through a paged MTP-tracking cache as the engine does (the same tokens in
+    each of `rows` rows); returns it."""
     cfg = model.cfg
     pages = -(-(N + 8) // PAGE)
-    pool = pk.init_kv_pool(cfg, pages, PAGE, jnp.float32, mtp=True)
-    cache = M.init_paged_cache(cfg, pool, np.arange(pages, dtype=np.int32)[None])
-    cache = cache._replace(mtp_hidden=jnp.zeros((1, cfg.hidden_size), jnp.float32))
+    pool = pk.init_kv_pool(cfg, rows * pages, PAGE, jnp.float32, mtp=True)
+    table = np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
+    cache = M.init_paged_cache(cfg, pool, table)
+    cache = cache._replace(mtp_hidden=jnp.zeros((rows, cfg.hidden_size), jnp.float32))
     at = 0
     for width in PIECES + (1,) * (N - sum(PIECES)):
-        chunk = jnp.asarray(tokens[None, at:at + width])
+        chunk = jnp.asarray(np.repeat(tokens[None, at:at + width], rows, axis=0))
         _, _, cache = M.forward(model.params, cfg, chunk, cache, last_only=True)
         at += width
     return cache
@@ -72,6 +74,28 @@ def test_tracked_mtp_entries_and_drafts_match_one_full_pass(tiny_model, history)
                                 jnp.asarray([k], jnp.int32), k)
     assert [int(t) for t in np.asarray(drafts)[0]] == want_drafts
     assert int(after.mtp_pos[0]) == N - 1 and int(after.pos[0]) == N
+
+
+def test_drafts_take_the_engine_plan(tiny_model, history):
+    """mtp_draft runs the engine's kernel plan (the runner passes it): under the cpu plan the
+    shared lm_head is the one-row product of each live row (a cond under a map in the traced
+    program; absent under the reference plan), and the live row drafts the same tokens."""
+    import jax
+
+    from engine.plan import CPU, REFERENCE
+
+    cfg, params, k = tiny_model.cfg, tiny_model.params, 3
+    cache = _paged(tiny_model, history, rows=2)
+    last, steps = jnp.asarray(history[N:N + 1].repeat(2)), jnp.asarray([k, 0], jnp.int32)
+    got = {}
+    for name, plan in (("reference", REFERENCE), ("cpu", CPU)):
+        jaxpr = str(jax.make_jaxpr(lambda c, plan=plan: M.mtp_draft(params, cfg, last, c, steps,
+                                                                     k, plan=plan))(cache))
+        assert ("cond[" in jaxpr) == (name == "cpu"), name
+        mine = jax.tree.map(jnp.copy, cache)  # the jitted draft donates its cache
+        drafts, _ = M.jit_mtp_draft()(params, cfg, last, mine, steps, k=k, plan=plan)
+        got[name] = [int(t) for t in np.asarray(drafts)[0]]
+    assert got["cpu"] == got["reference"]
 
 
 def test_a_row_drafting_fewer_steps_writes_no_further_slot(tiny_model, history):

@@ -172,7 +172,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: Cache | PagedCache, *,
     logits = _head(params, cfg, hidden, lengths, last_only, plan)
     cache = cache._replace(pos=cache.pos + lengths)
     if isinstance(cache, PagedCache) and cache.mtp_hidden is not None:
-        cache = mtp_track(params, cfg, hidden, tokens, cache, lengths)
+        cache = mtp_track(params, cfg, hidden, tokens, cache, lengths, plan)
     return logits, hidden, cache
 
 
@@ -211,7 +211,7 @@ def jit_forward_rows():
 
 
 def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCache, *,
-                lengths=None, last_only: bool = False):
+                lengths=None, last_only: bool = False, plan: KernelPlan = REFERENCE):
     """Multi-token-prediction head: entry t pairs the main model's hidden h_t with token x_{t+1}
     and predicts x_{t+2}.
 
@@ -225,12 +225,15 @@ def mtp_forward(params, cfg: ModelConfig, hidden, tokens, cache: Cache | PagedCa
     mtp_pos += lengths).
     """
     lengths, _ = _steps(tokens, lengths)
-    h, cache = _mtp_layer(params, cfg, hidden, tokens, cache, lengths)
-    return _head(params, cfg, h, lengths, last_only), h, cache
+    h, cache = _mtp_layer(params, cfg, hidden, tokens, cache, lengths, plan)
+    return _head(params, cfg, h, lengths, last_only, plan), h, cache
 
 
-def _mtp_layer(params, cfg: ModelConfig, hidden, tokens, cache, lengths):
-    """`mtp_forward` without the lm_head: (mtp hidden [B, T, H], cache)."""
+def _mtp_layer(params, cfg: ModelConfig, hidden, tokens, cache, lengths,
+               plan: KernelPlan = REFERENCE):
+    """`mtp_forward` without the lm_head: (mtp hidden [B, T, H], cache). The plan's GEMV
+    takes fc (as it takes the shared lm_head in `_head`); the decoder layer runs the reference
+    path, since its weights are not in the block stacks the plan's kernels read."""
     if not cfg.mtp_layers or "mtp" not in params:
         raise ConfigError(f"model config {cfg.name!r} has no MTP layer")
     if isinstance(cache, PagedCache) and cache.pool.k.shape[0] <= cfg.num_blocks:
@@ -241,7 +244,7 @@ def _mtp_layer(params, cfg: ModelConfig, hidden, tokens, cache, lengths):
     positions = cache.mtp_pos[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     e = rms_norm(_embed(params, tokens), m["pre_fc_norm_embedding"], eps)
     h = rms_norm(hidden.astype(e.dtype), m["pre_fc_norm_hidden"], eps)
-    x = linear(jnp.concatenate([e, h], axis=-1), m["fc"])
+    x = linear(jnp.concatenate([e, h], axis=-1), m["fc"], plan)
     if isinstance(cache, PagedCache):
         # Slot = position + 1: entry j depends on tokens[0..j+1], like main-model slot j + 1.
         kv = PagedKV(cache.pool, cache.block_table, slot_offset=1)
@@ -255,7 +258,8 @@ def _mtp_layer(params, cfg: ModelConfig, hidden, tokens, cache, lengths):
     return h, cache._replace(mtp_pos=cache.mtp_pos + lengths)
 
 
-def mtp_track(params, cfg: ModelConfig, hidden, tokens, cache: PagedCache, lengths):
+def mtp_track(params, cfg: ModelConfig, hidden, tokens, cache: PagedCache, lengths,
+              plan: KernelPlan = REFERENCE):
     """Keep the MTP layer's KV current behind a forward that fed `tokens` [B, T] (lengths[b]
     valid) and gave `hidden` [B, T, H]; `cache` is the forward's (pos already advanced).
 
@@ -270,14 +274,16 @@ def mtp_track(params, cfg: ModelConfig, hidden, tokens, cache: PagedCache, lengt
     h_in = jnp.concatenate([cache.mtp_hidden[:, None].astype(hidden.dtype), hidden[:, :-1]], 1)
     first = (before == 0)[:, None] & (jnp.arange(h_in.shape[1]) == 0)[None, :]
     h_in = jnp.where(first[:, :, None], 0, h_in)
-    _, c = _mtp_layer(params, cfg, h_in, tokens, cache._replace(mtp_pos=before - 1), lengths)
+    _, c = _mtp_layer(params, cfg, h_in, tokens, cache._replace(mtp_pos=before - 1), lengths,
+                      plan)
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], 1)[:, 0]
     keep = jnp.where((lengths > 0)[:, None], last.astype(cache.mtp_hidden.dtype),
                      cache.mtp_hidden)
     return c._replace(mtp_pos=cache.pos - 1, mtp_hidden=keep)
 
 
-def mtp_draft(params, cfg: ModelConfig, last, cache: PagedCache, steps, k: int):
+def mtp_draft(params, cfg: ModelConfig, last, cache: PagedCache, steps, k: int,
+              plan: KernelPlan = REFERENCE):
     """Greedy MTP drafts [B, k] int32: row b's first steps[b] (<= k) are its drafts after its
     last sampled token `last` [B], not fed yet (pos and mtp_hidden as `mtp_track` left them).
     Step 1 completes the row's pending entry (mtp_hidden, last) at mtp_pos and predicts the token
@@ -289,8 +295,8 @@ def mtp_draft(params, cfg: ModelConfig, last, cache: PagedCache, steps, k: int):
                          jnp.asarray(last, jnp.int32), [])
     for i in range(k):
         active = (i < steps).astype(jnp.int32)
-        hh, c = _mtp_layer(params, cfg, h[:, None], tok[:, None], c, active)
-        logits = _head(params, cfg, hh, active, True)
+        hh, c = _mtp_layer(params, cfg, h[:, None], tok[:, None], c, active, plan)
+        logits = _head(params, cfg, hh, active, True, plan)
         tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
         drafts.append(tok)
         h = hh[:, 0]
@@ -303,10 +309,11 @@ def jit_forward():
 
 
 def jit_mtp_draft():
-    """mtp_draft, jitted with cfg/k static and the cache donated."""
-    return jax.jit(mtp_draft, static_argnames=("cfg", "k"), donate_argnames=("cache",))
+    """mtp_draft, jitted with cfg/k/plan static and the cache donated."""
+    return jax.jit(mtp_draft, static_argnames=("cfg", "k", "plan"), donate_argnames=("cache",))
 
 
 def jit_mtp_forward():
-    """mtp_forward, jitted with cfg/last_only static and the cache donated."""
-    return jax.jit(mtp_forward, static_argnames=("cfg", "last_only"), donate_argnames=("cache",))
+    """mtp_forward, jitted with cfg/last_only/plan static and the cache donated."""
+    return jax.jit(mtp_forward, static_argnames=("cfg", "last_only", "plan"),
+                   donate_argnames=("cache",))

@@ -115,8 +115,8 @@ class ModelRunner:
         """The MTP layer's greedy drafts (engine/model/model.py `mtp_draft`): ([B, k] int32,
         the cache). Compiled on first use."""
         if self._draft is None:
-            fn, cfg = M.jit_mtp_draft(), self.model.cfg
-            self._draft = lambda p, t, c, a, n: fn(p, cfg, t, c, a, k=n)
+            fn, cfg, plan = M.jit_mtp_draft(), self.model.cfg, self.plan
+            self._draft = lambda p, t, c, a, n: fn(p, cfg, t, c, a, k=n, plan=plan)
         return self._draft(self.model.params, last, cache, active, k)
 
     def compile(self, cache, threads: int | None = None, store=None) -> float:
