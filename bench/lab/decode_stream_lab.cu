@@ -49,6 +49,9 @@
 //   epilogue also writes its output clamped and rounded to f16, and the next GEMV's restage
 //   reads that (8 bytes a 4 inputs instead of 16; the same f16 x bit for bit, so the same sums).
 //   Both are template parameters of the body, so the default body compiles as before.
+//   --mid (graph and pdl): a small kernel between each two GEMVs, as the step's norms are (one
+//   CTA: x of the next GEMV = y * rsqrt(mean(y^2))), a plain launch under graph and a
+//   programmatic dependent under pdl: what a foreign op between two GEMVs costs the chain.
 //
 // The body. One CTA an SM (persistent, cooperative launch), 8 consumer warps and one producer
 // thread. The producer walks the CTA's work in order and feeds a ring of shared-memory slots
@@ -143,6 +146,7 @@ struct Params {
   int balanced;  // stream-K split of each GEMV's stages over the CTAs (--balanced)
   int norestage;  // barrier_nx: x staged once (all kMaxK inputs), never after a barrier
   int pdl;  // pdl: launched as the previous launch's programmatic dependent; x waits for it
+  int mid;  // --mid: x is the previous GEMV's y normalized by the mid kernel (into its y1)
 };
 
 // --packed: a GEMV's codes and scales stored as the stages the ring takes, stage (t, c) of
@@ -488,7 +492,7 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
     const __half* xsrc16 = nullptr;
     int xn = kMaxK;
     if (p.mode != kStream && it.prev >= 0) {
-      xsrc = p.gemvs[it.prev].y;
+      xsrc = p.mid ? p.gemvs[it.prev].y1 : p.gemvs[it.prev].y;
       if (kHalf) xsrc16 = p.gemvs[it.prev].y16;
       if (bal) xsrc1 = p.gemvs[it.prev].y1;
       xn = p.gemvs[it.prev].n;
@@ -657,6 +661,36 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
 // f64 reference of one GEMV from x[k] = clamp(src[k mod xn] (+ src1[k mod xn])) (f32, not
 // rounded to f16): a warp
 // a row.
+// --mid: a small op between two GEMVs, as the step's RMSNorms are: one CTA reads y [n] from L2,
+// and writes y * rsqrt(mean(y^2) + 1e-6) into out (the next GEMV's x). With pdl it triggers its
+// dependent at its start and waits for the GEMV before it; otherwise it is a plain launch.
+__global__ void __launch_bounds__(1024) mid_norm(const float* y, float* out, int n, int pdl) {
+  __shared__ float part[32];
+  if (pdl) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  }
+  float ss = 0.0f;
+  for (int i = threadIdx.x * 4; i < n; i += blockDim.x * 4) {
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(y + i));
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    ss = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.0f;
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x == 0) part[0] = rsqrtf(ss / n + 1e-6f);
+  }
+  __syncthreads();
+  const float r = part[0];
+  for (int i = threadIdx.x * 4; i < n; i += blockDim.x * 4) {
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(y + i));
+    __stcg(reinterpret_cast<float4*>(out + i), make_float4(v.x * r, v.y * r, v.z * r, v.w * r));
+  }
+}
+
 __global__ void reference(Gemv g, const float* src, const float* src1, int xn, double* out,
                           int packed) {
   const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -771,7 +805,7 @@ static double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   int reps = 15, stages = 16, copy_mb = 2048, hint = 0, packed = 0, relred = 0, balanced = 0,
-      teams = 1, xshared = 0, yhalf = 0;
+      teams = 1, xshared = 0, yhalf = 0, mid = 0;
   bool shapes = true;
   uint64_t seed = static_cast<uint64_t>(time(nullptr));
   std::string variants = "stream,barrier,barrier_pf,flags,flags_pf,graph", json_path;
@@ -798,11 +832,12 @@ int main(int argc, char** argv) {
     else if (a == "--teams") teams = atoi(val());
     else if (a == "--x-shared") xshared = 1;
     else if (a == "--y-half") yhalf = 1;
+    else if (a == "--mid") mid = 1;
     else {
       fprintf(stderr,
               "usage: %s [--reps N] [--stages S] [--variants v,...] [--no-shapes] [--seed N] "
               "[--json PATH] [--copy-mb MB] [--evict-first] [--packed] [--release-red] "
-              "[--balanced] [--teams 1|2] [--x-shared] [--y-half]\n",
+              "[--balanced] [--teams 1|2] [--x-shared] [--y-half] [--mid]\n",
               argv[0]);
       return 2;
     }
@@ -811,9 +846,10 @@ int main(int argc, char** argv) {
     fprintf(stderr, "--reps >= 3, --stages >= 2, --teams 1 or 2 (2: an even --stages)\n");
     return 2;
   }
-  if ((xshared && teams != 2) || (balanced && (xshared || yhalf))) {
+  if ((xshared && teams != 2) || (balanced && (xshared || yhalf)) ||
+      (mid && (balanced || yhalf))) {
     fprintf(stderr, "--x-shared needs --teams 2; --balanced takes neither --x-shared nor "
-                    "--y-half\n");
+                    "--y-half; --mid takes neither --balanced nor --y-half\n");
     return 2;
   }
   const int threads = (kCW * teams + 1) * 32;
@@ -1087,7 +1123,7 @@ int main(int argc, char** argv) {
       CK(cudaMemsetAsync(cnt, 0, max_items * kCntStride * 4, st));
       unsigned epoch = 0;
       Params prm{dg, ditems, n, mode, pf, 0, bar, cnt, expect, xin, stages, nomath, hint, packed,
-                 relred, balanced, norestage, 0};
+                 relred, balanced, norestage, 0, mode == kNoWait ? mid : 0};
       cudaGraphExec_t exec = nullptr;
       if (mode == kNoWait) {  // one launch a GEMV, captured as a graph (pdl: chained)
         cudaGraph_t gr;
@@ -1112,6 +1148,24 @@ int main(int argc, char** argv) {
           } else {
             one.pdl = pdl;  // the first launch triggers its dependent too
             kern<<<grid, threads, smem, st>>>(one);
+          }
+          if (mid && s + 1 < n) {  // the small op between this GEMV and the next
+            const Gemv& gv = hg[q.g[s]];
+            if (pdl) {
+              cudaLaunchAttribute at[1];
+              at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+              at[0].val.programmaticStreamSerializationAllowed = 1;
+              cudaLaunchConfig_t cf = {};
+              cf.gridDim = dim3(1);
+              cf.blockDim = dim3(1024);
+              cf.stream = st;
+              cf.attrs = at;
+              cf.numAttrs = 1;
+              CK(cudaLaunchKernelEx(&cf, mid_norm, static_cast<const float*>(gv.y), gv.y1,
+                                    gv.n, 1));
+            } else {
+              mid_norm<<<1, 1024, 0, st>>>(gv.y, gv.y1, gv.n, 0);
+            }
           }
         }
         CK(cudaStreamEndCapture(st, &gr));
@@ -1157,7 +1211,7 @@ int main(int argc, char** argv) {
         const float* src1 = nullptr;
         int xn = kMaxK;
         if (mode != kStream && s > 0) {
-          src = hg[q.g[s - 1]].y;
+          src = (mid && mode == kNoWait) ? hg[q.g[s - 1]].y1 : hg[q.g[s - 1]].y;
           if (balanced) src1 = hg[q.g[s - 1]].y1;
           xn = layers[q.g[s - 1]].n;
         }
