@@ -52,6 +52,9 @@
 //   --mid (graph and pdl): a small kernel between each two GEMVs, as the step's norms are (one
 //   CTA: x of the next GEMV = y * rsqrt(mean(y^2))), a plain launch under graph and a
 //   programmatic dependent under pdl: what a foreign op between two GEMVs costs the chain.
+//   --fold (graph and pdl): the same norm folded into the GEMVs instead: each tile's epilogue
+//   writes its rows' sum of squares, and the next GEMV's restage adds those (a fixed order)
+//   and scales x as it stages it.
 //
 // The body. One CTA an SM (persistent, cooperative launch), 8 consumer warps and one producer
 // thread. The producer walks the CTA's work in order and feeds a ring of shared-memory slots
@@ -147,6 +150,7 @@ struct Params {
   int norestage;  // barrier_nx: x staged once (all kMaxK inputs), never after a barrier
   int pdl;  // pdl: launched as the previous launch's programmatic dependent; x waits for it
   int mid;  // --mid: x is the previous GEMV's y normalized by the mid kernel (into its y1)
+  int fold;  // --fold: the norm folded in: tile sums of squares into y1, the scale in the restage
 };
 
 // --packed: a GEMV's codes and scales stored as the stages the ring takes, stage (t, c) of
@@ -308,6 +312,21 @@ __device__ __forceinline__ void stage_chunk(uint4* xs, const float* src, const f
   xs[(c * 2 + gi) * 8 + tt * 2 + i] = o;
 }
 
+// stage_chunk with x = y * scale (--fold: the RMS norm's scale applied as x is staged)
+__device__ __forceinline__ void stage_chunk_scaled(uint4* xs, const float* src, int xn, int c,
+                                                   int w, int l, float scale) {
+  const int gi = l >> 3, tt = (l & 7) >> 1, i = l & 1;
+  const int k = (64 * (c * 16 + 2 * w + gi) + 16 * tt + 8 * i) % xn;
+  const float4 a = __ldcg(reinterpret_cast<const float4*>(src + k));
+  const float4 b = __ldcg(reinterpret_cast<const float4*>(src + k + 4));
+  uint4 o;
+  o.x = pack_h2(clamp4(a.x * scale), clamp4(b.x * scale));
+  o.y = pack_h2(clamp4(a.y * scale), clamp4(b.y * scale));
+  o.z = pack_h2(clamp4(a.z * scale), clamp4(b.z * scale));
+  o.w = pack_h2(clamp4(a.w * scale), clamp4(b.w * scale));
+  xs[(c * 2 + gi) * 8 + tt * 2 + i] = o;
+}
+
 // stage_chunk from y16 (--y-half): the 8 inputs are one 16-byte load of f16 already clamped and
 // rounded; byte permutes put them in the stage's (x0, x4), (x1, x5), ... order.
 __device__ __forceinline__ void stage_chunk16(uint4* xs, const __half* src, int xn, int c, int w,
@@ -463,13 +482,17 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
   uint4* const xs = reinterpret_cast<uint4*>(xs_base + (kShared ? gw : warp) * kXsWarp);
   // x's chunks [0, C) into xs: a warp's two halves take alternate chunks; with kShared the
   // pair's two warps take alternate pairs of them, after both have read the x before
-  auto restage = [&](const float* src, const float* src1, const __half* src16, int xn, int C) {
+  auto restage = [&](const float* src, const float* src1, const __half* src16, int xn, int C,
+                     float scale) {
     if (kShared) pair_sync(gw);
     for (int c = (kShared ? 2 * team : 0) + (lane >> 4); c < C; c += kShared ? 4 : 2) {
       if (kHalf && src16)
         stage_chunk16(xs, src16, xn, c, gw, lane & 15);
       else
-        stage_chunk(xs, src, src1, xn, c, gw, lane & 15);
+        if (p.fold)
+          stage_chunk_scaled(xs, src, xn, c, gw, lane & 15, scale);
+        else
+          stage_chunk(xs, src, src1, xn, c, gw, lane & 15);
     }
     if (kShared)
       pair_sync(gw);
@@ -479,7 +502,7 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
   int slot = 0, par = 0;
   uint32_t ph = 0;
   // barrier_nx: every chunk any GEMV reads, once, from the fixed input
-  if (p.norestage) restage(p.xin, nullptr, nullptr, kMaxK, kMaxChunks);
+  if (p.norestage) restage(p.xin, nullptr, nullptr, kMaxK, kMaxChunks, 1.0f);
   for (int s = 0; s < p.count; ++s) {
     const Item it = p.items[s];
     const Gemv gv = p.gemvs[it.gemv];
@@ -506,7 +529,15 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
         }
         // pdl: the previous launch (whose output is x) complete and its writes visible
         if (p.pdl && it.prev >= 0) asm volatile("griddepcontrol.wait;" ::: "memory");
-        if (!p.norestage) restage(xsrc, xsrc1, xsrc16, xn, C);
+        float xscale = 1.0f;
+        if (p.fold && it.prev >= 0) {  // the norm: the previous GEMV's tile sums of squares
+          const float* part = p.gemvs[it.prev].y1;  // added in a fixed order by every warp
+          float ss = 0.0f;
+          for (int i = lane; i < xn / kRows; i += 32) ss += __ldcg(part + i);
+          for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+          xscale = rsqrtf(ss / xn + 1e-6f);
+        }
+        if (!p.norestage) restage(xsrc, xsrc1, xsrc16, xn, C, xscale);
         ready = ~0u;
       }
       // the next item's K (for the counters a tile feeds)
@@ -616,10 +647,12 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
         }
         asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
         if (warp == 0) {
+          float sq = 0.0f;
           if (lane < kRows) {
             float sum = rb[lane];
 #pragma unroll
             for (int w2 = 1; w2 < CW; ++w2) sum += rb[w2 * kRows + lane];
+            sq = sum * sum;
             const int row = t * kRows + lane;
             if (c0 == 0) {
               gv.y[row] = sum;
@@ -628,6 +661,10 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
             } else {
               gv.y1[row] = sum;
             }
+          }
+          if (p.fold) {  // the tile's sum of squares, lanes 0-15 in a fixed tree, into y1[t]
+            for (int o = 8; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            if (lane == 0) gv.y1[t] = sq;
           }
           if (p.mode == kFlags && s + 1 < p.count) {
             __syncwarp();
@@ -805,7 +842,7 @@ static double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   int reps = 15, stages = 16, copy_mb = 2048, hint = 0, packed = 0, relred = 0, balanced = 0,
-      teams = 1, xshared = 0, yhalf = 0, mid = 0;
+      teams = 1, xshared = 0, yhalf = 0, mid = 0, fold = 0;
   bool shapes = true;
   uint64_t seed = static_cast<uint64_t>(time(nullptr));
   std::string variants = "stream,barrier,barrier_pf,flags,flags_pf,graph", json_path;
@@ -833,11 +870,12 @@ int main(int argc, char** argv) {
     else if (a == "--x-shared") xshared = 1;
     else if (a == "--y-half") yhalf = 1;
     else if (a == "--mid") mid = 1;
+    else if (a == "--fold") fold = 1;
     else {
       fprintf(stderr,
               "usage: %s [--reps N] [--stages S] [--variants v,...] [--no-shapes] [--seed N] "
               "[--json PATH] [--copy-mb MB] [--evict-first] [--packed] [--release-red] "
-              "[--balanced] [--teams 1|2] [--x-shared] [--y-half] [--mid]\n",
+              "[--balanced] [--teams 1|2] [--x-shared] [--y-half] [--mid] [--fold]\n",
               argv[0]);
       return 2;
     }
@@ -847,9 +885,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   if ((xshared && teams != 2) || (balanced && (xshared || yhalf)) ||
-      (mid && (balanced || yhalf))) {
+      ((mid || fold) && (balanced || yhalf)) || (mid && fold)) {
     fprintf(stderr, "--x-shared needs --teams 2; --balanced takes neither --x-shared nor "
-                    "--y-half; --mid takes neither --balanced nor --y-half\n");
+                    "--y-half; --mid and --fold take none of --balanced, --y-half and each "
+                    "other\n");
     return 2;
   }
   const int threads = (kCW * teams + 1) * 32;
@@ -954,6 +993,8 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&ditems, max_items * sizeof(Item)));
   double* dref;
   CK(cudaMalloc(&dref, 248320 * 8));
+  float* xtmp;  // --fold's check: the normalized x the reference multiplies
+  CK(cudaMalloc(&xtmp, 248320 * 4));
 
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
@@ -1123,7 +1164,8 @@ int main(int argc, char** argv) {
       CK(cudaMemsetAsync(cnt, 0, max_items * kCntStride * 4, st));
       unsigned epoch = 0;
       Params prm{dg, ditems, n, mode, pf, 0, bar, cnt, expect, xin, stages, nomath, hint, packed,
-                 relred, balanced, norestage, 0, mode == kNoWait ? mid : 0};
+                 relred, balanced, norestage, 0, mode == kNoWait ? mid : 0,
+                 mode == kNoWait ? fold : 0};
       cudaGraphExec_t exec = nullptr;
       if (mode == kNoWait) {  // one launch a GEMV, captured as a graph (pdl: chained)
         cudaGraph_t gr;
@@ -1212,6 +1254,10 @@ int main(int argc, char** argv) {
         int xn = kMaxK;
         if (mode != kStream && s > 0) {
           src = (mid && mode == kNoWait) ? hg[q.g[s - 1]].y1 : hg[q.g[s - 1]].y;
+          if (fold && mode == kNoWait) {  // the reference's x: the previous y normalized
+            mid_norm<<<1, 1024, 0, st>>>(hg[q.g[s - 1]].y, xtmp, layers[q.g[s - 1]].n, 0);
+            src = xtmp;
+          }
           if (balanced) src1 = hg[q.g[s - 1]].y1;
           xn = layers[q.g[s - 1]].n;
         }
