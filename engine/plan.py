@@ -19,7 +19,9 @@ profile's `[plan]` table gives):
   prefill kernel.
 - `h200`: the plan behind the README's H200 figures (docs/benchmarks): `pallas` plus the CUDA
   int4 GEMV and MLP ops (sm_90), the fused decode norms, the attention prep kernel, the GDN
-  conv state written into a second stack, and XLA's CUDA graphs for the decode step.
+  conv state written into a second stack, and XLA's CUDA graphs for the decode step; short
+  new turns in 8-wide pieces, and 64-wide pieces through the CUDA int4 GEMM (since
+  2026-12-07: a 64-wide piece at 32K 35.5 -> 29.3 ms of device time on an H100).
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ from dataclasses import dataclass
 GPU_GRAPH_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
                    "--xla_gpu_graph_min_graph_size=1")
 CUDA_ARCHS = ("80", "86", "89", "90", "100", "120")
+# The CUDA GEMM's 64-row build takes 3 stages of 34 KB of shared memory a block; these
+# architectures allow 99 KB.
+GEMM_SMEM_KB = 102
+GEMM_SMALL_SMEM_ARCHS = ("86", "89", "120")
 
 
 class PlanError(ValueError):
@@ -53,6 +59,10 @@ class KernelPlan:
     # (engine/kernels/qgemm.py) in place of a dequantized copy; 0: none (wider pieces are
     # compute-bound, where cuBLAS over the copy is faster).
     int4_gemm_rows: int = 0
+    # Those pieces' kernel: "pallas" (engine/kernels/qgemm.py) or "cuda" (the CUDA op's int4
+    # GEMM, engine/kernels/cuda_ops.py `int4_gemm_multi`, for bf16 x of up to 64 rows, a
+    # layer's projections of one input in one launch; wider pieces take the Pallas kernel).
+    gemm: str = "pallas"
     # Prefill pieces this wide for a short remainder (a short new turn, or the end of a longer
     # one: up to scheduler.SHORT_PIECES of them) instead of one padded to the 64-token floor,
     # so that their matmuls take the decode GEMV (`gemv`, at most qgemv.MAX_ROWS rows) and
@@ -153,9 +163,14 @@ class KernelPlan:
             (self.mlp == "cuda" and self.block_loop != "views",
              "mlp 'cuda' needs block_loop 'views'"),
             (self.uses_cuda and self.cuda_arch is None,
-             "gemv or mlp 'cuda' needs cuda_arch (the GPU architecture it is built for)"),
+             "gemv, mlp or gemm 'cuda' needs cuda_arch (the GPU architecture it is built for)"),
             (self.int4_gemm_rows and self.gemv == "xla", "int4_gemm_rows needs gemv 'pallas' "
              "or 'cuda'"),
+            (self.gemm == "cuda" and not self.int4_gemm_rows,
+             "gemm 'cuda' needs int4_gemm_rows (the pieces it takes)"),
+            (self.gemm == "cuda" and self.cuda_arch in GEMM_SMALL_SMEM_ARCHS,
+             f"gemm 'cuda' needs {GEMM_SMEM_KB} KB of shared memory a block, more than "
+             f"sm_{self.cuda_arch} has (cuda_arch 80, 90 or 100)"),
         ]
         for bad, why in needs:
             if bad:
@@ -165,7 +180,7 @@ class KernelPlan:
     @property
     def uses_cuda(self) -> bool:
         """Whether the forward calls the CUDA ops (built with nvcc for `cuda_arch`)."""
-        return self.gemv == "cuda" or self.mlp == "cuda"
+        return self.gemv == "cuda" or self.mlp == "cuda" or self.gemm == "cuda"
 
     @property
     def uses_pallas(self) -> bool:
@@ -180,8 +195,15 @@ class KernelPlan:
 
     # ---- identity ----------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The plan as its identity (digest, checkpoint fingerprints, executable keys, lane
+        hashes): every field, but a field of LATE_DEFAULTS only where it is set, so a plan
+        that leaves a newer field at its default keeps the identity it had before the field
+        existed."""
         d = dataclasses.asdict(self)
         d["cuda_flags"] = list(self.cuda_flags)
+        for name, default in LATE_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     def digest(self) -> str:
@@ -195,11 +217,17 @@ class KernelPlan:
 
     def describe(self) -> dict:
         """The effective plan as a report shows it: preset (or null), digest, fields."""
-        return {"preset": self.preset_name(), "digest": self.digest(), **self.to_dict()}
+        return {"preset": self.preset_name(), "digest": self.digest(), **self.to_dict(),
+                **{n: getattr(self, n) for n in LATE_DEFAULTS}}
 
+
+# Fields added since plans were first fingerprinted (v0.16.0), with their defaults: in a plan's
+# identity only where set (`KernelPlan.to_dict`).
+LATE_DEFAULTS: dict[str, object] = {"gemm": "pallas"}
 
 CHOICES: dict[str, tuple] = {
     "gemv": ("xla", "pallas", "cuda"),
+    "gemm": ("pallas", "cuda"),
     "mlp": ("separate", "cuda"),
     "norms": ("xla", "fused"),
     "block_loop": ("slices", "views"),
@@ -218,7 +246,7 @@ PALLAS = KernelPlan(gemv="pallas", block_loop="views", gdn_decode="fused", gdn_p
                     prefill_attention="flash", decode_attention="paged")
 H200 = dataclasses.replace(PALLAS, gemv="cuda", mlp="cuda", norms="fused", attn_prep=True,
                            gdn_conv_write="swap", xla_gpu_graphs=True, cuda_arch="90",
-                           short_piece=8, int4_gemm_rows=64)
+                           short_piece=8, int4_gemm_rows=64, gemm="cuda")
 PRESETS: dict[str, KernelPlan] = {"reference": REFERENCE, "cpu": CPU, "pallas": PALLAS,
                                   "h200": H200}
 
@@ -265,8 +293,8 @@ def machine_problems(plan: KernelPlan, platform: str, serving: bool = True) -> l
     serving). The CUDA ops' build is checked by `engine.kernels.cuda_ops.require`."""
     out = []
     if plan.uses_cuda and platform != "gpu":
-        out.append(f"the plan runs the CUDA ops (gemv={plan.gemv!r}, mlp={plan.mlp!r}), "
-                   f"and JAX's backend here is {platform!r}, not a GPU")
+        out.append(f"the plan runs the CUDA ops (gemv={plan.gemv!r}, mlp={plan.mlp!r}, "
+                   f"gemm={plan.gemm!r}), and JAX's backend here is {platform!r}, not a GPU")
     if serving and plan.uses_pallas and platform != "gpu":
         out.append(f"the plan runs Pallas (Triton) kernels, which compile only for a GPU; JAX's "
                    f"backend here is {platform!r} (use the 'reference' plan)")

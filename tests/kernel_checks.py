@@ -26,7 +26,7 @@ def assert_close(got, want, dtype) -> None:
 
 # The custom calls a CUDA lowering may hold: Pallas's Triton calls and the CUDA ops' FFI targets
 CUDA_TARGETS = ("__gpu$xla.gpu.triton", "ninfer_int4_gemv", "ninfer_int4_gemv_mma",
-                "ninfer_int4_gemv_wide", "ninfer_int4_mlp")
+                "ninfer_int4_gemv_wide", "ninfer_int4_mlp", "ninfer_int4_gemm")
 
 
 def cuda_module_text(fn, *args) -> str:

@@ -156,13 +156,13 @@ def test_the_scan_sees_reads_inside_functions(tmp_path):
 # ---- what a plan runs ----------------------------------------------------------------------
 
 def test_h200_lowering_matches_the_golden_list():
-    """The h200 preset as the tree before plans ran it: a field it has changed since at its
-    old value (int4_gemm_rows 64 from 2026-12-06: the test below pins what that changes;
-    short_piece adds a width this list does not hold)."""
+    """The h200 preset as the tree before plans ran it: fields it has changed since at their
+    old values (int4_gemm_rows 64 from 2026-12-06 and gemm "cuda" from 2026-12-07: the test
+    below pins what they change; short_piece adds a width this list does not hold)."""
     from tests.lowering_inventory import inventory
 
     want = json.loads((GOLDEN / "h200_lowering.json").read_text())
-    got = inventory({"plan": dataclasses.replace(H200, int4_gemm_rows=0)})
+    got = inventory({"plan": dataclasses.replace(H200, int4_gemm_rows=0, gemm="pallas")})
     assert got == want
 
 
@@ -170,7 +170,9 @@ def test_h200_short_pieces_take_the_gemv_and_64_wide_ones_the_int4_gemm():
     """A short new turn (at most 2 x the plan's short_piece tokens) runs in 8-wide pieces whose
     projections are the CUDA GEMV's calls and whose GDN step is the recurrent kernel: no
     dequantized weight copy and no matmul over one. The 64-wide piece's projections (the
-    plan's int4_gemm_rows 64) are the int4 GEMM's kernels, reading the codes in place."""
+    plan's int4_gemm_rows 64) are the CUDA int4 GEMM's calls (gemm "cuda"), a layer's
+    projections of one input in one call, reading the codes in place; the Pallas GEMM is not
+    used."""
     import jax
     import jax.numpy as jnp
 
@@ -199,7 +201,9 @@ def test_h200_short_pieces_take_the_gemv_and_64_wide_ones_the_int4_gemm():
     assert gemv(short) >= 8 and gemv(wide) == 1  # every layer's projections / lm_head alone
     assert "__gpu$xla.gpu.triton gdn_recurrent" in short
     assert not any("gdn_chunk" in k for k in short) and "stablehlo.dot_general" not in texts[8]
-    assert H200.int4_gemm_rows == 64 and wide.get("__gpu$xla.gpu.triton qgemm_int4", 0) >= 8
+    assert H200.int4_gemm_rows == 64 and H200.gemm == "cuda"
+    gemm = sum(n for k, n in wide.items() if k.split()[0] == "ninfer_int4_gemm")
+    assert gemm >= 4 and not any("qgemm" in k for k in wide), wide
 
 
 def test_reference_and_pallas_outputs_are_bit_identical_to_the_tree_before_plans():

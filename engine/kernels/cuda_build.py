@@ -34,6 +34,7 @@ INT4_TARGET = "ninfer_int4_gemv"
 INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
 INT4_MLP_TARGET = "ninfer_int4_mlp"
+INT4_GEMM_TARGET = "ninfer_int4_gemm"
 
 
 class CudaUnavailable(RuntimeError):
@@ -153,7 +154,8 @@ def _register(lib) -> None:
     for target, symbol in ((INT4_TARGET, lib.NinferInt4Gemv),
                            (INT4_MMA_TARGET, lib.NinferInt4GemvMma),
                            (INT4_WIDE_TARGET, lib.NinferInt4GemvWide),
-                           (INT4_MLP_TARGET, lib.NinferInt4Mlp)):
+                           (INT4_MLP_TARGET, lib.NinferInt4Mlp),
+                           (INT4_GEMM_TARGET, lib.NinferInt4Gemm)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="CUDA")
 
 

@@ -4,7 +4,8 @@
 Triton version is instruction-bound near 1.1 TB/s (docs/benchmarks/README.md); the CUDA one
 dequantizes with one logic op per code. Same signature and result as `qgemv.qmatmul` for int4
 weights (x [..., K], a QTensor or a stack of them read at `index`), checked against the same
-reference (`ops.quant.linear_ref`) by the GPU tests. `int4_mlp`: a decode step's whole MLP.
+reference (`ops.quant.linear_ref`) by the GPU tests. `int4_mlp`: a decode step's whole MLP. `int4_gemm`: the same product for a prefill piece of up to
+64 rows of bf16 x (a short new turn), each weight byte read once for all the rows.
 
 The ops call the FFI targets of the shared library that engine/kernels/cuda_build.py builds and
 registers; `require(plan)` (re-exported here with the build's other entry points) must have
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.kernels.cuda_build import (  # noqa: F401 (re-export: the build's entry points)
-    INT4_MLP_TARGET, INT4_MMA_TARGET, INT4_SOURCE, INT4_TARGET, INT4_WIDE_TARGET,
+    INT4_GEMM_TARGET, INT4_MLP_TARGET, INT4_MMA_TARGET, INT4_SOURCE, INT4_TARGET,
+    INT4_WIDE_TARGET,
     CudaUnavailable, _nvcc, build, library_digest, library_path, require)
 from engine.ops.quant import GROUP, INT4_G64, QTensor
 
@@ -196,9 +198,14 @@ def int4_gemv_multi(x, ws, index=None, *, variant: str | None = None,
         xf = xf.reshape(m, kp // 1024, 32, 4, 2, 4).transpose(0, 1, 3, 4, 2, 5)
         call = jax.ffi.ffi_call(INT4_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
         y = call(xf, idx, *pairs, rows_per_warp=np.int64(default_rows_per_warp(m)))
-    y = y.astype(x.dtype)
-    if concat:  # the results side by side, as the kernel writes them
-        return y.reshape(*lead, n)
+    return _outputs(y.astype(x.dtype), lead, ns, concat)
+
+
+def _outputs(y, lead, ns, concat):
+    """A call's [M, sum N_j] result as the caller asked: side by side (concat, as the kernel
+    writes it) or one [..., N_j] array a weight."""
+    if concat:
+        return y.reshape(*lead, sum(ns))
     outs, at = [], 0
     for nj in ns:
         outs.append(y[:, at:at + nj].reshape(*lead, nj))
@@ -267,3 +274,63 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *, cor
                      **_attrs(_MLP_BUILD))
     return out.reshape(*lead, n2)
 
+
+
+GEMM_MAX_ROWS = 64
+GEMM_TILE = 256   # output rows a block of the GEMM kernel
+GEMM_STEP = 128   # inputs a stage
+GEMM_BLOCKS = 132  # blocks a wave: one a streaming multiprocessor of the H200 (and H100)
+
+
+def gemm_takes(x, mats, lead: int = 0) -> bool:
+    """Whether `int4_gemm_multi` takes x [..., K] @ each of `mats`: bf16 x of 1..GEMM_MAX_ROWS
+    rows, 1..MAX_MATS int4_g64 weights of rank lead + 2 (lead <= 3) sharing K, a multiple of
+    128."""
+    m = int(np.prod(x.shape[:-1], dtype=np.int64))
+    k = x.shape[-1]
+    return (x.dtype == jnp.bfloat16 and 1 <= m <= GEMM_MAX_ROWS and 1 <= len(mats) <= MAX_MATS
+            and k % GEMM_STEP == 0 and 0 <= lead <= 3
+            and all(isinstance(w, QTensor) and w.fmt == INT4_G64
+                    and jnp.ndim(w.data) == lead + 2 and w.shape[1] == k for w in mats))
+
+
+def gemm_splits(n: int, k: int, m: int = GEMM_MAX_ROWS) -> int:
+    """The parts the GEMM splits K into for N output rows and M rows of x (a property of the
+    shape only): the fewest stage-times on the busiest streaming multiprocessor, counting
+    whole waves of GEMM_BLOCKS blocks (one a multiprocessor) and the fp32 partial sums each
+    extra part writes and XLA reads back (at the weights' rate); each part at least 4
+    stages."""
+    tiles, steps = -(-n // GEMM_TILE), k // GEMM_STEP
+    stage_bytes = GEMM_BLOCKS * (GEMM_TILE * GEMM_STEP // 2 + GEMM_TILE * 8)
+
+    def cost(s):
+        waves = -(-tiles * s // GEMM_BLOCKS)
+        return waves * -(-steps // s) + (2 * s * m * n * 4 / stage_bytes if s > 1 else 0)
+    return min(range(1, max(1, steps // 4) + 1), key=lambda s: (cost(s), s))
+
+
+def int4_gemm_multi(x, ws, index=None, *, concat: bool = False):
+    """x [..., K] (bf16, M = prod of leading dims <= 64) @ w.T for each int4_g64 weight of `ws`
+    (1..MAX_MATS sharing K and stack dims, read at `index`), in one launch of the GEMM kernel
+    (engine/kernels/cuda/int4_gemv.cu `int4_gemm`): exact products of x and (code - 8), summed
+    in fp32 a group at a time and scaled by the group's scale (the reference rounds each
+    code * scale to bf16 first), K split into `gemm_splits` parts whose fp32 partials XLA
+    adds. Returns the list of [..., N_j] bf16 results (concat=True: one
+    [..., sum N_j] array)."""
+    if not gemm_takes(x, ws, jnp.ndim(ws[0].data) - 2 if ws else 0):
+        raise ValueError("int4_gemm takes bf16 x of 1..64 rows and 1..4 int4_g64 weights "
+                         "sharing K (a multiple of 128)")
+    lead, k = x.shape[:-1], x.shape[-1]
+    m = int(np.prod(lead, dtype=np.int64))
+    ns = [w.shape[0] for w in ws]
+    n = sum(ns)
+    mp = -(-m // 16) * 16  # the kernel's x: a multiple of 16 rows (each warp takes half)
+    idx = (jnp.zeros((1,), jnp.int32) if index is None
+           else jnp.asarray(index, jnp.int32).reshape(-1))
+    xb = jnp.pad(x.reshape(m, k), ((0, mp - m), (0, 0)))
+    pairs = [a for w in ws for a in (w.data, w.scale.astype(jnp.float32))]
+    splits = gemm_splits(n, k, m)
+    part = jax.ffi.ffi_call(INT4_GEMM_TARGET,
+                            jax.ShapeDtypeStruct((splits, m, n), jnp.float32))(xb, idx, *pairs)
+    y = (part[0] if splits == 1 else part.sum(0)).astype(x.dtype)
+    return _outputs(y, lead, ns, concat)

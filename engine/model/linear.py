@@ -21,8 +21,9 @@ def linear(x: jax.Array, w, plan=None, corr=None) -> jax.Array:
     `qgemv.MAX_ROWS` rows) goes to the weight-only GEMV (engine/kernels/qgemv.py; int4_g64
     weights to the CUDA op with "cuda"), which reads the stored format directly; a prefill
     piece's x of `qgemm.MIN_ROWS` to the plan's int4_gemm_rows rows against int4_g64 weights to
-    the int4 GEMM (engine/kernels/qgemm.py), which does not write a dequantized copy. corr: x's
-    group sums where the caller has them (engine/kernels/norm_sums.py), for the CUDA GEMV.
+    the int4 GEMM (engine/kernels/qgemm.py; bf16 x of up to 64 rows to the CUDA op's GEMM with
+    the plan's gemm "cuda"), which does not write a dequantized copy. corr: x's group sums where
+    the caller has them (engine/kernels/norm_sums.py), for the CUDA GEMV.
     """
     if plan is not None and plan.gemv != "xla":
         from engine.kernels import qgemm, qgemv
@@ -32,9 +33,12 @@ def linear(x: jax.Array, w, plan=None, corr=None) -> jax.Array:
         mat, index = (w.w, w.index) if stacked else (w, None)
         lead = int(index.shape[0]) if stacked else 0
         cuda = plan.gemv == "cuda"
-        if (math.prod(x.shape[:-1]) <= plan.int4_gemm_rows
-                and qgemm.takes(x, mat, lead)):  # takes: at least qgemm.MIN_ROWS rows
-            return qgemm.int4_matmul(x, mat, index)
+        if qgemm.MIN_ROWS <= math.prod(x.shape[:-1]) <= plan.int4_gemm_rows:
+            if plan.gemm == "cuda" and _cuda_gemm(x, [mat], lead):
+                from engine.kernels import cuda_ops
+                return cuda_ops.int4_gemm_multi(x, [mat], index)[0]
+            if qgemm.takes(x, mat, lead):
+                return qgemm.int4_matmul(x, mat, index)
         if stacked:  # a layer of a stacked weight (engine/kernels/stacked.py)
             if qgemv.supported(x, w.w, lead):
                 return qgemv.qmatmul(x, w.w, w.index, corr=corr, cuda=cuda)
@@ -46,21 +50,32 @@ def linear(x: jax.Array, w, plan=None, corr=None) -> jax.Array:
 
 def linear_multi(x: jax.Array, ws, plan=None, concat: bool = False, corr=None):
     """[linear(x, w, plan) for w in ws]: a layer's projections of one input. With the plan's
-    gemv "cuda", int4_g64 weights (layer views of one stack, or plain QTensors) go to the CUDA
-    GEMV in one launch that prepares x once (engine/kernels/cuda_ops.py `int4_gemv_multi`: the
+    gemv "cuda" (gemm "cuda" for a prefill piece), int4_g64 weights (layer views of one stack,
+    or plain QTensors) go to the CUDA GEMV (GEMM) in one launch that prepares x once (engine/kernels/cuda_ops.py `int4_gemv_multi`: the
     same result per projection as separate calls). concat=True returns the projections side by
     side in one [..., sum of outs] array instead (from the one launch, no slices)."""
     ws = list(ws)
-    if plan is not None and plan.gemv == "cuda" and len(ws) > 1:
+    if plan is not None and (plan.gemv == "cuda" or plan.gemm == "cuda") and len(ws) > 1:
         from engine.kernels import cuda_ops
         from engine.kernels.stacked import Stacked
 
         views = all(isinstance(w, Stacked) for w in ws)
         mats = [w.w for w in ws] if views else ws
         lead = int(ws[0].index.shape[0]) if views else 0
-        if (views or not any(isinstance(w, Stacked) for w in ws)) and cuda_ops.takes(
-                x, mats, lead):
-            return cuda_ops.int4_gemv_multi(x, mats, ws[0].index if views else None,
-                                            concat=concat, corr=corr)
+        index = ws[0].index if views else None
+        if views or not any(isinstance(w, Stacked) for w in ws):
+            rows = math.prod(x.shape[:-1])
+            if (plan.gemm == "cuda" and 9 <= rows <= plan.int4_gemm_rows  # qgemm.MIN_ROWS
+                    and _cuda_gemm(x, mats, lead)):
+                return cuda_ops.int4_gemm_multi(x, mats, index, concat=concat)
+            if plan.gemv == "cuda" and cuda_ops.takes(x, mats, lead):
+                return cuda_ops.int4_gemv_multi(x, mats, index, concat=concat, corr=corr)
     outs = [linear(x, w, plan, corr) for w in ws]
     return jnp.concatenate(outs, axis=-1) if concat else outs
+
+
+def _cuda_gemm(x, mats, lead: int) -> bool:
+    """Whether the CUDA GEMM takes a prefill piece's x against `mats` (a property of the shapes:
+    bf16 x of at most 64 rows, K a multiple of 128); other pieces take the Pallas GEMM."""
+    from engine.kernels import cuda_ops
+    return cuda_ops.gemm_takes(x, mats, lead)

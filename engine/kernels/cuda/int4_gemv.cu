@@ -1443,6 +1443,266 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
+
+// ---- The int4 GEMM of prefill pieces (up to 64 rows of x) ------------------------------------
+//
+// A short prefill piece (the last tokens of a new turn) multiplies up to 64 rows of bf16 x by
+// every weight, so each weight byte is read once for all its rows and the piece costs close to
+// its bytes (or, at 64 rows, to its tensor-core work). As in the decode kernels, codes become
+// exact bf16 (code - 8) (`pair`, then one bf16 subtraction), the products are exact and summed
+// in fp32 by the MMAs a group at a time, and each group's sums are scaled by its fp32 scale
+// into the row's total: the sums of exact products (the reference instead rounds each
+// code * scale to bf16 first).
+//
+// A block of 16 warps owns 256 output rows and all Mp = 8 MT rows of x (MT n8 columns of the
+// MMA, MT even), over a range of K: warp w takes rows 32 (w % 8) .. + 31 (two m16 row sets)
+// against x's columns of half w / 8 (MT / 2 n8 tiles), so that 4 warps a scheduler hide each
+// other's latencies with at most 128 registers a thread; the grid's y dimension splits K into
+// `splits` parts, each writing fp32 partial sums [split, M, N] that the caller adds in split
+// order. A stage is 128 inputs (two groups): two threads copy a row's 64 bytes of codes (one
+// group each) and one its 8 bytes of scales with cp.async into a ring of gemm_stages(MT)
+// stages; x comes in 32-byte pieces through registers (permuted on the way, below).
+//
+// Within a group, lane (g, t) holds the codes of inputs 16t .. 16t + 15 of its rows, two 32-bit
+// words w0 (inputs 16t + 0..7) and w1 (16t + 8..15). MMA step q multiplies pair(w0, q) (inputs
+// 16t + q and 16t + q + 4: the A operand's k pair (2t, 2t + 1)) and pair(w1, q) (16t + 8 + q,
+// 16t + 12 + q: the k pair (2t + 8, 2t + 9)). B must pair x the same way, so x is stored
+// permuted: a lane's 32 bytes of row m are the bf16 pairs (x0, x4), (x8, x12), (x1, x5),
+// (x9, x13), (x2, x6), (x10, x14), (x3, x7), (x11, x15) of its 16 inputs, so that its two
+// 16-byte loads hold B for steps 0, 1 and 2, 3. x rows sit 256 bytes apart in shared memory and
+// a row's 16-byte units at index u ^ (row & 1), so the 8 lanes of a load phase (rows g, g + 1)
+// hit distinct banks; codes sit as [group][row][32 bytes], so a lane's 8-byte loads do too.
+constexpr int kGemmRows = 256;  // output rows a block
+constexpr int kGemmK = 128;     // inputs a stage
+constexpr int kGemmThreads = 512;
+constexpr int kGemmSmemBudget = 160 * 1024;  // fits sm_80's 163 KB a block as well as sm_90's
+
+__host__ __device__ constexpr int gemm_stage_bytes(int mt) {
+  return 2 * kGemmRows * 32 + kGemmRows * 8 + 8 * mt * kGemmK * 2;
+}
+__host__ __device__ constexpr int gemm_stages(int mt) {
+  return kGemmSmemBudget / gemm_stage_bytes(mt) < 8 ? kGemmSmemBudget / gemm_stage_bytes(mt) : 8;
+}
+
+// 16 inputs of x (two uint4 of bf16 pairs (x0, x1), (x2, x3), ...) -> B's order (see above)
+__device__ __forceinline__ void gemm_permute_x(const uint4 a, const uint4 b, uint4& lo,
+                                               uint4& hi) {
+  lo.x = __byte_perm(a.x, a.z, 0x5410);  // (x0, x4)
+  lo.y = __byte_perm(b.x, b.z, 0x5410);  // (x8, x12)
+  lo.z = __byte_perm(a.x, a.z, 0x7632);  // (x1, x5)
+  lo.w = __byte_perm(b.x, b.z, 0x7632);  // (x9, x13)
+  hi.x = __byte_perm(a.y, a.w, 0x5410);  // (x2, x6)
+  hi.y = __byte_perm(b.y, b.w, 0x5410);  // (x10, x14)
+  hi.z = __byte_perm(a.y, a.w, 0x7632);  // (x3, x7)
+  hi.w = __byte_perm(b.y, b.w, 0x7632);  // (x11, x15)
+}
+
+// pair(w, e) (bf16 128 + code) minus 136: the exact bf16 (code - 8) of nibbles e and e + 4
+__device__ __forceinline__ uint32_t gemm_pair(uint32_t w, int e) {
+  const __nv_bfloat162 v = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&(const uint32_t&)
+                                       pair(w, e)), __float2bfloat162_rn(136.0f));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <int MT>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __restrict__ index,
+          float* __restrict__ y, int m, int n, int k) {
+  extern __shared__ __align__(16) uint8_t gsm[];
+  constexpr int kMp = 8 * MT, kS = gemm_stages(MT);
+  constexpr int kStage = gemm_stage_bytes(MT);
+  constexpr int kXOff = 2 * kGemmRows * 32 + kGemmRows * 8;     // x's place in a stage
+  constexpr int kXPieces = kMp * kGemmK / 16;                   // 32-byte pieces a stage
+  constexpr int kXEach = (kXPieces + kGemmThreads - 1) / kGemmThreads;
+  constexpr int kMw = MT / 2;  // n8 tiles a warp
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3, rw = warp & 7, j0 = (warp >> 3) * kMw;
+  const int row0 = blockIdx.x * kGemmRows;
+  const int steps = k / kGemmK, splits = gridDim.y, sp = blockIdx.y;
+  const int s0 = static_cast<int>(static_cast<int64_t>(steps) * sp / splits);
+  const int s1 = static_cast<int>(static_cast<int64_t>(steps) * (sp + 1) / splits);
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(gsm));
+
+  // the row this thread copies (rows past N copy the last row; their sums are not stored)
+  const uint8_t* wrow;
+  const float* srow;
+  const int crow = tid >> 1, cgrp = tid & 1;  // the row and the group this thread copies
+  row_ptrs(mt, min(row0 + crow, n - 1), layer_of(mt, index), k, wrow, srow);
+
+  auto load_w = [&](int step, int slot) {
+    const int k0 = step * kGemmK;
+    const unsigned st = base + slot * kStage;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      cp_async16(st + cgrp * kGemmRows * 32 + crow * 32 + h * 16,
+                 wrow + k0 / 2 + 32 * cgrp + 16 * h);
+    if (cgrp == 0)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(st + 2 * kGemmRows * 32 +
+                                                                    crow * 8),
+                   "l"(srow + k0 / 64));
+  };
+  // x piece i of a stage: row i / 8, lane block i % 8 (group (i % 8) / 4, t = i % 4)
+  auto load_x = [&](int step, uint4 (&v)[kXEach][2]) {
+#pragma unroll
+    for (int j = 0; j < kXEach; ++j) {
+      const int i = tid + j * kGemmThreads;
+      if (i < kXPieces) {
+        const uint4* src = reinterpret_cast<const uint4*>(
+            x + static_cast<int64_t>(i >> 3) * k + step * kGemmK + (i & 7) * 16);
+        v[j][0] = __ldg(src);
+        v[j][1] = __ldg(src + 1);
+      }
+    }
+  };
+  auto store_x = [&](int slot, const uint4 (&v)[kXEach][2]) {
+#pragma unroll
+    for (int j = 0; j < kXEach; ++j) {
+      const int i = tid + j * kGemmThreads;
+      if (i < kXPieces) {
+        const int r = i >> 3, u = 2 * (i & 7);
+        uint4 lo, hi;
+        gemm_permute_x(v[j][0], v[j][1], lo, hi);
+        uint4* row = reinterpret_cast<uint4*>(gsm + slot * kStage + kXOff + r * kGemmK * 2);
+        row[u ^ (r & 1)] = lo;
+        row[(u + 1) ^ (r & 1)] = hi;
+      }
+    }
+  };
+
+  float acc[2][kMw][4];
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int j = 0; j < kMw; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[a][j][e] = 0.0f;
+
+  uint4 xv[kXEach][2];
+#pragma unroll
+  for (int i = 0; i < kS - 1; ++i) {
+    if (s0 + i < s1) {
+      load_w(s0 + i, i);
+      load_x(s0 + i, xv);
+      store_x(i, xv);
+    }
+    cp_async_commit();
+  }
+  for (int step = s0; step < s1; ++step) {
+    cp_async_wait<kS - 2>();
+    __syncthreads();  // the stage has landed for every thread; the slot refilled below is free
+    const int ahead = step + kS - 1, aslot = (ahead - s0) % kS;
+    if (ahead < s1) {
+      load_w(ahead, aslot);
+      load_x(ahead, xv);
+    }
+    cp_async_commit();
+    const uint8_t* st = gsm + ((step - s0) % kS) * kStage;
+    const float2* sc = reinterpret_cast<const float2*>(st + 2 * kGemmRows * 32);
+    float2 s[2][2];  // [row set][row g, g + 8]: the scales of groups 0 and 1
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) s[a][h] = sc[rw * 32 + 16 * a + 8 * h + g];
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+      uint32_t af[2][4][4];  // [row set][step q][a0..a3]
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        const int r = rw * 32 + 16 * a + g;
+        const uint2 ca = *reinterpret_cast<const uint2*>(st + grp * kGemmRows * 32 + r * 32 +
+                                                         8 * t);
+        const uint2 cb = *reinterpret_cast<const uint2*>(st + grp * kGemmRows * 32 +
+                                                         (r + 8) * 32 + 8 * t);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          af[a][q][0] = gemm_pair(ca.x, q);
+          af[a][q][1] = gemm_pair(cb.x, q);
+          af[a][q][2] = gemm_pair(ca.y, q);
+          af[a][q][3] = gemm_pair(cb.y, q);
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < kMw; ++jj) {
+        const int j = j0 + jj, r = 8 * j + g;
+        const uint4* xr = reinterpret_cast<const uint4*>(st + kXOff + r * kGemmK * 2);
+        const uint4 lo = xr[(grp * 8 + 2 * t) ^ (r & 1)];
+        const uint4 hi = xr[(grp * 8 + 2 * t + 1) ^ (r & 1)];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma_bf16(d, af[a][0][0], af[a][0][1], af[a][0][2], af[a][0][3], lo.x, lo.y);
+          mma_bf16(d, af[a][1][0], af[a][1][1], af[a][1][2], af[a][1][3], lo.z, lo.w);
+          mma_bf16(d, af[a][2][0], af[a][2][1], af[a][2][2], af[a][2][3], hi.x, hi.y);
+          mma_bf16(d, af[a][3][0], af[a][3][1], af[a][3][2], af[a][3][3], hi.z, hi.w);
+          const float sg = grp ? s[a][0].y : s[a][0].x, sg8 = grp ? s[a][1].y : s[a][1].x;
+          acc[a][jj][0] = fmaf(sg, d[0], acc[a][jj][0]);
+          acc[a][jj][1] = fmaf(sg, d[1], acc[a][jj][1]);
+          acc[a][jj][2] = fmaf(sg8, d[2], acc[a][jj][2]);
+          acc[a][jj][3] = fmaf(sg8, d[3], acc[a][jj][3]);
+        }
+      }
+    }
+    if (ahead < s1) store_x(aslot, xv);  // its slot was freed by the barrier above
+  }
+  cp_async_wait<0>();
+
+  // d0 / d1: row g, x rows 2t / 2t + 1; d2 / d3: row g + 8
+  float* ys = y + static_cast<int64_t>(sp) * m * n;
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int jj = 0; jj < kMw; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + rw * 32 + 16 * a + g + 8 * (e >> 1);
+        const int col = 8 * (j0 + jj) + 2 * t + (e & 1);
+        if (row < n && col < m) ys[static_cast<int64_t>(col) * n + row] = acc[a][jj][e];
+      }
+}
+
+template <int MT>
+cudaError_t launch_gemm(cudaStream_t stream, const __nv_bfloat16* x, const Mats& mt,
+                        const int32_t* index, float* y, int m, int k, int splits) {
+  constexpr int smem = gemm_stages(MT) * gemm_stage_bytes(MT);
+  cudaError_t err = cudaFuncSetAttribute(int4_gemm<MT>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const int n = mt.start[mt.count];
+  const dim3 grid((n + kGemmRows - 1) / kGemmRows, splits);
+  int4_gemm<MT><<<grid, kGemmThreads, smem, stream>>>(x, mt, index, y, m, n, k);
+  return cudaGetLastError();
+}
+
+ffi::Error Int4GemmImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
+                        ffi::Buffer<ffi::S32> index, ffi::RemainingArgs rest,
+                        ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  Mats mt{};
+  int64_t k = 0;
+  if (const char* bad = decode_mats(rest, index, mt, k)) return ffi::Error::InvalidArgument(bad);
+  const int64_t n = mt.start[mt.count];
+  const auto xd = x.dimensions(), yd = y->dimensions();
+  if (k % kGemmK != 0) return ffi::Error::InvalidArgument("int4_gemm: K must be a multiple of 128");
+  if (xd.size() != 2 || xd[1] != k || xd[0] % 16 != 0 || xd[0] < 16 || xd[0] > 64)
+    return ffi::Error::InvalidArgument(
+        "int4_gemm: x must be [Mp, K], Mp a multiple of 16 in 16..64");
+  if (yd.size() != 3 || yd[1] < 1 || yd[1] > xd[0] || yd[2] != n || yd[0] < 1 ||
+      yd[0] > k / kGemmK)
+    return ffi::Error::InvalidArgument(
+        "int4_gemm: y must be [splits <= K/128, M <= Mp, N] (fp32 partial sums)");
+  const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.typed_data());
+  const int mi = static_cast<int>(yd[1]), ki = static_cast<int>(k), sp = static_cast<int>(yd[0]);
+  float* yp = y->typed_data();
+  const int32_t* ip = index.typed_data();
+  cudaError_t err;
+  switch (xd[0] / 16) {
+    case 1: err = launch_gemm<2>(stream, xp, mt, ip, yp, mi, ki, sp); break;
+    case 2: err = launch_gemm<4>(stream, xp, mt, ip, yp, mi, ki, sp); break;
+    case 3: err = launch_gemm<6>(stream, xp, mt, ip, yp, mi, ki, sp); break;
+    default: err = launch_gemm<8>(stream, xp, mt, ip, yp, mi, ki, sp); break;
+  }
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Gemv, Int4GemvImpl,
@@ -1499,4 +1759,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Mlp, Int4MlpImpl,
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("occupancy")
                                   .Attr<int64_t>("launches"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferInt4Gemm, Int4GemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>(),
                               {ffi::Traits::kCmdBufferCompatible});
