@@ -111,6 +111,7 @@ constexpr int kMaxK = 17408;
 constexpr int kMaxChunks = kMaxK / kChunk;                   // 17
 constexpr int kXsWarp = kMaxChunks * 2 * 128;                // a warp's x: 2 groups a chunk
 constexpr int kCntStride = 32;                               // counters an item
+constexpr int kSumBatch = 17;  // --fold: tile sums a lane loads at once (2,176 = 4 x 32 x 17)
 
 struct Gemv {
   const uint8_t* w;  // [n, k/2]
@@ -533,7 +534,18 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
         if (p.fold && it.prev >= 0) {  // the norm: the previous GEMV's tile sums of squares
           const float* part = p.gemvs[it.prev].y1;  // added in a fixed order by every warp
           float ss = 0.0f;
-          for (int i = lane; i < xn / kRows; i += 32) ss += __ldcg(part + i);
+          // kSumBatch loads a lane in flight before their adds (the order of the adds is the
+          // plain loop's: lane, lane + 32, ...): run 7 read them one at a time, a chain of up
+          // to 68 L2 latencies
+          const int nt = xn / kRows;
+          for (int i0 = lane; i0 < nt; i0 += 32 * kSumBatch) {
+            float v[kSumBatch];
+#pragma unroll
+            for (int u = 0; u < kSumBatch; ++u)
+              v[u] = i0 + 32 * u < nt ? __ldcg(part + i0 + 32 * u) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < kSumBatch; ++u) ss += v[u];
+          }
           for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
           xscale = rsqrtf(ss / xn + 1e-6f);
         }
