@@ -216,9 +216,10 @@ class KernelPlan:
         return next((n for n, p in PRESETS.items() if p == self), None)
 
     def describe(self) -> dict:
-        """The effective plan as a report shows it: preset (or null), digest, fields."""
-        return {"preset": self.preset_name(), "digest": self.digest(), **self.to_dict(),
-                **{n: getattr(self, n) for n in LATE_DEFAULTS}}
+        """The effective plan as a report shows it: preset (or null), digest, fields (those of
+        LATE_DEFAULTS where set, as `to_dict` has them: a report of an existing plan, and what
+        is keyed by it, such as the qualification corpus, stays as it was)."""
+        return {"preset": self.preset_name(), "digest": self.digest(), **self.to_dict()}
 
 
 # Fields added since plans were first fingerprinted (v0.16.0), with their defaults: in a plan's
