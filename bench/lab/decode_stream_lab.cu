@@ -291,9 +291,10 @@ __device__ __forceinline__ float clamp4(float v) { return fminf(fmaxf(v, -4.0f),
 // Chunk c of x into the warp's area, its groups 2w and 2w + 1, by 16 lanes (l = 0..15): group
 // gi = l / 8, lane-quad tt = (l % 8) / 2, word i = l % 2; 8 inputs from k = 64 G + 16 tt + 8 i,
 // stored as (x0, x4), (x1, x5), (x2, x6), (x3, x7) at [c * 2 + gi][tt][i].
-// With src1 (--balanced) the input is src + src1, the two partial sums of a cut tile.
+// With src1 (--balanced) the input is src + src1, the two partial sums of a cut tile; `scale`
+// (--fold: the RMS norm's scale applied as x is staged; 1 otherwise, which changes no bit).
 __device__ __forceinline__ void stage_chunk(uint4* xs, const float* src, const float* src1,
-                                            int xn, int c, int w, int l) {
+                                            int xn, int c, int w, int l, float scale = 1.0f) {
   const int gi = l >> 3, tt = (l & 7) >> 1, i = l & 1;
   const int G = c * 16 + 2 * w + gi;
   const int k = (64 * G + 16 * tt + 8 * i) % xn;  // xn is a multiple of 8
@@ -305,21 +306,6 @@ __device__ __forceinline__ void stage_chunk(uint4* xs, const float* src, const f
     a = make_float4(a.x + a1.x, a.y + a1.y, a.z + a1.z, a.w + a1.w);
     b = make_float4(b.x + b1.x, b.y + b1.y, b.z + b1.z, b.w + b1.w);
   }
-  uint4 o;
-  o.x = pack_h2(clamp4(a.x), clamp4(b.x));
-  o.y = pack_h2(clamp4(a.y), clamp4(b.y));
-  o.z = pack_h2(clamp4(a.z), clamp4(b.z));
-  o.w = pack_h2(clamp4(a.w), clamp4(b.w));
-  xs[(c * 2 + gi) * 8 + tt * 2 + i] = o;
-}
-
-// stage_chunk with x = y * scale (--fold: the RMS norm's scale applied as x is staged)
-__device__ __forceinline__ void stage_chunk_scaled(uint4* xs, const float* src, int xn, int c,
-                                                   int w, int l, float scale) {
-  const int gi = l >> 3, tt = (l & 7) >> 1, i = l & 1;
-  const int k = (64 * (c * 16 + 2 * w + gi) + 16 * tt + 8 * i) % xn;
-  const float4 a = __ldcg(reinterpret_cast<const float4*>(src + k));
-  const float4 b = __ldcg(reinterpret_cast<const float4*>(src + k + 4));
   uint4 o;
   o.x = pack_h2(clamp4(a.x * scale), clamp4(b.x * scale));
   o.y = pack_h2(clamp4(a.y * scale), clamp4(b.y * scale));
@@ -490,10 +476,7 @@ __global__ void __launch_bounds__((kCW * TEAMS + 1) * 32, 1) stream_gemv(const P
       if (kHalf && src16)
         stage_chunk16(xs, src16, xn, c, gw, lane & 15);
       else
-        if (p.fold)
-          stage_chunk_scaled(xs, src, xn, c, gw, lane & 15, scale);
-        else
-          stage_chunk(xs, src, src1, xn, c, gw, lane & 15);
+        stage_chunk(xs, src, src1, xn, c, gw, lane & 15, scale);
     }
     if (kShared)
       pair_sync(gw);
@@ -852,6 +835,24 @@ static double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// A launch as a programmatic dependent of the launch before it in the stream (pdl): it may start
+// once that one's CTAs have all triggered (griddepcontrol.launch_dependents) or exited.
+template <typename... K, typename... A>
+cudaError_t launch_dependent(cudaStream_t st, int grid, int threads, size_t smem,
+                             void (*kern)(K...), A... args) {
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cf = {};
+  cf.gridDim = dim3(grid);
+  cf.blockDim = dim3(threads);
+  cf.dynamicSmemBytes = smem;
+  cf.stream = st;
+  cf.attrs = at;
+  cf.numAttrs = 1;
+  return cudaLaunchKernelEx(&cf, kern, args...);
+}
+
 int main(int argc, char** argv) {
   int reps = 15, stages = 16, copy_mb = 2048, hint = 0, packed = 0, relred = 0, balanced = 0,
       teams = 1, xshared = 0, yhalf = 0, mid = 0, fold = 0;
@@ -1188,17 +1189,7 @@ int main(int argc, char** argv) {
           one.count = 1;
           if (pdl && s > 0) {  // a programmatic dependent of the launch before it
             one.pdl = 1;
-            cudaLaunchAttribute at[1];
-            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            at[0].val.programmaticStreamSerializationAllowed = 1;
-            cudaLaunchConfig_t cf = {};
-            cf.gridDim = dim3(grid);
-            cf.blockDim = dim3(threads);
-            cf.dynamicSmemBytes = smem;
-            cf.stream = st;
-            cf.attrs = at;
-            cf.numAttrs = 1;
-            CK(cudaLaunchKernelEx(&cf, kern, one));
+            CK(launch_dependent(st, grid, threads, smem, kern, one));
           } else {
             one.pdl = pdl;  // the first launch triggers its dependent too
             kern<<<grid, threads, smem, st>>>(one);
@@ -1206,17 +1197,8 @@ int main(int argc, char** argv) {
           if (mid && s + 1 < n) {  // the small op between this GEMV and the next
             const Gemv& gv = hg[q.g[s]];
             if (pdl) {
-              cudaLaunchAttribute at[1];
-              at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-              at[0].val.programmaticStreamSerializationAllowed = 1;
-              cudaLaunchConfig_t cf = {};
-              cf.gridDim = dim3(1);
-              cf.blockDim = dim3(1024);
-              cf.stream = st;
-              cf.attrs = at;
-              cf.numAttrs = 1;
-              CK(cudaLaunchKernelEx(&cf, mid_norm, static_cast<const float*>(gv.y), gv.y1,
-                                    gv.n, 1));
+              CK(launch_dependent(st, 1, 1024, 0, mid_norm, static_cast<const float*>(gv.y),
+                                  gv.y1, gv.n, 1));
             } else {
               mid_norm<<<1, 1024, 0, st>>>(gv.y, gv.y1, gv.n, 0);
             }
