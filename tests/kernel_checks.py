@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
+from engine.kernels.cuda_build import FFI_TARGETS
+
 # ||out - ref|| / ||ref|| bounds by compute dtype (METHOD.md: fp32 far under 1e-3; bf16
 # operands 1e-3..1e-2).
 BOUNDS = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
@@ -25,8 +27,7 @@ def assert_close(got, want, dtype) -> None:
 
 
 # The custom calls a CUDA lowering may hold: Pallas's Triton calls and the CUDA ops' FFI targets
-CUDA_TARGETS = ("__gpu$xla.gpu.triton", "ninfer_int4_gemv", "ninfer_int4_gemv_mma",
-                "ninfer_int4_gemv_wide", "ninfer_int4_mlp", "ninfer_int4_gemm")
+CUDA_TARGETS = ("__gpu$xla.gpu.triton", *FFI_TARGETS)
 
 
 def cuda_module_text(fn, *args) -> str:

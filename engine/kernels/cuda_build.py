@@ -35,6 +35,8 @@ INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
 INT4_MLP_TARGET = "ninfer_int4_mlp"
 INT4_GEMM_TARGET = "ninfer_int4_gemm"
+FFI_TARGETS = (INT4_TARGET, INT4_MMA_TARGET, INT4_WIDE_TARGET, INT4_MLP_TARGET,
+               INT4_GEMM_TARGET)  # every target the library registers (`_register`)
 
 
 class CudaUnavailable(RuntimeError):

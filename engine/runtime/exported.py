@@ -33,12 +33,12 @@ from jax import export
 
 import engine.model.model as M
 from engine.io.loader import worker_threads
+from engine.kernels.cuda_build import FFI_TARGETS
 
 MAGIC = b"ninfer-exported/1\n"
 PLATFORMS = ("cpu", "cuda")
 # custom calls a CUDA export may hold: the Triton (Pallas) kernels and the CUDA ops' FFI targets
-_CUDA_TARGETS = ("__gpu$xla.gpu.triton", "ninfer_int4_gemv", "ninfer_int4_gemv_mma",
-                 "ninfer_int4_gemv_wide", "ninfer_int4_mlp")
+_CUDA_TARGETS = ("__gpu$xla.gpu.triton", *FFI_TARGETS)
 _TRACE_LOCK = threading.Lock()
 
 
