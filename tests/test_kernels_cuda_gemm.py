@@ -1,8 +1,9 @@
 """The CUDA int4_g64 GEMM of prefill pieces (engine/kernels/cuda_ops.py `int4_gemm_multi`, XLA
-FFI) against the fp32 reference of the same bf16 x (`linear` on fp32 x: exact weights). On the GPU (-m gpu) it is built and registered as the h200 plan builds the CUDA ops;
-on the CPU the tests check which shapes it takes, that it lowers to its FFI call for CUDA, that
-a plan's gemm "cuda" sends a piece of up to 64 rows there (wider ones to the Pallas GEMM), and
-that a plan naming it where it cannot run is refused, naming the field."""
+FFI) against the fp32 reference of the same bf16 x (`linear` on fp32 x: exact weights). On
+the GPU (-m gpu) it is built and registered as the h200 plan builds the CUDA ops; on the CPU
+the tests check which shapes it takes, that it lowers to its FFI call for CUDA, that a plan's
+gemm "cuda" sends a piece of up to 64 rows there (wider ones to the Pallas GEMM), and that a
+plan naming it where it cannot run is refused, naming the field."""
 from __future__ import annotations
 
 import dataclasses

@@ -35,8 +35,11 @@ INT4_MMA_TARGET = "ninfer_int4_gemv_mma"
 INT4_WIDE_TARGET = "ninfer_int4_gemv_wide"
 INT4_MLP_TARGET = "ninfer_int4_mlp"
 INT4_GEMM_TARGET = "ninfer_int4_gemm"
-FFI_TARGETS = (INT4_TARGET, INT4_MMA_TARGET, INT4_WIDE_TARGET, INT4_MLP_TARGET,
-               INT4_GEMM_TARGET)  # every target the library registers (`_register`)
+# every FFI target the library registers, with its handler's symbol
+_SYMBOLS = {INT4_TARGET: "NinferInt4Gemv", INT4_MMA_TARGET: "NinferInt4GemvMma",
+            INT4_WIDE_TARGET: "NinferInt4GemvWide", INT4_MLP_TARGET: "NinferInt4Mlp",
+            INT4_GEMM_TARGET: "NinferInt4Gemm"}
+FFI_TARGETS = tuple(_SYMBOLS)
 
 
 class CudaUnavailable(RuntimeError):
@@ -153,12 +156,9 @@ _LOADED: dict[tuple, Path] = {}  # (arch, flags) -> the library registered in th
 
 
 def _register(lib) -> None:
-    for target, symbol in ((INT4_TARGET, lib.NinferInt4Gemv),
-                           (INT4_MMA_TARGET, lib.NinferInt4GemvMma),
-                           (INT4_WIDE_TARGET, lib.NinferInt4GemvWide),
-                           (INT4_MLP_TARGET, lib.NinferInt4Mlp),
-                           (INT4_GEMM_TARGET, lib.NinferInt4Gemm)):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="CUDA")
+    for target, symbol in _SYMBOLS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="CUDA")
 
 
 def require(plan) -> Path:

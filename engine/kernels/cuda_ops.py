@@ -4,8 +4,9 @@
 Triton version is instruction-bound near 1.1 TB/s (docs/benchmarks/README.md); the CUDA one
 dequantizes with one logic op per code. Same signature and result as `qgemv.qmatmul` for int4
 weights (x [..., K], a QTensor or a stack of them read at `index`), checked against the same
-reference (`ops.quant.linear_ref`) by the GPU tests. `int4_mlp`: a decode step's whole MLP. `int4_gemm`: the same product for a prefill piece of up to
-64 rows of bf16 x (a short new turn), each weight byte read once for all the rows.
+reference (`ops.quant.linear_ref`) by the GPU tests. `int4_mlp`: a decode step's whole MLP.
+`int4_gemm_multi`: the same product for a prefill piece of up to 64 rows of bf16 x (a short
+new turn), each weight byte read once for all the rows.
 
 The ops call the FFI targets of the shared library that engine/kernels/cuda_build.py builds and
 registers; `require(plan)` (re-exported here with the build's other entry points) must have
@@ -273,7 +274,6 @@ def int4_mlp(x, h, gate: QTensor, up: QTensor, down: QTensor, index=None, *, cor
     out, _, _ = call(xb, corr, h.reshape(m, n2).astype(jnp.bfloat16), idx, *pairs,
                      **_attrs(_MLP_BUILD))
     return out.reshape(*lead, n2)
-
 
 
 GEMM_MAX_ROWS = 64

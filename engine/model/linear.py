@@ -33,12 +33,12 @@ def linear(x: jax.Array, w, plan=None, corr=None) -> jax.Array:
         mat, index = (w.w, w.index) if stacked else (w, None)
         lead = int(index.shape[0]) if stacked else 0
         cuda = plan.gemv == "cuda"
-        if qgemm.MIN_ROWS <= math.prod(x.shape[:-1]) <= plan.int4_gemm_rows:
-            if plan.gemm == "cuda" and _cuda_gemm(x, [mat], lead):
-                from engine.kernels import cuda_ops
-                return cuda_ops.int4_gemm_multi(x, [mat], index)[0]
-            if qgemm.takes(x, mat, lead):
-                return qgemm.int4_matmul(x, mat, index)
+        if _cuda_gemm(x, [mat], lead, plan):
+            from engine.kernels import cuda_ops
+            return cuda_ops.int4_gemm_multi(x, [mat], index)[0]
+        if (math.prod(x.shape[:-1]) <= plan.int4_gemm_rows
+                and qgemm.takes(x, mat, lead)):  # takes: at least qgemm.MIN_ROWS rows
+            return qgemm.int4_matmul(x, mat, index)
         if stacked:  # a layer of a stacked weight (engine/kernels/stacked.py)
             if qgemv.supported(x, w.w, lead):
                 return qgemv.qmatmul(x, w.w, w.index, corr=corr, cuda=cuda)
@@ -51,8 +51,9 @@ def linear(x: jax.Array, w, plan=None, corr=None) -> jax.Array:
 def linear_multi(x: jax.Array, ws, plan=None, concat: bool = False, corr=None):
     """[linear(x, w, plan) for w in ws]: a layer's projections of one input. With the plan's
     gemv "cuda" (gemm "cuda" for a prefill piece), int4_g64 weights (layer views of one stack,
-    or plain QTensors) go to the CUDA GEMV (GEMM) in one launch that prepares x once (engine/kernels/cuda_ops.py `int4_gemv_multi`: the
-    same result per projection as separate calls). concat=True returns the projections side by
+    or plain QTensors) go to the CUDA GEMV (GEMM) in one launch that prepares x once
+    (engine/kernels/cuda_ops.py `int4_gemv_multi`: the same result per projection as separate
+    calls). concat=True returns the projections side by
     side in one [..., sum of outs] array instead (from the one launch, no slices)."""
     ws = list(ws)
     if plan is not None and (plan.gemv == "cuda" or plan.gemm == "cuda") and len(ws) > 1:
@@ -64,9 +65,7 @@ def linear_multi(x: jax.Array, ws, plan=None, concat: bool = False, corr=None):
         lead = int(ws[0].index.shape[0]) if views else 0
         index = ws[0].index if views else None
         if views or not any(isinstance(w, Stacked) for w in ws):
-            rows = math.prod(x.shape[:-1])
-            if (plan.gemm == "cuda" and 9 <= rows <= plan.int4_gemm_rows  # qgemm.MIN_ROWS
-                    and _cuda_gemm(x, mats, lead)):
+            if _cuda_gemm(x, mats, lead, plan):
                 return cuda_ops.int4_gemm_multi(x, mats, index, concat=concat)
             if plan.gemv == "cuda" and cuda_ops.takes(x, mats, lead):
                 return cuda_ops.int4_gemv_multi(x, mats, index, concat=concat, corr=corr)
@@ -74,8 +73,11 @@ def linear_multi(x: jax.Array, ws, plan=None, concat: bool = False, corr=None):
     return jnp.concatenate(outs, axis=-1) if concat else outs
 
 
-def _cuda_gemm(x, mats, lead: int) -> bool:
-    """Whether the CUDA GEMM takes a prefill piece's x against `mats` (a property of the shapes:
-    bf16 x of at most 64 rows, K a multiple of 128); other pieces take the Pallas GEMM."""
-    from engine.kernels import cuda_ops
-    return cuda_ops.gemm_takes(x, mats, lead)
+def _cuda_gemm(x, mats, lead: int, plan) -> bool:
+    """Whether x @ each of `mats` runs in the CUDA GEMM: the plan's gemm "cuda", a prefill
+    piece (qgemm.MIN_ROWS to the plan's int4_gemm_rows rows) and shapes it takes (bf16 x of at
+    most 64 rows, K a multiple of 128); other pieces take the Pallas GEMM or the GEMV."""
+    from engine.kernels import cuda_ops, qgemm
+    rows = math.prod(x.shape[:-1])
+    return (plan.gemm == "cuda" and qgemm.MIN_ROWS <= rows <= plan.int4_gemm_rows
+            and cuda_ops.gemm_takes(x, mats, lead))

@@ -1499,8 +1499,9 @@ __device__ __forceinline__ void gemm_permute_x(const uint4 a, const uint4 b, uin
 
 // pair(w, e) (bf16 128 + code) minus 136: the exact bf16 (code - 8) of nibbles e and e + 4
 __device__ __forceinline__ uint32_t gemm_pair(uint32_t w, int e) {
-  const __nv_bfloat162 v = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&(const uint32_t&)
-                                       pair(w, e)), __float2bfloat162_rn(136.0f));
+  const uint32_t p = pair(w, e);
+  const __nv_bfloat162 v =
+      __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&p), __float2bfloat162_rn(136.0f));
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
