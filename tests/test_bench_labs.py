@@ -35,3 +35,21 @@ def test_chain_lab_builds_and_refuses_unknown_arguments(tmp_path):
     for args in (["--slice-kb", "6,x"], ["--slice-kb", "-4"], ["--reps"]):
         r = subprocess.run([str(out), *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "usage:" in r.stderr, (args, r.returncode, r.stderr)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="needs the CUDA toolkit's nvcc")
+def test_gemm_arrangement_lab_builds_the_ops_source_and_refuses_unknown_arguments(tmp_path):
+    """bench/lab/gemm_arrangement.cu includes engine/kernels/cuda/int4_gemv.cu whole and
+    instantiates the GEMM under each warp arrangement it times."""
+    import jax.ffi
+
+    out = tmp_path / "gemm_arrangement"
+    build = subprocess.run(
+        [_nvcc(), "-O3", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90",
+         f"-I{jax.ffi.include_dir()}", str(ROOT / "bench" / "lab" / "gemm_arrangement.cu"),
+         "-o", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    for args in (["--rows", "4"], ["--reps"], ["--json"]):
+        r = subprocess.run([str(out), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "usage:" in r.stderr, (args, r.returncode, r.stderr)

@@ -1454,10 +1454,11 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
 // into the row's total: the sums of exact products (the reference instead rounds each
 // code * scale to bf16 first).
 //
-// A block of 16 warps owns 256 output rows and all Mp = 8 MT rows of x (MT n8 columns of the
-// MMA, MT even), over a range of K: warp w takes rows 32 (w % 8) .. + 31 (two m16 row sets)
-// against x's columns of half w / 8 (MT / 2 n8 tiles), so that 4 warps a scheduler hide each
-// other's latencies with at most 128 registers a thread; the grid's y dimension splits K into
+// A block owns 256 output rows and all Mp = 8 MT rows of x (MT n8 columns of the MMA, MT
+// even), over a range of K. Its warps (`GemmWarps`) each take RW m16 row sets (16 RW rows)
+// against TW of the n8 tiles: a weight's codes are made bf16 once for each warp that reads
+// them (MT / TW times), and x's tiles are read from shared memory once for each row set of
+// warps; the grid's y dimension splits K into
 // `splits` parts, each writing fp32 partial sums [split, M, N] that the caller adds in split
 // order. A stage is 128 inputs (two groups): two threads copy a row's 64 bytes of codes (one
 // group each) and one its 8 bytes of scales with cp.async into a ring of gemm_stages(MT)
@@ -1474,7 +1475,24 @@ ffi::Error Int4MlpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffe
 // hit distinct banks; codes sit as [group][row][32 bytes], so a lane's 8-byte loads do too.
 constexpr int kGemmRows = 256;  // output rows a block
 constexpr int kGemmK = 128;     // inputs a stage
-constexpr int kGemmThreads = 512;
+
+// The warp arrangement: RW row sets and TW n8 tiles a warp, 256 / (16 RW) x MT / TW warps.
+// XP: x comes already in B's order (`gemm_permute_x`'s, made by the caller: each 16 inputs'
+// 4 x 4 transposed) and is staged by cp.async with the codes, not through registers.
+template <int MT, int RW, int TW, bool XP = false>
+struct GemmWarps {
+  static constexpr bool kXp = XP;
+  static_assert(RW == 1 || RW == 2, "a warp takes one or two m16 row sets");
+  static_assert(TW >= 1 && MT % TW == 0, "a warp takes a whole share of the n8 tiles");
+  static constexpr int kRw = RW, kTw = TW;
+  static constexpr int kRowWarps = kGemmRows / (16 * RW);
+  static constexpr int kThreads = 32 * kRowWarps * (MT / TW);
+  static_assert(kThreads <= 512, "at most 512 threads: each copies at least one row's group");
+};
+
+// The arrangement the op launches for MT n8 tiles: two row sets against half the tiles.
+template <int MT>
+using GemmChoice = GemmWarps<MT, 2, MT / 2>;
 constexpr int kGemmSmemBudget = 160 * 1024;  // fits sm_80's 163 KB a block as well as sm_90's
 
 __host__ __device__ constexpr int gemm_stage_bytes(int mt) {
@@ -1505,48 +1523,72 @@ __device__ __forceinline__ uint32_t gemm_pair(uint32_t w, int e) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-template <int MT>
-__global__ void __launch_bounds__(kGemmThreads, 1)
+template <int MT, int RW, int TW, bool XP>
+__global__ void __launch_bounds__(GemmWarps<MT, RW, TW, XP>::kThreads, 1)
 int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __restrict__ index,
           float* __restrict__ y, int m, int n, int k) {
   extern __shared__ __align__(16) uint8_t gsm[];
-  constexpr int kMp = 8 * MT, kS = gemm_stages(MT);
+  using Arr = GemmWarps<MT, RW, TW, XP>;
+  constexpr int kT = Arr::kThreads, kMp = 8 * MT, kS = gemm_stages(MT);
   constexpr int kStage = gemm_stage_bytes(MT);
   constexpr int kXOff = 2 * kGemmRows * 32 + kGemmRows * 8;     // x's place in a stage
   constexpr int kXPieces = kMp * kGemmK / 16;                   // 32-byte pieces a stage
-  constexpr int kXEach = (kXPieces + kGemmThreads - 1) / kGemmThreads;
-  constexpr int kMw = MT / 2;  // n8 tiles a warp
+  constexpr int kXEach = (kXPieces + kT - 1) / kT;
+  constexpr int kCopies = 2 * kGemmRows / kT;  // (row, group) pieces of codes a thread copies
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3, rw = warp & 7, j0 = (warp >> 3) * kMw;
+  const int g = lane >> 2, t = lane & 3;
+  const int rw = warp % Arr::kRowWarps, j0 = (warp / Arr::kRowWarps) * TW;
   const int row0 = blockIdx.x * kGemmRows;
   const int steps = k / kGemmK, splits = gridDim.y, sp = blockIdx.y;
   const int s0 = static_cast<int>(static_cast<int64_t>(steps) * sp / splits);
   const int s1 = static_cast<int>(static_cast<int64_t>(steps) * (sp + 1) / splits);
   const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(gsm));
 
-  // the row this thread copies (rows past N copy the last row; their sums are not stored)
-  const uint8_t* wrow;
-  const float* srow;
-  const int crow = tid >> 1, cgrp = tid & 1;  // the row and the group this thread copies
-  row_ptrs(mt, min(row0 + crow, n - 1), layer_of(mt, index), k, wrow, srow);
+  // piece c of this thread: row (tid + c kT) / 2, group tid % 2 (rows past N copy the last
+  // row; their sums are not stored)
+  const uint8_t* wrow[kCopies];
+  const float* srow[kCopies];
+  const int cgrp = tid & 1;
+  const int64_t layer = layer_of(mt, index);
+#pragma unroll
+  for (int c = 0; c < kCopies; ++c)
+    row_ptrs(mt, min(row0 + ((tid + c * kT) >> 1), n - 1), layer, k, wrow[c], srow[c]);
 
   auto load_w = [&](int step, int slot) {
     const int k0 = step * kGemmK;
     const unsigned st = base + slot * kStage;
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      cp_async16(st + cgrp * kGemmRows * 32 + crow * 32 + h * 16,
-                 wrow + k0 / 2 + 32 * cgrp + 16 * h);
-    if (cgrp == 0)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(st + 2 * kGemmRows * 32 +
-                                                                    crow * 8),
-                   "l"(srow + k0 / 64));
+    for (int c = 0; c < kCopies; ++c) {
+      const int crow = (tid + c * kT) >> 1;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        cp_async16(st + cgrp * kGemmRows * 32 + crow * 32 + h * 16,
+                   wrow[c] + k0 / 2 + 32 * cgrp + 16 * h);
+      if (cgrp == 0)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(st + 2 * kGemmRows * 32 +
+                                                                      crow * 8),
+                     "l"(srow[c] + k0 / 64));
+    }
   };
   // x piece i of a stage: row i / 8, lane block i % 8 (group (i % 8) / 4, t = i % 4)
+  // x piece i of a stage, already permuted: two 16-byte copies into the swizzled row
+  auto copy_x = [&](int step, int slot) {
+#pragma unroll
+    for (int j = 0; j < kXEach; ++j) {
+      const int i = tid + j * kT;
+      if (i < kXPieces) {
+        const int r = i >> 3, u = 2 * (i & 7);
+        const __nv_bfloat16* src = x + static_cast<int64_t>(r) * k + step * kGemmK + (i & 7) * 16;
+        const unsigned row = base + slot * kStage + kXOff + r * kGemmK * 2;
+        cp_async16(row + 16 * (u ^ (r & 1)), src);
+        cp_async16(row + 16 * ((u + 1) ^ (r & 1)), src + 8);
+      }
+    }
+  };
   auto load_x = [&](int step, uint4 (&v)[kXEach][2]) {
 #pragma unroll
     for (int j = 0; j < kXEach; ++j) {
-      const int i = tid + j * kGemmThreads;
+      const int i = tid + j * kT;
       if (i < kXPieces) {
         const uint4* src = reinterpret_cast<const uint4*>(
             x + static_cast<int64_t>(i >> 3) * k + step * kGemmK + (i & 7) * 16);
@@ -1558,7 +1600,7 @@ int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __r
   auto store_x = [&](int slot, const uint4 (&v)[kXEach][2]) {
 #pragma unroll
     for (int j = 0; j < kXEach; ++j) {
-      const int i = tid + j * kGemmThreads;
+      const int i = tid + j * kT;
       if (i < kXPieces) {
         const int r = i >> 3, u = 2 * (i & 7);
         uint4 lo, hi;
@@ -1570,21 +1612,25 @@ int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __r
     }
   };
 
-  float acc[2][kMw][4];
+  float acc[RW][TW][4];
 #pragma unroll
-  for (int a = 0; a < 2; ++a)
+  for (int a = 0; a < RW; ++a)
 #pragma unroll
-    for (int j = 0; j < kMw; ++j)
+    for (int j = 0; j < TW; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[a][j][e] = 0.0f;
 
-  uint4 xv[kXEach][2];
+  uint4 xv[XP ? 1 : kXEach][2];
 #pragma unroll
   for (int i = 0; i < kS - 1; ++i) {
     if (s0 + i < s1) {
       load_w(s0 + i, i);
-      load_x(s0 + i, xv);
-      store_x(i, xv);
+      if constexpr (XP) {
+        copy_x(s0 + i, i);
+      } else {
+        load_x(s0 + i, xv);
+        store_x(i, xv);
+      }
     }
     cp_async_commit();
   }
@@ -1594,22 +1640,23 @@ int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __r
     const int ahead = step + kS - 1, aslot = (ahead - s0) % kS;
     if (ahead < s1) {
       load_w(ahead, aslot);
-      load_x(ahead, xv);
+      if constexpr (XP) copy_x(ahead, aslot);
+      else load_x(ahead, xv);
     }
     cp_async_commit();
     const uint8_t* st = gsm + ((step - s0) % kS) * kStage;
     const float2* sc = reinterpret_cast<const float2*>(st + 2 * kGemmRows * 32);
-    float2 s[2][2];  // [row set][row g, g + 8]: the scales of groups 0 and 1
+    float2 s[RW][2];  // [row set][row g, g + 8]: the scales of groups 0 and 1
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < RW; ++a)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) s[a][h] = sc[rw * 32 + 16 * a + 8 * h + g];
+      for (int h = 0; h < 2; ++h) s[a][h] = sc[rw * 16 * RW + 16 * a + 8 * h + g];
 #pragma unroll
     for (int grp = 0; grp < 2; ++grp) {
-      uint32_t af[2][4][4];  // [row set][step q][a0..a3]
+      uint32_t af[RW][4][4];  // [row set][step q][a0..a3]
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        const int r = rw * 32 + 16 * a + g;
+      for (int a = 0; a < RW; ++a) {
+        const int r = rw * 16 * RW + 16 * a + g;
         const uint2 ca = *reinterpret_cast<const uint2*>(st + grp * kGemmRows * 32 + r * 32 +
                                                          8 * t);
         const uint2 cb = *reinterpret_cast<const uint2*>(st + grp * kGemmRows * 32 +
@@ -1623,13 +1670,13 @@ int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __r
         }
       }
 #pragma unroll
-      for (int jj = 0; jj < kMw; ++jj) {
+      for (int jj = 0; jj < TW; ++jj) {
         const int j = j0 + jj, r = 8 * j + g;
         const uint4* xr = reinterpret_cast<const uint4*>(st + kXOff + r * kGemmK * 2);
         const uint4 lo = xr[(grp * 8 + 2 * t) ^ (r & 1)];
         const uint4 hi = xr[(grp * 8 + 2 * t + 1) ^ (r & 1)];
 #pragma unroll
-        for (int a = 0; a < 2; ++a) {
+        for (int a = 0; a < RW; ++a) {
           float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           mma_bf16(d, af[a][0][0], af[a][0][1], af[a][0][2], af[a][0][3], lo.x, lo.y);
           mma_bf16(d, af[a][1][0], af[a][1][1], af[a][1][2], af[a][1][3], lo.z, lo.w);
@@ -1643,34 +1690,35 @@ int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __r
         }
       }
     }
-    if (ahead < s1) store_x(aslot, xv);  // its slot was freed by the barrier above
+    if constexpr (!XP)
+      if (ahead < s1) store_x(aslot, xv);  // its slot was freed by the barrier above
   }
   cp_async_wait<0>();
 
   // d0 / d1: row g, x rows 2t / 2t + 1; d2 / d3: row g + 8
   float* ys = y + static_cast<int64_t>(sp) * m * n;
 #pragma unroll
-  for (int a = 0; a < 2; ++a)
+  for (int a = 0; a < RW; ++a)
 #pragma unroll
-    for (int jj = 0; jj < kMw; ++jj)
+    for (int jj = 0; jj < TW; ++jj)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int row = row0 + rw * 32 + 16 * a + g + 8 * (e >> 1);
+        const int row = row0 + rw * 16 * RW + 16 * a + g + 8 * (e >> 1);
         const int col = 8 * (j0 + jj) + 2 * t + (e & 1);
         if (row < n && col < m) ys[static_cast<int64_t>(col) * n + row] = acc[a][jj][e];
       }
 }
 
-template <int MT>
+template <int MT, typename Arr = GemmChoice<MT>>
 cudaError_t launch_gemm(cudaStream_t stream, const __nv_bfloat16* x, const Mats& mt,
                         const int32_t* index, float* y, int m, int k, int splits) {
+  auto kernel = int4_gemm<MT, Arr::kRw, Arr::kTw, Arr::kXp>;
   constexpr int smem = gemm_stages(MT) * gemm_stage_bytes(MT);
-  cudaError_t err = cudaFuncSetAttribute(int4_gemm<MT>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int n = mt.start[mt.count];
   const dim3 grid((n + kGemmRows - 1) / kGemmRows, splits);
-  int4_gemm<MT><<<grid, kGemmThreads, smem, stream>>>(x, mt, index, y, m, n, k);
+  kernel<<<grid, Arr::kThreads, smem, stream>>>(x, mt, index, y, m, n, k);
   return cudaGetLastError();
 }
 
