@@ -241,6 +241,70 @@ def gdn_prefill_rows(res):
                   flush=True)
 
 
+# A short new turn on a long session (--only piece): its tokens, the context before them, the
+# table widths the paged kernel is given (the context's own pages, and a 128K lane's table),
+# the paged kernel's program targets and row tiles, and the GDN inverse's blocks a program
+PIECE_TOKENS, PIECE_CONTEXT, PIECE_TABLES = 65, 32768, (None, 131072)
+PIECE_PROGRAMS, PIECE_ROWS, INVERSE_BN = (132, 264, 512, 1024), (64, 128), (1, 2, 4, 8, 16)
+
+
+def piece_rows(res):
+    """What a short new turn's prefill piece spends outside its weight matmuls (issue 44: a
+    64-token turn on a 32K session within 15 ms): one 27B attention layer's paged prefill of
+    PIECE_TOKENS queries after PIECE_CONTEXT tokens (the split partials and XLA's merge of
+    them included: the kernel's `programs` target sets the split) over programs and row
+    tiles, for a table of the context's own pages and a 128K lane's wider one; and one GDN
+    layer's diagonal-block inverses for that piece (48 heads x 2 chunks of 64 x 4 blocks of
+    16) over the blocks a program (`bn`). Errors are against the kernel's defaults and the
+    reference inverse."""
+    from engine.kernels.gdn_inverse import diag_inverse, diag_inverse_ref
+    from engine.kernels.paged_prefill import paged_prefill_attend
+
+    kvh, hd, nh, page = (4, 256, 24, 64) if not SMOKE else (2, 32, 6, 16)
+    t, ctx = PIECE_TOKENS, PIECE_CONTEXT
+    used = -(-(ctx + t) // page)
+    key = jax.random.split(jax.random.key(ctx + t), 4)
+    q = jax.random.normal(key[2], (1, t, nh, hd), jnp.bfloat16)
+    slots = (ctx + jnp.arange(t, dtype=jnp.int32))[None]
+    flops = 2 * 2 * t * (ctx + (t + 1) / 2) * nh * hd
+    kv_bytes = 2 * (ctx + t) * kvh * hd * 2
+    for width in PIECE_TABLES:
+        mp = max(used, (width or 0) // page)
+        shape = (1, mp, page, kvh, hd)
+        pool = KVPool(jax.random.normal(key[0], shape, jnp.bfloat16),
+                      jax.random.normal(key[1], shape, jnp.bfloat16), None, None)
+        table = jnp.where(jnp.arange(mp) < used, jnp.arange(mp), -1).astype(jnp.int32)[None]
+        base = None
+        for rows in PIECE_ROWS:
+            for programs in PIECE_PROGRAMS:
+                fn = jax.jit(lambda pool, table, q, s, r=rows, p=programs: paged_prefill_attend(
+                    pool, table, jnp.int32(0), q, s, block_rows=r, programs=p))
+                t_s = bench(fn, pool, table, q, slots)
+                out = fn(pool, table, q, slots).astype(jnp.float32)
+                base = out if base is None else base
+                err = float(jnp.max(jnp.abs(out - base)))
+                res["piece"].append({"part": "paged_prefill", "tokens": t, "context": ctx,
+                                     "table_pages": mp, "block_rows": rows,
+                                     "programs": programs, "us_per_layer": t_s * 1e6,
+                                     "tflops": flops / t_s / 1e12,
+                                     "kv_bytes_per_s": kv_bytes / t_s,
+                                     "max_abs_diff_vs_first": err})
+                print(f"piece attn T{t} ctx {ctx} table {mp:>5} rows {rows:>3} programs "
+                      f"{programs:>4}: {t_s * 1e6:8.1f} us/layer {flops / t_s / 1e12:6.1f} "
+                      f"TFLOP/s KV {kv_bytes / t_s / 1e9:7.1f} GB/s diff {err:.1e}", flush=True)
+    heads, chunks = (48, 2) if not SMOKE else (4, 2)
+    d = jax.random.normal(key[3], (1, heads, chunks * 4, 16, 16), jnp.float32) * 0.1
+    ref = diag_inverse_ref(d)
+    for bn in INVERSE_BN:
+        fn = jax.jit(lambda d, bn=bn: diag_inverse(d, bn=bn))
+        t_s = bench(fn, d)
+        err = float(jnp.max(jnp.abs(fn(d) - ref)))
+        res["piece"].append({"part": "gdn_diag_inverse", "blocks": heads * chunks * 4,
+                             "bn": bn, "us_per_layer": t_s * 1e6, "max_abs_err_vs_ref": err})
+        print(f"piece gdn inverse {heads * chunks * 4} blocks bn {bn:>2}: {t_s * 1e6:8.1f} "
+              f"us/layer err {err:.1e}", flush=True)
+
+
 FLASH_TILES = [(64, 64, 4, 2, False), (64, 64, 4, 2, True), (64, 64, 4, 3, True),
                (64, 64, 8, 2, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True),
                (128, 32, 8, 2, True), (64, 128, 8, 2, True), (128, 128, 8, 2, True)]
@@ -300,7 +364,7 @@ def flash_rows(res):
 
 def main():
     global SHAPES, CONFIGS, CONTEXTS, FMTS, SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES, FLASH_TILES
-    global ATTN_WARPS
+    global ATTN_WARPS, PIECE_TOKENS, PIECE_CONTEXT, PIECE_TABLES, PIECE_PROGRAMS
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     ap.add_argument("--out", default="micro.json")
@@ -318,12 +382,13 @@ def main():
         SHAPES, CONFIGS, CONTEXTS = [(64, 256)], CONFIGS[:2], (128,)
         SMOKE, PREFILL_TOKENS, GDN_PREFILL_TILES = True, (200,), [(16, 4, 1)]
         FLASH_TILES = [(16, 16, 4, 1, False), (16, 16, 4, 1, True)]
+        PIECE_TOKENS, PIECE_CONTEXT, PIECE_TABLES, PIECE_PROGRAMS = 5, 200, (None, 512), (8, 64)
     res = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
            "jax": jax.__version__, "gemv": [], "paged_decode": [], "gdn_decode": [],
-           "gdn_prefill": [], "attn_prefill": []}
+           "gdn_prefill": [], "attn_prefill": [], "piece": []}
     parts = args.only.split(",")
     for name, fn in (("gdn", gdn_rows), ("gdnprefill", gdn_prefill_rows), ("flash", flash_rows),
-                     ("attention", attention_rows), ("gemv", gemv_rows)):
+                     ("attention", attention_rows), ("gemv", gemv_rows), ("piece", piece_rows)):
         if name in parts:
             fn(res)
             Path(args.out).write_text(json.dumps(res, indent=2))

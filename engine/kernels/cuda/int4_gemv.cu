@@ -1537,7 +1537,8 @@ int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __r
   constexpr int kCopies = 2 * kGemmRows / kT;  // (row, group) pieces of codes a thread copies
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int rw = warp % Arr::kRowWarps, j0 = (warp / Arr::kRowWarps) * TW;
+  const int rw = static_cast<unsigned>(warp) % Arr::kRowWarps;
+  const int j0 = static_cast<unsigned>(warp) / Arr::kRowWarps * TW;
   const int row0 = blockIdx.x * kGemmRows;
   const int steps = k / kGemmK, splits = gridDim.y, sp = blockIdx.y;
   const int s0 = static_cast<int>(static_cast<int64_t>(steps) * sp / splits);
