@@ -1571,8 +1571,7 @@ int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __r
                      "l"(srow[c] + k0 / 64));
     }
   };
-  // x piece i of a stage: row i / 8, lane block i % 8 (group (i % 8) / 4, t = i % 4)
-  // x piece i of a stage, already permuted: two 16-byte copies into the swizzled row
+  // x piece i of a stage, already permuted (XP): two 16-byte copies into the swizzled row
   auto copy_x = [&](int step, int slot) {
 #pragma unroll
     for (int j = 0; j < kXEach; ++j) {
@@ -1586,6 +1585,7 @@ int4_gemm(const __nv_bfloat16* __restrict__ x, const Mats mt, const int32_t* __r
       }
     }
   };
+  // x piece i of a stage: row i / 8, lane block i % 8 (group (i % 8) / 4, t = i % 4)
   auto load_x = [&](int step, uint4 (&v)[kXEach][2]) {
 #pragma unroll
     for (int j = 0; j < kXEach; ++j) {
