@@ -153,7 +153,7 @@ def test_model_paged_prefill_pallas_equals_xla():
 def test_paged_prefill_gpu_27b_heads(kv_dtype, programs):
     """The compiled kernel at the 27B heads: a 512-token chunk over ~4K context, two rows (one
     starting mid-page), scrambled pages; against the reference, and batch invariant.
-    programs=512 splits each tile's table in 3; programs=1 walks it whole."""
+    programs=512 splits each tile's live pages in 5; programs=1 walks them whole."""
     assert on_gpu()
     rng = np.random.default_rng()
     pool, table, q, slots = _case(rng, kv_dtype, 2, 0, t=512, starts=(3584, 2500), layers=2,

@@ -4,11 +4,11 @@
 // (each warp makes its codes bf16, and under the op's arrangement two warps make the same
 // codes) weighs more than the tensor-core work. This times the op's own kernel
 // (engine/kernels/cuda/int4_gemv.cu, included whole) under three arrangements of its warps:
-//   rw2/half  two m16 row sets against half the n8 tiles (16 warps; the op's since a147b86)
+//   rw2/half  two m16 row sets against half the n8 tiles (16 warps; the op's from a147b86 to run 1)
 //   rw1/all   one row set against all the tiles (16 warps; codes made bf16 once, x's tiles read
 //             from shared memory by every warp)
 //   rw2/all   two row sets against all the tiles (8 warps, up to 255 registers; codes once,
-//             x read half as often as rw1/all)
+//             x read half as often as rw1/all; the op's since run 1)
 // and each again with x staged by cp.async beside the codes (`+xp`: x permuted beforehand, as
 // the caller would with a reshape and a transpose, instead of through registers),
 // on the 64-wide piece's shapes at 16, 32, 48 and 64 rows, each with the op's K split

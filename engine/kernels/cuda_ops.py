@@ -324,7 +324,7 @@ def int4_gemm_multi(x, ws, index=None, *, concat: bool = False):
     m = int(np.prod(lead, dtype=np.int64))
     ns = [w.shape[0] for w in ws]
     n = sum(ns)
-    mp = -(-m // 16) * 16  # the kernel's x: a multiple of 16 rows (each warp takes half)
+    mp = -(-m // 16) * 16  # the kernel's x: a multiple of 16 rows (an even count of n8 tiles)
     idx = (jnp.zeros((1,), jnp.int32) if index is None
            else jnp.asarray(index, jnp.int32).reshape(-1))
     xb = jnp.pad(x.reshape(m, k), ((0, mp - m), (0, 0)))

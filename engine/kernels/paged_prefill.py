@@ -17,10 +17,14 @@ attention through the block table:
   (causal stop: the causal upper half is never read). INT8 pages are dequantized in registers
   with their per-token scales (as engine/kernels/paged_decode.py does).
 - Short chunks (kv_heads x tiles below `programs`, e.g. a few speculative tokens at long
-  context) would leave the GPU nearly idle with one program per tile walking 2K pages, so the
-  table is then split flash-decoding style: grid axis 2 is (tile, split), each split writes fp32
-  (max, sum, acc) partials and XLA merges them. Long chunks take the whole table per program
-  and write the normalised result directly.
+  context) would leave the GPU nearly idle with one program per tile walking 2K pages, so a
+  tile's pages are then split flash-decoding style: grid axis 2 is (tile, split), each split
+  writes fp32 (max, sum, acc) partials and XLA merges them. The split count is static (the
+  grid); the pages each split takes are not: a tile's live pages (slot_offset's page to its
+  last visible one) are cut into that many equal runs at run time, so every split works
+  whatever share of the table the context fills, and the result does not depend on the
+  table's width. Long chunks take the whole range per program and write the normalised result
+  directly.
 - Each program owns one batch row; the tiles and the split depend only on T, the heads and the
   table width, never on B or the other rows, so the result is batch invariant.
 
@@ -80,7 +84,7 @@ def supported(pool: KVPool, q, block_rows: int = 128) -> bool:
 
 
 def _kernel(layer_ref, table_ref, rs_ref, q_ref, k_ref, v_ref, *rest, rows, page, hd,
-            max_pages, num_pages, slot_offset, quant, scale, cdt, pps, splits):
+            max_pages, num_pages, slot_offset, quant, scale, cdt, splits):
     if quant:
         ks_ref, vs_ref, *outs = rest
     else:
@@ -91,13 +95,14 @@ def _kernel(layer_ref, table_ref, rs_ref, q_ref, k_ref, v_ref, *rest, rows, page
     tile = pl.ds(pl.multiple_of(i * rows, rows), rows)
     q = q_ref[b, g, tile, :]                                             # [rows, hd]
     rs = rs_ref[b, tile]                                                 # [rows] last slot
-    # Pages [lo, hi): from slot_offset's page to the page of the tile's last visible slot,
-    # within this program's split [s * pps, (s + 1) * pps) of the table.
+    # Pages [lo, hi): from slot_offset's page to the page of the tile's last visible slot;
+    # split s takes the s-th of `splits` equal runs of them (the last one shorter, runs past
+    # hi empty).
     lo = slot_offset // page
     hi = jnp.minimum(jnp.max(rs) // page + 1, max_pages)
     if splits > 1:
-        lo = jnp.maximum(lo, s * pps)
-        hi = jnp.minimum(hi, (s + 1) * pps)
+        per = jnp.maximum(hi - lo + splits - 1, 0) // splits
+        lo, hi = lo + s * per, jnp.minimum(hi, lo + (s + 1) * per)
     tok = lax.broadcasted_iota(jnp.int32, (rows, page), 1)
     prec = lax.Precision.HIGHEST if cdt == jnp.float32 else None
 
@@ -138,26 +143,28 @@ def _kernel(layer_ref, table_ref, rs_ref, q_ref, k_ref, v_ref, *rest, rows, page
         l_ref[b, s, g, tile] = l_i
 
 
-def _pages_per_split(kvh: int, tiles: int, max_pages: int, programs: int) -> int:
-    """Pages per program. Long chunks (kvh * tiles >= programs) take the whole table in one
-    program per tile; short ones (speculative verify, a few tokens) split the table so that
-    about `programs` programs share each row's pages, flash-decoding style. A function of T,
-    the heads and the table width only, never of B: the split decides the merge order, and a
-    row's result must not change with the rows beside it."""
-    return max(1, -(-max_pages * kvh * tiles // programs))
+def _splits(kvh: int, tiles: int, max_pages: int, programs: int) -> int:
+    """Splits of each tile's live pages. Long chunks (kvh * tiles >= programs) take them in
+    one program per tile; short ones (a new turn's last tokens, speculative verify) split them
+    so that at most `programs` programs share each row's pages, flash-decoding style. A
+    function of T, the heads and the table width only, never of B: the split decides the merge
+    order, and a row's result must not change with the rows beside it."""
+    return max(1, min(max_pages, programs // (kvh * tiles)))
 
 
 @functools.partial(jax.jit, static_argnames=("slot_offset", "interpret", "block_rows",
                                              "programs", "num_warps", "num_stages"))
 def paged_prefill_attend(pool: KVPool, table, layer, q, slots, slot_offset: int = 0, *,
                          interpret: bool | None = None, block_rows: int = 128,
-                         programs: int = 512, num_warps: int | None = None,
+                         programs: int = 132, num_warps: int | None = None,
                          num_stages: int = 2):
     """The kernel; same contract as `paged_prefill_attend_ref`. Shapes `supported` rejects take
     the reference. block_rows: (token, head) rows per program (128: 371 TFLOP/s for one 27B
-    layer at 32K tokens on the H200 against 193 with 64); programs: the row's table is split
-    across programs while kv_heads * tiles is below it (short chunks), the splits' partials
-    merged in XLA; num_warps None: 4 for head_dim <= 128, else 8."""
+    layer at 32K tokens on the H200 against 193 with 64); programs: while kv_heads * tiles is
+    below it (short chunks), each tile's live pages are split so that at most this many
+    programs share a row, the splits' partials merged in XLA (132, one wave of the H100's and
+    H200's multiprocessors: 65 tokens after 32K took 13% less than at 512,
+    bench/lab/gemm_arrangement.md); num_warps None: 4 for head_dim <= 128, else 8."""
     if not supported(pool, q, block_rows):
         return paged_prefill_attend_ref(pool, table, layer, q, slots, slot_offset)
     interpret = resolve_interpret(interpret)
@@ -168,8 +175,7 @@ def paged_prefill_attend(pool: KVPool, table, layer, q, slots, slot_offset: int 
     n_rows = t * r
     tiles = -(-n_rows // rows)
     pad = tiles * rows - n_rows
-    pps = _pages_per_split(kvh, tiles, mp, programs)
-    splits = -(-mp // pps)
+    splits = _splits(kvh, tiles, mp, programs)
     cdt = jnp.float32 if pool.k.dtype == jnp.float32 else jnp.bfloat16
     # [B, T, kvh, r, hd] -> [B, kvh, T * r, hd]: row t * r + i is token t, query head g * r + i.
     qg = q.reshape(b, t, kvh, r, hd).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n_rows, hd)
@@ -182,7 +188,7 @@ def paged_prefill_attend(pool: KVPool, table, layer, q, slots, slot_offset: int 
         num_warps = 4 if hd <= 128 else 8
     kern = functools.partial(_kernel, rows=rows, page=page, hd=hd, max_pages=mp,
                              num_pages=pool.num_pages, slot_offset=slot_offset, quant=quant,
-                             scale=hd ** -0.5, cdt=cdt, pps=pps, splits=splits)
+                             scale=hd ** -0.5, cdt=cdt, splits=splits)
     args = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), table.astype(jnp.int32), rs, qg,
             pool.k, pool.v]
     if quant:
