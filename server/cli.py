@@ -179,6 +179,9 @@ def _configure_jax_cache(state_dir: Path) -> None:
     cache = os.environ.get("NINFER_JAX_CACHE") or str(state_dir / "jax-cache")
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # LRU-bounded, and so under JAX's file lock: another process on the same cache (a second
+    # server, `./ninfer qualify`, the tests) never reads an entry half-written
+    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 
 def _start_backend() -> None:

@@ -24,6 +24,10 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A size limit turns on JAX's file lock around each read and write of the cache. Without
+    # it an entry is written in place, and another process on the same cache (the other xdist
+    # worker, a server a test started) can read it half-written and crash in XLA.
+    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 
 def pytest_collection_modifyitems(config, items):
